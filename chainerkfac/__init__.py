@@ -1,0 +1,2 @@
+"""chainerkfac: distributed K-FAC for Chainer (Osawa et al., CVPR 2019)."""
+from chainerkfac import schedules  # NOQA
