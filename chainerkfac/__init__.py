@@ -1,2 +1,3 @@
 """chainerkfac: distributed K-FAC for Chainer (Osawa et al., CVPR 2019)."""
 from chainerkfac import schedules  # NOQA
+from chainerkfac import optimizers  # NOQA

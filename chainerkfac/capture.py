@@ -1,0 +1,104 @@
+"""Stage 1-2: capture layer inputs and output gradients.
+
+:class:`FactorCapture` is a Chainer ``FunctionHook`` that the optimizer
+activates only inside ``update``. For each function call it finds the block
+in O(1) — by the identity of the call's weight parameter (its second input)
+— and hands the block the arrays it needs. A link called several times per
+step contributes every call.
+
+It also remembers the logits of the loss (the input of the last softmax /
+log-softmax / softmax cross-entropy), which the Monte-Carlo Fisher needs to
+sample labels from the model.
+"""
+from typing import Dict, Iterable
+
+import chainer
+from chainer.functions.activation import log_softmax as log_softmax_module
+from chainer.functions.activation import softmax as softmax_module
+from chainer.functions.loss import softmax_cross_entropy as sce_module
+
+_LOGIT_FUNCTIONS = (sce_module.SoftmaxCrossEntropy,
+                    log_softmax_module.LogSoftmax,
+                    softmax_module.Softmax)
+
+
+class FactorCapture(chainer.FunctionHook):
+    """Route function calls to their Fisher blocks.
+
+    Parameters
+    ----------
+    blocks : iterable of FisherBlock
+        Blocks whose factors may be captured.
+    forward : bool
+        Capture the forward factors (A) this pass.
+    backward : set of str
+        Names of the backward factors (G, F) to capture this pass.
+    record_logits : bool
+        Keep the last logits variable (for the MC Fisher).
+    """
+
+    name = 'KFACFactorCapture'
+
+    def __init__(self, blocks: Iterable, forward: bool = True,
+                 backward: Iterable[str] = ('G', 'F'),
+                 record_logits: bool = False):
+        self._by_param: Dict[int, object] = {}
+        self._by_array: Dict[int, object] = {}
+        for block in blocks:
+            if block.function_types:
+                weight = block.params[0]
+                self._by_param[id(weight)] = block
+                if weight.array is not None:
+                    self._by_array[id(weight.array)] = block
+        self.forward = forward
+        self.backward = set(backward)
+        self.record_logits = record_logits
+        self.logits = None
+
+    def _block_forward(self, function, in_data):
+        if len(in_data) < 2:
+            return None
+        block = self._by_array.get(id(in_data[1]))
+        if block is None:
+            # A lazily initialised parameter got its array in this call.
+            block = self._lazy_lookup(in_data[1])
+        return _matching(block, function)
+
+    def _lazy_lookup(self, array):
+        for block in self._by_param.values():
+            if block.params[0].array is array:
+                self._by_array[id(array)] = block
+                return block
+        return None
+
+    def _block_backward(self, function):
+        inputs = function.inputs
+        if len(inputs) < 2:
+            return None
+        param = inputs[1].get_variable_or_none()
+        return _matching(self._by_param.get(id(param)), function)
+
+    def forward_preprocess(self, function, in_data):
+        if self.record_logits and isinstance(function, _LOGIT_FUNCTIONS):
+            self.logits = function.inputs[0].get_variable_or_none()
+        if not self.forward:
+            return
+        block = self._block_forward(function, in_data)
+        if block is not None and 'A' in block.forward_factors:
+            block.capture_forward(function, in_data)
+
+    def backward_preprocess(self, function, in_data, out_grad):
+        if not self.backward:
+            return
+        block = self._block_backward(function)
+        if block is None:
+            return
+        if any(name in self.backward for name in block.factor_names
+               if name not in block.forward_factors):
+            block.capture_backward(function, in_data, out_grad)
+
+
+def _matching(block, function):
+    if block is None or not isinstance(function, block.function_types):
+        return None
+    return block
