@@ -1,0 +1,325 @@
+"""Packing of many arrays into one flat buffer for ReduceScatterV / AllGatherV.
+
+The MPI and NCCL communicators share this module: it decides where every
+array travels in the flat wire buffer and copies arrays in and out of it. It
+is written once for NumPy and CuPy (``xp``) and never imports CuPy itself.
+
+Two collectives are served (stages 3 and 6 of Algorithm 1 of the paper):
+
+* **reduce-scatter**: the flat buffer is the concatenation of one *segment*
+  per rank; rank ``r``'s segment holds, in input order, every array that
+  ``r`` owns. An array with several owners (a layer computed redundantly) is
+  placed in each owner's segment, so it is duplicated in the buffer. After a
+  summing reduce-scatter, rank ``r`` holds its segment summed over all ranks.
+* **all-gather**: rank ``r``'s segment holds every array whose *first* owner
+  is ``r``, each array once. After an all-gather every rank holds all
+  segments.
+
+Symmetric 2-D arrays travel as their upper triangle, ``N(N+1)/2`` elements
+instead of ``N*N``. Arrays are cast to the wire dtype on packing and back to
+their own dtype on unpacking. With ``pad=True`` every segment is padded with
+zeros to the longest one, as NCCL's ``reduceScatter`` / ``allGather`` take one
+count for all ranks.
+"""
+import functools
+from typing import List, Optional, Sequence, Tuple
+
+import numpy
+
+import chainer
+
+
+def normalize_owners(owners, size: int) -> Tuple[Tuple[int, ...], ...]:
+    """Turn per-array owners into tuples of ranks, checking them.
+
+    Parameters
+    ----------
+    owners : sequence of int or sequence of int
+        Per array, one rank or a non-empty sequence of distinct ranks.
+    size : int
+        Number of ranks in the communicator.
+
+    Returns
+    -------
+    tuple of tuple of int
+        Per array, its owners in the given order; the first one is the owner
+        whose copy ``all_gather`` distributes.
+    """
+    normalized = []
+    for i, owner in enumerate(owners):
+        ranks = (owner,) if isinstance(owner, (int, numpy.integer)) \
+            else tuple(owner)
+        ranks = tuple(int(r) for r in ranks)
+        if not ranks:
+            raise ValueError('array {} has no owner'.format(i))
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(
+                'array {} lists an owner twice: {}'.format(i, ranks))
+        for r in ranks:
+            if not 0 <= r < size:
+                raise ValueError(
+                    'array {} has owner {} outside [0, {})'.format(
+                        i, r, size))
+        normalized.append(ranks)
+    return tuple(normalized)
+
+
+@functools.lru_cache(maxsize=64)
+def _triu_indices(xp, n: int, device_id: Optional[int]):
+    # Cached: the same factor sizes are packed every step. ``device_id`` is
+    # part of the key because CuPy index arrays live on one GPU.
+    del device_id
+    return xp.triu_indices(n)
+
+
+def _cached_triu_indices(xp, n: int):
+    device_id = None if xp is numpy else xp.cuda.runtime.getDevice()
+    return _triu_indices(xp, n, device_id)
+
+
+def triu_pack(m):
+    """Upper triangle (diagonal included) of a square matrix, row by row.
+
+    Parameters
+    ----------
+    m : numpy.ndarray or cupy.ndarray, shape (N, N)
+
+    Returns
+    -------
+    array, shape (N * (N + 1) // 2,)
+        Same dtype as ``m``.
+    """
+    if m.ndim != 2 or m.shape[0] != m.shape[1]:
+        raise ValueError(
+            'triu_pack needs a square matrix, got shape {}'.format(m.shape))
+    xp = chainer.backend.get_array_module(m)
+    return m[_cached_triu_indices(xp, m.shape[0])]
+
+
+def triu_unpack(v, n: int):
+    """Symmetric N x N matrix from its packed upper triangle.
+
+    Inverse of :func:`triu_pack` for symmetric matrices: the lower triangle
+    is the mirror of the upper one, so the round trip is exact.
+
+    Parameters
+    ----------
+    v : numpy.ndarray or cupy.ndarray, shape (N * (N + 1) // 2,)
+    n : int
+
+    Returns
+    -------
+    array, shape (N, N)
+        Same dtype as ``v``.
+    """
+    if v.shape != (n * (n + 1) // 2,):
+        raise ValueError('triu_unpack: {} elements do not make the upper '
+                         'triangle of a {}x{} matrix'.format(v.size, n, n))
+    xp = chainer.backend.get_array_module(v)
+    rows, cols = _cached_triu_indices(xp, n)
+    m = xp.empty((n, n), dtype=v.dtype)
+    m[rows, cols] = v
+    m[cols, rows] = v
+    return m
+
+
+class Layout(object):
+    """Where each array travels in the flat buffers of both collectives.
+
+    A layout depends only on the call signature (shapes, dtypes, owners,
+    symmetric flags) and the communicator, so communicators compute it once
+    and reuse it every step.
+
+    Parameters
+    ----------
+    shapes : sequence of tuple of int
+        Shape of each array.
+    dtypes : sequence of dtype-like
+        Dtype of each array; unpacked arrays are cast back to it.
+    owners : sequence of int or sequence of int
+        Owner rank(s) of each array (see :func:`normalize_owners`).
+    symmetric : sequence of bool
+        Per array, whether it is a symmetric square matrix that travels as
+        its upper triangle.
+    size : int
+        Number of ranks.
+    wire_dtype : dtype-like
+        Element type in the buffers.
+    pad : bool
+        Pad every segment with zeros to the longest segment (NCCL).
+
+    Attributes
+    ----------
+    reduce_scatter_counts, all_gather_counts : tuple of int
+        Per rank, the length in elements of its segment (padding included).
+    reduce_scatter_offsets, all_gather_offsets : tuple of int
+        Per rank, where its segment starts in the flat buffer.
+    reduce_scatter_size : int
+        Length of the whole reduce-scatter buffer, in elements.
+    all_gather_size : int
+        Length of the whole all-gather buffer, in elements.
+    """
+
+    def __init__(self, shapes: Sequence[Tuple[int, ...]], dtypes,
+                 owners, symmetric: Sequence[bool], size: int,
+                 wire_dtype='float32', pad: bool = False):
+        self.shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        self.dtypes = tuple(numpy.dtype(d) for d in dtypes)
+        self.owners = normalize_owners(owners, size)
+        self.symmetric = tuple(bool(s) for s in symmetric)
+        n = len(self.shapes)
+        if not len(self.dtypes) == len(self.owners) == \
+                len(self.symmetric) == n:
+            raise ValueError('shapes, dtypes, owners and symmetric must have '
+                             'one entry per array')
+        for i, (shape, sym) in enumerate(zip(self.shapes, self.symmetric)):
+            if sym and (len(shape) != 2 or shape[0] != shape[1]):
+                raise ValueError('array {} is marked symmetric but has shape '
+                                 '{}'.format(i, shape))
+        self.size = size
+        self.wire_dtype = numpy.dtype(wire_dtype)
+        self.pad = pad
+        # Elements each array occupies on the wire.
+        self.wire_lengths = tuple(
+            s[0] * (s[0] + 1) // 2 if sym else int(numpy.prod(s))
+            for s, sym in zip(self.shapes, self.symmetric))
+
+        rs_members = [[i for i in range(n) if r in self.owners[i]]
+                      for r in range(size)]
+        ag_members = [[i for i in range(n) if self.owners[i][0] == r]
+                      for r in range(size)]
+        (self.reduce_scatter_counts, self.reduce_scatter_offsets,
+         self._rs_slots) = self._place(rs_members)
+        (self.all_gather_counts, self.all_gather_offsets,
+         self._ag_slots) = self._place(ag_members)
+        self.reduce_scatter_size = sum(self.reduce_scatter_counts)
+        self.all_gather_size = sum(self.all_gather_counts)
+
+    def _place(self, members):
+        # Per rank: [(array index, offset within the segment)], the segment
+        # lengths, and where each segment starts.
+        slots, counts = [], []
+        for indices in members:
+            offset, rank_slots = 0, []
+            for i in indices:
+                rank_slots.append((i, offset))
+                offset += self.wire_lengths[i]
+            slots.append(rank_slots)
+            counts.append(offset)
+        if self.pad and counts:
+            counts = [max(counts)] * len(counts)
+        offsets = numpy.concatenate([[0], numpy.cumsum(counts)[:-1]])
+        return (tuple(counts), tuple(int(o) for o in offsets),
+                tuple(tuple(s) for s in slots))
+
+    @property
+    def reduce_scatter_nbytes(self) -> int:
+        """Bytes of the whole reduce-scatter send buffer (every rank's)."""
+        return self.reduce_scatter_size * self.wire_dtype.itemsize
+
+    def all_gather_nbytes(self, rank: int) -> int:
+        """Bytes of ``rank``'s all-gather send segment."""
+        return self.all_gather_counts[rank] * self.wire_dtype.itemsize
+
+    def _new_buffer(self, xp, length):
+        # Padding must be zeros so it adds nothing; without padding every
+        # element is written by packing.
+        alloc = xp.zeros if self.pad else xp.empty
+        return alloc(length, dtype=self.wire_dtype)
+
+    def _flat(self, array, i):
+        if array.shape != self.shapes[i]:
+            raise ValueError('array {} has shape {}, the layout expects '
+                             '{}'.format(i, array.shape, self.shapes[i]))
+        return triu_pack(array) if self.symmetric[i] else array.ravel()
+
+    def _unflat(self, segment, i, offset):
+        v = segment[offset:offset + self.wire_lengths[i]].astype(
+            self.dtypes[i])
+        if self.symmetric[i]:
+            return triu_unpack(v, self.shapes[i][0])
+        return v.reshape(self.shapes[i])
+
+    def _write(self, buffer, base, slots, arrays):
+        for i, offset in slots:
+            start = base + offset
+            buffer[start:start + self.wire_lengths[i]] = \
+                self._flat(arrays[i], i)
+
+    def pack_reduce_scatter(self, arrays: Sequence):
+        """Flat send buffer of a reduce-scatter.
+
+        Parameters
+        ----------
+        arrays : sequence of arrays
+            One per layout entry, all of one array module.
+
+        Returns
+        -------
+        array, shape (reduce_scatter_size,), dtype wire_dtype
+        """
+        buffer = self._new_buffer(_module_of(arrays),
+                                  self.reduce_scatter_size)
+        for rank in range(self.size):
+            self._write(buffer, self.reduce_scatter_offsets[rank],
+                        self._rs_slots[rank], arrays)
+        return buffer
+
+    def unpack_reduce_scatter(self, segment, rank: int) -> List:
+        """Arrays of ``rank`` from its received reduce-scatter segment.
+
+        Parameters
+        ----------
+        segment : array, shape (reduce_scatter_counts[rank],)
+            The part of the reduced buffer that ``rank`` received.
+        rank : int
+
+        Returns
+        -------
+        list
+            Aligned with the layout's arrays: a new array of the array's
+            shape and dtype where ``rank`` is an owner, else None.
+        """
+        result = [None] * len(self.shapes)
+        for i, offset in self._rs_slots[rank]:
+            result[i] = self._unflat(segment, i, offset)
+        return result
+
+    def pack_all_gather(self, arrays: Sequence, rank: int):
+        """``rank``'s all-gather send segment.
+
+        Only the arrays whose first owner is ``rank`` are read; the other
+        entries of ``arrays`` may be None.
+
+        Returns
+        -------
+        array, shape (all_gather_counts[rank],), dtype wire_dtype
+        """
+        segment = self._new_buffer(_module_of(arrays),
+                                   self.all_gather_counts[rank])
+        self._write(segment, 0, self._ag_slots[rank], arrays)
+        return segment
+
+    def unpack_all_gather(self, buffer) -> List:
+        """All arrays from the gathered buffer.
+
+        Parameters
+        ----------
+        buffer : array, shape (all_gather_size,)
+
+        Returns
+        -------
+        list
+            One new array per layout entry, its first owner's copy.
+        """
+        result = [None] * len(self.shapes)
+        for rank in range(self.size):
+            base = self.all_gather_offsets[rank]
+            for i, offset in self._ag_slots[rank]:
+                result[i] = self._unflat(buffer, i, base + offset)
+        return result
+
+
+def _module_of(arrays):
+    present = [a for a in arrays if a is not None]
+    return chainer.backend.get_array_module(*present) if present else numpy
