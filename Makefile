@@ -4,6 +4,16 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
+# Second CI leg: NumPy 2 on Python 3.12 (chainerkfac/_compat.py). The first
+# interpreter that really is 3.12: on PATH, then pyenv's (whose shim on PATH
+# fails when 3.12 is not pyenv's selected version). Empty if none.
+PYTHON_NP2 ?= $(shell for p in python3.12 \
+	"$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 \
+	"$${PYENV_ROOT:-$$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' \
+	>/dev/null 2>&1 && { command -v "$$p"; break; }; done)
+VENV_NP2 ?= .venv-np2
+PY_NP2 := $(VENV_NP2)/bin/python
 
 # Chainer 7.8.1 is an sdist whose setup.py and `import chainer` need
 # pkg_resources, which setuptools 82 removed: hold setuptools<81 for the
@@ -19,13 +29,23 @@ export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 export OMPI_MCA_btl_vader_single_copy_mechanism := none
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv test test-fast test-mpi demo clean
+.PHONY: venv venv-np2 test test-fast test-mpi test-numpy2 demo clean
 
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --no-cache-dir -r requirements.txt
+	touch $@
+
+venv-np2: $(VENV_NP2)/.installed
+
+$(VENV_NP2)/.installed: requirements-numpy2.txt constraints.txt
+	@py='$(PYTHON_NP2)'; \
+	if [ -z "$$py" ]; then py='$(PYTHON)'; \
+	echo "test-numpy2: no Python 3.12 found; using $$py with NumPy 2"; fi; \
+	echo "$$py -m venv $(VENV_NP2)"; "$$py" -m venv $(VENV_NP2)
+	$(VENV_NP2)/bin/pip install -q --no-cache-dir -r requirements-numpy2.txt
 	touch $@
 
 # Single-process tests, then the distributed ones under mpiexec -n 1..4.
@@ -39,8 +59,14 @@ test-fast: venv
 test-mpi: venv
 	$(PY) -m tests.run_mpi --mpiexec $(MPIEXEC)
 
+# The fast single-process tests (tests/chainerkfac/test_compat.py among
+# them) again on NumPy 2 / Python 3.12.
+test-numpy2: venv-np2
+	$(PY_NP2) -c 'import sys, numpy; print("test-numpy2: Python", sys.version.split()[0], "NumPy", numpy.__version__)'
+	$(PY_NP2) -m pytest -q -m "not mpi and not slow" tests
+
 demo: venv
 	$(MPIEXEC) -n 2 $(PY) train_imagenet.py --demo
 
 clean:
-	rm -rf $(VENV) result demo_out
+	rm -rf $(VENV) $(VENV_NP2) result demo_out
