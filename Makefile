@@ -60,10 +60,12 @@ test-mpi: venv
 	$(PY) -m tests.run_mpi --mpiexec $(MPIEXEC)
 
 # The fast single-process tests (tests/chainerkfac/test_compat.py among
-# them) again on NumPy 2 / Python 3.12.
+# them) again on NumPy 2 / Python 3.12. `-p chainerkfac._compat` applies the
+# patches before any test module imports chainer (the rule for users is
+# `import chainerkfac` before `import chainer`).
 test-numpy2: venv-np2
 	$(PY_NP2) -c 'import sys, numpy; print("test-numpy2: Python", sys.version.split()[0], "NumPy", numpy.__version__)'
-	$(PY_NP2) -m pytest -q -m "not mpi and not slow" tests
+	$(PY_NP2) -m pytest -q -p chainerkfac._compat -m "not mpi and not slow" tests
 
 demo: venv
 	$(MPIEXEC) -n 2 $(PY) train_imagenet.py --demo
