@@ -53,7 +53,15 @@ class FactorCapture(chainer.FunctionHook):
         self.forward = forward
         self.backward = set(backward)
         self.record_logits = record_logits
-        self.logits = None
+        self._logit_function = None
+
+    @property
+    def logits(self):
+        """The logits variable of the last softmax-type call, or None."""
+        if self._logit_function is None or \
+                self._logit_function.inputs is None:
+            return None
+        return self._logit_function.inputs[0].get_variable()
 
     def _block_forward(self, function, in_data):
         if len(in_data) < 2:
@@ -80,7 +88,8 @@ class FactorCapture(chainer.FunctionHook):
 
     def forward_preprocess(self, function, in_data):
         if self.record_logits and isinstance(function, _LOGIT_FUNCTIONS):
-            self.logits = function.inputs[0].get_variable_or_none()
+            # Its input nodes exist only after the forward: keep the call.
+            self._logit_function = function
         if not self.forward:
             return
         block = self._block_forward(function, in_data)

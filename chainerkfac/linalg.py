@@ -37,8 +37,8 @@ def gram(rows, scale: float, factor_dtype=numpy.float32):
         Multiplier applied to the sum over rows.
     factor_dtype : dtype
         ``float16`` computes the product from half-precision inputs with fp32
-        accumulation; the inputs are pre-scaled by ``sqrt(scale)`` so that
-        the result cannot overflow fp16. Anything else computes in the
+        accumulation; the inputs are normalised by their largest magnitude
+        (restored afterwards in fp32) so that the product cannot overflow. Anything else computes in the
         storage dtype (fp32, or fp64 for fp64 models).
 
     Returns
@@ -48,13 +48,22 @@ def gram(rows, scale: float, factor_dtype=numpy.float32):
     xp = get_array_module(rows)
     out_dtype = factor_dtype_for(rows.dtype, factor_dtype)
     if numpy.dtype(factor_dtype) == numpy.float16:
-        half = (rows * numpy.sqrt(scale)).astype(numpy.float16)
+        # Normalise by the largest magnitude so the fp16 product cannot
+        # overflow (its entries are bounded by the row count times scale);
+        # the magnitude is restored in fp32. No host sync: ``peak`` stays on
+        # the device.
+        rows = rows.astype(out_dtype, copy=False)
+        peak = xp.maximum(xp.abs(rows).max(), out_dtype.type(1e-30))
+        half = (rows * (out_dtype.type(numpy.sqrt(scale)) / peak)).astype(
+            numpy.float16)
         if xp is numpy:
             # NumPy twin of a Tensor Core GEMM: fp16 inputs, fp32
             # accumulation, result rounded to the fp16 output.
             wide = half.astype(numpy.float32)
-            return wide.T.dot(wide).astype(numpy.float16).astype(out_dtype)
-        return xp.matmul(half.T, half).astype(out_dtype)
+            product = wide.T.dot(wide).astype(numpy.float16)
+        else:
+            product = xp.matmul(half.T, half)
+        return product.astype(out_dtype) * (peak * peak)
     rows = rows.astype(out_dtype, copy=False)
     return rows.T.dot(rows) * out_dtype.type(scale)
 

@@ -289,8 +289,10 @@ class KFAC(optimizer.GradientMethod):
             # Backward of some functions calls forward of others: capture A
             # only from the loss's own forward pass.
             hook.forward = False
-            if monte_carlo:
-                self._sampled_backward(hook.logits, backward_due)
+            if not monte_carlo:
+                loss.backward()
+        if monte_carlo:
+            self._sampled_backward(hook.logits, backward_due)
             loss.backward()
         del loss
         if not self._table_printed:
@@ -303,14 +305,7 @@ class KFAC(optimizer.GradientMethod):
                 "fisher='mc' needs the logits: the loss must apply "
                 'F.softmax_cross_entropy, F.log_softmax or F.softmax to the '
                 "model's output")
-        probs = chainer.backend.CpuDevice().send(
-            F.softmax(logits.array.astype(numpy.float64)).array)
-        cumulative = probs.cumsum(axis=1)
-        draws = self._rng.random_sample((probs.shape[0], 1))
-        labels = (cumulative < draws * cumulative[:, -1:]).sum(axis=1)
-        labels = numpy.minimum(labels, probs.shape[1] - 1).astype(numpy.int32)
-        labels = chainer.backend.get_device_from_array(logits.array).send(
-            labels)
+        labels = self.sample_labels(logits.array)
         stashed = [(p, p.grad_var) for p in self.target.params()]
         for param, _ in stashed:
             param.grad_var = None
@@ -320,6 +315,16 @@ class KFAC(optimizer.GradientMethod):
             F.softmax_cross_entropy(logits, labels).backward()
         for param, grad_var in stashed:
             param.grad_var = grad_var
+
+    def sample_labels(self, logits):
+        """One label per row drawn from ``softmax(logits)`` (MC Fisher)."""
+        probs = chainer.backend.CpuDevice().send(
+            F.softmax(logits.astype(numpy.float64)).array)
+        cumulative = probs.cumsum(axis=1)
+        draws = self._rng.random_sample((probs.shape[0], 1))
+        labels = (cumulative < draws * cumulative[:, -1:]).sum(axis=1)
+        labels = numpy.minimum(labels, probs.shape[1] - 1).astype(numpy.int32)
+        return chainer.backend.get_device_from_array(logits).send(labels)
 
     # -- stages 3-6 and the update -----------------------------------------------
     def _step(self):

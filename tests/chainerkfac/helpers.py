@@ -1,0 +1,76 @@
+"""Small float64 models and brute-force per-sample oracles for the tests."""
+import numpy
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+import chainerkfac
+
+
+def float64_links():
+    """Context in which new links get float64 parameters."""
+    return chainer.using_config('dtype', numpy.float64)
+
+
+class ConvNet(chainer.Chain):
+    """conv → (BN) → relu → linear; float64."""
+
+    def __init__(self, in_ch=2, out_ch=3, ksize=3, stride=2, pad=1,
+                 dilate=1, n_out=4, bn=False, bias=True, size=5):
+        super().__init__()
+        with float64_links(), self.init_scope():
+            self.conv = L.Convolution2D(in_ch, out_ch, ksize, stride, pad,
+                                        nobias=not bias, dilate=dilate)
+            if bn:
+                self.bn = L.BatchNormalization(out_ch)
+            self.fc = L.Linear(None, n_out)
+        self.use_bn = bn
+        with float64_links():
+            self.fc(self.features(numpy.zeros((1, in_ch, size, size))))
+
+    def features(self, x):
+        h = self.conv(x)
+        if self.use_bn:
+            h = self.bn(h)
+        return F.relu(h)
+
+    def forward(self, x):
+        return self.fc(self.features(x))
+
+
+class MLP(chainer.Chain):
+    def __init__(self, sizes=(5, 4, 3), bias=True):
+        super().__init__()
+        with float64_links(), self.init_scope():
+            self.l1 = L.Linear(sizes[0], sizes[1], nobias=not bias)
+            self.l2 = L.Linear(sizes[1], sizes[2])
+
+    def forward(self, x):
+        return self.l2(F.tanh(self.l1(x)))
+
+
+def loss_of(model):
+    def lossfun(x, t):
+        return F.softmax_cross_entropy(model(x), t)
+    return lossfun
+
+
+def kfac(**kwargs):
+    kwargs.setdefault('verbose', False)
+    kwargs.setdefault('weight_rescale', False)
+    return chainerkfac.optimizers.KFAC(**kwargs)
+
+
+def block_named(optimizer, name):
+    for block in optimizer.blocks:
+        if block.name == name:
+            return block
+    raise KeyError(name)
+
+
+def data(n=6, shape=(2, 5, 5), n_class=4, seed=0):
+    rng = numpy.random.RandomState(seed)
+    x = rng.randn(n, *shape)
+    t = rng.randint(0, n_class, size=n).astype(numpy.int32)
+    return x, t

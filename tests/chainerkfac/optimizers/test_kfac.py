@@ -1,0 +1,418 @@
+"""KFAC optimizer: preconditioning, update rule, accumulation, stale refresh,
+state round-trip and failure paths, each against an independent computation
+(float64)."""
+import io
+import math
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import serializers
+
+import chainerkfac
+from chainerkfac import schedules
+from tests.chainerkfac import helpers
+
+
+def clone(model):
+    return model.copy(mode='copy')
+
+
+def weights(model):
+    return {n: p.array.copy() for n, p in model.namedparams()}
+
+
+def assert_same_weights(a, b, **tol):
+    for name in a:
+        numpy.testing.assert_allclose(a[name], b[name], err_msg=name, **tol)
+
+
+def test_direction_equals_dense_damped_solve():
+    """(G + γ_G I)⁻¹ ⊗ (A + γ_A I)⁻¹ applied to ∇E, solved densely; BN with
+    (F + ρ_BN γ I)⁻¹ ∇E, μ = 1 for BN γ."""
+    model = helpers.ConvNet(bn=True)
+    model.bn.gamma.array[:] = numpy.linspace(0.5, 1.5, 3)
+    x, t = helpers.data(n=6)
+    damping, rho_bn = 1e-2, 4.0
+    optimizer = helpers.kfac(lr=1.0, momentum=0.0, damping=damping,
+                             rho_bn=rho_bn)
+    optimizer.setup(model)
+    before = weights(model)
+    model.cleargrads()
+    F.softmax_cross_entropy(model(x), t).backward()
+    grads = {n: p.grad.copy() for n, p in model.namedparams()}
+    optimizer.update(helpers.loss_of(model), x, t)
+    after = weights(model)
+    step = {n: before[n] - after[n] for n in before}   # lr = 1: the direction
+
+    for name in ('conv', 'fc'):
+        block = helpers.block_named(optimizer, '/' + name)
+        a, g = block.factors['A'], block.factors['G']
+        pi = math.sqrt((numpy.trace(a) / len(a)) / (numpy.trace(g) / len(g)))
+        damped = numpy.kron(g + math.sqrt(damping) / pi * numpy.eye(len(g)),
+                            a + pi * math.sqrt(damping) * numpy.eye(len(a)))
+        w, b = before['/%s/W' % name], before['/%s/b' % name]
+        grad_e = numpy.concatenate(
+            [(grads['/%s/W' % name] + damping * w).reshape(len(g), -1),
+             (grads['/%s/b' % name] + damping * b)[:, None]], axis=1)
+        expected = numpy.linalg.solve(damped, grad_e.reshape(-1))
+        expected = expected.reshape(len(g), -1)
+        numpy.testing.assert_allclose(
+            step['/%s/W' % name].reshape(len(g), -1), expected[:, :-1],
+            rtol=1e-8, atol=1e-12)
+        numpy.testing.assert_allclose(step['/%s/b' % name], expected[:, -1],
+                                      rtol=1e-8, atol=1e-12)
+
+    fisher = helpers.block_named(optimizer, '/bn').factors['F']
+    gamma, beta = before['/bn/gamma'], before['/bn/beta']
+    grad_e = numpy.concatenate(
+        [grads['/bn/gamma'] + rho_bn * damping * (gamma - 1.0),
+         grads['/bn/beta'] + rho_bn * damping * beta])
+    expected = numpy.linalg.solve(
+        fisher + rho_bn * damping * numpy.eye(len(fisher)), grad_e)
+    numpy.testing.assert_allclose(step['/bn/gamma'], expected[:3], rtol=1e-8)
+    numpy.testing.assert_allclose(step['/bn/beta'], expected[3:], rtol=1e-8)
+
+
+def test_update_follows_eq19_and_eq20_by_hand():
+    """w(t+1) = w − η G + m (w(t) − w(t−1)), then W rescaled to √(2 d_out)."""
+    model = helpers.MLP()
+    x, t = numpy.random.RandomState(0).randn(5, 5), \
+        numpy.array([0, 1, 2, 0, 1], numpy.int32)
+    lr, momentum = 0.1, 0.5
+    optimizer = helpers.kfac(lr=lr, momentum=momentum, weight_rescale=True)
+    optimizer.setup(model)
+
+    def direction_of(model):
+        # The direction the optimizer will apply, from a throw-away copy
+        # with lr=1, momentum=0 and no rescaling.
+        probe = clone(model)
+        probe_opt = helpers.kfac(lr=1.0, momentum=0.0)
+        probe_opt.setup(probe)
+        start = weights(probe)
+        probe_opt.update(helpers.loss_of(probe), x, t)
+        return {n: start[n] - p.array for n, p in probe.namedparams()}
+
+    history = [weights(model)]
+    for _ in range(3):
+        direction = direction_of(model)
+        w_t = history[-1]
+        w_prev = history[-2] if len(history) > 1 else w_t
+        expected = {}
+        for name in w_t:
+            new = w_t[name] - lr * direction[name] + momentum * (
+                w_t[name] - w_prev[name])
+            if name.endswith('/W'):
+                d_out = new.shape[0]
+                new = math.sqrt(2 * d_out) * new / (
+                    numpy.linalg.norm(new) + 1e-9)
+            expected[name] = new
+        optimizer.update(helpers.loss_of(model), x, t)
+        history.append(weights(model))
+        assert_same_weights(history[-1], expected, rtol=1e-9, atol=1e-12)
+    for name in ('/l1/W', '/l2/W'):
+        norm = numpy.linalg.norm(history[-1][name])
+        assert norm == pytest.approx(
+            math.sqrt(2 * history[-1][name].shape[0]), rel=1e-9)
+
+
+@pytest.mark.parametrize('stale', [False, True])
+def test_acc_iters_equals_one_big_batch_without_bn(stale):
+    x, t = helpers.data(n=8)
+    base = helpers.ConvNet()
+    intervals = dict(refresh_interval_a=2, refresh_interval_g=3) if stale \
+        else {}
+    results = []
+    for acc, chunks in ((1, [slice(0, 8)]),
+                        (2, [slice(0, 4), slice(4, 8)]),
+                        (4, [slice(0, 2), slice(2, 4), slice(4, 6),
+                             slice(6, 8)])):
+        model = clone(base)
+        optimizer = helpers.kfac(lr=0.05, momentum=0.9, acc_iters=acc,
+                                 weight_rescale=True, **intervals)
+        optimizer.setup(model)
+        for _ in range(4):
+            for chunk in chunks:
+                optimizer.update(helpers.loss_of(model), x[chunk], t[chunk])
+        assert optimizer.t == 4
+        results.append(weights(model))
+    assert_same_weights(results[0], results[1], rtol=1e-9, atol=1e-12)
+    assert_same_weights(results[0], results[2], rtol=1e-9, atol=1e-12)
+
+
+def test_acc_iters_with_bn_averages_per_chunk_statistics():
+    x, t = helpers.data(n=8)
+    base = helpers.ConvNet(bn=True)
+    per_chunk = []
+    for chunk in (slice(0, 4), slice(4, 8)):
+        model = clone(base)
+        optimizer = helpers.kfac(lr=0.0, momentum=0.0)
+        optimizer.setup(model)
+        optimizer.update(helpers.loss_of(model), x[chunk], t[chunk])
+        per_chunk.append(helpers.block_named(optimizer, '/bn').factors['F'])
+    model = clone(base)
+    optimizer = helpers.kfac(lr=0.0, momentum=0.0, acc_iters=2)
+    optimizer.setup(model)
+    for chunk in (slice(0, 4), slice(4, 8)):
+        optimizer.update(helpers.loss_of(model), x[chunk], t[chunk])
+    numpy.testing.assert_allclose(
+        helpers.block_named(optimizer, '/bn').factors['F'],
+        (per_chunk[0] + per_chunk[1]) / 2, rtol=1e-10)
+
+
+def test_stale_factors_are_computed_and_inverted_only_when_due(monkeypatch):
+    model = helpers.ConvNet(bn=True)
+    x, t = helpers.data(n=4)
+    optimizer = helpers.kfac(refresh_interval_a=3, refresh_interval_g=2,
+                             refresh_interval_f=lambda it, ep: 4)
+    optimizer.setup(model)
+    captured = {'forward': 0, 'backward': 0}
+    for block in optimizer.blocks:
+        for kind in ('forward', 'backward'):
+            original = getattr(block, 'capture_' + kind)
+
+            def counting(*args, _original=original, _kind=kind):
+                captured[_kind] += 1
+                return _original(*args)
+            monkeypatch.setattr(block, 'capture_' + kind, counting)
+    for _ in range(7):   # steps 0..6
+        optimizer.update(helpers.loss_of(model), x, t)
+    conv = helpers.block_named(optimizer, '/conv')
+    bn = helpers.block_named(optimizer, '/bn')
+    assert conv.refresh_count == {'A': 3, 'G': 4}       # A: 0,3,6  G: 0,2,4,6
+    assert conv.inverse_count == {'A': 3, 'G': 4}
+    assert bn.refresh_count == {'F': 2}                 # F: 0,4
+    assert bn.inverse_count == {'F': 2}
+    # A of conv+fc on 3 steps; G of conv+fc on 4 steps + F of bn on 2.
+    assert captured == {'forward': 2 * 3, 'backward': 2 * 4 + 2}
+
+
+def test_published_refresh_presets_follow_epoch():
+    model = helpers.MLP()
+    x, t = numpy.random.RandomState(0).randn(4, 5), \
+        numpy.array([0, 1, 2, 0], numpy.int32)
+    optimizer = helpers.kfac(refresh_interval_a='eq22',
+                             refresh_interval_g='eq22',
+                             refresh_interval_f='eq22')
+    optimizer.setup(model)
+    optimizer.epoch = 7          # interval 6 (eq. 22)
+    for _ in range(13):
+        optimizer.update(helpers.loss_of(model), x, t)
+    block = helpers.block_named(optimizer, '/l1')
+    assert block.refresh_count['A'] == 3    # steps 0, 6, 12
+
+
+def test_damping_warmup_follows_eq16():
+    model = helpers.MLP()
+    x, t = numpy.random.RandomState(0).randn(4, 5), \
+        numpy.array([0, 1, 2, 0], numpy.int32)
+    optimizer = helpers.kfac(damping=2.5e-2, damping_target=2.5e-4,
+                             damping_warmup_steps=10)
+    optimizer.setup(model)
+    seen = []
+    for _ in range(5):
+        seen.append(optimizer.damping)
+        optimizer.update(helpers.loss_of(model), x, t)
+    alpha = 2 * math.log10(100) / 10
+    expected, gamma = [], 2.5e-2
+    for _ in range(5):
+        expected.append(gamma)
+        gamma = (1 - alpha) * gamma + alpha * 2.5e-4
+    numpy.testing.assert_allclose(seen, expected, rtol=1e-12)
+
+
+def train(model, optimizer, x, t, steps):
+    for step in range(steps):
+        rows = slice((2 * step) % 8, (2 * step) % 8 + 4)
+        optimizer.update(helpers.loss_of(model), x[rows], t[rows])
+
+
+def make_optimizer():
+    return helpers.kfac(lr=0.05, momentum=0.9, damping=1e-2,
+                        damping_target=1e-3, damping_warmup_steps=5,
+                        refresh_interval_a=2, refresh_interval_g=3,
+                        refresh_interval_f=2, weight_rescale=True,
+                        factor_decay=0.5, fisher_diff=True)
+
+
+def test_snapshot_and_resume_continue_exactly():
+    x, t = helpers.data(n=12)
+    base = helpers.ConvNet(bn=True)
+    straight = clone(base)
+    optimizer = make_optimizer().setup(straight)
+    train(straight, optimizer, x, t, 7)
+
+    first = clone(base)
+    optimizer = make_optimizer().setup(first)
+    train(first, optimizer, x, t, 4)
+    model_file, opt_file = io.BytesIO(), io.BytesIO()
+    serializers.save_npz(model_file, first)
+    serializers.save_npz(opt_file, optimizer)
+    model_file.seek(0)
+    opt_file.seek(0)
+
+    resumed = helpers.ConvNet(bn=True)
+    serializers.load_npz(model_file, resumed)
+    optimizer = make_optimizer().setup(resumed)
+    serializers.load_npz(opt_file, optimizer)
+    assert optimizer.t == 4
+    train_from = 4
+    for step in range(train_from, 7):
+        rows = slice((2 * step) % 8, (2 * step) % 8 + 4)
+        optimizer.update(helpers.loss_of(resumed), x[rows], t[rows])
+    for name, param in straight.namedparams():
+        numpy.testing.assert_array_equal(
+            param.array, dict(resumed.namedparams())[name].array, name)
+
+
+def test_non_pd_factor_raises_damping_and_is_reported(monkeypatch):
+    model = helpers.MLP()
+    x, t = numpy.random.RandomState(0).randn(4, 5), \
+        numpy.array([0, 1, 2, 0], numpy.int32)
+    optimizer = helpers.kfac(lr=0.1, damping=1e-4)
+    optimizer.setup(model)
+    block = helpers.block_named(optimizer, '/l1')
+    original = block.local_factors
+
+    def negative_a(names, n):
+        factors = original(names, n)
+        if 'A' in factors:
+            factors['A'] = -numpy.eye(len(factors['A']))  # not PD
+        return factors
+    monkeypatch.setattr(block, 'local_factors', negative_a)
+    reporter, observation = chainer.Reporter(), {}
+    with reporter.scope(observation):
+        optimizer.update(helpers.loss_of(model), x, t)
+    assert observation['kfac/inverse_retries'] > 0
+    assert 'A' in block.inverses
+    for _, param in model.namedparams():
+        assert numpy.isfinite(param.array).all()
+
+
+def test_nan_factor_keeps_weights_finite(monkeypatch):
+    model = helpers.MLP()
+    x, t = numpy.random.RandomState(0).randn(4, 5), \
+        numpy.array([0, 1, 2, 0], numpy.int32)
+    optimizer = helpers.kfac(lr=0.1)
+    optimizer.setup(model)
+    optimizer.update(helpers.loss_of(model), x, t)       # healthy step
+    block = helpers.block_named(optimizer, '/l1')
+    healthy_inverse = block.inverses['A'].copy()
+    original = block.local_factors
+
+    def nan_a(names, n):
+        factors = original(names, n)
+        factors['A'] = factors['A'] * numpy.nan
+        return factors
+    monkeypatch.setattr(block, 'local_factors', nan_a)
+    reporter, observation = chainer.Reporter(), {}
+    with reporter.scope(observation):
+        optimizer.update(helpers.loss_of(model), x, t)
+    assert observation['kfac/inverse_retries'] > 0
+    numpy.testing.assert_array_equal(block.inverses['A'], healthy_inverse)
+    for _, param in model.namedparams():
+        assert numpy.isfinite(param.array).all()
+
+
+def test_nan_gradient_skips_the_update():
+    model = helpers.MLP()
+    x = numpy.random.RandomState(0).randn(4, 5)
+    t = numpy.array([0, 1, 2, 0], numpy.int32)
+    optimizer = helpers.kfac(lr=0.1)
+    optimizer.setup(model)
+    optimizer.update(helpers.loss_of(model), x, t)
+    before = weights(model)
+    x[0, 0] = numpy.nan
+    reporter, observation = chainer.Reporter(), {}
+    with reporter.scope(observation):
+        optimizer.update(helpers.loss_of(model), x, t)
+    assert observation['kfac/skipped_step'] == 1.0
+    assert_same_weights(weights(model), before, rtol=0, atol=0)
+
+
+def test_fisher_diff_is_eq21():
+    model = helpers.MLP()
+    rng = numpy.random.RandomState(0)
+    optimizer = helpers.kfac(lr=0.05, fisher_diff=True)
+    optimizer.setup(model)
+    block = helpers.block_named(optimizer, '/l1')
+    previous = None
+    for step in range(3):
+        x = rng.randn(4, 5)
+        t = rng.randint(0, 3, 4).astype(numpy.int32)
+        optimizer.update(helpers.loss_of(model), x, t)
+        current = block.factors['G'].copy()
+        if previous is not None:
+            expected = numpy.linalg.norm(current - previous) / \
+                numpy.linalg.norm(previous)
+            assert optimizer.fisher_diffs[('/l1', 'G')] == pytest.approx(
+                expected, rel=1e-10)
+        previous = current
+
+
+def test_factor_fp16_is_close_to_fp32():
+    x, t = helpers.data(n=6)
+    base = helpers.ConvNet()
+    factors = {}
+    for dtype in ('float32', 'float16'):
+        model = clone(base)
+        optimizer = helpers.kfac(lr=0.0, factor_dtype=dtype)
+        optimizer.setup(model)
+        optimizer.update(helpers.loss_of(model), x, t)
+        factors[dtype] = helpers.block_named(optimizer, '/conv').factors
+    for name in ('A', 'G'):
+        ref = factors['float32'][name]
+        err = numpy.abs(factors['float16'][name] - ref).max()
+        assert 0 < err <= 2e-3 * numpy.abs(ref).max()
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(damping=0.0), 'damping'),
+    (dict(bn_fisher='block'), 'bn_fisher'),
+    (dict(fisher='true'), 'fisher'),
+    (dict(acc_iters=0), 'acc_iters'),
+    (dict(factor_dtype='int8'), 'factor_dtype'),
+    (dict(damping_target=1e-4), 'damping_warmup_steps'),
+    (dict(refresh_interval_a='eq99'), 'eq99'),
+    (dict(refresh_interval_g=0), 'refresh interval'),
+])
+def test_bad_arguments_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        chainerkfac.optimizers.KFAC(**kwargs)
+
+
+def test_update_without_lossfun_is_a_clear_error():
+    optimizer = helpers.kfac().setup(helpers.MLP())
+    with pytest.raises(TypeError, match='loss function'):
+        optimizer.update()
+
+
+def test_registration_table_lists_every_layer(capsys):
+    model = helpers.ConvNet(bn=True)
+    model.add_link('embed', L.EmbedID(3, 2))
+    chainerkfac.optimizers.KFAC().setup(model)
+    out = capsys.readouterr().out
+    assert '/conv' in out and 'Conv2D (K-FAC)' in out and 'A 19x19, G 3x3' \
+        in out
+    assert 'BN (full Fisher)' in out and 'F 6x6' in out
+    assert '/embed' in out and 'plain' in out
+    assert '3 K-FAC layers, 1 unpreconditioned' in out
+
+
+def test_schedules_are_the_papers_equations():
+    assert schedules.damping_at(0, 2.5e-2, 2.5e-4, 313) == 2.5e-2
+    alpha = 2 * math.log10(100) / 313
+    assert schedules.damping_at(2, 2.5e-2, 2.5e-4, 313) == pytest.approx(
+        2.5e-4 + (1 - alpha) ** 2 * (2.5e-2 - 2.5e-4))
+    assert schedules.polynomial_lr(0.5, 8.18e-3, 11.0, 1, 53) == 8.18e-3
+    assert schedules.polynomial_lr(27, 8.18e-3, 11.0, 1, 53) == \
+        pytest.approx(8.18e-3 * 0.5 ** 11)
+    assert schedules.polynomial_lr(53, 8.18e-3, 11.0, 1, 53) == 0.0
+    assert schedules.coupled_momentum(4e-3, 8e-3, 0.997) == 0.997 / 2
+    assert [schedules.stale_interval_eq22(0, e) for e in
+            (0, 4, 5, 9, 10, 15, 20, 40)] == [1, 1, 6, 6, 11, 16, 20, 20]
+    assert [schedules.stale_interval_eq23(0, e) for e in (0, 12, 13, 30)] \
+        == [1, 1, 20, 20]
