@@ -1,0 +1,66 @@
+"""The mean image of section 4.1: compute over a dataset, save, load."""
+import numpy as np
+
+
+def compute_mean(dataset, crop_size):
+    """Mean of the upper-left ``crop_size x crop_size`` window of all images.
+
+    Parameters
+    ----------
+    dataset : chainer dataset
+        Examples ``(image, label)`` with ``image`` float ``(C, H, W)`` in
+        ``[0, 255]`` already resized, e.g. :class:`augment.ImageListDataset`.
+    crop_size : int
+
+    Returns
+    -------
+    numpy.ndarray
+        float32, ``(C, crop_size, crop_size)``; accumulated in float64.
+    """
+    if len(dataset) == 0:
+        raise ValueError('cannot compute the mean image of an empty dataset')
+    total = None
+    for i in range(len(dataset)):
+        window = np.asarray(dataset[i][0][:, :crop_size, :crop_size],
+                            dtype=np.float64)
+        if window.shape[1:] != (crop_size, crop_size):
+            raise ValueError('image {} of shape {} is smaller than the crop '
+                             'size {}'.format(i, dataset[i][0].shape,
+                                              crop_size))
+        total = window.copy() if total is None else total + window
+    return (total / len(dataset)).astype(np.float32)
+
+
+def save_mean(path, mean):
+    """Write the mean image as ``.npy``."""
+    np.save(path, np.asarray(mean, dtype=np.float32))
+
+
+def load_mean(path, crop_size=None):
+    """Read a mean image written by :func:`save_mean`.
+
+    Parameters
+    ----------
+    path : str
+    crop_size : int or None
+        If given, the mean must have shape ``(C, crop_size, crop_size)``.
+
+    Returns
+    -------
+    numpy.ndarray
+        float32, ``(C, H, W)``.
+
+    Raises
+    ------
+    ValueError
+        The file does not hold a 3-d mean image of the expected size; names
+        the file.
+    """
+    mean = np.load(path)
+    if mean.ndim != 3 or (crop_size is not None
+                          and mean.shape[1:] != (crop_size, crop_size)):
+        expected = ('(C, {0}, {0})'.format(crop_size) if crop_size
+                    else '(C, H, W)')
+        raise ValueError('mean image {} has shape {}, expected {}'.format(
+            path, mean.shape, expected))
+    return mean.astype(np.float32, copy=False)

@@ -1,0 +1,337 @@
+"""Typed training configuration: one JSON file per run, validated on load.
+
+``load(path)`` returns a frozen :class:`TrainConfig`; any unknown key,
+missing key, wrong type or impossible value raises :class:`ConfigError`
+naming the key and the file. ``save(config, path)`` writes the resolved
+config back as JSON that ``load`` reads unchanged (the training script keeps
+it next to its logs).
+
+The learning rate and damping values carry the magnitudes of the authors'
+published configs, 1000 times the values printed in Table 3 of the paper's
+text; see ``config/README.md``.
+"""
+import dataclasses
+import difflib
+import json
+import os
+import typing
+from typing import Union
+
+from chainerkfac import schedules
+
+#: Values of the string-valued choices.
+BN_FISHER_CHOICES = ('full', 'diag')
+FISHER_CHOICES = ('emp', 'mc')
+FACTOR_DTYPE_CHOICES = ('float32', 'float16')
+
+_CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the key and the file.
+
+    Attributes
+    ----------
+    key : str or None
+        The offending key (``None`` for errors of the whole file).
+    source : str
+        The file (or ``'<TrainConfig>'`` for a config built in code).
+    """
+
+    def __init__(self, key, message, source='<TrainConfig>'):
+        self.key = key
+        self.message = message
+        self.source = source
+        where = source if key is None else "{}: key '{}'".format(source, key)
+        super().__init__('{}: {}'.format(where, message))
+
+    def with_source(self, source):
+        """The same error attributed to ``source``."""
+        return ConfigError(self.key, self.message, source)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Hyperparameters of one training run (Table 3 of the paper).
+
+    Attributes
+    ----------
+    global_batch_size : int
+        Mini-batch size of one K-FAC step over all processes (BS).
+    epochs : int
+        Number of training epochs (Table 1).
+    alpha_mixup : float
+        α_mixup of running mixup, eqs. (9)-(11); ``0`` disables mixup.
+    damping : float
+        γ(0), the initial damping (eq. 16).
+    damping_target : float
+        γ_target, the damping after warm-up; ``damping >= damping_target``.
+    rho_bn : float
+        ρ_BN: BatchNormalization layers use the damping ``ρ_BN γ(t)``.
+    damping_warmup_steps : int
+        t_warmup of eq. (15), in K-FAC steps.
+    p_decay : float
+        Exponent of the polynomial learning-rate decay, eq. (17).
+    e_start, e_end : float
+        Epochs where the decay of eq. (17) starts and ends.
+    lr : float
+        η(0), the initial learning rate.
+    momentum : float
+        m(0), the initial momentum, in ``[0, 1)``; ``m(e)`` follows eq. (18).
+    batch_size_per_process : int
+        Samples per process per micro-batch (32 per GPU in the paper).
+    bn_fisher : str
+        ``'full'`` (2C x 2C Fisher of a BN layer) or ``'diag'`` (section 5.4).
+    fisher : str
+        ``'emp'`` (empirical Fisher, the paper) or ``'mc'`` (sampled labels).
+    factor_dtype : str
+        ``'float32'`` or ``'float16'``: precision of factor construction.
+    refresh_interval_a, refresh_interval_g, refresh_interval_f : int or str
+        Steps between refreshes of the Kronecker factors A and G and of the
+        BN Fisher F: a positive int, or a preset of
+        :data:`chainerkfac.schedules.REFRESH_PRESETS` (``'eq22'``,
+        ``'eq23'``).
+    weight_rescale : bool
+        Rescale Conv/FC weights after each step, eq. (20).
+    description : str
+        Free text naming the run (e.g. its row of Table 3).
+    """
+
+    global_batch_size: int
+    epochs: int
+    alpha_mixup: float
+    damping: float
+    damping_target: float
+    rho_bn: float
+    damping_warmup_steps: int
+    p_decay: float
+    e_start: float
+    e_end: float
+    lr: float
+    momentum: float
+    batch_size_per_process: int = 32
+    bn_fisher: str = 'full'
+    fisher: str = 'emp'
+    factor_dtype: str = 'float32'
+    refresh_interval_a: Union[int, str] = 1
+    refresh_interval_g: Union[int, str] = 1
+    refresh_interval_f: Union[int, str] = 1
+    weight_rescale: bool = True
+    description: str = ''
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = _check_type(field.name, getattr(self, field.name),
+                                _field_types()[field.name])
+            object.__setattr__(self, field.name, value)
+        _check_values(self)
+
+    def acc_iters(self, n_processes):
+        """Micro-batches accumulated per step on ``n_processes`` processes.
+
+        See :func:`derive_acc_iters`.
+        """
+        return derive_acc_iters(self.global_batch_size, n_processes,
+                                self.batch_size_per_process)
+
+
+def _field_types():
+    return typing.get_type_hints(TrainConfig)
+
+
+def _check_type(key, value, expected):
+    """Return ``value`` (ints widened to float for float fields) or raise."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if expected is float and (is_int or isinstance(value, float)):
+        return float(value)
+    if expected is int and is_int:
+        return value
+    if expected in (str, bool) and isinstance(value, expected):
+        return value
+    if expected == Union[int, str] and (is_int or isinstance(value, str)):
+        return value
+    names = {float: 'a number', int: 'an integer', str: 'a string',
+             bool: 'true or false', Union[int, str]:
+             'a positive integer or a preset name'}
+    raise ConfigError(key, 'must be {}, got {!r} ({})'.format(
+        names[expected], value, type(value).__name__))
+
+
+def _check_values(config):
+    def require(condition, key, message):
+        if not condition:
+            raise ConfigError(key, '{}, got {!r}'.format(
+                message, getattr(config, key)))
+
+    for key in ('global_batch_size', 'epochs', 'damping_warmup_steps',
+                'batch_size_per_process'):
+        require(getattr(config, key) >= 1, key, 'must be at least 1')
+    for key in ('lr', 'damping', 'damping_target', 'rho_bn'):
+        require(getattr(config, key) > 0, key, 'must be positive')
+    require(config.alpha_mixup >= 0, 'alpha_mixup',
+            'must be non-negative (0 disables mixup)')
+    require(config.p_decay >= 0, 'p_decay', 'must be non-negative')
+    require(config.e_start >= 0, 'e_start', 'must be non-negative')
+    require(config.e_end > config.e_start, 'e_end',
+            'must be larger than e_start ({})'.format(config.e_start))
+    require(0 <= config.momentum < 1, 'momentum', 'must lie in [0, 1)')
+    require(config.damping >= config.damping_target, 'damping',
+            'γ(0) must be at least damping_target ({}): the warm-up of '
+            'eqs. (15)-(16) decreases the damping'
+            .format(config.damping_target))
+    require(config.global_batch_size % config.batch_size_per_process == 0,
+            'global_batch_size', 'must be a multiple of '
+            'batch_size_per_process ({})'.format(
+                config.batch_size_per_process))
+    require(config.bn_fisher in BN_FISHER_CHOICES, 'bn_fisher',
+            'must be one of {}'.format(BN_FISHER_CHOICES))
+    require(config.fisher in FISHER_CHOICES, 'fisher',
+            'must be one of {}'.format(FISHER_CHOICES))
+    require(config.factor_dtype in FACTOR_DTYPE_CHOICES, 'factor_dtype',
+            'must be one of {}'.format(FACTOR_DTYPE_CHOICES))
+    for key in ('refresh_interval_a', 'refresh_interval_g',
+                'refresh_interval_f'):
+        value = getattr(config, key)
+        if isinstance(value, str):
+            require(value in schedules.REFRESH_PRESETS, key,
+                    'must be a preset of {}'.format(
+                        sorted(schedules.REFRESH_PRESETS)))
+        else:
+            require(value >= 1, key, 'must be at least 1')
+
+
+def from_dict(data, source='<dict>'):
+    """Build a :class:`TrainConfig` from a mapping, validating every key.
+
+    Parameters
+    ----------
+    data : dict
+        Keys are the field names of :class:`TrainConfig`.
+    source : str
+        Named in error messages (the file the mapping came from).
+
+    Raises
+    ------
+    ConfigError
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(None, 'a config must be a JSON object, got {}'
+                          .format(type(data).__name__), source)
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = '; did you mean {!r}?'.format(close[0]) if close else ''
+            raise ConfigError(key, 'unknown key{}'.format(hint), source)
+    for name, field in fields.items():
+        if name not in data and field.default is dataclasses.MISSING:
+            raise ConfigError(name, 'missing (required)', source)
+    try:
+        return TrainConfig(**data)
+    except ConfigError as error:
+        raise error.with_source(source) from None
+
+
+def load(path):
+    """Read and validate a JSON config.
+
+    Parameters
+    ----------
+    path : str
+        A JSON file, e.g. ``preset_path('bs32k')``.
+
+    Returns
+    -------
+    TrainConfig
+
+    Raises
+    ------
+    ConfigError
+        Invalid JSON, unknown or missing key, wrong type or impossible
+        value; the message names the key and ``path``.
+    """
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ConfigError(None, 'invalid JSON: {}'.format(error),
+                              path) from None
+    return from_dict(data, source=path)
+
+
+def to_dict(config):
+    """The config as a plain dict (field order), ready for JSON."""
+    return dataclasses.asdict(config)
+
+
+def save(config, path):
+    """Write the config as JSON; ``load(path)`` returns an equal config."""
+    with open(path, 'w') as f:
+        json.dump(to_dict(config), f, indent=2)
+        f.write('\n')
+
+
+def preset_names():
+    """Names of the bundled configs (``'bs4k'``, ..., ``'bs32k_stale'``)."""
+    return sorted(name[:-5] for name in os.listdir(_CONFIG_DIR)
+                  if name.endswith('.json'))
+
+
+def preset_path(name):
+    """Path of a bundled config by name, e.g. ``preset_path('bs32k')``."""
+    path = os.path.join(_CONFIG_DIR, name + '.json')
+    if not os.path.isfile(path):
+        raise ValueError('no bundled config {!r}; available: {}'.format(
+            name, ', '.join(preset_names())))
+    return path
+
+
+def derive_acc_iters(global_batch, n_processes, batch_per_process):
+    """Micro-batches each process accumulates before one K-FAC step.
+
+    Parameters
+    ----------
+    global_batch : int
+        Samples per step over all processes.
+    n_processes : int
+        Number of processes (GPUs / MPI ranks).
+    batch_per_process : int
+        Samples per process per micro-batch.
+
+    Returns
+    -------
+    int
+        ``acc_iters`` with ``n_processes * batch_per_process * acc_iters ==
+        global_batch``.
+
+    Raises
+    ------
+    ValueError
+        The numbers do not fit; the message gives them and why.
+    """
+    for name, value in (('global batch', global_batch),
+                        ('number of processes', n_processes),
+                        ('batch per process', batch_per_process)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError('{} must be a positive int, got {!r}'.format(
+                name, value))
+    per_micro_batch = n_processes * batch_per_process
+    if per_micro_batch > global_batch:
+        raise ValueError(
+            '{} processes x {} samples = {} samples per micro-batch exceed '
+            'the global batch of {}: use at most {} processes'.format(
+                n_processes, batch_per_process, per_micro_batch,
+                global_batch, global_batch // batch_per_process))
+    if global_batch % batch_per_process:
+        raise ValueError(
+            'global batch {} is not a multiple of the batch per process {} '
+            '(ratio {:.4g})'.format(global_batch, batch_per_process,
+                                    global_batch / batch_per_process))
+    if global_batch % per_micro_batch:
+        raise ValueError(
+            'global batch {} is not divisible by {} processes x {} samples '
+            '= {} (ratio {:.4g}): the number of processes must divide {}'
+            .format(global_batch, n_processes, batch_per_process,
+                    per_micro_batch, global_batch / per_micro_batch,
+                    global_batch // batch_per_process))
+    return global_batch // per_micro_batch

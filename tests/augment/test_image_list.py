@@ -1,0 +1,90 @@
+import chainer
+import numpy as np
+import pytest
+from PIL import Image
+
+from augment import (ImageListDataset, compute_mean, imagenet_dataset,
+                     load_mean, save_mean)
+
+
+@pytest.fixture
+def image_dir(tmp_path):
+    rng = np.random.RandomState(0)
+    (tmp_path / 'cls a').mkdir()
+    for i, size in enumerate([(40, 30), (20, 50), (36, 36)]):
+        pixels = rng.randint(0, 256, size + (3,)).astype(np.uint8)
+        Image.fromarray(pixels).save(tmp_path / 'cls a' / '{}.png'.format(i))
+    Image.fromarray(rng.randint(0, 256, (36, 36)).astype(np.uint8)).save(
+        tmp_path / 'gray.png')
+    (tmp_path / 'train.txt').write_text(
+        'cls a/0.png 0\ncls a/1.png 1\n\ncls a/2.png 2\ngray.png 1\n')
+    return tmp_path
+
+
+def test_reads_resizes_and_converts_to_rgb(image_dir):
+    dataset = ImageListDataset(str(image_dir / 'train.txt'), str(image_dir),
+                               resize=36)
+    assert len(dataset) == 4
+    np.testing.assert_array_equal(dataset.labels, [0, 1, 2, 1])
+    for i in range(4):
+        image, label = dataset[i]
+        assert image.shape == (3, 36, 36) and image.dtype == np.float32
+        assert label.dtype == np.int32
+        assert 0 <= image.min() and image.max() <= 255
+    # Already 36x36: resizing is the identity.
+    original = np.asarray(Image.open(image_dir / 'cls a' / '2.png'))
+    np.testing.assert_array_equal(dataset[2][0], original.transpose(2, 0, 1))
+    gray, _ = dataset[3]
+    np.testing.assert_array_equal(gray[0], gray[1])
+
+
+def test_transform_dataset_and_mean(image_dir, tmp_path):
+    base = ImageListDataset(str(image_dir / 'train.txt'), str(image_dir),
+                            resize=36)
+    mean = compute_mean(base, crop_size=32)
+    expected = np.mean([base[i][0][:, :32, :32] for i in range(4)], axis=0)
+    np.testing.assert_allclose(mean, expected, rtol=1e-5)
+    path = str(tmp_path / 'mean.npy')
+    save_mean(path, mean)
+    np.testing.assert_array_equal(load_mean(path, crop_size=32), mean)
+    with pytest.raises(ValueError, match='mean.npy'):
+        load_mean(path, crop_size=224)
+
+    val = imagenet_dataset(str(image_dir / 'train.txt'), str(image_dir), mean,
+                           crop_size=32, resize=36, train=False)
+    assert isinstance(val, chainer.datasets.TransformDataset)
+    x, t = val[0]
+    np.testing.assert_allclose(x, (base[0][0][:, 2:34, 2:34] - mean) / 255,
+                               atol=1e-6)
+    batch = chainer.dataset.concat_examples([val[i] for i in range(4)])
+    assert batch[0].shape == (4, 3, 32, 32)
+
+
+@pytest.mark.parametrize('line', ['cls a/0.png', 'x.png zero', 'x.png -1'])
+def test_bad_line_names_file_and_line(image_dir, line):
+    path = image_dir / 'bad.txt'
+    path.write_text('cls a/0.png 0\n{}\n'.format(line))
+    with pytest.raises(ValueError) as info:
+        ImageListDataset(str(path), str(image_dir))
+    assert str(path) in str(info.value) and 'line 2' in str(info.value)
+
+
+def test_missing_image_names_file_and_line(image_dir):
+    path = image_dir / 'missing.txt'
+    path.write_text('cls a/0.png 0\nnope.png 1\ngone.png 2\n')
+    with pytest.raises(FileNotFoundError) as info:
+        ImageListDataset(str(path), str(image_dir))
+    message = str(info.value)
+    assert 'nope.png' in message and str(path) in message
+    assert 'line 2' in message and '2 of 3' in message
+
+
+def test_unreadable_image_names_file(image_dir):
+    (image_dir / 'broken.png').write_bytes(b'not an image')
+    path = image_dir / 'broken.txt'
+    path.write_text('cls a/0.png 0\nbroken.png 1\n')
+    dataset = ImageListDataset(str(path), str(image_dir))
+    dataset[0]
+    with pytest.raises(OSError) as info:
+        dataset[1]
+    assert 'broken.png' in str(info.value) and 'line 2' in str(info.value)
