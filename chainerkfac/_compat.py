@@ -16,13 +16,13 @@ old behaviour exactly where Chainer relies on it:
     NumPy 2 gives the name no other meaning.
 ``numpy_distutils``
     ``chainer/_environment_check.py`` imports ``numpy.distutils.system_info``
-    at ``import chainer``; NumPy 2 removed ``numpy.distutils`` and NumPy 1.26
-    refuses it on Python >= 3.12. Chainer calls only its
-    ``get_info('blas_opt')``, only on macOS, to warn about Accelerate. We
-    register a stub whose ``get_info`` returns ``{}`` (what numpy.distutils
-    returns when it finds nothing), so that check becomes a no-op. The stub
-    is not a package: importing any other part of ``numpy.distutils`` still
-    fails as before.
+    at ``import chainer``; ``numpy.distutils`` does not exist on Python >= 3.12
+    (NumPy 1.26 refuses it there, NumPy 2 ships it only for Python < 3.12).
+    Chainer calls only its ``get_info('blas_opt')``, only on macOS, to warn
+    about Accelerate. We register a stub whose ``get_info`` returns ``{}``
+    (what numpy.distutils returns when it finds nothing), so that check
+    becomes a no-op. The stub is not a package: importing any other part of
+    ``numpy.distutils`` still fails as before.
 ``numpy_float``
     ``F.resize_images`` uses ``numpy.float``, removed in NumPy 1.24. We restore
     the alias to the builtin ``float``, its value in NumPy <= 1.23 (so

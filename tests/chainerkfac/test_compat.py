@@ -23,7 +23,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(
 # itself probes features instead, and these tests check both agree.
 EXPECTED = {
     'numpy_sctypes': NUMPY2,
-    'numpy_distutils': NUMPY2 or sys.version_info >= (3, 12),
+    # NumPy 2.0-2.4 still ship numpy.distutils for Python < 3.12.
+    'numpy_distutils': sys.version_info >= (3, 12),
     'numpy_float': numpy.lib.NumpyVersion(numpy.__version__) >= '1.24.0',
     'chainermn_unpack_params': NUMPY2,
 }
