@@ -67,7 +67,10 @@ test-numpy2: venv-np2
 	$(PY_NP2) -c 'import sys, numpy; print("test-numpy2: Python", sys.version.split()[0], "NumPy", numpy.__version__)'
 	$(PY_NP2) -m pytest -q -p chainerkfac._compat -m "not mpi and not slow" tests
 
+# One BLAS thread per rank: several ranks on few cores otherwise spin
+# against each other (K-FAC's epoch took 4x longer with 2 threads per rank).
 demo: venv
+	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 \
 	$(MPIEXEC) -n 2 $(PY) train_imagenet.py --demo
 
 clean:

@@ -24,6 +24,9 @@ def main(argv=None):
     env.setdefault('PRTE_MCA_rmaps_default_mapping_policy', ':oversubscribe')
     env.setdefault('OMPI_MCA_btl_vader_single_copy_mechanism', 'none')
     env['PYTHONUNBUFFERED'] = '1'
+    # One BLAS thread per rank: ranks oversubscribe the cores already.
+    for name in ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS'):
+        env.setdefault(name, '1')
     failed = []
     for size in [int(s) for s in args.sizes.split(',')]:
         cmd = [args.mpiexec, '-n', str(size), sys.executable, '-m',
