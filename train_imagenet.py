@@ -256,6 +256,10 @@ def run(args, comm, optimizer_name, out, cfg):
                                erasing, comm, device)
     trainer = training.Trainer(updater, (cfg.epochs, 'epoch'), out=out)
     trainer.extend(schedule, trigger=(1, 'iteration'))
+    # BN running statistics are per process; average them before evaluating.
+    trainer.extend(chainermn.extensions.AllreducePersistent(model, comm),
+                   trigger=(1, 'epoch'),
+                   priority=training.extension.PRIORITY_WRITER + 1)
     evaluator = extensions.Evaluator(val_iter, model, device=device)
     trainer.extend(chainermn.create_multi_node_evaluator(evaluator, comm),
                    trigger=(1, 'epoch'))
