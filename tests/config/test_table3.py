@@ -49,7 +49,9 @@ def printed_times_1000(m_e):
 
 
 def test_all_presets_present():
-    assert set(config.preset_names()) == set(MAIN) | set(FIGURE6)
+    # Every Table 3 / Figure 6 config, plus the embedded demo's.
+    assert set(config.preset_names()) == set(MAIN) | set(FIGURE6) | {'demo'}
+    assert config.load(config.preset_path('demo')).acc_iters(2) == 4
 
 
 @pytest.mark.parametrize('name', sorted(set(MAIN) | set(FIGURE6)))
