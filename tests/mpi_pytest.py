@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 def main():
     world = MPI.COMM_WORLD
-    args = ['-q', '-m', 'mpi', '-p', 'no:cacheprovider'] + sys.argv[1:]
+    args = ['-q', '-m', 'mpi', '-p', 'no:cacheprovider', '--color=no'] + sys.argv[1:]
     if world.rank == 0:
         rc = int(pytest.main(args))
         out = ''

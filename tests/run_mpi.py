@@ -6,6 +6,7 @@ every rank and combines the exit codes, so one failing rank fails the launch.
 """
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -28,25 +29,39 @@ def main(argv=None):
     for name in ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS'):
         env.setdefault(name, '1')
     failed = []
+    totals = {'passed': 0, 'failed': 0, 'skipped': 0}
     for size in [int(s) for s in args.sizes.split(',')]:
         cmd = [args.mpiexec, '-n', str(size), sys.executable, '-m',
                'tests.mpi_pytest'] + args.pytest_args
         print('$ ' + ' '.join(cmd), flush=True)
         start = time.time()
         try:
-            rc = subprocess.run(cmd, env=env, timeout=args.timeout).returncode
-        except subprocess.TimeoutExpired:
-            print('TIMEOUT after {:.0f} s (-n {})'.format(
-                args.timeout, size), flush=True)
+            done = subprocess.run(cmd, env=env, timeout=args.timeout,
+                                  stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT,
+                                  universal_newlines=True)
+            rc, output = done.returncode, done.stdout
+        except subprocess.TimeoutExpired as timeout:
+            output = timeout.stdout or ''
+            if isinstance(output, bytes):
+                output = output.decode(errors='replace')
+            output += 'TIMEOUT after {:.0f} s (-n {})\n'.format(
+                args.timeout, size)
             rc = 124
+        sys.stdout.write(output)
+        for word in totals:
+            found = re.findall(r'(\d+) ' + word, output)
+            totals[word] += int(found[-1]) if found else 0
         print('-n {}: exit {} in {:.1f} s'.format(
             size, rc, time.time() - start), flush=True)
         if rc != 0:
             failed.append(size)
     if failed:
         print('mpi tests failed for -n ' + ', '.join(map(str, failed)))
-        return 1
-    return 0
+        totals['failed'] = max(totals['failed'], 1)
+    print('mpi: {passed} passed, {failed} failed, {skipped} skipped'.format(
+        **totals), flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == '__main__':
