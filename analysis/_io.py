@@ -1,0 +1,268 @@
+"""Reading run directories and writing figures, shared by the scripts.
+
+Nothing here knows about a particular figure: :func:`load_run` and
+:func:`load_fisher_diff` validate the files ``train_imagenet.py`` writes,
+:func:`save_outputs` writes a PNG and its JSON atomically, and :func:`cli`
+turns :class:`AnalysisError` into a one-line message and exit status 2.
+"""
+import dataclasses
+import functools
+import json
+import os
+import sys
+from typing import Dict, List, Optional, Sequence
+
+#: Exit status of a script given bad input (as argparse uses for bad usage).
+EXIT_BAD_INPUT = 2
+
+
+class AnalysisError(ValueError):
+    """Input a script cannot use; the message says which file and why."""
+
+
+@dataclasses.dataclass
+class Run:
+    """One training run's directory, validated.
+
+    Attributes
+    ----------
+    path : str
+        The directory.
+    log : list of dict
+        Chainer ``LogReport`` entries, one per epoch, in order.
+    config : dict
+        ``config.json`` (``{}`` when the directory has none).
+    """
+
+    path: str
+    log: List[Dict]
+    config: Dict
+
+    @property
+    def facts(self) -> Dict:
+        """The ``"run"`` entry of ``config.json`` (``{}`` if absent)."""
+        facts = self.config.get('run')
+        return facts if isinstance(facts, dict) else {}
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(os.path.normpath(self.path))
+
+    @property
+    def batch_size(self) -> Optional[int]:
+        value = self.config.get('global_batch_size')
+        return int(value) if isinstance(value, (int, float)) else None
+
+    @property
+    def optimizer(self) -> str:
+        return str(self.facts.get('optimizer', 'kfac'))
+
+    def variant(self) -> str:
+        """``''``, ``'diag'``, ``'stale'`` or ``'stale diag'`` (Figure 6).
+
+        Only K-FAC runs have variants: ``bn_fisher == 'diag'`` is *diag*, any
+        refresh interval other than 1 (a number or a preset such as
+        ``'eq23'``) is *stale*.
+        """
+        if self.optimizer != 'kfac':
+            return ''
+        words = []
+        if any(self.config.get(key, 1) != 1 for key in (
+                'refresh_interval_a', 'refresh_interval_g',
+                'refresh_interval_f')):
+            words.append('stale')
+        if self.config.get('bn_fisher') == 'diag':
+            words.append('diag')
+        return ' '.join(words)
+
+    def label(self) -> str:
+        """Legend label: the run's own ``label`` if it has one, else
+        optimizer, batch size and variant from its config, else the
+        directory name."""
+        given = self.facts.get('label')
+        if isinstance(given, str) and given.strip():
+            return given.strip()
+        if self.batch_size is None:
+            return self.name
+        parts = [OPTIMIZER_NAMES.get(self.optimizer, self.optimizer.upper()),
+                 'BS=' + format_batch_size(self.batch_size)]
+        if self.variant():
+            parts.append(self.variant())
+        return ' '.join(parts)
+
+
+#: Legend names of the optimizers ``train_imagenet.py --optimizer`` knows.
+OPTIMIZER_NAMES = {'kfac': 'K-FAC', 'sgd': 'SGD', 'lars': 'LARS'}
+
+
+def format_batch_size(batch_size: int) -> str:
+    """The paper's shorthand: 4096 → ``'4K'``, 65536 → ``'65K'``, 131072 →
+    ``'131K'`` (thousands, rounded down, for multiples of 1024); other sizes
+    as digits."""
+    if batch_size >= 1024 and batch_size % 1024 == 0:
+        return '{}K'.format(batch_size // 1000)
+    return str(batch_size)
+
+
+def _read_json(path, what):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as e:
+        raise AnalysisError('{}: not a {} (invalid JSON: {})'.format(
+            path, what, e)) from None
+    except OSError as e:
+        raise AnalysisError('{}: cannot read {}: {}'.format(
+            path, what, e.strerror)) from None
+
+
+#: Files of a run directory the scripts read.
+RUN_FILES = ('log', 'config.json', 'fisher_diff.jsonl')
+
+
+def run_files(run_dirs: Sequence[str]) -> List[str]:
+    """The input files of run directories, for :func:`check_outputs`."""
+    return [os.path.join(d, name) for d in run_dirs for name in RUN_FILES]
+
+
+def load_run(path: str) -> Run:
+    """Read and check a run directory.
+
+    Raises
+    ------
+    AnalysisError
+        if ``path`` is not a directory, has no ``log``, or its ``log`` or
+        ``config.json`` is not in the expected format.
+    """
+    if not os.path.isdir(path):
+        raise AnalysisError('{}: not a run directory'.format(path))
+    log_path = os.path.join(path, 'log')
+    if not os.path.isfile(log_path):
+        raise AnalysisError(
+            '{}: no Chainer LogReport file "log" in this directory (is it a '
+            'train_imagenet.py output directory?)'.format(path))
+    log = _read_json(log_path, 'Chainer LogReport log')
+    if not isinstance(log, list) or not all(
+            isinstance(e, dict) and 'epoch' in e and 'iteration' in e
+            for e in log):
+        raise AnalysisError(
+            '{}: not a Chainer LogReport log (expected a JSON list of '
+            'per-epoch entries with "epoch" and "iteration")'.format(log_path))
+    if not log:
+        raise AnalysisError('{}: the log has no entries yet'.format(log_path))
+    config_path = os.path.join(path, 'config.json')
+    config = {}
+    if os.path.isfile(config_path):
+        config = _read_json(config_path, 'run config')
+        if not isinstance(config, dict):
+            raise AnalysisError('{}: not a run config (expected a JSON '
+                                'object)'.format(config_path))
+    return Run(path=path, log=log, config=config)
+
+
+def load_fisher_diff(run: Run) -> List[Dict]:
+    """The records of ``fisher_diff.jsonl`` of ``run``, in file order.
+
+    Each record is ``{"iteration": int, "step": int, "epoch": int,
+    "A": {layer: Diff}, "G": {...}, "F": {...}}``; factors not refreshed at
+    that step are absent.
+
+    Raises
+    ------
+    AnalysisError
+        if the file is missing, or a line is not such a record.
+    """
+    path = os.path.join(run.path, 'fisher_diff.jsonl')
+    if not os.path.isfile(path):
+        raise AnalysisError(
+            '{}: no fisher_diff.jsonl (train with Diff logging on: '
+            'train_imagenet.py --fisher-diff, i.e. KFAC(fisher_diff=True) '
+            'and chainerkfac.diagnostics.FisherDiffLog)'.format(run.path))
+    records = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if not isinstance(record, dict) or 'iteration' not in record or \
+                    not all(isinstance(record.get(k, {}), dict)
+                            for k in ('A', 'G', 'F')):
+                raise AnalysisError(
+                    '{}:{}: not a FisherDiffLog record (expected a JSON '
+                    'object with "iteration" and per-layer "A"/"G"/"F" '
+                    'maps)'.format(path, number))
+            records.append(record)
+    if not records:
+        raise AnalysisError('{}: no records'.format(path))
+    return records
+
+
+def json_path_for(png_path: str) -> str:
+    """The JSON file written beside a PNG: same name, ``.json``."""
+    root, _ = os.path.splitext(png_path)
+    return root + '.json'
+
+
+def check_outputs(png_path: str, inputs: Sequence[str]) -> None:
+    """Refuse a PNG path whose PNG or JSON would overwrite an input file."""
+    if not png_path.lower().endswith('.png'):
+        raise AnalysisError('--out {}: the picture is written as PNG; give a '
+                            'path ending in .png'.format(png_path))
+    targets = {os.path.realpath(png_path),
+               os.path.realpath(json_path_for(png_path))}
+    for path in inputs:
+        if os.path.realpath(path) in targets:
+            raise AnalysisError(
+                '--out {} would overwrite the input {}'.format(png_path,
+                                                               path))
+
+
+def save_outputs(figure, png_path: str, data: Dict) -> str:
+    """Write ``figure`` as PNG and ``data`` as JSON beside it.
+
+    Both go through a temporary file and a rename, so an interrupted script
+    leaves no half-written picture. Returns the JSON path. Call
+    :func:`check_outputs` first, before any work.
+    """
+    directory = os.path.dirname(os.path.abspath(png_path))
+    os.makedirs(directory, exist_ok=True)
+    json_path = json_path_for(png_path)
+    tmp_json = json_path + '.tmp'
+    with open(tmp_json, 'w') as f:
+        json.dump(data, f, indent=1, allow_nan=True)
+        f.write('\n')
+    tmp_png = png_path + '.tmp.png'
+    figure.savefig(tmp_png, dpi=120)
+    os.replace(tmp_json, json_path)
+    os.replace(tmp_png, png_path)
+    return json_path
+
+
+def new_figure(**kwargs):
+    """A matplotlib Figure on the Agg canvas (no pyplot, no display)."""
+    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    figure = Figure(**kwargs)
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def cli(name: str):
+    """Decorate ``main(argv) -> int`` of ``analysis.<name>`` so that bad
+    input returns exit status 2 with a one-line message on stderr (no
+    traceback, no picture)."""
+    prog = 'python -m analysis.' + name
+
+    def decorate(main):
+        @functools.wraps(main)
+        def wrapped(argv=None):
+            try:
+                return main(argv)
+            except AnalysisError as e:
+                print('{}: error: {}'.format(prog, e), file=sys.stderr)
+                return EXIT_BAD_INPUT
+        return wrapped
+    return decorate

@@ -1,0 +1,85 @@
+"""Figures 3 and 6 from real run directories (conftest trains them)."""
+import json
+import os
+
+import pytest
+
+from analysis import curves
+from tests.analysis.conftest import read_log
+from tests.analysis.helpers import assert_picture, no_outputs, read_json
+
+
+def test_figure3_numbers_match_the_logs(runs, tmp_path, capsys):
+    out = tmp_path / 'fig3.png'
+    dirs = [runs['kfac32'], runs['kfac64_diag'], runs['sgd32']]
+    assert curves.main(dirs + ['--target', '60', '--out', str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert_picture(str(out))
+    data = read_json(str(tmp_path / 'fig3.json'))
+    labels = [r['label'] for r in data['runs']]
+    assert labels == ['K-FAC BS=32', 'K-FAC BS=64 diag', 'SGD BS=32']
+    for run, entry in zip(dirs, data['runs']):
+        log = read_log(run)
+        accuracy = [100 * e['validation/main/accuracy'] for e in log]
+        assert entry['epoch'] == [e['epoch'] for e in log]
+        assert entry['val_accuracy_percent'] == pytest.approx(accuracy)
+        assert entry['lr']['source'] == 'log'
+        assert entry['lr']['lr'] == pytest.approx([e['lr'] for e in log])
+        reached = [e for e, a in zip(entry['epoch'], accuracy) if a >= 60]
+        assert entry['epochs_to_target'] == (reached[0] if reached else None)
+        # The printed table carries the same numbers.
+        assert entry['label'] in printed
+        for value in accuracy:
+            assert '{:.2f}'.format(value) in printed
+
+
+def test_figure6_and_lr_from_config(runs, tmp_path, capsys):
+    # A copy of a run whose log lacks "lr": eq. (17) from its config.
+    run = tmp_path / 'nolr'
+    run.mkdir()
+    log = read_log(runs['kfac32'])
+    for entry in log:
+        del entry['lr']
+    (run / 'log').write_text(json.dumps(log))
+    with open(os.path.join(runs['kfac32'], 'config.json')) as f:
+        (run / 'config.json').write_text(f.read())
+    out = tmp_path / 'out' / 'fig.png'
+    assert curves.main([str(run), '--out', str(out)]) == 0
+    data = read_json(str(tmp_path / 'out' / 'fig.json'))
+    assert data['runs'][0]['lr']['source'] == 'config (eq. 17)'
+    # lr 0.02, p_decay 3, e_start 1, e_end 4: at epoch 2, 0.02 (2/3)^3.
+    assert data['runs'][0]['lr']['lr'][1] == pytest.approx(
+        0.02 * (2 / 3) ** 3)
+    out6 = tmp_path / 'fig6.png'
+    assert curves.main([runs['kfac32'], runs['kfac64_diag'], '--figure',
+                        '6', '--labels', 'no approx', 'diag', '--target',
+                        '0.5', '--out', str(out6)]) == 0
+    assert_picture(str(out6))
+    data6 = read_json(str(tmp_path / 'fig6.json'))
+    assert data6['target_percent'] == 50
+    assert [r['label'] for r in data6['runs']] == ['no approx', 'diag']
+    assert data6['runs'][0]['lr'] is None
+    assert 'Figure 6' in capsys.readouterr().out
+
+
+def test_bad_inputs_are_clear_errors(runs, tmp_path, capsys):
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    other = tmp_path / 'other'
+    other.mkdir()
+    (other / 'log').write_text('{"loss": [1, 2, 3]}')
+    noacc = tmp_path / 'noacc'
+    noacc.mkdir()
+    (noacc / 'log').write_text(json.dumps(
+        [{'epoch': 1, 'iteration': 10, 'main/loss': 1.0}]))
+    cases = [([str(empty)], 'no Chainer LogReport file "log"'),
+             ([str(other)], 'not a Chainer LogReport log'),
+             ([str(noacc)], 'no "validation/main/accuracy"'),
+             ([str(tmp_path / 'missing')], 'not a run directory'),
+             ([runs['kfac32'], '--labels', 'a', 'b'], '2 labels for 1 runs')]
+    outdir = tmp_path / 'out'
+    outdir.mkdir()
+    for argv, message in cases:
+        assert curves.main(argv + ['--out', str(outdir / 'f.png')]) == 2
+        assert message in capsys.readouterr().err
+    assert no_outputs(outdir)
