@@ -221,33 +221,96 @@ class Layout(object):
         """Bytes of ``rank``'s all-gather send segment."""
         return self.all_gather_counts[rank] * self.wire_dtype.itemsize
 
-    def _new_buffer(self, xp, length):
-        # Padding must be zeros so it adds nothing; without padding every
-        # element is written by packing.
-        alloc = xp.zeros if self.pad else xp.empty
-        return alloc(length, dtype=self.wire_dtype)
-
-    def _flat(self, array, i):
-        if array.shape != self.shapes[i]:
-            raise ValueError('array {} has shape {}, the layout expects '
-                             '{}'.format(i, array.shape, self.shapes[i]))
-        return triu_pack(array) if self.symmetric[i] else array.ravel()
-
-    def _unflat(self, segment, i, offset):
-        v = segment[offset:offset + self.wire_lengths[i]].astype(
-            self.dtypes[i])
+    # -- index maps: every pack / unpack is one gather (see gather_cast) ----
+    def _wire_positions(self, i: int, base: int):
+        """Positions, in a flat copy of array ``i`` starting at ``base``, of
+        its wire elements (the upper triangle, row by row, if symmetric)."""
+        shape = self.shapes[i]
         if self.symmetric[i]:
-            return triu_unpack(v, self.shapes[i][0])
-        return v.reshape(self.shapes[i])
+            n = shape[0]
+            rows, cols = numpy.triu_indices(n)
+            return base + rows * n + cols
+        return base + numpy.arange(int(numpy.prod(shape)))
 
-    def _write(self, buffer, base, slots, arrays):
-        for i, offset in slots:
-            start = base + offset
-            buffer[start:start + self.wire_lengths[i]] = \
-                self._flat(arrays[i], i)
+    def _array_positions(self, i: int, base: int):
+        """For every element of array ``i`` (row-major), its position in a
+        wire segment where the array starts at ``base``: the inverse map,
+        mirroring the triangle."""
+        shape = self.shapes[i]
+        if self.symmetric[i]:
+            n = shape[0]
+            rows, cols = numpy.indices((n, n))
+            low, high = numpy.minimum(rows, cols), numpy.maximum(rows, cols)
+            return (base + low * n - low * (low - 1) // 2 + high - low).ravel()
+        return base + numpy.arange(int(numpy.prod(shape)))
+
+    def _starts(self, indices):
+        sizes = [int(numpy.prod(self.shapes[i])) for i in indices]
+        return dict(zip(indices, numpy.concatenate(
+            [[0], numpy.cumsum(sizes)[:-1]]).astype(int))) if sizes else {}
+
+    def _build_index(self, key):
+        kind, rank = key
+        if kind == 'pack_rs':        # buffer <- concat(all arrays)
+            starts = self._starts(range(len(self.shapes)))
+            index = numpy.full(self.reduce_scatter_size, -1, numpy.int64)
+            for r in range(self.size):
+                for i, offset in self._rs_slots[r]:
+                    at = self.reduce_scatter_offsets[r] + offset
+                    index[at:at + self.wire_lengths[i]] = \
+                        self._wire_positions(i, starts[i])
+            return index
+        if kind == 'pack_ag':        # segment <- concat(rank's arrays)
+            slots = self._ag_slots[rank]
+            starts = self._starts([i for i, _ in slots])
+            index = numpy.full(self.all_gather_counts[rank], -1, numpy.int64)
+            for i, offset in slots:
+                index[offset:offset + self.wire_lengths[i]] = \
+                    self._wire_positions(i, starts[i])
+            return index
+        if kind == 'unpack_rs':      # concat(rank's arrays) <- segment
+            return _concat([self._array_positions(i, offset)
+                            for i, offset in self._rs_slots[rank]])
+        # 'unpack_ag': concat(all arrays) <- gathered buffer
+        base = {}
+        for r in range(self.size):
+            for i, offset in self._ag_slots[r]:
+                base[i] = self.all_gather_offsets[r] + offset
+        return _concat([self._array_positions(i, base[i])
+                        for i in range(len(self.shapes))])
+
+    def _index(self, xp, kind: str, rank: Optional[int] = None):
+        device = None if xp is numpy else xp.cuda.runtime.getDevice()
+        key = (kind, rank, device)
+        cache = self.__dict__.setdefault('_index_cache', {})
+        if key not in cache:
+            index = self._build_index((kind, rank))
+            cache[key] = index if xp is numpy else xp.asarray(index)
+        return cache[key]
+
+    def _source(self, arrays, indices):
+        xp = _module_of(arrays)
+        for i in indices:
+            if arrays[i] is None or arrays[i].shape != self.shapes[i]:
+                raise ValueError('array {} has shape {}, the layout expects '
+                                 '{}'.format(i, getattr(arrays[i], 'shape',
+                                                        None),
+                                             self.shapes[i]))
+        if not indices:
+            return xp, xp.empty(0, dtype=self.wire_dtype)
+        return xp, xp.concatenate([arrays[i].ravel() for i in indices])
+
+    def _split(self, flat, indices):
+        out, start = {}, 0
+        for i in indices:
+            size = int(numpy.prod(self.shapes[i]))
+            out[i] = flat[start:start + size].reshape(self.shapes[i]).astype(
+                self.dtypes[i], copy=False)
+            start += size
+        return out
 
     def pack_reduce_scatter(self, arrays: Sequence):
-        """Flat send buffer of a reduce-scatter.
+        """Flat send buffer of a reduce-scatter (one gather).
 
         Parameters
         ----------
@@ -258,12 +321,9 @@ class Layout(object):
         -------
         array, shape (reduce_scatter_size,), dtype wire_dtype
         """
-        buffer = self._new_buffer(_module_of(arrays),
-                                  self.reduce_scatter_size)
-        for rank in range(self.size):
-            self._write(buffer, self.reduce_scatter_offsets[rank],
-                        self._rs_slots[rank], arrays)
-        return buffer
+        xp, source = self._source(arrays, range(len(self.shapes)))
+        return gather_cast(source, self._index(xp, 'pack_rs'),
+                           self.wire_dtype)
 
     def unpack_reduce_scatter(self, segment, rank: int) -> List:
         """Arrays of ``rank`` from its received reduce-scatter segment.
@@ -280,13 +340,18 @@ class Layout(object):
             Aligned with the layout's arrays: a new array of the array's
             shape and dtype where ``rank`` is an owner, else None.
         """
+        xp = chainer.backend.get_array_module(segment)
+        owned = [i for i, _ in self._rs_slots[rank]]
         result = [None] * len(self.shapes)
-        for i, offset in self._rs_slots[rank]:
-            result[i] = self._unflat(segment, i, offset)
+        if owned:
+            flat = gather_cast(segment, self._index(xp, 'unpack_rs', rank),
+                               _common_dtype(self.dtypes[i] for i in owned))
+            for i, array in self._split(flat, owned).items():
+                result[i] = array
         return result
 
     def pack_all_gather(self, arrays: Sequence, rank: int):
-        """``rank``'s all-gather send segment.
+        """``rank``'s all-gather send segment (one gather).
 
         Only the arrays whose first owner is ``rank`` are read; the other
         entries of ``arrays`` may be None.
@@ -295,13 +360,13 @@ class Layout(object):
         -------
         array, shape (all_gather_counts[rank],), dtype wire_dtype
         """
-        segment = self._new_buffer(_module_of(arrays),
-                                   self.all_gather_counts[rank])
-        self._write(segment, 0, self._ag_slots[rank], arrays)
-        return segment
+        xp, source = self._source(arrays, [i for i, _ in
+                                           self._ag_slots[rank]])
+        return gather_cast(source, self._index(xp, 'pack_ag', rank),
+                           self.wire_dtype)
 
     def unpack_all_gather(self, buffer) -> List:
-        """All arrays from the gathered buffer.
+        """All arrays from the gathered buffer (one gather).
 
         Parameters
         ----------
@@ -312,12 +377,58 @@ class Layout(object):
         list
             One new array per layout entry, its first owner's copy.
         """
-        result = [None] * len(self.shapes)
-        for rank in range(self.size):
-            base = self.all_gather_offsets[rank]
-            for i, offset in self._ag_slots[rank]:
-                result[i] = self._unflat(buffer, i, base + offset)
-        return result
+        xp = chainer.backend.get_array_module(buffer)
+        indices = list(range(len(self.shapes)))
+        if not indices:
+            return []
+        flat = gather_cast(buffer, self._index(xp, 'unpack_ag'),
+                           _common_dtype(self.dtypes))
+        split = self._split(flat, indices)
+        return [split[i] for i in indices]
+
+
+def gather_cast(source, index, dtype):
+    """``out[k] = source[index[k]]`` cast to ``dtype``; 0 where
+    ``index[k] < 0`` (padding).
+
+    Every pack and unpack of a collective is one call: on the GPU one
+    elementwise kernel launch (gather, triangle (un)packing and the cast to
+    or from the wire dtype together); on the CPU its NumPy twin, which the
+    tests compare against.
+    """
+    xp = chainer.backend.get_array_module(source)
+    if xp is numpy:
+        out = numpy.zeros(len(index), dtype=dtype)
+        valid = index >= 0
+        if len(source):
+            out[valid] = source[index[valid]]
+        return out
+    out = xp.empty(len(index), dtype=dtype)
+    if len(index):
+        _gather_cast_kernel()(source, index, out)
+    return out
+
+
+_KERNEL = []
+
+
+def _gather_cast_kernel():
+    if not _KERNEL:
+        import cupy
+        _KERNEL.append(cupy.ElementwiseKernel(
+            'raw S source, int64 index', 'T out',
+            'out = index >= 0 ? (T)source[index] : (T)0',
+            'chainerkfac_gather_cast'))
+    return _KERNEL[0]
+
+
+def _common_dtype(dtypes):
+    return numpy.result_type(*list(dtypes))
+
+
+def _concat(parts):
+    return (numpy.concatenate(parts).astype(numpy.int64) if parts
+            else numpy.zeros(0, numpy.int64))
 
 
 def _module_of(arrays):

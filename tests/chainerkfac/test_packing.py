@@ -244,3 +244,13 @@ def test_layout_rejects_bad_input():
         layout(owners=[0, 1])
     with pytest.raises(ValueError, match='shape'):
         layout().pack_reduce_scatter([numpy.zeros((3, 3), 'f')])
+
+
+def test_gather_cast_twin_pads_with_zeros_and_casts():
+    from chainerkfac.packing import gather_cast
+    source = numpy.arange(5, dtype=numpy.float64) + 0.25
+    index = numpy.array([4, -1, 0, 0, 2, -1], dtype=numpy.int64)
+    out = gather_cast(source, index, numpy.float16)
+    assert out.dtype == numpy.float16
+    numpy.testing.assert_array_equal(
+        out, numpy.array([4.25, 0, 0.25, 0.25, 2.25, 0], numpy.float16))
