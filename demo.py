@@ -104,10 +104,13 @@ def summary_table(summaries, target):
 
 
 def write_figures(out):
-    """Figures 3, 4 and 5 for the demo runs (the analysis package)."""
-    try:
-        import analysis  # NOQA
-    except ImportError:
-        return
-    from demo_figures import write_demo_figures
-    write_demo_figures(out)
+    """Figures 3, 4 and 5 for the demo runs, by the analysis scripts."""
+    from analysis import curves, fim_size, fisher_diff
+    runs = [os.path.join(out, name) for name in ('kfac', 'sgd')]
+    curves.main(runs + ['--target', '0.9', '--out',
+                        os.path.join(out, 'figure3_curves.png')])
+    fisher_diff.main([runs[0], '--mark', '20', '--out',
+                      os.path.join(out, 'figure5_fisher_diff.png')])
+    fim_size.main(['--model', 'small', '--depth', '8', '--width', '16',
+                   '--n-class', '10', '--out',
+                   os.path.join(out, 'figure4_fim_size.png')])

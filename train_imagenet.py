@@ -286,7 +286,8 @@ def run(args, comm, optimizer_name, out, cfg):
         write_run_config(cfg, out, {
             'optimizer': optimizer_name, 'n_processes': comm.size,
             'acc_iters': acc_iters, 'batch_per_process': batch,
-            'arch': args.arch, 'n_train': n_train, 'n_val': n_val,
+            'arch': args.arch, 'depth': args.depth, 'width': args.width,
+            'n_train': n_train, 'n_val': n_val,
             'n_class': n_class, 'label': args.label or label_of(
                 optimizer_name, cfg)})
     if args.resume:
