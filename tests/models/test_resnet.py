@@ -67,3 +67,16 @@ def test_resnet50d_structure_and_forward():
     assert run(model, (1, 3, 64, 64)).shape == (1, 5)
     # Odd sizes inside the network (56 → 28 → 14 → 7 → 4 → 2).
     assert run(model, (1, 3, 56, 56)).shape == (1, 5)
+
+
+def test_resnet50_registers_107_kfac_layers_in_the_optimizer():
+    import chainerkfac
+    optimizer = chainerkfac.optimizers.KFAC(verbose=False)
+    optimizer.setup(ResNet50())
+    kinds = [b.kind for b in optimizer.blocks if b.factor_names]
+    assert len(kinds) == 107
+    assert kinds.count('Conv2D (K-FAC)') == 53
+    assert kinds.count('BN (full Fisher)') == 53
+    assert kinds.count('Linear (K-FAC)') == 1
+    assert 'unpreconditioned' in optimizer.registration_table()
+    assert all(b.factor_names for b in optimizer.blocks)
