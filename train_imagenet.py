@@ -90,6 +90,32 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
             optimizer.update()
 
 
+class EpochAtStepBoundary:
+    """Trigger every ``period`` epochs, postponed to the end of the K-FAC
+    step in progress, so that snapshots never split an accumulation."""
+
+    def __init__(self, period, acc_iters):
+        self.period = period
+        self.acc_iters = acc_iters
+        self.epochs_seen = 0
+        self.pending = False
+
+    def __call__(self, trainer):
+        updater = trainer.updater
+        if updater.is_new_epoch:
+            self.epochs_seen += 1
+            if self.epochs_seen % self.period == 0:
+                self.pending = True
+        if self.pending and updater.iteration % self.acc_iters == 0:
+            self.pending = False
+            return True
+        return False
+
+    def serialize(self, serializer):
+        self.epochs_seen = int(serializer('epochs_seen', self.epochs_seen))
+        self.pending = bool(serializer('pending', self.pending))
+
+
 # -- building blocks -------------------------------------------------------------
 def build_model(arch, n_class, depth=8, width=16):
     if arch == 'resnet50':
@@ -272,7 +298,8 @@ def run(args, comm, optimizer_name, out, cfg):
     snapshot_name = 'snapshot_epoch_{.updater.epoch}' + '.rank{}'.format(
         comm.rank)
     trainer.extend(extensions.snapshot(filename=snapshot_name),
-                   trigger=(args.snapshot_every, 'epoch'))
+                   trigger=EpochAtStepBoundary(args.snapshot_every,
+                                               acc_iters))
     if comm.rank == 0:
         for observer in observers(optimizer, optimizer_name, comm,
                                   cfg.global_batch_size):

@@ -15,6 +15,7 @@ One training step, top to bottom (:meth:`KFAC.update`):
 import math
 import sys
 import time
+import warnings
 from typing import Dict, Optional
 
 import numpy
@@ -415,6 +416,14 @@ class KFAC(optimizer.GradientMethod):
         a process of a multi-process run, the blocks it owns)."""
         super().serialize(serializer)
         self.damping = float(serializer('damping', self.damping))
+        # Gradients and factors of an unfinished accumulation are not part
+        # of the state: snapshot at step boundaries (train_imagenet.py does).
+        micro = int(serializer('micro_batch', self._micro))
+        if micro != self._micro:
+            warnings.warn(
+                'K-FAC state saved after {} of {} accumulated micro-batches: '
+                'they are dropped and the next update starts a new step'
+                .format(micro, self.acc_iters))
         for kind in self.last_refresh:
             self.last_refresh[kind] = int(serializer(
                 'last_refresh_' + kind, self.last_refresh[kind]))

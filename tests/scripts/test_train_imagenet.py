@@ -163,3 +163,23 @@ def test_batch_that_does_not_divide_gives_the_numbers(dataset, tmp_path):
     assert result.returncode != 0
     assert '24' in result.stdout and '2' in result.stdout
     assert 'global' in result.stdout.lower()
+
+
+def test_snapshot_trigger_waits_for_the_end_of_the_kfac_step():
+    sys.path.insert(0, ROOT)
+    from train_imagenet import EpochAtStepBoundary
+
+    class Updater:
+        iteration, is_new_epoch = 0, False
+
+    class Trainer:
+        updater = Updater()
+
+    trigger, trainer, fired = EpochAtStepBoundary(1, 4), Trainer(), []
+    for iteration in range(1, 25):       # epochs of 5 micro-batches
+        trainer.updater.iteration = iteration
+        trainer.updater.is_new_epoch = iteration % 5 == 0
+        if trigger(trainer):
+            fired.append(iteration)
+    # Epoch ends at 5, 10, 15, 20; steps end at multiples of 4.
+    assert fired == [8, 12, 16, 20]
