@@ -1,11 +1,11 @@
 """Small float64 models and brute-force per-sample oracles for the tests."""
+import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
+
 import numpy
 
 import chainer
 import chainer.functions as F
 import chainer.links as L
-
-import chainerkfac
 
 
 def float64_links():

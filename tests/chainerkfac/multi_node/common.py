@@ -4,6 +4,7 @@ tests.
 Every helper that asserts gathers the values of all ranks first, so all
 ranks reach the same verdict and none is left waiting in a collective.
 """
+import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
 import numpy
 from mpi4py import MPI
 
