@@ -25,7 +25,6 @@ import time
 
 import chainerkfac  # before chainer: applies the NumPy-2 compatibility shims
 import chainer
-import chainer.links as L
 import chainermn
 import numpy
 from chainer import training

@@ -7,7 +7,7 @@ damped inverses (stage 4), and preconditions the gradients of its parameters
 elsewhere (:mod:`chainerkfac.assignment`, :mod:`chainerkfac.transport`);
 blocks only do the maths, identically on NumPy and CuPy.
 """
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import numpy
 

@@ -20,7 +20,6 @@ import math
 
 import numpy
 
-import chainer
 import chainer.functions.connection.convolution_2d as conv2d_module
 import chainer.functions.connection.linear as linear_module
 from chainer.backend import get_array_module

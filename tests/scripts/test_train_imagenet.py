@@ -10,10 +10,11 @@ import time
 import numpy
 import pytest
 
+from tests import launch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, 'train_imagenet.py')
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
 
 TINY_CONFIG = {
     'global_batch_size': 16, 'epochs': 2, 'alpha_mixup': 0.4,
@@ -22,16 +23,6 @@ TINY_CONFIG = {
     'e_end': 3.0, 'lr': 0.02, 'momentum': 0.9, 'batch_size_per_process': 8,
     'refresh_interval_a': 2,
 }
-
-
-def env():
-    out = dict(os.environ)
-    out.update(OMPI_ALLOW_RUN_AS_ROOT='1', OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1',
-               PRTE_MCA_rmaps_default_mapping_policy=':oversubscribe',
-               OMP_NUM_THREADS='1', OPENBLAS_NUM_THREADS='1',
-               PYTHONUNBUFFERED='1')
-    out['PYTHONPATH'] = ROOT + os.pathsep + out.get('PYTHONPATH', '')
-    return out
 
 
 @pytest.fixture(scope='module')
@@ -68,8 +59,8 @@ def command(dataset, out, *extra, train='train.txt', val='val.txt'):
 
 def run(cmd, nproc=1, timeout=240):
     if nproc > 1:
-        cmd = [MPIEXEC, '-n', str(nproc)] + cmd
-    return subprocess.run(cmd, env=env(), cwd=ROOT, timeout=timeout,
+        cmd = [launch.MPIEXEC, '-n', str(nproc)] + cmd
+    return subprocess.run(cmd, env=launch.mpi_env(), cwd=ROOT, timeout=timeout,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           universal_newlines=True)
 
@@ -109,7 +100,7 @@ def test_trains_logs_and_snapshots(dataset, tmp_path, nproc):
 @pytest.mark.slow
 def test_killed_run_resumes_from_its_snapshot(dataset, tmp_path):
     cmd = command(dataset, tmp_path, '--epochs', '30')
-    process = subprocess.Popen(cmd, env=env(), cwd=ROOT,
+    process = subprocess.Popen(cmd, env=launch.mpi_env(), cwd=ROOT,
                                stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     snapshot = os.path.join(tmp_path, 'snapshot_epoch_1.rank0')

@@ -1,18 +1,12 @@
 """create_communicator's errors, and one rank's exception ending the job."""
-import os
-import subprocess
-import sys
 import textwrap
-import time
+
+from tests import launch
 
 import pytest
 from chainermn import nccl
 
 from chainerkfac.communicators import create_communicator
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.dirname(os.path.abspath(__file__)))))
-
 
 def test_unknown_name_lists_the_valid_ones():
     with pytest.raises(ValueError, match='naive, pure_nccl'):
@@ -34,17 +28,7 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path):
             raise RuntimeError('deliberate failure on rank 1')
         comm.mpi_comm.Barrier()  # without the hook rank 0 waits forever
     '''))
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT='1',
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1',
-               PRTE_MCA_rmaps_default_mapping_policy=':oversubscribe',
-               PYTHONPATH=os.pathsep.join(
-                   [REPO] + [p for p in [os.environ.get('PYTHONPATH')] if p]))
-    mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
-    start = time.time()
-    proc = subprocess.run([mpiexec, '-n', '2', sys.executable, str(script)],
-                          env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
-    elapsed = time.time() - start
+    proc, elapsed = launch.run_mpi([script], nproc=2)
     assert proc.returncode != 0
     assert 'deliberate failure on rank 1' in proc.stderr
     assert elapsed < 30

@@ -1,0 +1,31 @@
+"""Launch a script under ``mpiexec`` from a test (as root, oversubscribed)."""
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+
+
+def mpi_env():
+    """The environment for a child ``mpiexec`` on this machine."""
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT='1',
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1',
+               PRTE_MCA_rmaps_default_mapping_policy=':oversubscribe',
+               OMP_NUM_THREADS='1', OPENBLAS_NUM_THREADS='1',
+               PYTHONUNBUFFERED='1')
+    env['PYTHONPATH'] = os.pathsep.join(
+        [REPO] + [p for p in [os.environ.get('PYTHONPATH')] if p])
+    return env
+
+
+def run_mpi(args, nproc, timeout=60):
+    """Run ``python args...`` on ``nproc`` ranks; return (process, seconds)."""
+    cmd = [sys.executable] + [str(a) for a in args]
+    if nproc > 1:
+        cmd = [MPIEXEC, '-n', str(nproc)] + cmd
+    start = time.time()
+    proc = subprocess.run(cmd, env=mpi_env(), cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+    return proc, time.time() - start
