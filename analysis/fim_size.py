@@ -134,7 +134,7 @@ def plot(result: Dict, title: str):
     """Horizontal stacked bars, one per variant, first at the top."""
     labels: List[str] = list(result['variants'])
     columns = [c for c in result['layers'] if c != 'total']
-    figure = _io.new_figure(figsize=(8, 1.2 + 0.7 * len(labels)))
+    figure = _io.new_figure(figsize=(9.5, 1.2 + 0.7 * len(labels)))
     ax = figure.add_subplot(1, 1, 1)
     rows = range(len(labels))[::-1]
     left = [0.0] * len(labels)
@@ -154,7 +154,7 @@ def plot(result: Dict, title: str):
     ax.set_xlabel('Data size of FIM [MiB]')
     ax.set_ylabel('BN Fisher')
     ax.set_title(title, fontsize=10)
-    ax.legend(loc='lower right', fontsize=8)
+    ax.legend(loc='upper left', bbox_to_anchor=(1.01, 1.0), fontsize=8)
     figure.tight_layout()
     return figure
 
