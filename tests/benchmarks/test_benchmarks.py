@@ -1,0 +1,126 @@
+"""Each benchmark in its seconds-long ``--smoke`` mode, run as a user runs
+it (``python -m benchmarks.<name>``): the JSON holds the expected fields
+with finite positive numbers. Nothing here asserts a speed."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import _common
+
+ROOT = _common.ROOT
+STAGES = ('forward_backward', 'factors', 'reduce_scatter', 'inverse',
+          'precondition', 'all_gather', 'update')
+
+
+def run_benchmark(name, tmp_path, *extra):
+    out = str(tmp_path / (name + '.json'))
+    cmd = [sys.executable, '-m', 'benchmarks.' + name, '--smoke',
+           '--out', out] + list(extra)
+    proc = subprocess.run(cmd, cwd=ROOT, env=_common.worker_env(threads=1),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out) as f:
+        return json.load(f), proc.stdout
+
+
+def positive(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) and value > 0
+
+
+def check_header(data, name):
+    assert data['benchmark'] == name
+    assert data['command'].startswith('python -m benchmarks.' + name)
+    assert '--smoke' in data['command']
+    assert set(data['versions']) >= {'python', 'chainer', 'numpy'}
+    assert data['machine']['cpu'] and positive(data['machine']['cores'])
+    assert isinstance(data['machine']['gpus'], list)
+    assert data['date'][:2] == '20'
+
+
+def test_step_time_smoke(tmp_path):
+    data, stdout = run_benchmark('step_time', tmp_path)
+    check_header(data, 'step_time')
+    assert 'x SGD' in stdout and 'forward_backward' in stdout
+    [result] = data['results']
+    assert result['model'] == 'small' and positive(result['n_kfac_layers'])
+    for variant in ('sgd', 'kfac_every', 'kfac_stale'):
+        assert positive(result['median_s'][variant])
+        assert len(result['samples_s'][variant]) >= 1
+    for key in ('kfac_every', 'kfac_stale', 'kfac_stale_amortised'):
+        assert positive(result['ratio_to_sgd'][key])
+    for variant in ('kfac_every', 'kfac_stale'):
+        stages = result['stage_times_s'][variant]
+        assert set(stages) == set(STAGES)
+        assert all(math.isfinite(v) and v >= 0 for v in stages.values())
+        assert positive(stages['forward_backward'])
+    assert positive(result['stage_times_s']['kfac_every']['inverse'])
+    assert set(result['goals']) == {'kfac_every', 'kfac_stale'}
+    assert all(isinstance(g['met'], bool) for g in result['goals'].values())
+
+
+def test_dist_scaling_smoke(tmp_path):
+    data, stdout = run_benchmark('dist_scaling', tmp_path)
+    check_header(data, 'dist_scaling')
+    assert 'Bytes per step' in stdout
+    assert [r['processes'] for r in data['results']] == [1, 2]
+    for result in data['results']:
+        assert positive(result['step_time'])
+        assert set(result['stage_times']) == set(STAGES)
+        assert all(math.isfinite(v) and v >= 0
+                   for v in result['stage_times'].values())
+        assert positive(result['inverse_precondition'])
+        assert positive(result['inverse_precondition_ratio'])
+        assert len(result['per_rank']) == result['processes']
+        assert positive(result['n_kfac_layers'])
+        assert 0 < result['cost_model_share'] <= 1
+        for wire in ('packed_fp32', 'packed_fp16', 'unpacked_fp32'):
+            for kind in ('refresh', 'stale'):
+                for collective in ('reduce_scatter_v', 'all_gather_v'):
+                    value = result['bytes_by_wire'][wire][kind][collective]
+                    assert isinstance(value, int) and value > 0
+        assert result['bytes'] == result['bytes_by_wire']['packed_fp32'][
+            'refresh']
+        for wire in ('packed_fp32', 'packed_fp16'):
+            assert all(positive(v) for v in
+                       result['byte_ratios'][wire].values())
+    two = data['results'][1]
+    assert positive(two['reference_1_process']['inverse_precondition'])
+
+
+def test_dist_scaling_output_feeds_analysis_scaling(tmp_path):
+    pytest.importorskip('analysis.scaling')
+    from analysis import scaling
+    data, _ = run_benchmark('dist_scaling', tmp_path, '--processes', '1')
+    path = str(tmp_path / 'dist_scaling.json')
+    loaded = scaling.load_benchmark(path)
+    assert loaded['results'][0]['processes'] == 1
+
+
+def test_convergence_smoke(tmp_path):
+    run_dir = tmp_path / 'runs'
+    data, stdout = run_benchmark('convergence', tmp_path, '--run-dir',
+                                 str(run_dir))
+    check_header(data, 'convergence')
+    assert 'epochs to' in stdout
+    assert data['failed'] == []
+    assert {r['optimizer'] for r in data['runs']} == {'kfac', 'sgd', 'lars'}
+    for run in data['runs']:
+        assert run['returncode'] == 0
+        assert os.path.exists(os.path.join(run['dir'], 'log'))
+        assert os.path.exists(os.path.join(run['dir'], 'config.json'))
+        assert positive(run['best_top1'])
+        assert positive(run['train_time_s'])
+        assert run['epochs_run'] == data['epochs']
+    for name in ('kfac', 'sgd', 'lars'):
+        summary = data['summary'][name]
+        assert summary['best']['lr'] in data['lr_grid'][name]
+        assert len(summary['lrs']) == len(data['lr_grid'][name])
+    comparison = data['comparison']
+    assert comparison['goal'] == 0.6 and isinstance(comparison['met'], bool)
+    assert positive(data['global_batch_size'])
+    assert positive(data['acc_iters'])
