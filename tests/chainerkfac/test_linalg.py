@@ -59,3 +59,10 @@ def test_gram_does_not_overflow_in_fp16():
     rows = numpy.full((4096, 2), 300.0, numpy.float32)  # Σ x² = 3.7e8
     value = linalg.gram(rows, 1 / 4096.0, numpy.float16)
     numpy.testing.assert_allclose(value, 9e4, rtol=1e-3)
+
+
+@pytest.mark.parametrize('n', [1, 5, 64, 130])
+def test_mirror_upper_equals_triu_twin(n):
+    m = numpy.random.RandomState(n).randn(n, n)
+    expected = numpy.triu(m) + numpy.triu(m, 1).T
+    numpy.testing.assert_array_equal(linalg.mirror_upper(m.copy()), expected)
