@@ -26,8 +26,13 @@ def factor_dtype_for(array_dtype, factor_dtype) -> numpy.dtype:
     return numpy.dtype(numpy.float32)
 
 
-def gram(rows, scale: float, factor_dtype=numpy.float32):
+def gram(rows, scale: float, factor_dtype=numpy.float32,
+         append_ones: bool = False):
     """Return ``scale · rowsᵀ rows`` as a symmetric matrix.
+
+    With ``append_ones`` the rows are taken as augmented by a constant 1
+    (a layer's bias): the extra row and column ``scale · Σ rows`` and
+    ``scale · M`` are filled in directly, without copying the rows.
 
     Parameters
     ----------
@@ -45,6 +50,21 @@ def gram(rows, scale: float, factor_dtype=numpy.float32):
     -------
     array of shape (D, D), fp32 (fp64 for fp64 inputs).
     """
+    core = _gram(rows, scale, factor_dtype)
+    if not append_ones:
+        return core
+    xp = get_array_module(rows)
+    d = rows.shape[1]
+    out = xp.empty((d + 1, d + 1), dtype=core.dtype)
+    out[:d, :d] = core
+    column = rows.sum(axis=0, dtype=core.dtype) * core.dtype.type(scale)
+    out[:d, d] = column
+    out[d, :d] = column
+    out[d, d] = rows.shape[0] * scale
+    return out
+
+
+def _gram(rows, scale, factor_dtype):
     xp = get_array_module(rows)
     out_dtype = factor_dtype_for(rows.dtype, factor_dtype)
     if numpy.dtype(factor_dtype) == numpy.float16:

@@ -100,13 +100,6 @@ class KroneckerBlock(FisherBlock):
             return [matrix[:, :-1].reshape(weight.shape), matrix[:, -1]]
         return [matrix.reshape(weight.shape)]
 
-    def _augment(self, rows):
-        if not self.has_bias:
-            return rows
-        xp = get_array_module(rows)
-        ones = xp.ones((rows.shape[0], 1), dtype=rows.dtype)
-        return xp.concatenate([rows, ones], axis=1)
-
 
 class LinearBlock(KroneckerBlock):
     """K-FAC block of :class:`chainer.links.Linear`."""
@@ -116,9 +109,9 @@ class LinearBlock(KroneckerBlock):
 
     def capture_forward(self, function, in_data):
         x = in_data[0]
-        rows = self._augment(x.reshape(x.shape[0], -1))
-        self._accumulate('A', linalg.gram(rows, 1.0 / x.shape[0],
-                                          self.factor_dtype))
+        self._accumulate('A', linalg.gram(
+            x.reshape(x.shape[0], -1), 1.0 / x.shape[0], self.factor_dtype,
+            append_ones=self.has_bias))
 
     def capture_backward(self, function, in_data, out_grad):
         gy = out_grad[0]
@@ -154,14 +147,17 @@ class Convolution2DBlock(KroneckerBlock):
         col = im2col(x, kh, kw, function.sy, function.sx, function.ph,
                      function.pw, cover_all=function.cover_all,
                      dy=function.dy, dx=function.dx)
-        # (N, C, kh, kw, oh, ow) -> (N·oh·ow, C·kh·kw): patch order matches
-        # W.reshape(d_out, C·kh·kw).
+        # (N, C, kh, kw, oh, ow) -> columns (C·kh·kw, N·oh·ow), moving
+        # whole contiguous runs of oh·ow; the patch order matches
+        # W.reshape(d_out, C·kh·kw). Its transpose (a view) are the rows.
         n = x.shape[0]
-        rows = col.transpose(0, 4, 5, 1, 2, 3).reshape(
-            n * col.shape[4] * col.shape[5], -1)
+        patch = col.shape[1] * col.shape[2] * col.shape[3]
+        columns = col.reshape(n, patch, -1).transpose(1, 0, 2).reshape(
+            patch, -1)
         # Summed over locations, averaged over the batch.
-        self._accumulate('A', linalg.gram(self._augment(rows), 1.0 / n,
-                                          self.factor_dtype))
+        self._accumulate('A', linalg.gram(columns.T, 1.0 / n,
+                                          self.factor_dtype,
+                                          append_ones=self.has_bias))
 
     def capture_backward(self, function, in_data, out_grad):
         gy = out_grad[0]

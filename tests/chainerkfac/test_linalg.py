@@ -66,3 +66,13 @@ def test_mirror_upper_equals_triu_twin(n):
     m = numpy.random.RandomState(n).randn(n, n)
     expected = numpy.triu(m) + numpy.triu(m, 1).T
     numpy.testing.assert_array_equal(linalg.mirror_upper(m.copy()), expected)
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'float16'])
+def test_gram_with_ones_equals_gram_of_augmented_rows(dtype):
+    rows = numpy.random.RandomState(1).randn(30, 4).astype(numpy.float32)
+    augmented = numpy.concatenate([rows, numpy.ones((30, 1), 'f')], 1)
+    expected = linalg.gram(augmented, 0.1)
+    got = linalg.gram(rows, 0.1, numpy.dtype(dtype), append_ones=True)
+    tol = 1e-6 if dtype == 'float32' else 2e-3
+    numpy.testing.assert_allclose(got, expected, rtol=tol, atol=tol)
