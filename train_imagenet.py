@@ -217,7 +217,7 @@ def make_iterators(train, val, batch, loaderjob):
             make(val, batch, repeat=False, shuffle=False))
 
 
-def observers(optimizer, name, comm, global_batch):
+def observers(optimizer, name, images_per_iteration):
     """Values logged per epoch besides loss and accuracy."""
     out = [extensions.observe_lr(),
            extensions.observe_value('momentum',
@@ -230,18 +230,12 @@ def observers(optimizer, name, comm, global_batch):
                 'refresh_interval_' + kind,
                 lambda t, k=kind: optimizer.refresh_intervals[k](
                     optimizer.t, optimizer.epoch)))
-    images = global_batch // optimizer_acc(optimizer)
-
     def images_per_sec(trainer):
         elapsed = trainer.elapsed_time
-        return (trainer.updater.iteration * images / elapsed
+        return (trainer.updater.iteration * images_per_iteration / elapsed
                 if elapsed > 0 else 0.0)
     out.append(extensions.observe_value('images_per_sec', images_per_sec))
     return out
-
-
-def optimizer_acc(optimizer):
-    return getattr(optimizer, 'acc_iters', 1)
 
 
 # -- one training run --------------------------------------------------------------
@@ -300,8 +294,9 @@ def run(args, comm, optimizer_name, out, cfg):
                    trigger=EpochAtStepBoundary(args.snapshot_every,
                                                acc_iters))
     if comm.rank == 0:
-        for observer in observers(optimizer, optimizer_name, comm,
-                                  cfg.global_batch_size):
+        # Every iteration, all processes together take one micro-batch each.
+        for observer in observers(optimizer, optimizer_name,
+                                  batch * comm.size):
             trainer.extend(observer, trigger=(1, 'iteration'))
         trainer.extend(extensions.LogReport(trigger=(1, 'epoch')))
         trainer.extend(extensions.PrintReport(
