@@ -427,6 +427,12 @@ class KFAC(optimizer.GradientMethod):
         for kind in self.last_refresh:
             self.last_refresh[kind] = int(serializer(
                 'last_refresh_' + kind, self.last_refresh[kind]))
+        # The MC Fisher's label sampler continues where it stopped.
+        name, keys, position, has_gauss, gauss = self._rng.get_state()
+        keys = serializer('mc_rng_keys', keys)
+        position = int(serializer('mc_rng_position', position))
+        self._rng.set_state((name, numpy.asarray(keys, numpy.uint32),
+                             position, has_gauss, gauss))
         state = serializer['kfac']
         for block in self.blocks:
             block.serialize(state[block.name.strip('/') or '_root'])

@@ -230,23 +230,25 @@ def train(model, optimizer, x, t, steps):
         optimizer.update(helpers.loss_of(model), x[rows], t[rows])
 
 
-def make_optimizer():
-    return helpers.kfac(lr=0.05, momentum=0.9, damping=1e-2,
+def make_optimizer(fisher='emp'):
+    return helpers.kfac(lr=0.05, momentum=0.9, damping=1e-2, fisher=fisher,
+                        seed=3,
                         damping_target=1e-3, damping_warmup_steps=5,
                         refresh_interval_a=2, refresh_interval_g=3,
                         refresh_interval_f=2, weight_rescale=True,
                         factor_decay=0.5, fisher_diff=True)
 
 
-def test_snapshot_and_resume_continue_exactly():
+@pytest.mark.parametrize('fisher', ['emp', 'mc'])
+def test_snapshot_and_resume_continue_exactly(fisher):
     x, t = helpers.data(n=12)
     base = helpers.ConvNet(bn=True)
     straight = clone(base)
-    optimizer = make_optimizer().setup(straight)
+    optimizer = make_optimizer(fisher).setup(straight)
     train(straight, optimizer, x, t, 7)
 
     first = clone(base)
-    optimizer = make_optimizer().setup(first)
+    optimizer = make_optimizer(fisher).setup(first)
     train(first, optimizer, x, t, 4)
     model_file, opt_file = io.BytesIO(), io.BytesIO()
     serializers.save_npz(model_file, first)
@@ -256,7 +258,8 @@ def test_snapshot_and_resume_continue_exactly():
 
     resumed = helpers.ConvNet(bn=True)
     serializers.load_npz(model_file, resumed)
-    optimizer = make_optimizer().setup(resumed)
+    optimizer = make_optimizer(fisher).setup(resumed)
+    optimizer.sample_labels(numpy.zeros((5, 3)))   # move its RNG: restored
     serializers.load_npz(opt_file, optimizer)
     assert optimizer.t == 4
     train_from = 4
