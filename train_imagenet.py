@@ -177,12 +177,13 @@ def attach_hooks(name, optimizer, args):
             weight_decay=args.weight_decay))
 
 
-def load_datasets(args, comm, crop, resize):
-    """Rank 0 reads and checks the lists and the mean; shards go out."""
+def load_datasets(args, comm, crop, resize, out):
+    """Rank 0 reads and checks the lists and the mean (computed into
+    ``out`` when ``--mean`` is not given); shards go out."""
     if comm.rank == 0:
         train_base = augment.ImageListDataset(args.train, args.root, resize)
         val_base = augment.ImageListDataset(args.val, args.root, resize)
-        mean_path = args.mean or os.path.join(args.out, 'mean.npy')
+        mean_path = args.mean or os.path.join(out, 'mean.npy')
         if os.path.exists(mean_path):
             mean = augment.load_mean(mean_path, crop)
         else:
@@ -247,10 +248,8 @@ def run(args, comm, optimizer_name, out, cfg):
     if comm.rank == 0:
         os.makedirs(out, exist_ok=True)
     comm.mpi_comm.Barrier()
-    args_out, args.out = args.out, out
     train, val, n_class, n_train, n_val = load_datasets(args, comm, crop,
-                                                        resize)
-    args.out = args_out
+                                                        resize, out)
     numpy.random.seed(args.seed)   # same initial weights on every rank
     model = models.SoftLabelClassifier(build_model(args.arch, n_class,
                                                    args.depth, args.width))

@@ -2,8 +2,10 @@
 
 :class:`FactorCapture` is a Chainer ``FunctionHook`` that the optimizer
 activates only inside ``update``. For each function call it finds the block
-in O(1) — by the identity of the call's weight parameter (its second input)
-— and hands the block the arrays it needs. A link called several times per
+in O(1) by the identity of the call's weight (its second input): the
+parameter's array in the forward pass, where the function's input nodes do
+not exist yet, and the parameter itself in the backward pass. It hands the
+block the arrays it needs. A link called several times per
 step contributes every call.
 
 It also remembers the logits of the loss (the input of the last softmax /
