@@ -33,19 +33,23 @@ export PYTHONUNBUFFERED := 1
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt constraints.txt
+# The library is installed editable (pyproject.toml), so scripts in any
+# directory import it; the harness folders are used from the checkout.
+$(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --no-cache-dir -r requirements.txt
+	$(VENV)/bin/pip install -q --no-cache-dir --no-deps -e .
 	touch $@
 
 venv-np2: $(VENV_NP2)/.installed
 
-$(VENV_NP2)/.installed: requirements-numpy2.txt constraints.txt
+$(VENV_NP2)/.installed: requirements-numpy2.txt constraints.txt pyproject.toml
 	@py='$(PYTHON_NP2)'; \
 	if [ -z "$$py" ]; then py='$(PYTHON)'; \
 	echo "test-numpy2: no Python 3.12 found; using $$py with NumPy 2"; fi; \
 	echo "$$py -m venv $(VENV_NP2)"; "$$py" -m venv $(VENV_NP2)
 	$(VENV_NP2)/bin/pip install -q --no-cache-dir -r requirements-numpy2.txt
+	$(VENV_NP2)/bin/pip install -q --no-cache-dir --no-deps -e .
 	touch $@
 
 # Single-process tests, then the distributed ones under mpiexec -n 1..4.
