@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 #: Concurrent CUDA streams for the inverses of one try. On an H100 the
 #: Cholesky inverses of ResNet-50's 161 factors took 0.270 s on one stream,
-#: 0.158 s on 4 and 0.126 s on 8 (docs/GPU.md calibration).
+#: 0.158 s on 4 and 0.126 s on 8 (a calibration on the H100 of issue 12).
 N_STREAMS = 8
 
 # Columns of the per-factor status array written on the device.

@@ -6,8 +6,8 @@
 #     bash tests/gpu/run.sh [all|single|mpi]          (default: all)
 #
 # which is what `make test-gpu` runs. On a GPU node without network access
-# (the recipe of docs GPU.md: the node's own python3 with NumPy 2, CuPy and
-# mpi4py, its own Open MPI, Chainer carried as a wheel in .whl/):
+# (the node's own python3 with NumPy 2, CuPy and mpi4py, its own Open MPI,
+# Chainer carried as a wheel in .whl/: README, section GPU):
 #
 #     bash tests/gpu/run.sh
 #   or
@@ -44,7 +44,7 @@ if ! "$PY" -c 'import chainerkfac, chainer' >/dev/null 2>&1; then
     wheel=$(ls .whl/chainer-*.whl 2>/dev/null | head -n 1)
     if [ -z "$wheel" ]; then
         echo "Chainer cannot be imported by $PY and there is no" \
-             ".whl/chainer-*.whl to install it from (see docs GPU.md)"
+             ".whl/chainer-*.whl to install it from (README, section GPU)"
         exit 2
     fi
     echo "\$ $PY -m pip install --no-index --no-deps --target $SITE $wheel"
