@@ -111,20 +111,21 @@ def _invert(matrix, damping, status, k, handle):
     slot = k * _STATUS_COLUMNS
     if matrix.ndim == 1:
         out = cupy.empty(matrix.shape, dtype)
-        _kernels().diagonal(matrix, dtype.type(damping), status, slot, out)
+        _kernels().diagonal(matrix, dtype.type(damping), slot, out, status)
         return out
     n = matrix.shape[0]
     damped = cupy.empty((n, n), dtype)
-    _kernels().damp(matrix, dtype.type(damping), n, status,
-                    slot + _INPUT_NONFINITE, damped)
+    _kernels().damp(matrix, dtype.type(damping), n, slot + _INPUT_NONFINITE,
+                    damped, status)
     solver = _Solver(dtype, handle)
-    work = cupy.empty(max(solver.potrf_lwork(n, damped),
+    work = cupy.empty(max(1, solver.potrf_lwork(n, damped),
                           solver.potri_lwork(n, damped)), dtype)
-    info = status.data.ptr + status.itemsize * slot
-    solver.potrf(n, damped, work, info + 4 * _FACTOR_INFO)
-    inverse = solver.potri(n, damped, work, info + 4 * _INVERSE_INFO)
+    row = status.data.ptr + status.itemsize * slot   # devInfo pointers
+    solver.potrf(n, damped, work, row + status.itemsize * _FACTOR_INFO)
+    inverse = solver.potri(n, damped, work,
+                           row + status.itemsize * _INVERSE_INFO)
     out = cupy.empty((n, n), dtype)
-    _kernels().mirror(inverse, n, status, slot + _OUTPUT_NONFINITE, out)
+    _kernels().mirror(inverse, n, slot + _OUTPUT_NONFINITE, out, status)
     return out
 
 
@@ -159,11 +160,6 @@ class _Solver(object):
         self.prefix = 'd' if self.dtype == numpy.float64 else 's'
         self.raw = _raw_potri()
 
-    def _bind_stream(self):
-        import cupy
-        self.cusolver.setStream(self.handle,
-                                cupy.cuda.get_current_stream().ptr)
-
     def potrf_lwork(self, n, matrix) -> int:
         return _potrf_lwork(self.prefix, n, self.handle, matrix.data.ptr)
 
@@ -173,23 +169,25 @@ class _Solver(object):
         return _potri_lwork(self.prefix, n, self.handle, matrix.data.ptr)
 
     def potrf(self, n, matrix, work, info_ptr) -> None:
+        # CuPy's wrappers bind the handle to the current stream.
         potrf = getattr(self.cusolver, self.prefix + 'potrf')
-        self._bind_stream()
         potrf(self.handle, _CUBLAS_FILL_MODE_LOWER, n, matrix.data.ptr, n,
               work.data.ptr, work.size, info_ptr)
 
     def potri(self, n, chol, work, info_ptr):
         """Inverse of ``chol``'s Cholesky factorisation; its upper
         (row-major) triangle is valid."""
-        self._bind_stream()
         if self.raw is not None:
+            import cupy
+            self.cusolver.setStream(self.handle,
+                                    cupy.cuda.get_current_stream().ptr)
             potri = self.raw[self.prefix + 'potri']
             _check(potri(self.handle, _CUBLAS_FILL_MODE_LOWER, n,
                          chol.data.ptr, n, work.data.ptr, work.size,
                          info_ptr), 'potri')
             return chol
         import cupy
-        inverse = cupy.eye(n, dtype=self.dtype)
+        inverse = cupy.eye(n, dtype=self.dtype)   # A X = I by potrs
         potrs = getattr(self.cusolver, self.prefix + 'potrs')
         potrs(self.handle, _CUBLAS_FILL_MODE_LOWER, n, n, chol.data.ptr, n,
               inverse.data.ptr, n, info_ptr)
@@ -287,11 +285,13 @@ def _loaded_cusolver() -> Optional[str]:
 def _kernels():
     import cupy
 
+    # ``status`` is a raw *output*: CuPy passes raw inputs as const arrays,
+    # and the kernels count their failures into it with atomicAdd.
     class Kernels(object):
         #: ``out = m + d·I`` (cast to the inverse dtype); counts non-finite
         #: entries of ``m`` into ``status[slot]``.
         damp = cupy.ElementwiseKernel(
-            'raw S m, T d, int64 n, raw int32 status, int64 slot', 'T out',
+            'raw S m, T d, int64 n, int64 slot', 'T out, raw int32 status',
             '''
             T x = (T)m[i];
             if (!isfinite(x)) atomicAdd(&status[slot], 1);
@@ -300,7 +300,7 @@ def _kernels():
         #: ``out`` = the upper triangle of ``a`` mirrored onto the lower one;
         #: counts non-finite entries into ``status[slot]``.
         mirror = cupy.ElementwiseKernel(
-            'raw T a, int64 n, raw int32 status, int64 slot', 'T out',
+            'raw T a, int64 n, int64 slot', 'T out, raw int32 status',
             '''
             ptrdiff_t r = i / n, c = i % n;
             T x = (r <= c) ? a[i] : a[c * n + r];
@@ -311,7 +311,7 @@ def _kernels():
         #: status row: non-finite input, ``v + d <= 0`` (not positive
         #: definite), non-finite output.
         diagonal = cupy.ElementwiseKernel(
-            'S v, T d, raw int32 status, int64 slot', 'T out',
+            'S v, T d, int64 slot', 'T out, raw int32 status',
             '''
             T x = (T)v;
             if (!isfinite(x)) atomicAdd(&status[slot], 1);

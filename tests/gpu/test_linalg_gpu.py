@@ -1,7 +1,6 @@
 """Batched damped inverses and the fp16 factor GEMM on the GPU, against the
 CPU path (LAPACK) and the NumPy twin."""
 import numpy
-import pytest
 
 from chainerkfac import linalg
 from chainerkfac import linalg_cuda
