@@ -5,9 +5,10 @@ One try inverts every pending factor ``M + d·I`` of a step:
 * **Cholesky, then its inverse** — cuSOLVER ``potrf`` then ``potri``
   (≈ n³ flops in all), called through a small ``ctypes`` binding to the
   cuSOLVER library CuPy has loaded (CuPy 14 exposes ``potrf`` but not
-  ``potri``). Where that binding cannot be made, ``potrs`` against the
-  identity (≈ 7n³/3 flops, what ``cupyx.lapack.posv`` does) replaces
-  ``potri``; the result is the same to rounding.
+  ``potri``), checked once on a known matrix. Where that binding cannot be
+  made or fails its check, ``potrs`` against the identity (≈ 7n³/3 flops,
+  what ``cupyx.lapack.posv`` does) replaces ``potri``; the result is the
+  same to rounding.
 * **Concurrency** — the factors are spread over :data:`N_STREAMS`
   non-blocking CUDA streams, largest first onto the least loaded stream
   (each stream with its own cuSOLVER handle): ResNet-50 has 161 factors,
@@ -228,35 +229,84 @@ def _check(status: int, name: str) -> None:
 @functools.lru_cache(maxsize=None)
 def _raw_potri():
     """``{'spotri', 'dpotri', 'spotri_bufferSize', 'dpotri_bufferSize'}``
-    from the cuSOLVER library this process has loaded, or None."""
+    from the cuSOLVER library this process has loaded, once they pass
+    :func:`_check_potri`; None otherwise (``potrs`` then stands in)."""
     path = _loaded_cusolver()
     if path is None:
         logger.info('cuSOLVER potri not bound (library not found in this '
                     'process): inverting with potrs against the identity')
         return None
-    void, c_int = ctypes.c_void_p, ctypes.c_int
     try:
-        library = ctypes.CDLL(path)
-        functions = {}
-        for prefix in ('s', 'd'):
-            size = getattr(library, 'cusolverDn{}potri_bufferSize'.format(
-                prefix.upper()))
-            size.argtypes = [void, c_int, c_int, void, c_int,
-                             ctypes.POINTER(c_int)]
-            size.restype = c_int
-            potri = getattr(library, 'cusolverDn{}potri'.format(
-                prefix.upper()))
-            potri.argtypes = [void, c_int, c_int, void, c_int, void, c_int,
-                              void]
-            potri.restype = c_int
-            functions[prefix + 'potri_bufferSize'] = size
-            functions[prefix + 'potri'] = potri
+        functions = _bind_potri(path)
     except (OSError, AttributeError) as error:
         logger.info('cuSOLVER potri not bound (%s): inverting with potrs '
                     'against the identity', error)
         return None
+    problem = _check_potri(functions)
+    if problem is not None:
+        logger.warning('cuSOLVER potri from %s fails a check (%s): inverting '
+                       'with potrs against the identity', path, problem)
+        return None
     logger.debug('cuSOLVER potri bound from %s', path)
     return functions
+
+
+def _bind_potri(path: str) -> dict:
+    """ctypes bindings of ``cusolverDn{S,D}potri[_bufferSize]`` in the
+    library at ``path``; OSError or AttributeError if it has none."""
+    void, c_int = ctypes.c_void_p, ctypes.c_int
+    library = ctypes.CDLL(path)
+    functions = {}
+    for prefix in ('s', 'd'):
+        size = getattr(library, 'cusolverDn{}potri_bufferSize'.format(
+            prefix.upper()))
+        size.argtypes = [void, c_int, c_int, void, c_int,
+                         ctypes.POINTER(c_int)]
+        size.restype = c_int
+        potri = getattr(library, 'cusolverDn{}potri'.format(prefix.upper()))
+        potri.argtypes = [void, c_int, c_int, void, c_int, void, c_int, void]
+        potri.restype = c_int
+        functions[prefix + 'potri_bufferSize'] = size
+        functions[prefix + 'potri'] = potri
+    return functions
+
+
+def _check_potri(functions) -> Optional[str]:
+    """Invert a known 3×3 matrix in both dtypes with the bound ``potri``
+    (and the conventions of :class:`_Solver`); what went wrong, or None."""
+    import cupy
+    from cupy_backends.cuda.libs import cusolver
+    matrix = numpy.array([[4.0, 2.0, 0.6], [2.0, 3.0, 0.4], [0.6, 0.4, 2.0]])
+    expected = numpy.linalg.inv(matrix)
+    handle = cupy.cuda.device.get_cusolver_handle()
+    uplo = _CUBLAS_FILL_MODE_LOWER
+    try:
+        for prefix, dtype in (('s', numpy.float32), ('d', numpy.float64)):
+            a = cupy.asarray(matrix, dtype)
+            info = cupy.zeros(2, numpy.int32)
+            lwork = ctypes.c_int(0)
+            _check(functions[prefix + 'potri_bufferSize'](
+                handle, uplo, 3, a.data.ptr, 3, ctypes.byref(lwork)),
+                'potri_bufferSize')
+            size = getattr(cusolver, prefix + 'potrf_bufferSize')(
+                handle, uplo, 3, a.data.ptr, 3)
+            work = cupy.empty(max(1, size, lwork.value), dtype)
+            getattr(cusolver, prefix + 'potrf')(
+                handle, uplo, 3, a.data.ptr, 3, work.data.ptr, work.size,
+                info.data.ptr)
+            cusolver.setStream(handle, cupy.cuda.get_current_stream().ptr)
+            _check(functions[prefix + 'potri'](
+                handle, uplo, 3, a.data.ptr, 3, work.data.ptr, work.size,
+                info.data.ptr + info.itemsize), 'potri')
+            upper = numpy.triu(a.get())
+            got = upper + numpy.triu(upper, 1).T
+            if info.get().any() or not numpy.allclose(got, expected,
+                                                      rtol=1e-4):
+                return '{} inverse {} differs from {}'.format(
+                    dtype.__name__, got.tolist(), expected.tolist())
+    except Exception as error:  # a cuSOLVER status, a CUDA error
+        return '{}: {}'.format(type(error).__name__, error)
+    return None
 
 
 def _loaded_cusolver() -> Optional[str]:

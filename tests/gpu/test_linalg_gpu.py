@@ -90,13 +90,14 @@ def test_potrs_stand_in_gives_the_same_inverses(monkeypatch):
 
 def test_potri_is_bound_on_this_machine():
     """Not a correctness matter (potrs stands in), but the fast path is the
-    one the benchmarks should measure: say where cuSOLVER was looked for."""
-    functions = linalg_cuda._raw_potri()
-    assert functions is not None, (
-        'cuSOLVER potri could not be bound: libcusolver in this process: '
-        '{!r}'.format(linalg_cuda._loaded_cusolver()))
+    one the benchmarks should measure: say why it is not taken."""
+    path = linalg_cuda._loaded_cusolver()
+    assert path is not None, 'no libcusolver found in /proc/self/maps'
+    functions = linalg_cuda._bind_potri(path)   # raises with the reason
     assert set(functions) == {'spotri', 'dpotri', 'spotri_bufferSize',
                               'dpotri_bufferSize'}
+    assert linalg_cuda._check_potri(functions) is None
+    assert linalg_cuda._raw_potri() is not None
 
 
 def test_one_factor_and_current_stream():
