@@ -257,6 +257,7 @@ class Layout(object):
                                   self.all_gather_size)
 
     def _sizes(self, indices) -> List[int]:
+        """Elements of each array of ``indices``."""
         return [int(numpy.prod(self.shapes[i])) for i in indices]
 
     def _pack_index(self, xp, sources, segments):
@@ -285,9 +286,9 @@ class Layout(object):
         reads the upper one)."""
         sizes = self._sizes([i for i, _ in slots])
         index = xp.empty(sum(sizes), _index_dtype(source_size))
-        self._fill(xp, index, [(at, i, base) for at, (i, base)
-                           in zip(_cumulative(sizes), slots)],
-                   _mirror_template)
+        placements = [(at, i, base) for at, (i, base)
+                      in zip(_cumulative(sizes), slots)]
+        self._fill(xp, index, placements, _mirror_template)
         return index
 
     def _fill(self, xp, index, placements, template_of):
