@@ -29,7 +29,7 @@ export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 export OMPI_MCA_btl_vader_single_copy_mechanism := none
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv venv-np2 test test-fast test-mpi test-numpy2 demo clean
+.PHONY: venv venv-np2 test test-fast test-mpi test-numpy2 test-gpu demo clean
 
 venv: $(VENV)/.installed
 
@@ -70,6 +70,13 @@ test-mpi: venv
 test-numpy2: venv-np2
 	$(PY_NP2) -c 'import sys, numpy; print("test-numpy2: Python", sys.version.split()[0], "NumPy", numpy.__version__)'
 	$(PY_NP2) -m pytest -q -p chainerkfac._compat -m "not mpi and not slow" tests
+
+# The GPU tests (CuPy and a CUDA device): pytest -m gpu, then the distributed
+# ones under mpiexec -n 1..4, every rank on device 0 (tests/gpu/run.sh says
+# how). No virtualenv is made: on a GPU node without network, with Chainer's
+# wheel in .whl/, run `make test-gpu PY=python3 MPIEXEC=mpiexec`.
+test-gpu:
+	PY='$(PY)' MPIEXEC='$(MPIEXEC)' bash tests/gpu/run.sh all
 
 # One BLAS thread per rank: several ranks on few cores otherwise spin
 # against each other (K-FAC's epoch took 4x longer with 2 threads per rank).

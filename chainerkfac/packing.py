@@ -21,6 +21,7 @@ their own dtype on unpacking. With ``pad=True`` every segment is padded with
 zeros to the longest one, as NCCL's ``reduceScatter`` / ``allGather`` take one
 count for all ranks.
 """
+import collections
 import functools
 from typing import List, Optional, Sequence, Tuple
 
@@ -222,70 +223,99 @@ class Layout(object):
         return self.all_gather_counts[rank] * self.wire_dtype.itemsize
 
     # -- index maps: every pack / unpack is one gather (see gather_cast) ----
-    def _wire_positions(self, i: int, base: int):
-        """Positions, in a flat copy of array ``i`` starting at ``base``, of
-        its wire elements (the upper triangle, row by row, if symmetric)."""
-        shape = self.shapes[i]
-        if self.symmetric[i]:
-            n = shape[0]
-            rows, cols = numpy.triu_indices(n)
-            return base + rows * n + cols
-        return base + numpy.arange(int(numpy.prod(shape)))
+    def _build_index(self, key, xp=numpy):
+        """The index map of one pack or unpack (see :func:`gather_cast`),
+        built where it is used (``xp``: NumPy, or CuPy on the current
+        device).
 
-    def _array_positions(self, i: int, base: int):
-        """For every element of array ``i`` (row-major), its position in a
-        wire segment where the array starts at ``base``: the inverse map,
-        mirroring the triangle."""
-        shape = self.shapes[i]
-        if self.symmetric[i]:
-            n = shape[0]
-            rows, cols = numpy.indices((n, n))
-            low, high = numpy.minimum(rows, cols), numpy.maximum(rows, cols)
-            return (base + low * n - low * (low - 1) // 2 + high - low).ravel()
-        return base + numpy.arange(int(numpy.prod(shape)))
-
-    def _starts(self, indices):
-        sizes = [int(numpy.prod(self.shapes[i])) for i in indices]
-        return dict(zip(indices, numpy.concatenate(
-            [[0], numpy.cumsum(sizes)[:-1]]).astype(int))) if sizes else {}
-
-    def _build_index(self, key):
+        Built from one template per matrix size (:func:`_wire_template`,
+        :func:`_mirror_template`) plus each array's start, in the smallest
+        integer type that holds every position of the source.
+        """
         kind, rank = key
         if kind == 'pack_rs':        # buffer <- concat(all arrays)
-            starts = self._starts(range(len(self.shapes)))
-            index = numpy.full(self.reduce_scatter_size, -1, numpy.int64)
-            for r in range(self.size):
-                for i, offset in self._rs_slots[r]:
-                    at = self.reduce_scatter_offsets[r] + offset
-                    index[at:at + self.wire_lengths[i]] = \
-                        self._wire_positions(i, starts[i])
-            return index
+            return self._pack_index(
+                xp, range(len(self.shapes)),
+                [(self.reduce_scatter_offsets[r],
+                  self.reduce_scatter_counts[r], self._rs_slots[r])
+                 for r in range(self.size)])
         if kind == 'pack_ag':        # segment <- concat(rank's arrays)
             slots = self._ag_slots[rank]
-            starts = self._starts([i for i, _ in slots])
-            index = numpy.full(self.all_gather_counts[rank], -1, numpy.int64)
-            for i, offset in slots:
-                index[offset:offset + self.wire_lengths[i]] = \
-                    self._wire_positions(i, starts[i])
-            return index
+            return self._pack_index(
+                xp, [i for i, _ in slots],
+                [(0, self.all_gather_counts[rank], slots)])
         if kind == 'unpack_rs':      # concat(rank's arrays) <- segment
-            return _concat([self._array_positions(i, offset)
-                            for i, offset in self._rs_slots[rank]])
+            return self._unpack_index(
+                xp, self._rs_slots[rank], self.reduce_scatter_counts[rank])
         # 'unpack_ag': concat(all arrays) <- gathered buffer
         base = {}
         for r in range(self.size):
             for i, offset in self._ag_slots[r]:
                 base[i] = self.all_gather_offsets[r] + offset
-        return _concat([self._array_positions(i, base[i])
-                        for i in range(len(self.shapes))])
+        return self._unpack_index(xp, [(i, base[i]) for i in
+                                   range(len(self.shapes))],
+                                  self.all_gather_size)
+
+    def _sizes(self, indices) -> List[int]:
+        """Elements of each array of ``indices``."""
+        return [int(numpy.prod(self.shapes[i])) for i in indices]
+
+    def _pack_index(self, xp, sources, segments):
+        """Wire buffer <- the flat concatenation of the arrays ``sources``:
+        per segment ``(offset, count, slots)``, each slot's array's wire
+        elements at the slot, -1 in the padding."""
+        sources = list(sources)
+        sizes = self._sizes(sources)
+        starts = dict(zip(sources, _cumulative(sizes)))
+        index = xp.empty(sum(count for _, count, _ in segments),
+                         _index_dtype(sum(sizes)))
+        placements = []
+        for offset, count, slots in segments:
+            used = 0
+            for i, at in slots:
+                placements.append((offset + at, i, starts[i]))
+                used = at + self.wire_lengths[i]
+            index[offset + used:offset + count] = -1
+        self._fill(xp, index, placements, _wire_template)
+        return index
+
+    def _unpack_index(self, xp, slots, source_size):
+        """Flat arrays <- wire buffer: for every element of each array of
+        ``slots`` ``(array, where its wire elements start)``, in order, the
+        position of its wire element (a symmetric array's lower triangle
+        reads the upper one)."""
+        sizes = self._sizes([i for i, _ in slots])
+        index = xp.empty(sum(sizes), _index_dtype(source_size))
+        placements = [(at, i, base) for at, (i, base)
+                      in zip(_cumulative(sizes), slots)]
+        self._fill(xp, index, placements, _mirror_template)
+        return index
+
+    def _fill(self, xp, index, placements, template_of):
+        """``index[at:at + len]`` = positions of array ``i`` starting at
+        ``base``, for every ``(at, i, base)``: consecutive for a plain array,
+        ``base + template_of(n)`` for an n×n symmetric one (one template per
+        size, built once on the host and sent to ``index``'s device)."""
+        by_size = collections.defaultdict(list)
+        for at, i, base in placements:
+            if self.symmetric[i]:
+                by_size[self.shapes[i][0]].append((at, base))
+            else:
+                length = int(numpy.prod(self.shapes[i]))
+                index[at:at + length] = xp.arange(
+                    base, base + length, dtype=index.dtype)
+        for n, spots in by_size.items():
+            template = xp.asarray(template_of(n))
+            for at, base in spots:
+                xp.add(template, index.dtype.type(base),
+                       out=index[at:at + template.size])
 
     def _index(self, xp, kind: str, rank: Optional[int] = None):
         device = None if xp is numpy else xp.cuda.runtime.getDevice()
         key = (kind, rank, device)
         cache = self.__dict__.setdefault('_index_cache', {})
         if key not in cache:
-            index = self._build_index((kind, rank))
-            cache[key] = index if xp is numpy else xp.asarray(index)
+            cache[key] = self._build_index((kind, rank), xp)
         return cache[key]
 
     def _source(self, arrays, indices):
@@ -416,7 +446,7 @@ def _gather_cast_kernel():
     if not _KERNEL:
         import cupy
         _KERNEL.append(cupy.ElementwiseKernel(
-            'raw S source, int64 index', 'T out',
+            'raw S source, I index', 'T out',
             'out = index >= 0 ? (T)source[index] : (T)0',
             'chainerkfac_gather_cast'))
     return _KERNEL[0]
@@ -426,9 +456,49 @@ def _common_dtype(dtypes):
     return numpy.result_type(*list(dtypes))
 
 
-def _concat(parts):
-    return (numpy.concatenate(parts).astype(numpy.int64) if parts
-            else numpy.zeros(0, numpy.int64))
+def _cumulative(sizes) -> List[int]:
+    """Where each of consecutive pieces of these sizes starts."""
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total)
+        total += size
+    return starts
+
+
+def _index_dtype(source_size: int) -> numpy.dtype:
+    """int32 when every position of a source of this length fits (half the
+    bytes of int64 to build, hold on the device and read), else int64."""
+    if source_size < numpy.iinfo(numpy.int32).max:
+        return numpy.dtype(numpy.int32)
+    return numpy.dtype(numpy.int64)
+
+
+def _wire_template(n: int):
+    """Positions, in a flat n×n matrix, of its upper triangle row by row
+    (``triu_pack``'s order): the k-th wire element of row r is at
+    ``k + r(r+1)/2``."""
+    dtype = _index_dtype(n * n)
+    rows = numpy.arange(n, dtype=dtype)
+    shift = numpy.repeat(rows * (rows + 1) // 2, n - rows)
+    return numpy.add(numpy.arange(n * (n + 1) // 2, dtype=dtype), shift,
+                     out=shift)
+
+
+def _mirror_template(n: int):
+    """For every element (r, c) of a flat n×n matrix, the position of
+    element (min, max) in its packed upper triangle: ``off(r) + c - r`` on
+    and above the diagonal, ``off(c) + r - c`` below it, where
+    ``off(r) = r·n - r(r-1)/2`` starts row r of the triangle."""
+    dtype = _index_dtype(n * (n + 1) // 2)
+    wide = numpy.arange(n, dtype=numpy.int64)  # r·n may overflow int32
+    shift = (wide * n - wide * (wide - 1) // 2 - wide).astype(dtype)
+    rows = wide.astype(dtype)                  # shift = off(r) - r
+    template = numpy.empty((n, n), dtype)
+    # Row by row: sequential writes (a transposed copy is slow at n = 2^k).
+    for r in range(n):
+        numpy.add(shift[:r], dtype.type(r), out=template[r, :r])
+        numpy.add(rows[r:], shift[r], out=template[r, r:])
+    return template.ravel()
 
 
 def _module_of(arrays):
