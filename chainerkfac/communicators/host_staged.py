@@ -2,7 +2,9 @@
 
 Each collective copies its packed buffer from the GPU to the host, runs the
 MPI collective of :mod:`chainerkfac.communicators.naive` on it, and copies
-the result back to the GPU it came from. The packing and unpacking (the
+the result back to the GPU it came from (as the naive flavour does for any
+CuPy buffer); this flavour also stages ChainerMN's own ``bcast_data`` and
+``multi_node_mean_grad``. The packing and unpacking (the
 gather-and-cast kernel, the triangles, the padding) stay on the GPU, exactly
 as with NCCL.
 
@@ -84,16 +86,8 @@ class KfacHostStagedCommunicator(KfacNaiveCommunicator):
                               wire_dtype=self.wire_dtype,
                               pad_segments=self._pad_segments)
 
-    # -- K-FAC's collectives ---------------------------------------------------
-    def _reduce_scatter(self, sendbuf, layout):
-        segment = super(KfacHostStagedCommunicator, self)._reduce_scatter(
-            _to_host(sendbuf), layout)
-        return _to_device_of(segment, sendbuf)
-
-    def _all_gather(self, segment, layout):
-        buffer = super(KfacHostStagedCommunicator, self)._all_gather(
-            _to_host(segment), layout)
-        return _to_device_of(buffer, segment)
+    # K-FAC's collectives are the naive flavour's, which stage CuPy
+    # buffers through the host (chainerkfac.communicators.naive).
 
     # -- ChainerMN's collectives ----------------------------------------------
     def bcast_data(self, model):

@@ -122,14 +122,15 @@ def test_fp16_factors_on_gpu_follow_the_numpy_twin():
 
 def _with_bad_factor(bad, model, optimizer, x, t, monkeypatch):
     block = helpers.block_named(optimizer, '/l1')
-    original = block.local_factors
+    original = block.captured
 
-    def patched(names, n):
-        factors = original(names, n)
+    def patched():
+        factors = original()
         if 'A' in factors:
-            factors['A'] = bad(factors['A'])
+            total, count = factors['A']
+            factors['A'] = (bad(total), count)
         return factors
-    monkeypatch.setattr(block, 'local_factors', patched)
+    monkeypatch.setattr(block, 'captured', patched)
     reporter, observation = chainer.Reporter(), {}
     with reporter.scope(observation):
         optimizer.update(helpers.loss_of(model), x, t)
