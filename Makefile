@@ -78,6 +78,20 @@ test-numpy2: venv-np2
 test-gpu:
 	PY='$(PY)' MPIEXEC='$(MPIEXEC)' bash tests/gpu/run.sh all
 
+# The library as a user installs it: a fresh virtualenv elsewhere,
+# `pip install <checkout>[mpi]` (not editable), a script run from there.
+check-install:
+	@d=$$(mktemp -d) && trap 'rm -rf "$$d"' EXIT && \
+	$(PYTHON) -m venv "$$d/venv" && \
+	"$$d/venv/bin/pip" install -q --no-cache-dir "$(CURDIR)[mpi]" && \
+	cd "$$d" && "$$d/venv/bin/python" -c 'import numpy, chainerkfac, chainer, chainer.links as L; \
+	m = L.Classifier(chainer.Sequential(L.Linear(None, 8), L.Linear(None, 3))); \
+	o = chainerkfac.optimizers.KFAC(verbose=False).setup(m); \
+	o.update(m, numpy.ones((4, 5), numpy.float32), numpy.zeros(4, numpy.int32)); \
+	assert chainerkfac.__file__.startswith("'"$$d"'"), chainerkfac.__file__; \
+	print("check-install: chainerkfac", chainerkfac.__version__, "from", chainerkfac.__file__)' && \
+	"$$d/venv/bin/mpiexec" --version | head -1
+
 # One BLAS thread per rank: several ranks on few cores otherwise spin
 # against each other (K-FAC's epoch took 4x longer with 2 threads per rank).
 demo: venv

@@ -335,9 +335,10 @@ class KFAC(optimizer.GradientMethod):
         lines = [line.rstrip() for line in lines]
         n_kfac = sum(1 for b in self.blocks if b.factor_names)
         lines.append('{} K-FAC layers, {} with the plain gradient; eq. (20) '
-                     'rescales {} weights (weight_rescale={!r})'.format(
+                     'rescales {} of {} Linear/Convolution2D weights '
+                     '(weight_rescale={!r})'.format(
                          n_kfac, len(self.blocks) - n_kfac, len(rescaled),
-                         self.weight_rescale))
+                         len(candidates), self.weight_rescale))
         return '\n'.join(lines)
 
     def config_fingerprint(self) -> Dict[str, str]:
