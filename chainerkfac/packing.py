@@ -339,6 +339,41 @@ class Layout(object):
             start += size
         return out
 
+    # -- the NumPy path: per array, no layout-sized index maps --------------
+    def _pack_numpy(self, arrays, segments, size):
+        """Wire buffer of ``size`` elements: per segment ``(offset,
+        slots)``, each slot's array (its upper triangle if symmetric) at
+        ``offset + slot``, cast to the wire dtype; zeros in the padding.
+        The same buffer as the index-map gather (the GPU's one kernel),
+        without building layout-sized maps."""
+        out = numpy.zeros(size, self.wire_dtype)
+        for offset, slots in segments:
+            for i, at in slots:
+                array = arrays[i]
+                if array is None or array.shape != self.shapes[i]:
+                    raise ValueError(
+                        'array {} has shape {}, the layout expects {}'.format(
+                            i, getattr(array, 'shape', None), self.shapes[i]))
+                start = offset + at
+                if self.symmetric[i]:
+                    _pack_triangle(array, out[start:start +
+                                              self.wire_lengths[i]])
+                else:
+                    out[start:start + self.wire_lengths[i]] = array.ravel()
+        return out
+
+    def _unpack_numpy(self, source, slots):
+        """``(array index, new array)`` for every ``(array index, where its
+        wire elements start in source)`` (a symmetric array's lower
+        triangle mirrors the upper one)."""
+        for i, base in slots:
+            piece = source[base:base + self.wire_lengths[i]]
+            if self.symmetric[i]:
+                yield i, _unpack_triangle(piece, self.shapes[i][0],
+                                          self.dtypes[i])
+            else:
+                yield i, piece.reshape(self.shapes[i]).astype(self.dtypes[i])
+
     def pack_reduce_scatter(self, arrays: Sequence):
         """Flat send buffer of a reduce-scatter (one gather).
 
@@ -351,6 +386,12 @@ class Layout(object):
         -------
         array, shape (reduce_scatter_size,), dtype wire_dtype
         """
+        xp = _module_of(arrays)
+        if xp is numpy:
+            return self._pack_numpy(
+                arrays, [(self.reduce_scatter_offsets[r], self._rs_slots[r])
+                         for r in range(self.size)],
+                self.reduce_scatter_size)
         xp, source = self._source(arrays, range(len(self.shapes)))
         return gather_cast(source, self._index(xp, 'pack_rs'),
                            self.wire_dtype)
@@ -373,7 +414,11 @@ class Layout(object):
         xp = chainer.backend.get_array_module(segment)
         owned = [i for i, _ in self._rs_slots[rank]]
         result = [None] * len(self.shapes)
-        if owned:
+        if xp is numpy:
+            for i, array in self._unpack_numpy(segment,
+                                               self._rs_slots[rank]):
+                result[i] = array
+        elif owned:
             flat = gather_cast(segment, self._index(xp, 'unpack_rs', rank),
                                _common_dtype(self.dtypes[i] for i in owned))
             for i, array in self._split(flat, owned).items():
@@ -390,6 +435,10 @@ class Layout(object):
         -------
         array, shape (all_gather_counts[rank],), dtype wire_dtype
         """
+        xp = _module_of([arrays[i] for i, _ in self._ag_slots[rank]])
+        if xp is numpy:
+            return self._pack_numpy(arrays, [(0, self._ag_slots[rank])],
+                                    self.all_gather_counts[rank])
         xp, source = self._source(arrays, [i for i, _ in
                                            self._ag_slots[rank]])
         return gather_cast(source, self._index(xp, 'pack_ag', rank),
@@ -411,6 +460,12 @@ class Layout(object):
         indices = list(range(len(self.shapes)))
         if not indices:
             return []
+        if xp is numpy:
+            slots = [(i, self.all_gather_offsets[r] + offset)
+                     for r in range(self.size)
+                     for i, offset in self._ag_slots[r]]
+            unpacked = dict(self._unpack_numpy(buffer, slots))
+            return [unpacked[i] for i in indices]
         flat = gather_cast(buffer, self._index(xp, 'unpack_ag'),
                            _common_dtype(self.dtypes))
         split = self._split(flat, indices)
@@ -471,6 +526,28 @@ def _index_dtype(source_size: int) -> numpy.dtype:
     if source_size < numpy.iinfo(numpy.int32).max:
         return numpy.dtype(numpy.int32)
     return numpy.dtype(numpy.int64)
+
+
+def _pack_triangle(matrix, out) -> None:
+    """``out`` ← the upper triangle of ``matrix`` row by row (cast), by
+    contiguous row copies (NumPy)."""
+    n, start = matrix.shape[0], 0
+    for r in range(n):
+        out[start:start + n - r] = matrix[r, r:]
+        start += n - r
+
+
+def _unpack_triangle(piece, n: int, dtype):
+    """The symmetric n×n matrix (``dtype``) whose packed upper triangle is
+    ``piece``: rows copied into the upper triangle, then mirrored by
+    cache-sized panels (NumPy)."""
+    from chainerkfac.linalg import mirror_upper
+    matrix = numpy.empty((n, n), dtype)
+    start = 0
+    for r in range(n):
+        matrix[r, r:] = piece[start:start + n - r]
+        start += n - r
+    return mirror_upper(matrix)
 
 
 def _wire_template(n: int):

@@ -145,3 +145,56 @@ def test_index_dtype_widens_past_int32():
     assert packing._index_dtype(limit - 1) == numpy.int32
     assert packing._index_dtype(limit) == numpy.int64
     assert packing._index_dtype(10 ** 10) == numpy.int64
+
+
+def test_numpy_path_equals_the_index_map_gather():
+    """On the CPU, packing and unpacking go array by array (no
+    layout-sized maps); the GPU gathers through the maps in one kernel.
+    Both give the same buffers and arrays, for every layout kind."""
+    rng = numpy.random.RandomState(5)
+    checked = 0
+    for layout in _layouts():
+        arrays = []
+        for shape, sym, dtype in zip(layout.shapes, layout.symmetric,
+                                     layout.dtypes):
+            a = numpy.asarray(rng.randn(*shape))
+            arrays.append(((a + a.T) if sym else a).astype(dtype))
+        source = numpy.concatenate([a.ravel() for a in arrays])
+        expected = packing.gather_cast(
+            source, layout._build_index(('pack_rs', None)),
+            layout.wire_dtype)
+        got = layout.pack_reduce_scatter(arrays)
+        assert got.dtype == expected.dtype
+        numpy.testing.assert_array_equal(got, expected)
+        for rank in range(layout.size):
+            owned = [i for i, _ in layout._rs_slots[rank]]
+            segment = got[layout.reduce_scatter_offsets[rank]:][
+                :layout.reduce_scatter_counts[rank]]
+            unpacked = layout.unpack_reduce_scatter(segment, rank)
+            if owned:
+                flat = packing.gather_cast(
+                    segment, layout._build_index(('unpack_rs', rank)),
+                    numpy.result_type(*[layout.dtypes[i] for i in owned]))
+                split = layout._split(flat, owned)
+                for i in owned:
+                    assert unpacked[i].dtype == layout.dtypes[i]
+                    numpy.testing.assert_array_equal(unpacked[i], split[i])
+            assert all(unpacked[i] is None for i in range(len(arrays))
+                       if i not in owned)
+            mine = [i for i, _ in layout._ag_slots[rank]]
+            sent = layout.pack_all_gather(arrays, rank)
+            if mine:
+                numpy.testing.assert_array_equal(sent, packing.gather_cast(
+                    numpy.concatenate([arrays[i].ravel() for i in mine]),
+                    layout._build_index(('pack_ag', rank)),
+                    layout.wire_dtype))
+            checked += 1
+        gathered = numpy.concatenate([
+            layout.pack_all_gather(arrays, r) for r in range(layout.size)])
+        flat = packing.gather_cast(gathered,
+                                   layout._build_index(('unpack_ag', None)),
+                                   numpy.result_type(*layout.dtypes))
+        split = layout._split(flat, range(len(arrays)))
+        for i, array in enumerate(layout.unpack_all_gather(gathered)):
+            numpy.testing.assert_array_equal(array, split[i])
+    assert checked > 50
