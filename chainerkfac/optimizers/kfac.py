@@ -378,20 +378,19 @@ class KFAC(optimizer.GradientMethod):
         # A restored state may hold factors of blocks owned elsewhere now
         # (another number of processes): keep only our own, recompute their
         # inverses, and refresh every factor no process holds.
-        lacking = []
+        flags = []
         for block in self.blocks:
-            if not self.transport.owns(block):
+            owned = self.transport.owns(block)
+            if owned:
+                block.restore_inverses()
+            else:
                 block.drop_factors()
-                continue
-            block.restore_inverses()
-            lacking.append([int(n not in block.factors and
-                                block.last_refresh[n] >= 0)
-                            for n in block.factor_names])
-        flags = numpy.array([f for block in self.blocks for f in (
-            lacking.pop(0) if self.transport.owns(block)
-            else [0] * len(block.factor_names))], dtype=numpy.int64)
-        if flags.size and self.transport.all_sum(flags).any():
-            totals = iter(self.transport.all_sum(flags))
+            flags += [int(owned and name not in block.factors and
+                          block.last_refresh[name] >= 0)
+                      for name in block.factor_names]
+        totals = self.transport.all_sum(numpy.array(flags, numpy.int64))
+        if totals.any():
+            totals = iter(totals)
             stale = []
             for block in self.blocks:
                 for name in block.factor_names:
