@@ -74,3 +74,19 @@ def data(n=6, shape=(2, 5, 5), n_class=4, seed=0):
     x = rng.randn(n, *shape)
     t = rng.randint(0, n_class, size=n).astype(numpy.int32)
     return x, t
+
+
+def diagonal_fisher_step(model, param, x, t, damping):
+    """Oracle of one K-FAC step (lr = 1, momentum = 0) of a parameter with a
+    diagonal empirical Fisher: ``w − (∇L + γw) / (E[g_n²] + γ)``, the
+    per-sample gradients g_n from one backward per sample."""
+    per_sample = []
+    for n in range(len(x)):
+        model.cleargrads()
+        F.softmax_cross_entropy(model(x[n:n + 1]), t[n:n + 1]).backward()
+        per_sample.append(param.grad.copy())
+    fisher = (numpy.array(per_sample) ** 2).mean(axis=0)
+    model.cleargrads()
+    F.softmax_cross_entropy(model(x), t).backward()
+    weight = param.array.copy()
+    return weight - (param.grad + damping * weight) / (fisher + damping)
