@@ -1,0 +1,404 @@
+"""Kronecker factors of a convolution, formed without Chainer's im2col.
+
+KFC's input factor ``A = scale · Σ_n Σ_locations p pᵀ`` runs over the
+patches ``p`` of the layer input, a patch being ordered (channel, kernel row,
+kernel column) like ``W.reshape(d_out, -1)``; the output-gradient factor
+``G`` is the Gram matrix of the channel vectors of ``gy`` over samples and
+locations. This module forms both for NumPy and CuPy alike, in one of two
+ways (:func:`patch_gram` picks the cheaper by :func:`strategy_costs`):
+
+* **unfolded** (any stride, padding, dilation, ``cover_all``): the patch
+  matrix is written once, directly in the layout of the product,
+  ``(C·kh·kw, N·oh·ow)``, by ``kh·kw`` strided slice copies of the input
+  (no padded copy, no transposed copy), then multiplied by its own
+  transpose (NumPy sees the two operands are one array and calls ``syrk``).
+  A 1×1 convolution is a channel-major copy (a subsample for stride > 1),
+  and so is ``G``.
+* **shifted** (stride 1, a kernel larger than 1×1): the Gram matrix of the
+  patches is block-Toeplitz. Block ``((a, b), (a', b'))`` is the
+  correlation of the input with itself at the offset
+  ``((a'−a)·dy, (b'−b)·dx)`` over the window of output locations, so all
+  blocks come from ``(2kw−1)·kh`` offsets instead of ``(kh·kw)²`` pairs:
+  one GEMM of ``2kw−1`` horizontally shifted copies of the channel-major
+  input against ``kh`` vertically shifted copies, ``(2kw−1)·kh·C²``
+  multiply-adds per location instead of ``(kh·kw·C)²/2``. Each block's
+  window is the full correlation minus its border rows and columns
+  (inclusion–exclusion), summed exactly from the same operands; see
+  :func:`_shifted_plan`.
+
+With ``factor_dtype='float16'`` the operands are written in half precision,
+scaled by ``√scale / max|x|`` in the same copy that lays them out, the
+products accumulate in fp32 (:func:`chainerkfac.linalg.half_matmul`, Tensor
+Cores on GPU) and round to fp16, and the assembly runs in fp32.
+"""
+import functools
+from typing import Dict, NamedTuple, Tuple
+
+import numpy
+
+from chainer.backend import get_array_module
+from chainer.utils import conv
+
+from chainerkfac import linalg
+
+#: Cost of copying one element, in multiply-add equivalents, for
+#: :func:`strategy_costs`: a strided copy moves ~1.5e9 elements/s and a GEMM
+#: does ~1.5e10 multiply-adds/s on one core of the development machine.
+COPY_COST = 10.0
+#: Positions per chunk of the shifted product: BLAS runs skinny products
+#: (small output, long sum) ~2x faster as a batch of sums of 128-512 terms.
+CHUNK = 256
+
+
+class ConvGeometry(NamedTuple):
+    """Kernel size, stride, padding, dilation and ``cover_all`` of a call of
+    :class:`chainer.functions.connection.convolution_2d.Convolution2DFunction`
+    (pixels)."""
+    kh: int
+    kw: int
+    sy: int = 1
+    sx: int = 1
+    ph: int = 0
+    pw: int = 0
+    dy: int = 1
+    dx: int = 1
+    cover_all: bool = False
+
+    @classmethod
+    def of(cls, function, kernel_shape: Tuple[int, int]) -> 'ConvGeometry':
+        """The geometry of a convolution call with a ``kh×kw`` kernel."""
+        kh, kw = (int(k) for k in kernel_shape)
+        return cls(kh, kw, function.sy, function.sx, function.ph,
+                   function.pw, function.dy, function.dx,
+                   bool(function.cover_all))
+
+    def out_size(self, h: int, w: int) -> Tuple[int, int]:
+        """``(oh, ow)``, the output locations for an ``h×w`` input."""
+        return (conv.get_conv_outsize(h, self.kh, self.sy, self.ph,
+                                      self.cover_all, self.dy),
+                conv.get_conv_outsize(w, self.kw, self.sx, self.pw,
+                                      self.cover_all, self.dx))
+
+
+#: A 1×1 convolution with stride 1: the channel vectors themselves.
+POINTWISE = ConvGeometry(1, 1)
+
+
+def patch_gram(x, geometry: ConvGeometry, scale: float,
+               factor_dtype=numpy.float32, append_ones: bool = False,
+               strategy: str = None):
+    """``scale · Σ_n Σ_locations p pᵀ`` over the patches ``p`` of ``x``.
+
+    Parameters
+    ----------
+    x : array of shape (N, C, H, W)
+        The convolution's input.
+    geometry : ConvGeometry
+        Kernel size, stride, padding, dilation, ``cover_all``.
+    scale : float
+        Multiplier of the sum (``1/N`` for KFC's A).
+    factor_dtype : dtype
+        ``float16``: half-precision operands with fp32 accumulation (see the
+        module docstring); anything else: the storage dtype.
+    append_ones : bool
+        Patches augmented by a constant 1 (the bias): one more row and
+        column, ``scale · Σ p`` and ``scale · N·oh·ow``.
+    strategy : {'unfolded', 'shifted'}, optional
+        Force a way of forming the product (tests); by default the cheaper
+        one by :func:`strategy_costs`.
+
+    Returns
+    -------
+    array of shape (D, D), D = C·kh·kw (+1 with ``append_ones``), fp32
+    (fp64 for fp64 inputs).
+    """
+    costs = strategy_costs(x.shape, geometry, get_array_module(x))
+    if strategy is None:
+        strategy = min(costs, key=costs.get)
+    elif strategy not in costs:
+        raise ValueError('strategy {!r} does not apply to {} (possible: {})'
+                         .format(strategy, geometry, ', '.join(costs)))
+    gram = (_shifted_gram if strategy == 'shifted' else _unfolded_gram)(
+        x, geometry, scale, numpy.dtype(factor_dtype))
+    if not append_ones:
+        return gram
+    oh, ow = geometry.out_size(*x.shape[2:])
+    return linalg.append_ones_row(gram, _patch_sums(x, geometry, gram.dtype),
+                                  x.shape[0] * oh * ow, scale)
+
+
+def channel_gram(y, scale: float, factor_dtype=numpy.float32):
+    """``scale · Σ_n Σ_locations y yᵀ`` over the channel vectors of ``y``
+    (N, C, H, W): a convolution's G from its output gradient."""
+    return _unfolded_gram(y, POINTWISE, scale, numpy.dtype(factor_dtype))
+
+
+def strategy_costs(x_shape, geometry: ConvGeometry, xp=numpy
+                   ) -> Dict[str, float]:
+    """Estimated cost of each applicable strategy, in multiply-adds.
+
+    Copies count :data:`COPY_COST` each; the unfolded product counts half
+    its multiply-adds on NumPy (``syrk``) and all of them on CuPy (GEMM).
+    """
+    n, c, h, w = (int(s) for s in x_shape)
+    g = geometry
+    oh, ow = g.out_size(h, w)
+    d = c * g.kh * g.kw
+    columns = n * oh * ow
+    symmetric = 0.5 if xp is numpy else 1.0
+    costs = {'unfolded': d * d * columns * symmetric +
+             COPY_COST * d * columns}
+    if g.sy == g.sx == 1 and g.kh * g.kw > 1:
+        plan = _shifted_plan(h, w, g)
+        shifts = plan.coefficients.shape[0]
+        border = w - (plan.col_bands[plan.main_col][1] -
+                      plan.col_bands[plan.main_col][0])
+        operands = plan.left + g.kh
+        chunks = h * _row_pieces(n * w) * (1 + border)
+        copies = ((operands + 1) * c * n * h * w + operands * c * n * h * border
+                  + (chunks + 2 * plan.coefficients.shape[2]) * shifts * c * c)
+        costs['shifted'] = (shifts * c * c * n * h * (w + border) +
+                            plan.coefficients.size * c * c +
+                            COPY_COST * copies)
+    return costs
+
+
+# -- unfolded ----------------------------------------------------------------------
+def _unfolded_gram(x, geometry, scale, factor_dtype):
+    xp = get_array_module(x)
+    out_dtype = linalg.factor_dtype_for(x.dtype)
+    n, c, h, w = x.shape
+    g = geometry
+    oh, ow = g.out_size(h, w)
+    half = factor_dtype == numpy.float16
+    normaliser = linalg.half_normaliser(x, scale) if half else None
+    columns = xp.zeros((c, g.kh, g.kw, n, oh, ow),
+                       dtype=numpy.float16 if half else out_dtype)
+    channels_first = x.transpose(1, 0, 2, 3)
+    for a in range(g.kh):
+        i, u = _taps(a * g.dy - g.ph, g.sy, oh, h)
+        for b in range(g.kw):
+            j, v = _taps(b * g.dx - g.pw, g.sx, ow, w)
+            if i.stop > i.start and j.stop > j.start:
+                linalg.write_scaled(columns[:, a, b, :, i, j],
+                                    channels_first[:, :, u, v], normaliser)
+    matrix = columns.reshape(c * g.kh * g.kw, n * oh * ow)
+    if half:
+        product = linalg.half_matmul(matrix, matrix.T)
+        return linalg.restore_half(product, out_dtype, normaliser)
+    # Operands that are one array and its transpose: syrk on NumPy.
+    return matrix.dot(matrix.T) * out_dtype.type(scale)
+
+
+def _taps(offset, stride, outputs, size):
+    """Output indices ``i`` whose input index ``i·stride + offset`` falls in
+    ``[0, size)`` (a slice of ``range(outputs)``), and those input indices
+    (a slice of ``range(size)``)."""
+    first = max(0, (stride - 1 - offset) // stride)
+    last = max(first, min(outputs, (size - 1 - offset) // stride + 1))
+    start = first * stride + offset
+    return (slice(first, last),
+            slice(start, start + (last - first - 1) * stride + 1, stride))
+
+
+def _patch_sums(x, geometry, dtype):
+    """``Σ_n Σ_locations p`` per patch entry (C·kh·kw,), from ``x``."""
+    xp = get_array_module(x)
+    n, c, h, w = x.shape
+    g = geometry
+    oh, ow = g.out_size(h, w)
+    image = x.sum(axis=0, dtype=dtype)
+    sums = xp.zeros((c, g.kh, g.kw), dtype=dtype)
+    for a in range(g.kh):
+        _, u = _taps(a * g.dy - g.ph, g.sy, oh, h)
+        for b in range(g.kw):
+            _, v = _taps(b * g.dx - g.pw, g.sx, ow, w)
+            sums[:, a, b] = image[:, u, v].sum(axis=(1, 2))
+    return sums.reshape(-1)
+
+
+# -- shifted -----------------------------------------------------------------------
+class _ShiftedPlan(NamedTuple):
+    """What :func:`_shifted_gram` needs beyond the data (host arrays)."""
+    left: int                  # 2kw − 1 horizontal shifts
+    row_bands: Tuple[Tuple[int, int], ...]
+    col_bands: Tuple[Tuple[int, int], ...]
+    main_col: int              # the widest column band, got by subtraction
+    #: (shifts, blocks per shift, row bands · column bands): which band
+    #: sums make each block.
+    coefficients: numpy.ndarray
+    #: Per block: shift index, slot in its shift, taps (a₁, b₁, a₂, b₂).
+    shift_of: numpy.ndarray
+    slot_of: numpy.ndarray
+    taps: numpy.ndarray
+
+
+@functools.lru_cache(maxsize=256)
+def _shifted_plan(h: int, w: int, geometry: ConvGeometry) -> _ShiftedPlan:
+    """Which sums make each block of :func:`_shifted_gram`, for one size.
+
+    Sums run over the flat index ``f`` of the input laid out (C, H, N, W).
+    The product of the ``b``-th left operand (the input shifted by ``−sx``,
+    ``sx = (b − kw + 1)·dx``) and the ``a``-th right operand (shifted by
+    ``a·dy`` rows) pairs the element at ``f − sx`` with the one at
+    ``f + a·dy·N·W``, ``a·dy`` rows below ``f``. For the block of kernel
+    taps ``(a₁, b₁)``, ``(a₁ + a, b₂)`` with ``(b₂ − b₁)·dx = sx``, the
+    wanted pairs are those whose ``f`` lies in rows
+    ``[max(0, a₁·dy − ph), min(H, a₁·dy − ph + oh, H − a·dy))`` and columns
+    ``[max(0, b₂·dx − pw, sx), min(W, b₂·dx − pw + ow, W + sx))``: the first
+    element inside its tap's window of output locations, no wrap across a
+    row or an image. The bounds of all blocks cut the rows and the columns
+    into bands; each block is a sum of (row band, column band) sums. Blocks
+    with ``a < 0``, or ``a = 0`` and ``sx < 0``, are transposes of others.
+    """
+    g = geometry
+    oh, ow = g.out_size(h, w)
+    left = 2 * g.kw - 1
+    blocks = []
+    for a in range(g.kh):
+        for b in range(left):
+            sx = (b - g.kw + 1) * g.dx
+            for a1 in range(g.kh - a):
+                row_lo = min(h, max(0, a1 * g.dy - g.ph))
+                row_hi = max(row_lo, min(h, a1 * g.dy - g.ph + oh,
+                                         h - a * g.dy))
+                for b1 in range(g.kw):
+                    b2 = b1 + b - g.kw + 1
+                    if not 0 <= b2 < g.kw or (a == 0 and sx < 0):
+                        continue
+                    col_lo = min(w, max(0, b2 * g.dx - g.pw, sx))
+                    col_hi = max(col_lo, min(w, b2 * g.dx - g.pw + ow,
+                                             w + sx))
+                    blocks.append((b * g.kh + a, (a1, b1, a1 + a, b2),
+                                   (row_lo, row_hi), (col_lo, col_hi)))
+    row_bands = _bands(h, [k for _, _, bounds, _ in blocks for k in bounds])
+    col_bands = _bands(w, [k for _, _, _, bounds in blocks for k in bounds])
+    main_col = max(range(len(col_bands)),
+                   key=lambda j: col_bands[j][1] - col_bands[j][0])
+    shifts = g.kh * left
+    per_shift = [0] * shifts
+    shift_of, slot_of = [], []
+    for shift, _, _, _ in blocks:
+        shift_of.append(shift)
+        slot_of.append(per_shift[shift])
+        per_shift[shift] += 1
+    coefficients = numpy.zeros((shifts, max(per_shift),
+                                len(row_bands), len(col_bands)))
+    for k, (_, _, (row_lo, row_hi), (col_lo, col_hi)) in enumerate(blocks):
+        for i, (lo, hi) in enumerate(row_bands):
+            for j, (c_lo, c_hi) in enumerate(col_bands):
+                if row_lo <= lo and hi <= row_hi and \
+                        col_lo <= c_lo and c_hi <= col_hi:
+                    coefficients[shift_of[k], slot_of[k], i, j] = 1.0
+    return _ShiftedPlan(
+        left, row_bands, col_bands, main_col,
+        coefficients.reshape(shifts, max(per_shift), -1),
+        numpy.array(shift_of, numpy.intp), numpy.array(slot_of, numpy.intp),
+        numpy.array([tap for _, tap, _, _ in blocks], numpy.intp))
+
+
+def _bands(size, bounds):
+    """The non-empty intervals between consecutive cut points of
+    ``[0, size)``."""
+    cuts = sorted({0, size} | {k for k in bounds if 0 < k < size})
+    return tuple(zip(cuts[:-1], cuts[1:]))
+
+
+def _shifted_gram(x, geometry, scale, factor_dtype):
+    xp = get_array_module(x)
+    out_dtype = linalg.factor_dtype_for(x.dtype)
+    n, c, h, w = x.shape
+    g = geometry
+    plan = _shifted_plan(h, w, g)
+    half = factor_dtype == numpy.float16
+    work_dtype = numpy.float16 if half else out_dtype
+    normaliser = linalg.half_normaliser(x, scale) if half else None
+    row = n * w
+    size = h * row
+    # The input laid out (C, H, N, W) with zero margins, so that every
+    # shifted operand is a slice: (kw − 1)·dx before, as many plus
+    # (kh − 1)·dy rows after.
+    margin = (g.kw - 1) * g.dx
+    flat = xp.zeros((c, 2 * margin + (g.kh - 1) * g.dy * row + size),
+                    dtype=work_dtype)
+    linalg.write_scaled(flat[:, margin:margin + size].reshape(c, h, n, w),
+                        x.transpose(1, 2, 0, 3), normaliser)
+    left = xp.empty((plan.left, c, size), dtype=work_dtype)
+    for b in range(plan.left):
+        start = margin - (b - g.kw + 1) * g.dx
+        left[b] = flat[:, start:start + size]
+    right = xp.empty((g.kh, c, size), dtype=work_dtype)
+    for a in range(g.kh):
+        start = margin + a * g.dy * row
+        right[a] = flat[:, start:start + size]
+    del flat
+    left_c, right_c = plan.left * c, g.kh * c
+    # Every row's products apart, in chunks of a row (the chunks also make
+    # the skinny product several GEMMs of a size BLAS does well).
+    pieces = _row_pieces(row)
+    by_row = _matmul(
+        left.reshape(left_c, h * pieces, -1).transpose(1, 0, 2),
+        right.reshape(right_c, h * pieces, -1).transpose(1, 2, 0),
+        half).reshape(h, pieces, left_c, right_c)
+    row_sums = [by_row[lo:hi].astype(out_dtype, copy=False).sum(axis=(0, 1))
+                for lo, hi in plan.row_bands]
+    del by_row
+    left5 = left.reshape(plan.left, c, h, n, w)
+    right5 = right.reshape(g.kh, c, h, n, w)
+    bands = [[None] * len(plan.col_bands) for _ in plan.row_bands]
+    for j, (lo, hi) in enumerate(plan.col_bands):
+        if j == plan.main_col:
+            continue
+        # (H, k·C, N·width) operands: one product per row.
+        by_row = _matmul(
+            xp.ascontiguousarray(left5[..., lo:hi].transpose(
+                2, 0, 1, 3, 4)).reshape(h, left_c, -1),
+            xp.ascontiguousarray(right5[..., lo:hi].transpose(
+                2, 0, 1, 3, 4)).reshape(h, right_c, -1).transpose(0, 2, 1),
+            half)
+        for i, (r_lo, r_hi) in enumerate(plan.row_bands):
+            bands[i][j] = by_row[r_lo:r_hi].astype(out_dtype, copy=False).sum(axis=0)
+    for i, total in enumerate(row_sums):
+        for j, band in enumerate(bands[i]):
+            if band is not None:
+                total = total - band
+        bands[i][plan.main_col] = total
+    basis = xp.stack([band for bands_i in bands for band in bands_i])
+    # (terms, left·C, kh·C) -> (shifts, terms, C·C), shift = b·kh + a.
+    basis = basis.reshape(-1, plan.left, c, g.kh, c).transpose(
+        1, 3, 0, 2, 4).reshape(plan.left * g.kh, -1, c * c)
+    weights = xp.asarray(plan.coefficients, dtype=out_dtype)
+    blocks = xp.matmul(weights, basis)[xp.asarray(plan.shift_of),
+                                       xp.asarray(plan.slot_of)]
+    blocks = blocks.reshape(-1, c, c)
+    taps = plan.taps
+    diagonal = numpy.all(taps[:, :2] == taps[:, 2:], axis=1)
+    # Diagonal blocks exactly symmetric (the off-diagonal ones are mirrored).
+    on = xp.asarray(numpy.flatnonzero(diagonal))
+    blocks[on] = (blocks[on] + blocks[on].transpose(0, 2, 1)) * 0.5
+    tiles = xp.empty((g.kh, g.kw, g.kh, g.kw, c, c), dtype=out_dtype)
+    index = [xp.asarray(taps[:, k]) for k in range(4)]
+    tiles[index[0], index[1], index[2], index[3]] = blocks
+    off = numpy.flatnonzero(~diagonal)
+    mirror = [xp.asarray(taps[off, k]) for k in range(4)]
+    tiles[mirror[2], mirror[3], mirror[0], mirror[1]] = blocks[
+        xp.asarray(off)].transpose(0, 2, 1)
+    d = c * g.kh * g.kw
+    gram = tiles.transpose(4, 0, 1, 5, 2, 3).reshape(d, d)
+    if half:
+        return linalg.restore_half(gram, out_dtype, normaliser)
+    return gram * out_dtype.type(scale)
+
+
+def _row_pieces(row: int) -> int:
+    """Into how many equal chunks of about :data:`CHUNK` positions a row of
+    the flat layout is cut for the batched product."""
+    pieces = max(1, row // CHUNK)
+    while row % pieces:
+        pieces -= 1
+    return pieces
+
+
+def _matmul(a, b, half):
+    return linalg.half_matmul(a, b) if half else get_array_module(a).matmul(
+        a, b)
