@@ -111,7 +111,25 @@ def header(benchmark: str, argv: Sequence[str], gpu: bool = False) -> Dict:
             timespec='seconds'),
         'versions': versions(gpu),
         'machine': machine(),
+        'git_commit': git_commit(),
     }
+
+
+def git_commit() -> Optional[str]:
+    """The checkout's commit (``-dirty`` with uncommitted changes to tracked
+    files), or None outside a git checkout."""
+    try:
+        commit = subprocess.run(
+            ['git', '-C', ROOT, 'rev-parse', '--short', 'HEAD'],
+            capture_output=True, text=True, timeout=20)
+        if commit.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ['git', '-C', ROOT, 'status', '--porcelain', '--untracked-files=no'],
+            capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit.stdout.strip() + ('-dirty' if dirty else '')
 
 
 # -- the device -------------------------------------------------------------------

@@ -43,6 +43,8 @@ benchmark wraps each Fisher block's ``capture_forward`` /
 before and after each call, which is why those steps are kept out of the
 rounds): seconds per refresh step by layer type (``Linear A``,
 ``Linear G``, ``Conv A``, ``Conv G``, ``BN F``), medians over the steps.
+Each of those steps follows an SGD step, and the total's ratio to that SGD
+step (median) is the figure to compare between runs.
 
 **GPU** (``--gpu``, CuPy, device 0): the device is synchronised before and
 after every timed step, and :attr:`KFAC.synchronize_stage_timers` is set,
@@ -289,7 +291,7 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
         if variant in steps:
             capture[variant] = time_capture(steps[variant], x, t,
                                             spec['capture_steps'],
-                                            synchronize)
+                                            synchronize, steps.get('sgd'))
     n_kfac = sum(1 for b in steps[_kfac_variant(variants)].optimizer.blocks
                  if b.factor_names)
     result = {
@@ -328,19 +330,32 @@ def _batch(spec, xp):
 
 
 def time_capture(step: KFACStep, x, t, n_steps: int,
-                 synchronize: Callable[[], None]) -> Dict[str, float]:
+                 synchronize: Callable[[], None], sgd: SGDStep = None
+                 ) -> Dict[str, float]:
     """Capture seconds per refresh step by layer type, medians over
-    ``n_steps`` every-step K-FAC steps, with their sum as ``total``."""
-    per_step = []
+    ``n_steps`` every-step K-FAC steps, with their sum as ``total``; with
+    ``sgd``, each step follows an SGD step and ``total_over_sgd`` is the
+    median ratio of the two (robust to the machine's load drifting)."""
+    per_step, over_sgd = [], []
     for _ in range(n_steps):
+        if sgd is not None:
+            synchronize()
+            start = time.perf_counter()
+            sgd(x, t)
+            synchronize()
+            sgd_seconds = time.perf_counter() - start
         with CaptureTimer(step.optimizer.blocks, synchronize) as timer:
             step(x, t)
         per_step.append(dict(timer.seconds))
+        if sgd is not None:
+            over_sgd.append(sum(timer.seconds.values()) / sgd_seconds)
     types = [k for k in CAPTURE_TYPES if any(k in s for s in per_step)]
     types += sorted({k for s in per_step for k in s} - set(types))
     out = {k: _common.median([s.get(k, 0.0) for s in per_step])
            for k in types}
     out['total'] = _common.median([sum(s.values()) for s in per_step])
+    if over_sgd:
+        out['total_over_sgd'] = _common.median(over_sgd)
     return out
 
 
@@ -508,15 +523,14 @@ def tables(data: Dict) -> str:
         list(STAGES[1:]), extra_rows)
     capture_rows = []
     for r in results:
-        sgd = r['median_s']['sgd']
         for variant, seconds in r['capture_by_type_s'].items():
             capture_rows.append(
                 [r['model'], variant] +
                 [seconds.get(k) for k in CAPTURE_TYPES] +
-                [seconds['total'], seconds['total'] / sgd])
+                [seconds['total'], seconds.get('total_over_sgd')])
     captures = _common.format_table(
         ['model', 'variant'] + list(CAPTURE_TYPES) +
-        ['total', 'total / SGD step'], capture_rows)
+        ['total', 'total / SGD step (paired)'], capture_rows)
     return ('Step time, medians over rounds ({}); ratios are per-round '
             'medians\n{}\n\nGoals (reported, not asserted)\n{}\n\n'
             'Stage times [s], medians\n{}\n\n'

@@ -70,7 +70,7 @@ def test_step_time_smoke(tmp_path):
     # is their sum.
     [(variant, capture)] = result['capture_by_type_s'].items()
     assert variant == 'kfac_every'
-    assert set(capture) == set(CAPTURE_TYPES) | {'total'}
+    assert set(capture) == set(CAPTURE_TYPES) | {'total', 'total_over_sgd'}
     assert all(positive(v) for v in capture.values())
     assert capture['total'] == pytest.approx(
         sum(capture[k] for k in CAPTURE_TYPES))
