@@ -17,14 +17,15 @@ ways (:func:`patch_gram` picks the cheaper by :func:`strategy_costs`):
 * **shifted** (stride 1, a kernel larger than 1×1): the Gram matrix of the
   patches is block-Toeplitz. Block ``((a, b), (a', b'))`` is the
   correlation of the input with itself at the offset
-  ``((a'−a)·dy, (b'−b)·dx)`` over the window of output locations, so all
-  blocks come from ``(2kw−1)·kh`` offsets instead of ``(kh·kw)²`` pairs:
-  one GEMM of ``2kw−1`` horizontally shifted copies of the channel-major
-  input against ``kh`` vertically shifted copies, ``(2kw−1)·kh·C²``
-  multiply-adds per location instead of ``(kh·kw·C)²/2``. Each block's
-  window is the full correlation minus its border rows and columns
-  (inclusion–exclusion), summed exactly from the same operands; see
-  :func:`_shifted_plan`.
+  ``((a'−a)·dy, (b'−b)·dx)``, summed over the locations tap ``(a, b)``
+  sees, so all blocks come from ``(2kw−1)·kh`` offsets instead of
+  ``(kh·kw)²`` pairs of taps: products of ``2kw−1`` horizontally shifted
+  copies of the input against ``kh`` vertically shifted copies,
+  ``(2kw−1)·kh·C²`` multiply-adds per location instead of
+  ``(kh·kw·C)²/2``. The taps' windows differ only at the border: the image
+  is cut into a few row and column bands, the products are summed over
+  each (row band, column band) rectangle, and each block adds up the
+  rectangles inside its window (:func:`_shifted_plan`).
 
 With ``factor_dtype='float16'`` the operands are written in half precision,
 scaled by ``√scale / max|x|`` in the same copy that lays them out, the
@@ -36,6 +37,7 @@ from typing import Dict, NamedTuple, Tuple
 
 import numpy
 
+import chainer
 from chainer.backend import get_array_module
 from chainer.utils import conv
 
@@ -173,13 +175,16 @@ def _unfolded_gram(x, geometry, scale, factor_dtype):
     oh, ow = g.out_size(h, w)
     half = factor_dtype == numpy.float16
     normaliser = linalg.half_normaliser(x, scale) if half else None
-    columns = xp.zeros((c, g.kh, g.kw, n, oh, ow),
-                       dtype=numpy.float16 if half else out_dtype)
+    rows = [_taps(a * g.dy - g.ph, g.sy, oh, h) for a in range(g.kh)]
+    cols = [_taps(b * g.dx - g.pw, g.sx, ow, w) for b in range(g.kw)]
+    # Zeros only where a tap reads padding.
+    covered = all(i == slice(0, oh) for i, _ in rows) and all(
+        j == slice(0, ow) for j, _ in cols)
+    columns = (xp.empty if covered else xp.zeros)(
+        (c, g.kh, g.kw, n, oh, ow), dtype=numpy.float16 if half else out_dtype)
     channels_first = x.transpose(1, 0, 2, 3)
-    for a in range(g.kh):
-        i, u = _taps(a * g.dy - g.ph, g.sy, oh, h)
-        for b in range(g.kw):
-            j, v = _taps(b * g.dx - g.pw, g.sx, ow, w)
+    for a, (i, u) in enumerate(rows):
+        for b, (j, v) in enumerate(cols):
             if i.stop > i.start and j.stop > j.start:
                 linalg.write_scaled(columns[:, a, b, :, i, j],
                                     channels_first[:, :, u, v], normaliser)
@@ -225,36 +230,41 @@ class _ShiftedPlan(NamedTuple):
     row_bands: Tuple[Tuple[int, int], ...]
     col_bands: Tuple[Tuple[int, int], ...]
     #: (shifts, blocks per shift, row bands · column bands): which band
-    #: sums make each block.
+    #: sums make each computed block (shift index ``b·kh + a``).
     coefficients: numpy.ndarray
-    #: Per block: shift index, slot in its shift, taps (a₁, b₁, a₂, b₂).
-    shift_of: numpy.ndarray
-    slot_of: numpy.ndarray
-    taps: numpy.ndarray
+    #: Per pair of taps (kh·kw · kh·kw, row-major): the computed block it
+    #: is (index into shifts · blocks per shift), and the weights of that
+    #: block and of its transpose (1, 0; 0, 1; or ½, ½ on the diagonal,
+    #: which makes it exactly symmetric).
+    source: numpy.ndarray
+    direct: numpy.ndarray
+    mirrored: numpy.ndarray
 
 
 @functools.lru_cache(maxsize=256)
 def _shifted_plan(h: int, w: int, geometry: ConvGeometry) -> _ShiftedPlan:
     """Which sums make each block of :func:`_shifted_gram`, for one size.
 
-    Sums run over the flat index ``f`` of the input laid out (C, H, N, W).
-    The product of the ``b``-th left operand (the input shifted by ``−sx``,
-    ``sx = (b − kw + 1)·dx``) and the ``a``-th right operand (shifted by
-    ``a·dy`` rows) pairs the element at ``f − sx`` with the one at
-    ``f + a·dy·N·W``, ``a·dy`` rows below ``f``. For the block of kernel
-    taps ``(a₁, b₁)``, ``(a₁ + a, b₂)`` with ``(b₂ − b₁)·dx = sx``, the
-    wanted pairs are those whose ``f`` lies in rows
-    ``[max(0, a₁·dy − ph), min(H, a₁·dy − ph + oh, H − a·dy))`` and columns
-    ``[max(0, b₂·dx − pw, sx), min(W, b₂·dx − pw + ow, W + sx))``: the first
-    element inside its tap's window of output locations, no wrap across a
-    row or an image. The bounds of all blocks cut the rows and the columns
-    into bands; each block is a sum of (row band, column band) sums. Blocks
-    with ``a < 0``, or ``a = 0`` and ``sx < 0``, are transposes of others.
+    Sums run over the locations ``(u, v)`` (and all samples) of the input.
+    The product of the ``b``-th left operand (the input shifted by ``−sx``
+    columns, ``sx = (b − kw + 1)·dx``) and the ``a``-th right operand
+    (shifted by ``a·dy`` rows) pairs, at location ``(u, v)``, the input at
+    ``(u, v − sx)`` with the one at ``(u + a·dy, v)``: in the flat layout
+    (C, H, W, N), ``sx·N`` positions before and ``a·dy·W·N`` after. For the
+    block of kernel taps ``(a₁, b₁)``, ``(a₁ + a, b₂)`` with
+    ``(b₂ − b₁)·dx = sx``, the wanted pairs are those whose ``(u, v)`` lies
+    in rows ``[max(0, a₁·dy − ph), min(H, a₁·dy − ph + oh, H − a·dy))`` and
+    columns ``[max(0, b₂·dx − pw, sx), min(W, b₂·dx − pw + ow, W + sx))``:
+    the first element inside its tap's window of output locations, no wrap
+    across a row or an image. The bounds of all blocks cut the rows and the
+    columns into bands; each block is a sum of (row band, column band)
+    sums. Blocks with ``a < 0``, or ``a = 0`` and ``sx < 0``, are
+    transposes of others.
     """
     g = geometry
     oh, ow = g.out_size(h, w)
     left = 2 * g.kw - 1
-    blocks = []
+    blocks = []   # (shift index, taps, row bounds, column bounds)
     for a in range(g.kh):
         for b in range(left):
             sx = (b - g.kw + 1) * g.dx
@@ -275,24 +285,48 @@ def _shifted_plan(h: int, w: int, geometry: ConvGeometry) -> _ShiftedPlan:
     col_bands = _bands(w, [k for _, _, _, bounds in blocks for k in bounds])
     shifts = g.kh * left
     per_shift = [0] * shifts
-    shift_of, slot_of = [], []
+    slots = []
     for shift, _, _, _ in blocks:
-        shift_of.append(shift)
-        slot_of.append(per_shift[shift])
+        slots.append(per_shift[shift])
         per_shift[shift] += 1
-    coefficients = numpy.zeros((shifts, max(per_shift),
-                                len(row_bands), len(col_bands)))
-    for k, (_, _, (row_lo, row_hi), (col_lo, col_hi)) in enumerate(blocks):
+    width = max(per_shift)
+    coefficients = numpy.zeros((shifts, width, len(row_bands),
+                                len(col_bands)))
+    taps = g.kh * g.kw
+    source = numpy.full((taps, taps), -1, numpy.intp)
+    direct = numpy.zeros((taps, taps))
+    mirrored = numpy.zeros((taps, taps))
+    for (shift, (a1, b1, a2, b2), (row_lo, row_hi), (col_lo, col_hi)), \
+            slot in zip(blocks, slots):
         for i, (lo, hi) in enumerate(row_bands):
             for j, (c_lo, c_hi) in enumerate(col_bands):
                 if row_lo <= lo and hi <= row_hi and \
                         col_lo <= c_lo and c_hi <= col_hi:
-                    coefficients[shift_of[k], slot_of[k], i, j] = 1.0
-    return _ShiftedPlan(
-        left, row_bands, col_bands,
-        coefficients.reshape(shifts, max(per_shift), -1),
-        numpy.array(shift_of, numpy.intp), numpy.array(slot_of, numpy.intp),
-        numpy.array([tap for _, tap, _, _ in blocks], numpy.intp))
+                    coefficients[shift, slot, i, j] = 1.0
+        first, second = a1 * g.kw + b1, a2 * g.kw + b2
+        source[first, second] = source[second, first] = shift * width + slot
+        if first == second:
+            direct[first, first] = mirrored[first, first] = 0.5
+        else:
+            direct[first, second] = mirrored[second, first] = 1.0
+    assert (source >= 0).all()
+    return _ShiftedPlan(left, row_bands, col_bands,
+                        coefficients.reshape(shifts, width, -1),
+                        source.reshape(-1), direct.reshape(-1),
+                        mirrored.reshape(-1))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_arrays(h: int, w: int, geometry: ConvGeometry, xp, dtype,
+                 device: str):
+    """The plan's arrays on ``device`` (cached: no host-to-device copy,
+    hence no synchronisation, per call): coefficients, source, direct and
+    mirrored weights, the latter as (pairs, 1, 1)."""
+    plan = _shifted_plan(h, w, geometry)
+    return (xp.asarray(plan.coefficients, dtype=dtype),
+            xp.asarray(plan.source),
+            xp.asarray(plan.direct, dtype=dtype).reshape(-1, 1, 1),
+            xp.asarray(plan.mirrored, dtype=dtype).reshape(-1, 1, 1))
 
 
 def _bands(size, bounds):
@@ -363,24 +397,13 @@ def _shifted_gram(x, geometry, scale, factor_dtype):
     # (terms, left·C, kh·C) -> (shifts, terms, C·C), shift = b·kh + a.
     basis = basis.reshape(-1, plan.left, c, g.kh, c).transpose(
         1, 3, 0, 2, 4).reshape(plan.left * g.kh, -1, c * c)
-    weights = xp.asarray(plan.coefficients, dtype=out_dtype)
-    blocks = xp.matmul(weights, basis)[xp.asarray(plan.shift_of),
-                                       xp.asarray(plan.slot_of)]
-    blocks = blocks.reshape(-1, c, c)
-    taps = plan.taps
-    diagonal = numpy.all(taps[:, :2] == taps[:, 2:], axis=1)
-    # Diagonal blocks exactly symmetric (the off-diagonal ones are mirrored).
-    on = xp.asarray(numpy.flatnonzero(diagonal))
-    blocks[on] = (blocks[on] + blocks[on].transpose(0, 2, 1)) * 0.5
-    tiles = xp.empty((g.kh, g.kw, g.kh, g.kw, c, c), dtype=out_dtype)
-    index = [xp.asarray(taps[:, k]) for k in range(4)]
-    tiles[index[0], index[1], index[2], index[3]] = blocks
-    off = numpy.flatnonzero(~diagonal)
-    mirror = [xp.asarray(taps[off, k]) for k in range(4)]
-    tiles[mirror[2], mirror[3], mirror[0], mirror[1]] = blocks[
-        xp.asarray(off)].transpose(0, 2, 1)
+    weights, source, direct, mirrored = _plan_arrays(
+        h, w, g, xp, out_dtype, str(chainer.backend.get_device_from_array(x)))
+    blocks = xp.matmul(weights, basis).reshape(-1, c, c)[source]
+    pairs = direct * blocks + mirrored * blocks.transpose(0, 2, 1)
     d = c * g.kh * g.kw
-    gram = tiles.transpose(4, 0, 1, 5, 2, 3).reshape(d, d)
+    gram = pairs.reshape(g.kh, g.kw, g.kh, g.kw, c, c).transpose(
+        4, 0, 1, 5, 2, 3).reshape(d, d)
     if half:
         return linalg.restore_half(gram, out_dtype, normaliser)
     return gram * out_dtype.type(scale)
