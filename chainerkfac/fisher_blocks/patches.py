@@ -18,11 +18,11 @@ ways (:func:`patch_gram` picks the cheaper by :func:`strategy_costs`):
   patches is block-Toeplitz. Block ``((a, b), (a', b'))`` is the
   correlation of the input with itself at the offset
   ``((a'−a)·dy, (b'−b)·dx)``, summed over the locations tap ``(a, b)``
-  sees, so all blocks come from ``(2kw−1)·kh`` offsets instead of
-  ``(kh·kw)²`` pairs of taps: products of ``2kw−1`` horizontally shifted
-  copies of the input against ``kh`` vertically shifted copies,
-  ``(2kw−1)·kh·C²`` multiply-adds per location instead of
-  ``(kh·kw·C)²/2``. The taps' windows differ only at the border: the image
+  sees, so all blocks come from ``kw + (2kw−1)·(kh−1)`` offsets (the
+  others are their transposes) instead of ``(kh·kw)²`` pairs of taps:
+  products of ``2kw−1`` horizontally shifted copies of the input against
+  ``kh`` vertically shifted copies, ``13·C²`` multiply-adds per location
+  for a 3×3 kernel instead of ``(9·C)²/2``. The taps' windows differ only at the border: the image
   is cut into a few row and column bands, the products are summed over
   each (row band, column band) rectangle, and each block adds up the
   rectangles inside its window (:func:`_shifted_plan`).
@@ -160,7 +160,8 @@ def strategy_costs(x_shape, geometry: ConvGeometry, xp=numpy
                       for c_lo, c_hi in plan.col_bands)
         copies = ((plan.left + g.kh + 1) * c * n * h * w +
                   (outputs + 2 * plan.coefficients.shape[2]) * shifts * c * c)
-        costs['shifted'] = (shifts * c * c * n * h * w +
+        products = g.kw + plan.left * (g.kh - 1)
+        costs['shifted'] = (products * c * c * n * h * w +
                             plan.coefficients.size * c * c +
                             COPY_COST * copies)
     return costs
@@ -376,24 +377,28 @@ def _shifted_gram(x, geometry, scale, factor_dtype):
     # The sum over each (row band, column band) rectangle, every location
     # once: a batch of products over its rows and equal pieces of its
     # columns (the pieces also make the skinny product GEMMs of a size
-    # BLAS does well).
-    bands = []
+    # BLAS does well). Offsets in the same row (a = 0) only for sx ≥ 0:
+    # the others are their transposes.
+    same_row = slice((g.kw - 1) * c, None)
+    basis = xp.zeros((len(plan.row_bands) * len(plan.col_bands), left_c,
+                      right_c), dtype=out_dtype)
+    term = 0
     for r_lo, r_hi in plan.row_bands:
         for c_lo, c_hi in plan.col_bands:
-            width = (c_hi - c_lo) * n
-            pieces = _pieces(width)
-            rows = r_hi - r_lo
             columns = slice(c_lo * n, c_hi * n)
-            product = _matmul(
-                left[:, r_lo:r_hi, columns].reshape(
-                    left_c, rows, pieces, -1).transpose(1, 2, 0, 3),
-                right[:, r_lo:r_hi, columns].reshape(
-                    right_c, rows, pieces, -1).transpose(1, 2, 3, 0),
-                half)
-            bands.append(product.astype(out_dtype, copy=False).sum(
-                axis=(0, 1)))
+            shape = (r_hi - r_lo, _pieces((c_hi - c_lo) * n), -1)
+            lhs = left[:, r_lo:r_hi, columns].reshape(
+                (left_c,) + shape).transpose(1, 2, 0, 3)
+            rhs = right[:, r_lo:r_hi, columns].reshape(
+                (right_c,) + shape).transpose(1, 2, 3, 0)
+            basis[term, same_row, :c] = _matmul(
+                lhs[:, :, same_row], rhs[..., :c], half).sum(
+                    axis=(0, 1), dtype=out_dtype)
+            if g.kh > 1:
+                basis[term, :, c:] = _matmul(lhs, rhs[..., c:], half).sum(
+                    axis=(0, 1), dtype=out_dtype)
+            term += 1
     del left, right
-    basis = xp.stack(bands)
     # (terms, left·C, kh·C) -> (shifts, terms, C·C), shift = b·kh + a.
     basis = basis.reshape(-1, plan.left, c, g.kh, c).transpose(
         1, 3, 0, 2, 4).reshape(plan.left * g.kh, -1, c * c)
