@@ -4,7 +4,7 @@ its factor capture by layer type; or the inverse stage alone.
     python -m benchmarks.step_time [--smoke] [--gpu] [--out FILE.json]
         [--models small,resnet50] [--variants sgd,kfac_every,...]
         [--rounds N] [--resnet50-rounds N] [--interval 20] [--threads 1]
-        [--profile] [--inverse-only]
+        [--profile] [--conv-a auto|shifted|unfolded] [--inverse-only]
 
 For each model (CPU: the small ResNet at batch 128, 32x32, and ResNet-50 at
 batch 8, 224x224; ``--gpu``: the same small ResNet and ResNet-50 at batch
@@ -51,6 +51,10 @@ after every timed step, and :attr:`KFAC.synchronize_stage_timers` is set,
 so the stage split is the device's, not the launch queue's. A fresh GPU
 compiles CuPy's kernels on first use: the warm-up steps absorb that.
 
+**Convolutions' A** is formed the cheaper way by the library's cost model
+(:mod:`chainerkfac.fisher_blocks.patches`); ``--conv-a shifted`` or
+``unfolded`` forces one wherever it applies, to compare them on a machine.
+
 **Inverse stage alone** (``--inverse-only``; ResNet-50 by default): one
 every-step K-FAC step captures the model's real factors (ResNet-50: 161
 matrices, 107 K-FAC layers), then every block recomputes its damped
@@ -88,6 +92,7 @@ import numpy
 import models
 from benchmarks import _common
 from chainerkfac import fisher_blocks
+from chainerkfac.fisher_blocks import patches
 from chainerkfac.optimizers import KFAC
 
 #: name -> KFAC keyword arguments (the refresh interval is added).
@@ -104,6 +109,7 @@ CAPTURE_VARIANTS = ('kfac_every', 'kfac_diag_bn', 'kfac_fp16')
 STAGES = ('forward_backward', 'factors', 'reduce_scatter', 'inverse',
           'precondition', 'all_gather', 'update')
 CAPTURE_TYPES = ('Linear A', 'Linear G', 'Conv A', 'Conv G', 'BN F')
+CONV_A = ('auto', 'shifted', 'unfolded')
 #: Reported, not asserted; ratios to SGD unless named otherwise.
 GOALS = {
     'cpu': {'small': {'kfac_every': 1.2, 'kfac_stale': 1.3},
@@ -423,6 +429,22 @@ def profile_step(step: KFACStep, x, t, top: int = 20) -> str:
     return text.getvalue()
 
 
+def force_conv_a(strategy: str) -> None:
+    """Make every convolution form A by ``strategy`` where it applies (the
+    library's choice elsewhere), by wrapping
+    :func:`chainerkfac.fisher_blocks.patches.patch_gram` for this process."""
+    library_choice = patches.patch_gram
+
+    def patch_gram(x, geometry, scale, factor_dtype=numpy.float32,
+                   append_ones=False, strategy=None):
+        costs = patches.strategy_costs(x.shape, geometry,
+                                       chainer.backend.get_array_module(x))
+        return library_choice(x, geometry, scale, factor_dtype, append_ones,
+                              forced if forced in costs else None)
+    forced = strategy
+    patches.patch_gram = patch_gram
+
+
 # -- the inverse stage alone ------------------------------------------------------
 def measure_inverse(name: str, spec: Dict, repeats: int, array_module,
                     target: str = 'cpu') -> Dict:
@@ -594,6 +616,10 @@ def parse_args(argv):
     parser.add_argument('--profile', action='store_true',
                         help='also cProfile one every-step K-FAC step of '
                         'each model and print the top functions')
+    parser.add_argument('--conv-a', choices=CONV_A, default='auto',
+                        help="how convolutions' A is formed: the library's "
+                        'choice (auto), or shifted / unfolded wherever it '
+                        'applies (to calibrate the choice on a machine)')
     parser.add_argument('--inverse-only', action='store_true',
                         help='time the inverse stage alone over the real '
                         'factors of each model after one capture')
@@ -642,7 +668,9 @@ def main(argv=None):
     data = _common.header('step_time', argv, gpu=args.gpu)
     data.update(smoke=args.smoke, gpu=args.gpu,
                 refresh_interval=args.interval,
-                threads_requested=args.threads)
+                threads_requested=args.threads, conv_a=args.conv_a)
+    if args.conv_a != 'auto':
+        force_conv_a(args.conv_a)
     with _common.limit_blas_threads(args.threads):
         data['blas_threads'] = _common.blas_threads()
         if args.inverse_only:

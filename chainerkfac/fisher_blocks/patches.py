@@ -52,6 +52,11 @@ COPY_COST = 10.0
 CHUNK = 256
 #: Samples moved per copy when the input is laid out with samples innermost.
 SAMPLE_BLOCK = 8
+#: Split-K of the unfolded product on GPU (:func:`column_gram`): terms per
+#: piece, and the most elements of partial products. Not measured yet: the
+#: GPU benchmark's capture by layer type is where to calibrate them.
+SPLIT_K_CHUNK = 4096
+SPLIT_K_MEMORY = 2 ** 25
 
 
 class ConvGeometry(NamedTuple):
@@ -154,13 +159,23 @@ def strategy_costs(x_shape, geometry: ConvGeometry, xp=numpy
              COPY_COST * d * columns}
     if g.sy == g.sx == 1 and g.kh * g.kw > 1:
         plan = _shifted_plan(h, w, g)
-        shifts = plan.coefficients.shape[0]
-        outputs = sum((hi - lo) * _pieces((c_hi - c_lo) * n)
-                      for lo, hi in plan.row_bands
-                      for c_lo, c_hi in plan.col_bands)
-        copies = ((plan.left + g.kh + 1) * c * n * h * w +
-                  (outputs + 2 * plan.coefficients.shape[2]) * shifts * c * c)
+        outputs = gathered = 0
+        for lo, hi in plan.row_bands:
+            for c_lo, c_hi in plan.col_bands:
+                rows, run = hi - lo, (c_hi - c_lo) * n
+                if run < CHUNK and rows > 1:
+                    gathered += rows * run
+                    rows, run = 1, rows * run
+                outputs += rows * _pieces(run)
         products = g.kw + plan.left * (g.kh - 1)
+        shifts, width, terms = plan.coefficients.shape
+        taps = (g.kh * g.kw) ** 2
+        # Operands, gathered rectangles, partial products, and the
+        # assembly: sums, weighted sums, their gather, the transposed pairs.
+        copies = ((plan.left + g.kh + 1) * c * n * h * w +
+                  (plan.left + g.kh) * c * gathered +
+                  (outputs * products + 2 * shifts * terms + shifts * width +
+                   6 * taps) * c * c)
         costs['shifted'] = (products * c * c * n * h * w +
                             plan.coefficients.size * c * c +
                             COPY_COST * copies)
@@ -190,11 +205,32 @@ def _unfolded_gram(x, geometry, scale, factor_dtype):
                 linalg.write_scaled(columns[:, a, b, :, i, j],
                                     channels_first[:, :, u, v], normaliser)
     matrix = columns.reshape(c * g.kh * g.kw, n * oh * ow)
+    if xp is numpy and not half:
+        # Operands that are one array and its transpose: syrk.
+        return matrix.dot(matrix.T) * out_dtype.type(scale)
+    product = column_gram(matrix, half, out_dtype)
     if half:
-        product = linalg.half_matmul(matrix, matrix.T)
         return linalg.restore_half(product, out_dtype, normaliser)
-    # Operands that are one array and its transpose: syrk on NumPy.
-    return matrix.dot(matrix.T) * out_dtype.type(scale)
+    return product * out_dtype.type(scale)
+
+
+def column_gram(matrix, half: bool, out_dtype, pieces: int = None):
+    """``matrix · matrixᵀ`` of a (D, K) matrix with a long K, as the sum of
+    ``pieces`` products over equal pieces of K (split-K: a D×D product
+    alone keeps few GPU multiprocessors busy when D is small), in
+    ``out_dtype``; fp16 operands (``half``) by :func:`linalg.half_matmul`.
+
+    ``pieces`` defaults to about one per :data:`SPLIT_K_CHUNK` terms, as
+    many as fit :data:`SPLIT_K_MEMORY` elements of partial products.
+    """
+    d, k = matrix.shape
+    if pieces is None:
+        pieces = _pieces(k, SPLIT_K_CHUNK)
+        while pieces > 1 and pieces * d * d > SPLIT_K_MEMORY:
+            pieces = _pieces(k, k // (pieces - 1))
+    batch = matrix.reshape(d, pieces, -1).transpose(1, 0, 2)
+    return _matmul(batch, batch.transpose(0, 2, 1), half).sum(
+        axis=0, dtype=out_dtype)
 
 
 def _taps(offset, stride, outputs, size):
@@ -375,49 +411,68 @@ def _shifted_gram(x, geometry, scale, factor_dtype):
     left = left.reshape(left_c, h, row)
     right = right.reshape(right_c, h, row)
     # The sum over each (row band, column band) rectangle, every location
-    # once: a batch of products over its rows and equal pieces of its
-    # columns (the pieces also make the skinny product GEMMs of a size
-    # BLAS does well). Offsets in the same row (a = 0) only for sx ≥ 0:
-    # the others are their transposes.
-    same_row = slice((g.kw - 1) * c, None)
-    basis = xp.zeros((len(plan.row_bands) * len(plan.col_bands), left_c,
-                      right_c), dtype=out_dtype)
+    # once, as a batch of products over pieces of about CHUNK locations
+    # (the pieces make the skinny product GEMMs of a size BLAS does well):
+    # in place, a row at a time, when a row of the rectangle is that long;
+    # else from a contiguous copy of the rectangle. Offsets in the same row
+    # (a = 0) only for sx ≥ 0: the others are their transposes.
+    terms = len(plan.row_bands) * len(plan.col_bands)
+    # Sums per (shift b·kh + a, term), written in place by the reductions.
+    basis = xp.zeros((plan.left, g.kh, terms, c, c), dtype=out_dtype)
     term = 0
     for r_lo, r_hi in plan.row_bands:
         for c_lo, c_hi in plan.col_bands:
-            columns = slice(c_lo * n, c_hi * n)
-            shape = (r_hi - r_lo, _pieces((c_hi - c_lo) * n), -1)
-            lhs = left[:, r_lo:r_hi, columns].reshape(
-                (left_c,) + shape).transpose(1, 2, 0, 3)
-            rhs = right[:, r_lo:r_hi, columns].reshape(
-                (right_c,) + shape).transpose(1, 2, 3, 0)
-            basis[term, same_row, :c] = _matmul(
-                lhs[:, :, same_row], rhs[..., :c], half).sum(
-                    axis=(0, 1), dtype=out_dtype)
+            lhs, rhs = (_rectangle(operand, r_lo, r_hi, c_lo * n, c_hi * n)
+                        for operand in (left, right))
+            rhs = rhs.transpose(0, 1, 3, 2)
+            batch = lhs.shape[:2]
+            same_row = _matmul(lhs[:, :, (g.kw - 1) * c:], rhs[..., :c], half)
+            same_row.reshape(batch + (g.kw, c, c)).sum(
+                axis=(0, 1), dtype=out_dtype,
+                out=basis[g.kw - 1:, 0, term])
             if g.kh > 1:
-                basis[term, :, c:] = _matmul(lhs, rhs[..., c:], half).sum(
-                    axis=(0, 1), dtype=out_dtype)
+                below = _matmul(lhs, rhs[..., c:], half)
+                below.reshape(batch + (plan.left, c, g.kh - 1, c)).sum(
+                    axis=(0, 1), dtype=out_dtype,
+                    out=basis[:, 1:, term].transpose(0, 2, 1, 3))
             term += 1
     del left, right
-    # (terms, left·C, kh·C) -> (shifts, terms, C·C), shift = b·kh + a.
-    basis = basis.reshape(-1, plan.left, c, g.kh, c).transpose(
-        1, 3, 0, 2, 4).reshape(plan.left * g.kh, -1, c * c)
     weights, source, direct, mirrored = _plan_arrays(
         h, w, g, xp, out_dtype, str(chainer.backend.get_device_from_array(x)))
-    blocks = xp.matmul(weights, basis).reshape(-1, c, c)[source]
-    pairs = direct * blocks + mirrored * blocks.transpose(0, 2, 1)
-    d = c * g.kh * g.kw
-    gram = pairs.reshape(g.kh, g.kw, g.kh, g.kw, c, c).transpose(
-        4, 0, 1, 5, 2, 3).reshape(d, d)
-    if half:
-        return linalg.restore_half(gram, out_dtype, normaliser)
-    return gram * out_dtype.type(scale)
+    blocks = xp.matmul(weights, basis.reshape(plan.left * g.kh, terms, -1))
+    blocks = blocks.reshape(-1, c, c)[source]
+    # Scale (or, for fp16 operands, their normalisation) restored on the
+    # way into the (C, kh, kw, C, kh, kw) layout of the factor.
+    restore = (normaliser.peak * normaliser.peak if half
+               else out_dtype.type(scale))
+    taps = (g.kh, g.kw) * 2
+    gram = xp.empty((c, g.kh, g.kw, c, g.kh, g.kw), dtype=out_dtype)
+    pairs = gram.transpose(1, 2, 4, 5, 0, 3)   # a view: (taps², C, C)
+    xp.multiply(blocks.reshape(taps + (c, c)),
+                (direct * restore).reshape(taps + (1, 1)), out=pairs)
+    pairs += (blocks.transpose(0, 2, 1) * (mirrored * restore)).reshape(
+        taps + (c, c))
+    return gram.reshape(c * g.kh * g.kw, -1)
 
 
-def _pieces(length: int) -> int:
-    """Into how many equal chunks of about :data:`CHUNK` positions a run of
-    ``length`` positions is cut for a batched product."""
-    pieces = max(1, length // CHUNK)
+def _rectangle(operand, r_lo, r_hi, c_lo, c_hi):
+    """Rows ``[r_lo, r_hi)`` and positions ``[c_lo, c_hi)`` within a row of
+    a (k·C, rows, row) operand as a batch (rows or 1, pieces, k·C, piece)."""
+    rows, run = r_hi - r_lo, c_hi - c_lo
+    block = operand[:, r_lo:r_hi, c_lo:c_hi]
+    if run < CHUNK and rows > 1:
+        block = get_array_module(operand).ascontiguousarray(block).reshape(
+            operand.shape[0], 1, rows * run)
+        rows, run = 1, rows * run
+    pieces = _pieces(run)
+    return block.reshape(operand.shape[0], rows, pieces, -1).transpose(
+        1, 2, 0, 3)
+
+
+def _pieces(length: int, chunk: int = None) -> int:
+    """Into how many equal chunks of about ``chunk`` (:data:`CHUNK`)
+    positions a run of ``length`` positions is cut for a batched product."""
+    pieces = max(1, length // (chunk or CHUNK))
     while length % pieces:
         pieces -= 1
     return pieces

@@ -194,3 +194,34 @@ def test_convergence_smoke(tmp_path):
     assert comparison['goal'] == 0.6 and isinstance(comparison['met'], bool)
     assert positive(data['global_batch_size'])
     assert positive(data['acc_iters'])
+
+
+@pytest.mark.parametrize('strategy', ['shifted', 'unfolded'])
+def test_conv_a_option_forces_a_strategy_where_it_applies(strategy,
+                                                          monkeypatch):
+    from benchmarks import step_time
+    from chainerkfac.fisher_blocks import patches
+    used = []
+
+    def recording(name):
+        original = getattr(patches, name)
+
+        def record(x, geometry, *args):
+            used.append((name, geometry.sy))
+            return original(x, geometry, *args)
+        return record
+
+    for name in ('_shifted_gram', '_unfolded_gram'):
+        monkeypatch.setattr(patches, name, recording(name))
+    monkeypatch.setattr(patches, 'patch_gram', patches.patch_gram)
+    step_time.force_conv_a(strategy)
+    spec = step_time.SMOKE['small']
+    step = step_time.KFACStep(
+        step_time.build_model(spec['arch'], spec['kwargs']), 1, gpu=False)
+    step(*step_time._batch(spec, numpy))
+    # Stride-1 3x3 convolutions: the forced strategy; strided ones and 1x1
+    # (G, shortcuts) can only be unfolded.
+    stride_one = {name for name, stride in used if stride == 1}
+    assert ('_shifted_gram' in stride_one) == (strategy == 'shifted')
+    assert {name for name, stride in used if stride == 2} == {
+        '_unfolded_gram'}

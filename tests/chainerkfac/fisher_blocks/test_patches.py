@@ -222,3 +222,29 @@ def test_cases_cover_both_strategies():
     kinds = [strategies((1, 1) + size, g) for size, g in CASES]
     assert sum(k == ['shifted', 'unfolded'] for k in kinds) >= 8
     assert sum(k == ['unfolded'] for k in kinds) >= 5
+
+
+@pytest.mark.parametrize('half', [False, True])
+def test_split_k_column_gram_equals_product(half):
+    matrix = numpy.random.RandomState(8).randn(5, 96).astype(numpy.float32)
+    exact = matrix.astype(numpy.float64).dot(matrix.T)
+    operand = matrix.astype(numpy.float16) if half else matrix
+    for pieces in (1, 3, 96, None):
+        got = patches.column_gram(operand, half, numpy.dtype(numpy.float32),
+                                  pieces)
+        assert got.dtype == numpy.float32
+        numpy.testing.assert_allclose(got, exact, rtol=3e-3 if half else 1e-5,
+                                      atol=3e-2 if half else 1e-4)
+    # fp16: each piece's sum rounded once to fp16, then summed in fp32.
+    # Integers: exact fp32 sums in any order, fp16 rounding above 2048.
+    integers = numpy.random.RandomState(9).randint(-16, 17, (5, 96))
+    operand = integers.astype(numpy.float16 if half else numpy.float32)
+    wide = integers.reshape(5, 3, 32)
+    expected = numpy.einsum('ipk,jpk->pij', wide, wide).astype(numpy.float32)
+    if half:
+        expected = expected.astype(numpy.float16).astype(numpy.float32)
+        assert not numpy.array_equal(expected.sum(axis=0),
+                                     integers.dot(integers.T))
+    numpy.testing.assert_array_equal(
+        patches.column_gram(operand, half, numpy.dtype(numpy.float32), 3),
+        expected.sum(axis=0))
