@@ -92,7 +92,6 @@ import numpy
 import models
 from benchmarks import _common
 from chainerkfac import fisher_blocks
-from chainerkfac.fisher_blocks import patches
 from chainerkfac.optimizers import KFAC
 
 #: name -> KFAC keyword arguments (the refresh interval is added).
@@ -433,6 +432,7 @@ def force_conv_a(strategy: str) -> None:
     """Make every convolution form A by ``strategy`` where it applies (the
     library's choice elsewhere), by wrapping
     :func:`chainerkfac.fisher_blocks.patches.patch_gram` for this process."""
+    from chainerkfac.fisher_blocks import patches
     library_choice = patches.patch_gram
 
     def patch_gram(x, geometry, scale, factor_dtype=numpy.float32,
