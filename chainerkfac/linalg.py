@@ -2,7 +2,11 @@
 
 * :func:`gram` builds a Kronecker factor ``scale · XᵀX`` from rows ``X``,
   optionally with fp16 inputs and fp32 accumulation (Tensor Cores on GPU;
-  the NumPy twin rounds the same way so tests can compare the two).
+  the NumPy twin rounds the same way so tests can compare the two). Its
+  fp16 pieces (:func:`half_normaliser`, :func:`write_scaled`,
+  :func:`half_matmul`, :func:`restore_half`) and :func:`append_ones_row`
+  also serve the convolution factors of
+  :mod:`chainerkfac.fisher_blocks.patches`.
 * :func:`damped_inverse` inverts ``M + d·I`` by Cholesky and, when ``M + d·I``
   is not positive definite, raises ``d`` and retries.
 """

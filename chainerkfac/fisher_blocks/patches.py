@@ -479,5 +479,6 @@ def _pieces(length: int, chunk: int = None) -> int:
 
 
 def _matmul(a, b, half):
+    """``a @ b``; for fp16 operands (``half``) with fp32 accumulation."""
     return linalg.half_matmul(a, b) if half else get_array_module(a).matmul(
         a, b)
