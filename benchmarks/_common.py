@@ -125,7 +125,8 @@ def git_commit() -> Optional[str]:
         if commit.returncode != 0:
             return None
         dirty = subprocess.run(
-            ['git', '-C', ROOT, 'status', '--porcelain', '--untracked-files=no'],
+            ['git', '-C', ROOT, 'status', '--porcelain',
+             '--untracked-files=no'],
             capture_output=True, text=True, timeout=20).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None

@@ -172,7 +172,7 @@ class SGDStep:
 
 
 class KFACStep:
-    """One K-FAC step (``acc_iters = 1``) with refresh interval ``interval``."""
+    """One K-FAC step (``acc_iters = 1``), refresh interval ``interval``."""
 
     def __init__(self, model, interval: int, gpu: bool, lr=0.001, **kwargs):
         self.model = model

@@ -22,10 +22,11 @@ ways (:func:`patch_gram` picks the cheaper by :func:`strategy_costs`):
   others are their transposes) instead of ``(kh·kw)²`` pairs of taps:
   products of ``2kw−1`` horizontally shifted copies of the input against
   ``kh`` vertically shifted copies, ``13·C²`` multiply-adds per location
-  for a 3×3 kernel instead of ``(9·C)²/2``. The taps' windows differ only at the border: the image
-  is cut into a few row and column bands, the products are summed over
-  each (row band, column band) rectangle, and each block adds up the
-  rectangles inside its window (:func:`_shifted_plan`).
+  for a 3×3 kernel instead of ``(9·C)²/2``. The taps' windows differ
+  only at the border: the image is cut into a few row and column bands,
+  the products are summed over each (row band, column band) rectangle,
+  and each block adds up the rectangles inside its window
+  (:func:`_shifted_plan`).
 
 With ``factor_dtype='float16'`` the operands are written in half precision,
 scaled by ``√scale / max|x|`` in the same copy that lays them out, the
@@ -182,7 +183,7 @@ def strategy_costs(x_shape, geometry: ConvGeometry, xp=numpy
     return costs
 
 
-# -- unfolded ----------------------------------------------------------------------
+# -- unfolded -----------------------------------------------------------
 def _unfolded_gram(x, geometry, scale, factor_dtype):
     xp = get_array_module(x)
     out_dtype = linalg.factor_dtype_for(x.dtype)
@@ -260,7 +261,7 @@ def _patch_sums(x, geometry, dtype):
     return sums.reshape(-1)
 
 
-# -- shifted -----------------------------------------------------------------------
+# -- shifted ------------------------------------------------------------
 class _ShiftedPlan(NamedTuple):
     """What :func:`_shifted_gram` needs beyond the data (host arrays)."""
     left: int                  # 2kw − 1 horizontal shifts
