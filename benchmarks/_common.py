@@ -12,7 +12,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 #: Repository root (the benchmarks run ``train_imagenet.py`` and
 #: ``-m benchmarks.…`` workers from here).
@@ -75,7 +75,9 @@ def limit_blas_threads(threads: int):
     return threadpoolctl.threadpool_limits(limits=threads, user_api='blas')
 
 
-def versions() -> Dict[str, str]:
+def versions(gpu: bool = False) -> Dict[str, str]:
+    """Python, Chainer, NumPy, mpi4py; with ``gpu``, CuPy and the CUDA
+    runtime and driver versions too."""
     import chainerkfac  # NOQA  (before chainer: NumPy-2 compatibility shims)
     import chainer
     import numpy
@@ -86,6 +88,11 @@ def versions() -> Dict[str, str]:
         out['mpi4py'] = mpi4py.__version__
     except ImportError:
         pass
+    if gpu:
+        import cupy
+        out['cupy'] = cupy.__version__
+        out['cuda_runtime'] = str(cupy.cuda.runtime.runtimeGetVersion())
+        out['cuda_driver'] = str(cupy.cuda.runtime.driverGetVersion())
     return out
 
 
@@ -94,7 +101,7 @@ def machine() -> Dict:
             'gpus': gpu_names(), 'platform': platform.platform()}
 
 
-def header(benchmark: str, argv: Sequence[str]) -> Dict:
+def header(benchmark: str, argv: Sequence[str], gpu: bool = False) -> Dict:
     """The fields every benchmark's JSON starts with."""
     return {
         'benchmark': benchmark,
@@ -102,17 +109,69 @@ def header(benchmark: str, argv: Sequence[str]) -> Dict:
                             list(argv)),
         'date': datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec='seconds'),
-        'versions': versions(),
+        'versions': versions(gpu),
         'machine': machine(),
+        'git_commit': git_commit(),
     }
 
 
+def git_commit() -> Optional[str]:
+    """The checkout's commit (``-dirty`` with uncommitted changes to tracked
+    files), or None outside a git checkout."""
+    try:
+        commit = subprocess.run(
+            ['git', '-C', ROOT, 'rev-parse', '--short', 'HEAD'],
+            capture_output=True, text=True, timeout=20)
+        if commit.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ['git', '-C', ROOT, 'status', '--porcelain',
+             '--untracked-files=no'],
+            capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit.stdout.strip() + ('-dirty' if dirty else '')
+
+
+# -- the device -------------------------------------------------------------------
+def array_module(gpu: bool):
+    """CuPy (on device 0, which it makes current) with ``gpu``, else NumPy.
+
+    Raises
+    ------
+    SystemExit
+        with ``gpu`` when CuPy or a GPU is missing.
+    """
+    import numpy
+    if not gpu:
+        return numpy
+    try:
+        import cupy
+        cupy.cuda.Device(0).use()
+    except Exception as error:  # ImportError, or CUDA's own errors
+        raise SystemExit('--gpu needs CuPy and a CUDA GPU: {}'.format(error))
+    return cupy
+
+
+def synchronizer(xp) -> Callable[[], None]:
+    """A function that waits for the current device (a no-op on NumPy):
+    call it around every timed region on GPU, whose work is asynchronous."""
+    import numpy
+    if xp is numpy:
+        return lambda: None
+    return xp.cuda.Device().synchronize
+
+
 def describe_machine(data: Dict) -> str:
-    m = data['machine']
+    m, v = data['machine'], data['versions']
     gpus = ', '.join(m['gpus']) if m['gpus'] else 'no GPU'
-    return '{} | {} ({} cores), {} | Python {}, Chainer {}, NumPy {}'.format(
-        data['date'], m['cpu'], m['cores'], gpus, data['versions']['python'],
-        data['versions']['chainer'], data['versions']['numpy'])
+    line = '{} | {} ({} cores), {} | Python {}, Chainer {}, NumPy {}'.format(
+        data['date'], m['cpu'], m['cores'], gpus, v['python'], v['chainer'],
+        v['numpy'])
+    if 'cupy' in v:
+        line += ', CuPy {}, CUDA runtime {}, driver {}'.format(
+            v['cupy'], v['cuda_runtime'], v['cuda_driver'])
+    return line
 
 
 # -- statistics and output ----------------------------------------------------------

@@ -1,11 +1,14 @@
-"""Time of one training step: momentum SGD vs K-FAC, and K-FAC's stages.
+"""Time of one training step: momentum SGD vs K-FAC, K-FAC's stages, and
+its factor capture by layer type; or the inverse stage alone.
 
-    python -m benchmarks.step_time [--smoke] [--out FILE.json]
-        [--models small,resnet50] [--rounds N] [--resnet50-rounds N]
-        [--interval 20] [--threads 1] [--profile]
+    python -m benchmarks.step_time [--smoke] [--gpu] [--out FILE.json]
+        [--models small,resnet50] [--variants sgd,kfac_every,...]
+        [--rounds N] [--resnet50-rounds N] [--interval 20] [--threads 1]
+        [--profile] [--conv-a auto|shifted|unfolded] [--inverse-only]
 
-For each model (the small ResNet at batch 128, 32x32; ResNet-50 at batch 8,
-224x224) three optimizers train their own copy of the same network on the
+For each model (CPU: the small ResNet at batch 128, 32x32, and ResNet-50 at
+batch 8, 224x224; ``--gpu``: the same small ResNet and ResNet-50 at batch
+32 on GPU 0) each variant trains its own copy of the same network on the
 same fixed batch:
 
 * ``sgd``: :class:`chainer.optimizers.MomentumSGD` (cleargrads, forward,
@@ -13,34 +16,75 @@ same fixed batch:
 * ``kfac_every``: :class:`chainerkfac.optimizers.KFAC`, every factor
   refreshed (and inverted) every step;
 * ``kfac_stale``: K-FAC with refresh intervals ``--interval`` (20): its
-  steady state, steps that refresh nothing and reuse the stored inverses.
+  steady state, steps that refresh nothing and reuse the stored inverses;
+* ``kfac_diag_bn``: every step, diagonal BN Fisher (``bn_fisher='diag'``);
+* ``kfac_fp16``: every step, factors built from fp16 products
+  (``factor_dtype='float16'``).
+
+The CPU runs ``sgd``, ``kfac_every`` and ``kfac_stale`` by default,
+``--gpu`` all five (``--variants`` picks any subset that has ``sgd``).
 
 After warm-up steps, the variants are timed in *rounds* (one step of each,
 in an order rotated every round), so that the machine's noise hits all
-three alike; each ratio to SGD is the median over rounds of the ratio
-within a round. The stale optimizer's refresh steps are kept apart (a
-refresh step does the work of an every-step K-FAC step); the *amortised*
-cost over one refresh cycle of ``k`` steps is, per round,
-``(t_every + (k − 1) t_stale) / k``, then the median. Stage times
-(:attr:`KFAC.stage_times`: forward_backward = stages 1-2 with factor
-capture, factors, reduce_scatter, inverse, precondition, all_gather,
-update) are medians over the timed steps; for SGD, forward_backward and
-update.
+alike; each ratio to SGD is the median over rounds of the ratio within a
+round. The stale optimizer's refresh steps are kept apart (a refresh step
+does the work of an every-step K-FAC step); the *amortised* cost over one
+refresh cycle of ``k`` steps is, per round, ``(t_every + (k − 1) t_stale)
+/ k``, then the median. Stage times (:attr:`KFAC.stage_times`:
+forward_backward = stages 1-2 with factor capture, factors,
+reduce_scatter, inverse, precondition, all_gather, update) are medians
+over the timed steps; for SGD, forward_backward and update.
 
-Goals (reported, not asserted): stale ≤ 1.3x SGD; every-step ≤ 3x SGD on
-the small ResNet. Timings are only comparable within one run.
+**Capture.** K-FAC's capture is measured two ways: as the difference of
+forward_backward medians (K-FAC every step minus SGD, both in the rounds),
+and directly, in extra every-step K-FAC steps after the rounds in which the
+benchmark wraps each Fisher block's ``capture_forward`` /
+``capture_backward`` in a timer (on GPU with a device synchronisation
+before and after each call, which is why those steps are kept out of the
+rounds): seconds per refresh step by layer type (``Linear A``,
+``Linear G``, ``Conv A``, ``Conv G``, ``BN F``), medians over the steps.
+Each of those steps follows an SGD step, and the total's ratio to that SGD
+step (median) is the figure to compare between runs.
+
+**GPU** (``--gpu``, CuPy, device 0): the device is synchronised before and
+after every timed step, and :attr:`KFAC.synchronize_stage_timers` is set,
+so the stage split is the device's, not the launch queue's. A fresh GPU
+compiles CuPy's kernels on first use: the warm-up steps absorb that.
+
+**Convolutions' A** is formed the cheaper way by the library's cost model
+(:mod:`chainerkfac.fisher_blocks.patches`); ``--conv-a shifted`` or
+``unfolded`` forces one wherever it applies, to compare them on a machine.
+
+**Inverse stage alone** (``--inverse-only``; ResNet-50 by default): one
+every-step K-FAC step captures the model's real factors (ResNet-50: 161
+matrices, 107 K-FAC layers), then the inverse stage runs as the optimizer
+runs it: every block's ``inverse_requests`` (the trace-norm split of the
+damping for Kronecker blocks, ρ_BN·γ for BN) in one
+:func:`chainerkfac.linalg.damped_inverses` call, ``--rounds`` times
+(default 5); the median total is reported with the count of matrices, Σn³
+and the largest n, and the seconds per factor kind (``A``, ``G``, ``F``,
+each as its own call). The in-step figure is
+the ``inverse`` stage of the step benchmark.
+
+Goals (reported, not asserted): CPU small ResNet, every step ≤ 1.2x and
+stale ≤ 1.3x SGD, ResNet-50 stale ≤ 1.3x SGD (issue 13 and earlier); GPU
+ResNet-50, capture ≤ 0.06 s per refresh step, forward_backward with
+capture ≤ 1.35x SGD's whole step, fp16 factors faster than fp32 (issue 13),
+stale ≤ 1.05x SGD (issue 12), inverse stage alone ≤ 0.12 s (issue 12).
+Timings are only comparable within one run.
 
 BLAS threads: ``--threads`` (default 1, through threadpoolctl); the JSON
 records the count in effect.
 """
 import argparse
+import collections
 import cProfile
 import gc
 import io
 import pstats
 import sys
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List, Sequence
 
 import chainerkfac  # NOQA  (before chainer: NumPy-2 compatibility shims)
 import chainer
@@ -48,26 +92,52 @@ import numpy
 
 import models
 from benchmarks import _common
+from chainerkfac import fisher_blocks
+from chainerkfac import linalg
 from chainerkfac.optimizers import KFAC
 
-VARIANTS = ('sgd', 'kfac_every', 'kfac_stale')
+#: name -> KFAC keyword arguments (the refresh interval is added).
+KFAC_VARIANTS = {
+    'kfac_every': {},
+    'kfac_stale': {},
+    'kfac_diag_bn': {'bn_fisher': 'diag'},
+    'kfac_fp16': {'factor_dtype': 'float16'},
+}
+VARIANTS = ('sgd',) + tuple(KFAC_VARIANTS)
+CPU_VARIANTS = ('sgd', 'kfac_every', 'kfac_stale')
+#: Every-step variants whose capture is timed by layer type.
+CAPTURE_VARIANTS = ('kfac_every', 'kfac_diag_bn', 'kfac_fp16')
 STAGES = ('forward_backward', 'factors', 'reduce_scatter', 'inverse',
           'precondition', 'all_gather', 'update')
-GOALS = {'small': {'kfac_stale': 1.3, 'kfac_every': 3.0},
-         'resnet50': {'kfac_stale': 1.3}}
+CAPTURE_TYPES = ('Linear A', 'Linear G', 'Conv A', 'Conv G', 'BN F')
+CONV_A = ('auto', 'shifted', 'unfolded')
+#: Reported, not asserted; ratios to SGD unless named otherwise.
+GOALS = {
+    'cpu': {'small': {'kfac_every': 1.2, 'kfac_stale': 1.3},
+            'resnet50': {'kfac_stale': 1.3}},
+    'gpu': {'resnet50': {'kfac_stale': 1.05, 'capture_s': 0.06,
+                         'forward_backward_over_sgd': 1.35,
+                         'fp16_over_fp32': 1.0}},
+}
+INVERSE_GOALS = {'gpu': {'resnet50': 0.12}}
 
-#: name -> (constructor kwargs, batch, input size, rounds, warm-up steps)
+#: name -> model, batch, input size, rounds, warm-up steps, capture steps
 FULL = {
     'small': dict(arch='small', kwargs={'depth': 8, 'width': 16,
                                         'n_class': 10},
-                  batch=128, size=32, rounds=21, warmup=2),
+                  batch=128, size=32, rounds=21, warmup=2, capture_steps=3),
     'resnet50': dict(arch='resnet50', kwargs={'n_class': 1000},
-                     batch=8, size=224, rounds=5, warmup=1),
+                     batch=8, size=224, rounds=5, warmup=1, capture_steps=1),
+}
+GPU = {
+    'small': dict(FULL['small'], rounds=21, warmup=3, capture_steps=5),
+    'resnet50': dict(FULL['resnet50'], batch=32, rounds=11, warmup=3,
+                     capture_steps=5),
 }
 SMOKE = {
     'small': dict(arch='small', kwargs={'depth': 8, 'width': 4,
                                         'n_class': 10},
-                  batch=8, size=16, rounds=2, warmup=1),
+                  batch=8, size=16, rounds=2, warmup=1, capture_steps=1),
 }
 
 
@@ -83,8 +153,9 @@ def build_model(arch: str, kwargs: Dict) -> chainer.Link:
 class SGDStep:
     """Momentum SGD, timed as forward_backward + update."""
 
-    def __init__(self, model, lr=0.01):
+    def __init__(self, model, synchronize: Callable[[], None], lr=0.01):
         self.model = model
+        self.synchronize = synchronize
         self.optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
         self.optimizer.setup(model)
         self.stage_times = {}
@@ -94,22 +165,26 @@ class SGDStep:
         start = time.perf_counter()
         self.model.cleargrads()
         self.model(x, t).backward()
+        self.synchronize()
         middle = time.perf_counter()
         self.optimizer.update()
+        self.synchronize()
         self.stage_times = {'forward_backward': middle - start,
                             'update': time.perf_counter() - middle}
 
 
 class KFACStep:
-    """One K-FAC step (``acc_iters = 1``) with refresh interval ``interval``."""
+    """One K-FAC step (``acc_iters = 1``), refresh interval ``interval``."""
 
-    def __init__(self, model, interval: int, lr=0.001):
+    def __init__(self, model, interval: int, gpu: bool, lr=0.001, **kwargs):
         self.model = model
         self.optimizer = KFAC(lr=lr, momentum=0.9, damping=1e-3,
                               refresh_interval_a=interval,
                               refresh_interval_g=interval,
-                              refresh_interval_f=interval, verbose=False)
+                              refresh_interval_f=interval, verbose=False,
+                              **kwargs)
         self.optimizer.setup(model)
+        self.optimizer.synchronize_stage_timers = gpu
         self.stage_times = {}
         self.refreshed = False
 
@@ -120,33 +195,91 @@ class KFACStep:
         self.refreshed = any(v == self.optimizer.t - 1 for v in last.values())
 
 
-def measure(name: str, spec: Dict, interval: int, rounds: int,
-            warmup: int, profile: bool = False) -> Dict:
-    """Time the three variants on one model (see the module docstring);
-    with ``profile``, then cProfile one more every-step K-FAC step."""
-    rng = numpy.random.RandomState(1)
-    x = rng.standard_normal((spec['batch'], 3, spec['size'], spec['size'])
-                            ).astype(numpy.float32)
-    n_class = spec['kwargs']['n_class']
-    t = rng.randint(0, n_class, spec['batch']).astype(numpy.int32)
-    steps = {'sgd': SGDStep(build_model(spec['arch'], spec['kwargs'])),
-             'kfac_every': KFACStep(build_model(spec['arch'], spec['kwargs']),
-                                    1),
-             'kfac_stale': KFACStep(build_model(spec['arch'], spec['kwargs']),
-                                    interval)}
-    for variant in VARIANTS:
+class CaptureTimer:
+    """Seconds spent in the Fisher blocks' capture calls, by layer type.
+
+    Wraps ``capture_forward`` / ``capture_backward`` of each block instance
+    of an optimizer in a timer (synchronising the device before and after
+    each call) while active; the library is untouched.
+    """
+
+    LABELS = ((fisher_blocks.LinearBlock, 'Linear'),
+              (fisher_blocks.Convolution2DBlock, 'Conv'),
+              (fisher_blocks.BatchNormalizationBlock, 'BN'))
+
+    def __init__(self, blocks, synchronize: Callable[[], None]):
+        self.blocks = [b for b in blocks if b.factor_names]
+        self.synchronize = synchronize
+        self.seconds: Dict[str, float] = collections.defaultdict(float)
+
+    def __enter__(self):
+        for block in self.blocks:
+            layer = next((label for cls, label in self.LABELS
+                          if isinstance(block, cls)), type(block).__name__)
+            forward = [n for n, kind in block.factor_kinds.items()
+                       if kind.forward]
+            backward = [n for n, kind in block.factor_kinds.items()
+                        if not kind.forward]
+            for method, factors in (('capture_forward', forward),
+                                    ('capture_backward', backward)):
+                if factors:
+                    setattr(block, method, self._timed(
+                        getattr(block, method),
+                        '{} {}'.format(layer, '+'.join(factors))))
+        return self
+
+    def __exit__(self, *exc):
+        for block in self.blocks:
+            for method in ('capture_forward', 'capture_backward'):
+                block.__dict__.pop(method, None)
+
+    def _timed(self, method, key):
+        def timed(*args):
+            self.synchronize()
+            start = time.perf_counter()
+            method(*args)
+            self.synchronize()
+            self.seconds[key] += time.perf_counter() - start
+        return timed
+
+
+def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
+            rounds: int, warmup: int, array_module, profile: bool = False,
+            target: str = 'cpu') -> Dict:
+    """Time the variants on one model (see the module docstring); with
+    ``profile``, then cProfile one more every-step K-FAC step."""
+    xp = array_module
+    gpu = xp is not numpy
+    synchronize = _common.synchronizer(xp)
+    x, t = _batch(spec, xp)
+    steps = {}
+    for variant in variants:
+        model = build_model(spec['arch'], spec['kwargs'])
+        if gpu:
+            model.to_device('@cupy:0')
+        if variant == 'sgd':
+            steps[variant] = SGDStep(model, synchronize)
+        else:
+            steps[variant] = KFACStep(
+                model, interval if variant == 'kfac_stale' else 1, gpu,
+                **KFAC_VARIANTS[variant])
+    for variant in variants:
         for _ in range(warmup):
             steps[variant](x, t)
-    samples = {v: [] for v in VARIANTS + ('kfac_stale_refresh',)}
-    stages = {v: [] for v in VARIANTS + ('kfac_stale_refresh',)}
-    ratios = {'kfac_every': [], 'kfac_stale': [], 'kfac_stale_amortised': []}
+    keys = tuple(variants) + (('kfac_stale_refresh',)
+                              if 'kfac_stale' in variants else ())
+    samples = {v: [] for v in keys}
+    stages = {v: [] for v in keys}
+    ratios = collections.defaultdict(list)
     for r in range(rounds):
-        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+        shift = r % len(variants)
         times = {}
-        for variant in order:
+        for variant in variants[shift:] + variants[:shift]:
             gc.collect()
+            synchronize()
             start = time.perf_counter()
             steps[variant](x, t)
+            synchronize()
             elapsed = time.perf_counter() - start
             key = variant
             if variant == 'kfac_stale' and steps[variant].refreshed:
@@ -155,13 +288,20 @@ def measure(name: str, spec: Dict, interval: int, rounds: int,
             samples[key].append(elapsed)
             stages[key].append(steps[variant].stage_times)
         sgd = times['sgd']
-        ratios['kfac_every'].append(times['kfac_every'] / sgd)
-        if 'kfac_stale' in times:
-            ratios['kfac_stale'].append(times['kfac_stale'] / sgd)
+        for key, elapsed in times.items():
+            if key not in ('sgd', 'kfac_stale_refresh'):
+                ratios[key].append(elapsed / sgd)
+        if 'kfac_stale' in times and 'kfac_every' in times:
             ratios['kfac_stale_amortised'].append(
                 (times['kfac_every'] + (interval - 1) * times['kfac_stale']) /
                 interval / sgd)
-    n_kfac = sum(1 for b in steps['kfac_every'].optimizer.blocks
+    capture = {}
+    for variant in CAPTURE_VARIANTS:
+        if variant in steps:
+            capture[variant] = time_capture(steps[variant], x, t,
+                                            spec['capture_steps'],
+                                            synchronize, steps.get('sgd'))
+    n_kfac = sum(1 for b in steps[_kfac_variant(variants)].optimizer.blocks
                  if b.factor_names)
     result = {
         'model': name, 'arch': spec['arch'], 'model_kwargs': spec['kwargs'],
@@ -175,16 +315,57 @@ def measure(name: str, spec: Dict, interval: int, rounds: int,
         'stage_times_s': {k: _median_stages(v) for k, v in stages.items()
                           if v},
         'samples_s': samples,
+        'capture_steps': spec['capture_steps'],
+        'capture_by_type_s': capture,
     }
     result['extra_over_sgd'] = extra_over_sgd(result)
     if profile:
-        result['profile'] = profile_step(steps['kfac_every'], x, t)
-    result['goals'] = {
-        variant: {'goal': goal, 'ratio': result['ratio_to_sgd'][variant],
-                  'met': (result['ratio_to_sgd'][variant] is not None and
-                          result['ratio_to_sgd'][variant] <= goal)}
-        for variant, goal in GOALS.get(name, {}).items()}
+        result['profile'] = profile_step(steps[_kfac_variant(variants)], x, t)
+    result['goals'] = goals(result, target)
     return result
+
+
+def _kfac_variant(variants):
+    return next(v for v in variants if v != 'sgd')
+
+
+def _batch(spec, xp):
+    rng = numpy.random.RandomState(1)
+    x = rng.standard_normal((spec['batch'], 3, spec['size'], spec['size'])
+                            ).astype(numpy.float32)
+    t = rng.randint(0, spec['kwargs']['n_class'], spec['batch']).astype(
+        numpy.int32)
+    return xp.asarray(x), xp.asarray(t)
+
+
+def time_capture(step: KFACStep, x, t, n_steps: int,
+                 synchronize: Callable[[], None], sgd: SGDStep = None
+                 ) -> Dict[str, float]:
+    """Capture seconds per refresh step by layer type, medians over
+    ``n_steps`` every-step K-FAC steps, with their sum as ``total``; with
+    ``sgd``, each step follows an SGD step and ``total_over_sgd`` is the
+    median ratio of the two (robust to the machine's load drifting)."""
+    per_step, over_sgd = [], []
+    for _ in range(n_steps):
+        if sgd is not None:
+            synchronize()
+            start = time.perf_counter()
+            sgd(x, t)
+            synchronize()
+            sgd_seconds = time.perf_counter() - start
+        with CaptureTimer(step.optimizer.blocks, synchronize) as timer:
+            step(x, t)
+        per_step.append(dict(timer.seconds))
+        if sgd is not None:
+            over_sgd.append(sum(timer.seconds.values()) / sgd_seconds)
+    types = [k for k in CAPTURE_TYPES if any(k in s for s in per_step)]
+    types += sorted({k for s in per_step for k in s} - set(types))
+    out = {k: _common.median([s.get(k, 0.0) for s in per_step])
+           for k in types}
+    out['total'] = _common.median([sum(s.values()) for s in per_step])
+    if over_sgd:
+        out['total_over_sgd'] = _common.median(over_sgd)
+    return out
 
 
 def _median_stages(records: List[Dict]) -> Dict[str, float]:
@@ -201,7 +382,7 @@ def extra_over_sgd(result: Dict) -> Dict[str, Dict[str, float]]:
     """
     sgd = result['stage_times_s']['sgd']
     out = {}
-    for variant in ('kfac_every', 'kfac_stale'):
+    for variant in KFAC_VARIANTS:
         stage = result['stage_times_s'].get(variant)
         if stage is None:
             continue
@@ -211,6 +392,32 @@ def extra_over_sgd(result: Dict) -> Dict[str, Dict[str, float]]:
             extra[name] = stage.get(name, 0.0) - (
                 sgd['update'] if name == 'update' else 0.0)
         out[variant] = extra
+    return out
+
+
+def goals(result: Dict, target: str) -> Dict[str, Dict]:
+    """The goals of :data:`GOALS` that apply to this result and whose
+    variants were run, with the measured figure and whether it is met."""
+    out = {}
+    med, ratio = result['median_s'], result['ratio_to_sgd']
+    stage = result['stage_times_s']
+    capture = result['capture_by_type_s']
+    for key, goal in GOALS[target].get(result['model'], {}).items():
+        if key == 'capture_s':
+            value = capture.get('kfac_every', {}).get('total')
+        elif key == 'forward_backward_over_sgd':
+            value = (stage['kfac_every']['forward_backward'] / med['sgd']
+                     if 'kfac_every' in stage else None)
+        elif key == 'fp16_over_fp32':
+            value = (med['kfac_fp16'] / med['kfac_every']
+                     if med.get('kfac_fp16') and med.get('kfac_every')
+                     else None)
+        else:
+            value = ratio.get(key)
+        if value is None:   # its variant was not run
+            continue
+        met = value < goal if key == 'fp16_over_fp32' else value <= goal
+        out[key] = {'goal': goal, 'value': value, 'met': met}
     return out
 
 
@@ -225,48 +432,174 @@ def profile_step(step: KFACStep, x, t, top: int = 20) -> str:
     return text.getvalue()
 
 
+def force_conv_a(strategy: str) -> None:
+    """Make every convolution form A by ``strategy`` where it applies (the
+    library's choice elsewhere), by wrapping
+    :func:`chainerkfac.fisher_blocks.patches.patch_gram` for this process."""
+    from chainerkfac.fisher_blocks import patches
+    library_choice = patches.patch_gram
+
+    def patch_gram(x, geometry, scale, factor_dtype=numpy.float32,
+                   append_ones=False, strategy=None):
+        costs = patches.strategy_costs(x.shape, geometry,
+                                       chainer.backend.get_array_module(x))
+        return library_choice(x, geometry, scale, factor_dtype, append_ones,
+                              forced if forced in costs else None)
+    forced = strategy
+    patches.patch_gram = patch_gram
+
+
+# -- the inverse stage alone ------------------------------------------------------
+def measure_inverse(name: str, spec: Dict, repeats: int, array_module,
+                    target: str = 'cpu') -> Dict:
+    """Capture one every-step K-FAC step's factors, then time the inverse
+    stage as the optimizer runs it: every block's requests (the trace-norm
+    split of the damping for Kronecker blocks, ρ_BN·γ for BN) in one
+    :func:`chainerkfac.linalg.damped_inverses` call; and, apart, the same
+    per factor kind."""
+    xp = array_module
+    synchronize = _common.synchronizer(xp)
+    x, t = _batch(spec, xp)
+    model = build_model(spec['arch'], spec['kwargs'])
+    if xp is not numpy:
+        model.to_device('@cupy:0')
+    step = KFACStep(model, 1, xp is not numpy)
+    step(x, t)
+    optimizer = step.optimizer
+    requests = []   # (kind, matrix, damping)
+    for block in optimizer.blocks:
+        if not block.factors:
+            continue
+        damping = optimizer.damping * block.damping_scale(optimizer.rho_bn)
+        for factor, (matrix, used) in block.inverse_requests(
+                block.factors, damping).items():
+            requests.append((factor, matrix, used))
+
+    def invert(subset):
+        linalg.damped_inverses([m for _, m, _ in subset],
+                               [d for _, _, d in subset])
+
+    kinds = sorted({k for k, _, _ in requests})
+    invert(requests)   # warm-up (kernels, workspaces, streams)
+    totals, by_kind = [], collections.defaultdict(list)
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        invert(requests)
+        synchronize()
+        totals.append(time.perf_counter() - start)
+        for kind in kinds:
+            subset = [r for r in requests if r[0] == kind]
+            synchronize()
+            start = time.perf_counter()
+            invert(subset)
+            synchronize()
+            by_kind[kind].append(time.perf_counter() - start)
+    sizes = [int(m.shape[0]) for _, m, _ in requests if m.ndim == 2]
+    result = {
+        'model': name, 'batch': spec['batch'],
+        'input': [3, spec['size'], spec['size']],
+        'n_factors': len(sizes), 'sum_n3': float(sum(float(n) ** 3
+                                                    for n in sizes)),
+        'max_n': max(sizes), 'repeats': repeats,
+        'median_s': _common.median(totals), 'samples_s': totals,
+        'by_kind_s': {k: _common.median(v) for k, v in sorted(
+            by_kind.items())},
+    }
+    goal = INVERSE_GOALS.get(target, {}).get(name)
+    if goal is not None:
+        result['goal'] = {'goal': goal, 'value': result['median_s'],
+                          'met': result['median_s'] <= goal}
+    return result
+
+
 # -- output -------------------------------------------------------------------------
 def tables(data: Dict) -> str:
+    """The summary, stage, extra-time and capture tables of a run."""
+    results = data['results']
+    variants = [v for v in VARIANTS if any(v in r['median_s']
+                                           for r in results)]
+    kfac = [v for v in variants if v != 'sgd']
     rows = []
-    for r in data['results']:
+    for r in results:
         med, ratio = r['median_s'], r['ratio_to_sgd']
-        goals = r['goals']
-
-        def goal(variant):
-            if variant not in goals:
-                return '-'
-            g = goals[variant]
-            return '<= {:g}: {}'.format(g['goal'], 'met' if g['met']
-                                        else 'NOT met')
-        rows.append([r['model'], r['batch'], med['sgd'], med['kfac_every'],
-                     ratio['kfac_every'], goal('kfac_every'),
-                     med['kfac_stale'], ratio['kfac_stale'], goal('kfac_stale'),
-                     ratio['kfac_stale_amortised']])
-    summary = _common.format_table(
-        ['model', 'batch', 'SGD [s]', 'K-FAC every [s]', 'x SGD',
-         'goal', 'K-FAC stale [s]', 'x SGD', 'goal',
-         'amortised /{} x SGD'.format(data['refresh_interval'])], rows)
+        row = [r['model'], r['batch'], med['sgd']]
+        for variant in kfac:
+            row += [med.get(variant), ratio.get(variant)]
+        if 'kfac_stale' in kfac:
+            row.append(ratio.get('kfac_stale_amortised'))
+        rows.append(row)
+    headers = ['model', 'batch', 'SGD [s]']
+    for variant in kfac:
+        headers += ['{} [s]'.format(variant), 'x SGD']
+    if 'kfac_stale' in kfac:
+        headers.append('amortised /{} x SGD'.format(data['refresh_interval']))
+    summary = _common.format_table(headers, rows)
+    goal_rows = [[r['model'], key, g['value'], '<= {:g}'.format(g['goal'])
+                  if key != 'fp16_over_fp32' else '< {:g}'.format(g['goal']),
+                  'met' if g['met'] else 'NOT met']
+                 for r in results for key, g in r['goals'].items()]
+    goal_table = _common.format_table(
+        ['model', 'goal', 'measured', 'target', ''], goal_rows)
     stage_rows = []
-    for r in data['results']:
-        for variant in ('sgd', 'kfac_every', 'kfac_stale'):
-            st = r['stage_times_s'][variant]
-            stage_rows.append([r['model'], variant] +
-                              [st.get(s) for s in STAGES] +
-                              [sum(st.values())])
+    for r in results:
+        for variant in variants:
+            st = r['stage_times_s'].get(variant)
+            if st is not None:
+                stage_rows.append([r['model'], variant] +
+                                  [st.get(s) for s in STAGES] +
+                                  [sum(st.values())])
     stages = _common.format_table(
         ['model', 'variant'] + list(STAGES) + ['sum'], stage_rows)
     extra_rows = []
-    for r in data['results']:
+    for r in results:
         for variant, extra in r['extra_over_sgd'].items():
             extra_rows.append([r['model'], variant, sum(extra.values())] + [
                 extra[k] for k in ['capture'] + list(STAGES[1:])])
     extras = _common.format_table(
         ['model', 'variant', 'extra over SGD', 'capture (fwd+bwd)'] +
         list(STAGES[1:]), extra_rows)
-    return ('Step time, medians over rounds ({} BLAS thread(s)); ratios are '
-            'per-round medians\n{}\n\nStage times [s], medians\n{}\n\n'
-            "Where K-FAC's extra time goes [s] (stage medians minus SGD's)\n{}"
-            .format(data['blas_threads'], summary, stages, extras))
+    capture_rows = []
+    for r in results:
+        for variant, seconds in r['capture_by_type_s'].items():
+            capture_rows.append(
+                [r['model'], variant] +
+                [seconds.get(k) for k in CAPTURE_TYPES] +
+                [seconds['total'], seconds.get('total_over_sgd')])
+    captures = _common.format_table(
+        ['model', 'variant'] + list(CAPTURE_TYPES) +
+        ['total', 'total / SGD step (paired)'], capture_rows)
+    return ('Step time, medians over rounds ({}); ratios are per-round '
+            'medians\n{}\n\nGoals (reported, not asserted)\n{}\n\n'
+            'Stage times [s], medians\n{}\n\n'
+            "Where K-FAC's extra time goes [s] (stage medians minus SGD's)\n"
+            '{}\n\nCapture per refresh step by layer type [s], medians over '
+            '{} timed step(s) ({})\n{}'.format(
+                _device_words(data), summary, goal_table, stages, extras,
+                ', '.join(str(r['capture_steps']) for r in results),
+                'device synchronised around each call' if data['gpu']
+                else 'wall time', captures))
+
+
+def inverse_table(data: Dict) -> str:
+    rows = [[r['model'], r['batch'], r['n_factors'], r['sum_n3'], r['max_n'],
+             r['median_s']] + [r['by_kind_s'].get(k) for k in ('A+G', 'F')] +
+            [('<= {:g}: {}'.format(r['goal']['goal'], 'met' if
+                                   r['goal']['met'] else 'NOT met'))
+             if 'goal' in r else '-']
+            for r in data['inverse']]
+    return ('Inverse stage alone: one damped_inverses call over every block\'s requests after one '
+            'capture, median of {} ({})\n{}'.format(
+                ', '.join(str(r['repeats']) for r in data['inverse']),
+                _device_words(data), _common.format_table(
+                    ['model', 'batch', 'factors', 'sum n^3', 'max n',
+                     'total [s]', 'A+G [s]', 'F [s]', 'goal'], rows)))
+
+
+def _device_words(data: Dict) -> str:
+    if data['gpu']:
+        return 'GPU, synchronised'
+    return '{} BLAS thread(s)'.format(data['blas_threads'])
 
 
 def parse_args(argv):
@@ -275,15 +608,23 @@ def parse_args(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--smoke', action='store_true',
                         help='tiny sizes, 2 rounds: seconds (for the tests)')
+    parser.add_argument('--gpu', action='store_true',
+                        help='run on GPU 0 with CuPy (ResNet-50 at batch 32)')
     parser.add_argument('--out', default='result/step_time.json',
                         help='JSON output (default result/step_time.json)')
     parser.add_argument('--models', default=None,
-                        help='comma-separated subset of {} (default: all)'
-                        .format(','.join(FULL)))
+                        help='comma-separated subset of {} (default: all; '
+                        'resnet50 with --inverse-only)'.format(','.join(FULL)))
+    parser.add_argument('--variants', default=None,
+                        help='comma-separated subset of {}, with sgd '
+                        '(default: {} on CPU, all with --gpu)'.format(
+                            ','.join(VARIANTS), ','.join(CPU_VARIANTS)))
     parser.add_argument('--rounds', type=int, default=None,
-                        help='timed rounds of the small ResNet (default 21)')
+                        help='timed rounds of the small ResNet (default 21); '
+                        'with --inverse-only, repeats (default 5)')
     parser.add_argument('--resnet50-rounds', type=int, default=None,
-                        help='timed rounds of ResNet-50 (default 5)')
+                        help='timed rounds of ResNet-50 (default 5, 11 on '
+                        'GPU)')
     parser.add_argument('--interval', type=int, default=20,
                         help='refresh interval of the stale variant')
     parser.add_argument('--threads', type=int, default=1,
@@ -291,43 +632,85 @@ def parse_args(argv):
     parser.add_argument('--profile', action='store_true',
                         help='also cProfile one every-step K-FAC step of '
                         'each model and print the top functions')
+    parser.add_argument('--conv-a', choices=CONV_A, default='auto',
+                        help="how convolutions' A is formed: the library's "
+                        'choice (auto), or shifted / unfolded wherever it '
+                        'applies (to calibrate the choice on a machine)')
+    parser.add_argument('--inverse-only', action='store_true',
+                        help='time the inverse stage alone over the real '
+                        'factors of each model after one capture')
     args = parser.parse_args(argv)
     if args.interval < 2:
         parser.error('--interval must be >= 2 (1 is the every-step variant)')
+    if args.variants:
+        variants = args.variants.split(',')
+        unknown = [v for v in variants if v not in VARIANTS]
+        if unknown or 'sgd' not in variants or len(variants) < 2:
+            parser.error('--variants: sgd and at least one of {} (got {})'
+                         .format(', '.join(VARIANTS[1:]), args.variants))
+        args.variants = tuple(v for v in VARIANTS if v in variants)
+    else:
+        args.variants = VARIANTS if args.gpu else CPU_VARIANTS
     return args
+
+
+def _specs(args) -> Dict[str, Dict]:
+    table = SMOKE if args.smoke else (GPU if args.gpu else FULL)
+    specs = {k: dict(v) for k, v in table.items()}
+    if args.models:
+        names = args.models.split(',')
+    elif args.inverse_only and not args.smoke:
+        names = ['resnet50']
+    else:
+        names = list(specs)
+    unknown = [n for n in names if n not in specs]
+    if unknown:
+        raise SystemExit('unknown model(s) {}; choose from {}'.format(
+            ', '.join(unknown), ', '.join(specs)))
+    specs = {n: specs[n] for n in names}
+    if args.rounds and 'small' in specs:
+        specs['small']['rounds'] = args.rounds
+    if args.resnet50_rounds and 'resnet50' in specs:
+        specs['resnet50']['rounds'] = args.resnet50_rounds
+    return specs
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    specs = {k: dict(v) for k, v in (SMOKE if args.smoke else FULL).items()}
-    if args.models:
-        names = args.models.split(',')
-        unknown = [n for n in names if n not in specs]
-        if unknown:
-            raise SystemExit('unknown model(s) {}; choose from {}'.format(
-                ', '.join(unknown), ', '.join(specs)))
-        specs = {n: specs[n] for n in names}
-    if args.rounds and 'small' in specs:
-        specs['small']['rounds'] = args.rounds
-    if args.resnet50_rounds and 'resnet50' in specs:
-        specs['resnet50']['rounds'] = args.resnet50_rounds
-    data = _common.header('step_time', argv)
-    data.update(smoke=args.smoke, refresh_interval=args.interval,
-                threads_requested=args.threads)
+    specs = _specs(args)
+    xp = _common.array_module(args.gpu)
+    target = 'gpu' if args.gpu else 'cpu'
+    data = _common.header('step_time', argv, gpu=args.gpu)
+    data.update(smoke=args.smoke, gpu=args.gpu,
+                refresh_interval=args.interval,
+                threads_requested=args.threads, conv_a=args.conv_a)
+    if args.conv_a != 'auto':
+        force_conv_a(args.conv_a)
     with _common.limit_blas_threads(args.threads):
         data['blas_threads'] = _common.blas_threads()
-        data['results'] = []
-        for name, spec in specs.items():
-            print('timing {} (batch {}, {} rounds)...'.format(
-                name, spec['batch'], spec['rounds']), flush=True)
-            data['results'].append(measure(
-                name, spec, args.interval, spec['rounds'], spec['warmup'],
-                profile=args.profile))
-    text = tables(data)
+        if args.inverse_only:
+            data['inverse'] = []
+            for name, spec in specs.items():
+                print('inverting the factors of {} (batch {})...'.format(
+                    name, spec['batch']), flush=True)
+                data['inverse'].append(measure_inverse(
+                    name, spec, args.rounds or 5, xp, target))
+            text = inverse_table(data)
+        else:
+            data['variants'] = list(args.variants)
+            data['results'] = []
+            for name, spec in specs.items():
+                print('timing {} (batch {}, {} rounds)...'.format(
+                    name, spec['batch'], spec['rounds']), flush=True)
+                data['results'].append(measure(
+                    name, spec, args.variants, args.interval,
+                    spec['rounds'], spec['warmup'], xp,
+                    profile=args.profile, target=target))
+            text = tables(data)
     print(_common.describe_machine(data))
     print(text)
-    for result in data['results']:
+    for result in data.get('results', []):
         if 'profile' in result:
             print('cProfile, one every-step K-FAC step of {}:\n{}'.format(
                 result['model'], result['profile']))

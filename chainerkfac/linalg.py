@@ -2,7 +2,11 @@
 
 * :func:`gram` builds a Kronecker factor ``scale · XᵀX`` from rows ``X``,
   optionally with fp16 inputs and fp32 accumulation (Tensor Cores on GPU;
-  the NumPy twin rounds the same way so tests can compare the two).
+  the NumPy twin rounds the same way so tests can compare the two). Its
+  fp16 pieces (:func:`half_normaliser`, :func:`write_scaled`,
+  :func:`half_matmul`, :func:`restore_half`) and :func:`append_ones_row`
+  also serve the convolution factors of
+  :mod:`chainerkfac.fisher_blocks.patches`.
 * :func:`damped_inverses` inverts ``M + d·I`` by Cholesky for all factors of
   a step at once and, where ``M + d·I`` is not positive definite, raises ``d``
   and retries; :func:`damped_inverse` is its one-factor case. On the GPU the
@@ -21,8 +25,9 @@ DAMPING_BOOST = 10.0
 MAX_INVERSE_TRIES = 6
 
 
-def factor_dtype_for(array_dtype, factor_dtype) -> numpy.dtype:
-    """The dtype a factor is stored in: fp32, or fp64 for an fp64 model."""
+def factor_dtype_for(array_dtype) -> numpy.dtype:
+    """The dtype a factor is stored in: fp64 for an fp64 model, else fp32
+    (whatever ``factor_dtype`` the products run in)."""
     if numpy.dtype(array_dtype) == numpy.float64:
         return numpy.dtype(numpy.float64)
     return numpy.dtype(numpy.float32)
@@ -45,49 +50,99 @@ def gram(rows, scale: float, factor_dtype=numpy.float32,
     factor_dtype : dtype
         ``float16`` computes the product from half-precision inputs with fp32
         accumulation; the inputs are normalised by their largest magnitude
-        (restored afterwards in fp32) so that the product cannot overflow. Anything else computes in the
-        storage dtype (fp32, or fp64 for fp64 models).
+        (restored afterwards in fp32) so that the product cannot overflow
+        (:func:`half_normaliser`). Anything else computes in the storage
+        dtype (fp32, or fp64 for fp64 inputs).
 
     Returns
     -------
     array of shape (D, D), fp32 (fp64 for fp64 inputs).
     """
-    core = _gram(rows, scale, factor_dtype)
+    core = _gram(rows, scale, numpy.dtype(factor_dtype))
     if not append_ones:
         return core
-    xp = get_array_module(rows)
-    d = rows.shape[1]
-    out = xp.empty((d + 1, d + 1), dtype=core.dtype)
-    out[:d, :d] = core
-    column = rows.sum(axis=0, dtype=core.dtype) * core.dtype.type(scale)
-    out[:d, d] = column
-    out[d, :d] = column
-    out[d, d] = rows.shape[0] * scale
-    return out
+    return append_ones_row(core, rows.sum(axis=0, dtype=core.dtype),
+                           rows.shape[0], scale)
 
 
 def _gram(rows, scale, factor_dtype):
     xp = get_array_module(rows)
-    out_dtype = factor_dtype_for(rows.dtype, factor_dtype)
-    if numpy.dtype(factor_dtype) == numpy.float16:
-        # Normalise by the largest magnitude so the fp16 product cannot
-        # overflow (its entries are bounded by the row count times scale);
-        # the magnitude is restored in fp32. No host sync: ``peak`` stays on
-        # the device.
-        rows = rows.astype(out_dtype, copy=False)
-        peak = xp.maximum(xp.abs(rows).max(), out_dtype.type(1e-30))
-        half = (rows * (out_dtype.type(numpy.sqrt(scale)) / peak)).astype(
-            numpy.float16)
-        if xp is numpy:
-            # NumPy twin of a Tensor Core GEMM: fp16 inputs, fp32
-            # accumulation, result rounded to the fp16 output.
-            wide = half.astype(numpy.float32)
-            product = wide.T.dot(wide).astype(numpy.float16)
-        else:
-            product = xp.matmul(half.T, half)
-        return product.astype(out_dtype) * (peak * peak)
+    out_dtype = factor_dtype_for(rows.dtype)
+    if factor_dtype == numpy.float16:
+        normaliser = half_normaliser(rows, scale)
+        half = xp.empty(rows.shape, dtype=numpy.float16)
+        write_scaled(half, rows, normaliser)
+        return restore_half(half_matmul(half.T, half), out_dtype, normaliser)
     rows = rows.astype(out_dtype, copy=False)
+    # One array and its transpose: NumPy calls syrk.
     return rows.T.dot(rows) * out_dtype.type(scale)
+
+
+def append_ones_row(core, sums, count: int, scale: float):
+    """``core`` (D, D) bordered by the row and column ``scale · sums`` and
+    the corner ``scale · count``: the Gram matrix of vectors augmented by a
+    constant 1, given the Gram matrix of the vectors, their sum and count."""
+    xp = get_array_module(core)
+    d = core.shape[0]
+    out = xp.empty((d + 1, d + 1), dtype=core.dtype)
+    out[:d, :d] = core
+    column = sums.astype(core.dtype, copy=False) * core.dtype.type(scale)
+    out[:d, d] = column
+    out[d, :d] = column
+    out[d, d] = count * scale
+    return out
+
+
+class HalfNormaliser(NamedTuple):
+    """How fp16 operands of a Gram product were scaled (device scalars)."""
+    factor: object   # multiplier of the inputs: √scale / peak
+    peak: object     # largest input magnitude (≥ 1e-30)
+
+
+def half_normaliser(array, scale: float) -> HalfNormaliser:
+    """Scaling that keeps an fp16 Gram product of ``array`` from overflowing.
+
+    The inputs are multiplied by ``√scale / max|array|`` before the cast to
+    fp16, so every product entry is bounded by the number of summed terms
+    times ``scale``; :func:`restore_half` multiplies by ``peak²``. The peak
+    is ``max(max(array), −min(array))``: two reductions and no temporary
+    (``abs(array).max()`` writes a copy of the array first), and no host
+    synchronisation (it stays on the device).
+    """
+    xp = get_array_module(array)
+    dtype = factor_dtype_for(array.dtype)
+    peak = xp.maximum(xp.maximum(array.max(), -array.min()).astype(dtype),
+                      dtype.type(1e-30))
+    return HalfNormaliser(dtype.type(numpy.sqrt(scale)) / peak, peak)
+
+
+def write_scaled(out, values, normaliser: Optional[HalfNormaliser]) -> None:
+    """``out[...] = values`` (cast to ``out``'s dtype), multiplied by the
+    normaliser's factor when there is one, in one pass: the product is
+    computed in the factor's precision and rounded once to ``out``'s."""
+    if normaliser is None:
+        out[...] = values
+    else:
+        get_array_module(out).multiply(values, normaliser.factor, out=out)
+
+
+def restore_half(product, out_dtype, normaliser: HalfNormaliser):
+    """An fp16 product of normalised operands, back at scale in
+    ``out_dtype``."""
+    return product.astype(out_dtype, copy=False) * (normaliser.peak *
+                                                    normaliser.peak)
+
+
+def half_matmul(a, b):
+    """``a @ b`` of fp16 matrices (or batches) with fp32 accumulation and an
+    fp16 result: cuBLAS (Tensor Cores) on CuPy; on NumPy its twin, which
+    multiplies the same fp16 values in fp32 and rounds the result to fp16,
+    so that tests on CPU see the GPU's roundings."""
+    xp = get_array_module(a)
+    if xp is not numpy:
+        return xp.matmul(a, b)
+    return numpy.matmul(a.astype(numpy.float32),
+                        b.astype(numpy.float32)).astype(numpy.float16)
 
 
 class InverseResult(NamedTuple):

@@ -23,9 +23,9 @@ import numpy
 import chainer.functions.connection.convolution_2d as conv2d_module
 import chainer.functions.connection.linear as linear_module
 from chainer.backend import get_array_module
-from chainer.utils import conv
 
 from chainerkfac import linalg
+from chainerkfac.fisher_blocks import patches
 from chainerkfac.fisher_blocks.base import (FactorKind, FisherBlock,
                                             Unsupported)
 from chainerkfac.fused import regularized_grad
@@ -144,30 +144,17 @@ class Convolution2DBlock(KroneckerBlock):
 
     def capture_forward(self, function, in_data):
         x = in_data[0]
-        kh, kw = self.link.W.shape[2:]
-        im2col = (conv.im2col_cpu if isinstance(x, numpy.ndarray)
-                  else conv.im2col_gpu)
-        col = im2col(x, kh, kw, function.sy, function.sx, function.ph,
-                     function.pw, cover_all=function.cover_all,
-                     dy=function.dy, dx=function.dx)
-        # (N, C, kh, kw, oh, ow) -> columns (C·kh·kw, N·oh·ow), moving
-        # whole contiguous runs of oh·ow; the patch order matches
-        # W.reshape(d_out, C·kh·kw). Its transpose (a view) are the rows.
-        n = x.shape[0]
-        patch = col.shape[1] * col.shape[2] * col.shape[3]
-        columns = col.reshape(n, patch, -1).transpose(1, 0, 2).reshape(
-            patch, -1)
+        geometry = patches.ConvGeometry.of(function, self.link.W.shape[2:])
         # Summed over locations, averaged over the batch.
-        self._accumulate('A', linalg.gram(columns.T, 1.0 / n,
-                                          self.factor_dtype,
-                                          append_ones=self.has_bias))
+        self._accumulate('A', patches.patch_gram(
+            x, geometry, 1.0 / x.shape[0], self.factor_dtype,
+            append_ones=self.has_bias))
 
     def capture_backward(self, function, in_data, out_grad):
         gy = out_grad[0]
-        n, c = gy.shape[:2]
+        n = gy.shape[0]
         locations = gy.shape[2] * gy.shape[3]
-        rows = gy.transpose(0, 2, 3, 1).reshape(-1, c)
         # Per-sample gradients N·gy, averaged over batch and locations:
         # (1/(N·T)) Σ (N gy)(N gy)ᵀ = (N/T) Σ gy gyᵀ.
-        self._accumulate('G', linalg.gram(rows, float(n) / locations,
-                                          self.factor_dtype))
+        self._accumulate('G', patches.channel_gram(
+            gy, float(n) / locations, self.factor_dtype))

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy
 import pytest
 
 from benchmarks import _common
@@ -14,6 +15,7 @@ from benchmarks import _common
 ROOT = _common.ROOT
 STAGES = ('forward_backward', 'factors', 'reduce_scatter', 'inverse',
           'precondition', 'all_gather', 'update')
+CAPTURE_TYPES = ('Linear A', 'Linear G', 'Conv A', 'Conv G', 'BN F')
 
 
 def run_benchmark(name, tmp_path, *extra):
@@ -46,6 +48,9 @@ def test_step_time_smoke(tmp_path):
     data, stdout = run_benchmark('step_time', tmp_path)
     check_header(data, 'step_time')
     assert 'x SGD' in stdout and 'forward_backward' in stdout
+    assert 'Capture per refresh step by layer type' in stdout
+    assert data['gpu'] is False
+    assert data['variants'] == ['sgd', 'kfac_every', 'kfac_stale']
     [result] = data['results']
     assert result['model'] == 'small' and positive(result['n_kfac_layers'])
     for variant in ('sgd', 'kfac_every', 'kfac_stale'):
@@ -61,6 +66,71 @@ def test_step_time_smoke(tmp_path):
     assert positive(result['stage_times_s']['kfac_every']['inverse'])
     assert set(result['goals']) == {'kfac_every', 'kfac_stale'}
     assert all(isinstance(g['met'], bool) for g in result['goals'].values())
+    # The small ResNet has every layer type: each is timed, and the total
+    # is their sum.
+    [(variant, capture)] = result['capture_by_type_s'].items()
+    assert variant == 'kfac_every'
+    assert set(capture) == set(CAPTURE_TYPES) | {'total', 'total_over_sgd'}
+    assert all(positive(v) for v in capture.values())
+    assert capture['total'] == pytest.approx(
+        sum(capture[k] for k in CAPTURE_TYPES))
+
+
+def test_step_time_smoke_every_variant(tmp_path):
+    variants = 'sgd,kfac_every,kfac_stale,kfac_diag_bn,kfac_fp16'
+    data, stdout = run_benchmark('step_time', tmp_path, '--variants',
+                                 variants)
+    assert data['variants'] == variants.split(',')
+    [result] = data['results']
+    for variant in variants.split(','):
+        assert positive(result['median_s'][variant])
+    for variant in ('kfac_diag_bn', 'kfac_fp16'):
+        assert positive(result['ratio_to_sgd'][variant])
+        assert set(result['stage_times_s'][variant]) == set(STAGES)
+        assert positive(result['extra_over_sgd'][variant]['inverse'])
+    assert set(result['capture_by_type_s']) == {
+        'kfac_every', 'kfac_diag_bn', 'kfac_fp16'}
+    assert 'kfac_fp16 [s]' in stdout
+
+
+def test_step_time_inverse_only_smoke(tmp_path):
+    data, stdout = run_benchmark('step_time', tmp_path, '--inverse-only',
+                                 '--rounds', '2')
+    check_header(data, 'step_time')
+    assert 'Inverse stage alone' in stdout
+    [result] = data['inverse']
+    # depth-8 small ResNet: 10 Kronecker layers (A, G) and 9 full BN (F).
+    assert result['n_factors'] == 29
+    assert result['repeats'] == 2 and len(result['samples_s']) == 2
+    assert positive(result['median_s']) and positive(result['sum_n3'])
+    assert set(result['by_kind_s']) == {'A+G', 'F'}
+    assert 'results' not in data
+
+
+def test_step_time_rejects_variants_without_sgd():
+    from benchmarks import step_time
+    with pytest.raises(SystemExit):
+        step_time.parse_args(['--variants', 'kfac_every,kfac_fp16'])
+    assert step_time.parse_args(['--gpu']).variants == step_time.VARIANTS
+
+
+def test_capture_timer_times_each_layer_type_and_unwraps():
+    from benchmarks import step_time
+    spec = step_time.SMOKE['small']
+    model = step_time.build_model(spec['arch'], spec['kwargs'])
+    step = step_time.KFACStep(model, 1, gpu=False)
+    x, t = step_time._batch(spec, numpy)
+    calls = []
+    seconds = step_time.time_capture(step, x, t, 2, lambda: calls.append(1))
+    assert set(seconds) == set(CAPTURE_TYPES) | {'total'}
+    blocks = [b for b in step.optimizer.blocks if b.factor_names]
+    # Synchronised before and after every capture call: 2 per call, one
+    # call per forward factor and one per backward factor of each block.
+    per_step = sum(1 + (len(b.factor_names) > len(b.forward_factors))
+                   if b.forward_factors else 1 for b in blocks)
+    assert len(calls) == 2 * 2 * per_step
+    assert all('capture_forward' not in vars(b) and
+               'capture_backward' not in vars(b) for b in blocks)
 
 
 def test_dist_scaling_smoke(tmp_path):
@@ -124,3 +194,34 @@ def test_convergence_smoke(tmp_path):
     assert comparison['goal'] == 0.6 and isinstance(comparison['met'], bool)
     assert positive(data['global_batch_size'])
     assert positive(data['acc_iters'])
+
+
+@pytest.mark.parametrize('strategy', ['shifted', 'unfolded'])
+def test_conv_a_option_forces_a_strategy_where_it_applies(strategy,
+                                                          monkeypatch):
+    from benchmarks import step_time
+    from chainerkfac.fisher_blocks import patches
+    used = []
+
+    def recording(name):
+        original = getattr(patches, name)
+
+        def record(x, geometry, *args):
+            used.append((name, geometry.sy))
+            return original(x, geometry, *args)
+        return record
+
+    for name in ('_shifted_gram', '_unfolded_gram'):
+        monkeypatch.setattr(patches, name, recording(name))
+    monkeypatch.setattr(patches, 'patch_gram', patches.patch_gram)
+    step_time.force_conv_a(strategy)
+    spec = step_time.SMOKE['small']
+    step = step_time.KFACStep(
+        step_time.build_model(spec['arch'], spec['kwargs']), 1, gpu=False)
+    step(*step_time._batch(spec, numpy))
+    # Stride-1 3x3 convolutions: the forced strategy; strided ones and 1x1
+    # (G, shortcuts) can only be unfolded.
+    stride_one = {name for name, stride in used if stride == 1}
+    assert ('_shifted_gram' in stride_one) == (strategy == 'shifted')
+    assert {name for name, stride in used if stride == 2} == {
+        '_unfolded_gram'}

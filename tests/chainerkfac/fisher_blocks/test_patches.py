@@ -1,0 +1,250 @@
+"""Convolution factors without im2col (fisher_blocks/patches.py) against
+patches cut by explicit loops, in float64, for both ways of forming A; the
+fp16 paths against their rounding twins; the CuPy path against NumPy."""
+import numpy
+import pytest
+
+from chainer.utils import conv
+
+from chainerkfac.fisher_blocks import patches
+from chainerkfac.fisher_blocks.patches import ConvGeometry
+
+
+def loop_patches(x, g):
+    """Patches by explicit loops over output locations: rows (n, location),
+    columns (c, i, j); taps outside the input read 0 (padding and the
+    extra ``cover_all`` row/column)."""
+    n, c, h, w = x.shape
+    oh = conv.get_conv_outsize(h, g.kh, g.sy, g.ph, g.cover_all, g.dy)
+    ow = conv.get_conv_outsize(w, g.kw, g.sx, g.pw, g.cover_all, g.dx)
+    rows = numpy.zeros((n, oh * ow, c * g.kh * g.kw))
+    for i in range(oh):
+        for j in range(ow):
+            patch = numpy.zeros((n, c, g.kh, g.kw))
+            for a in range(g.kh):
+                for b in range(g.kw):
+                    u = i * g.sy + a * g.dy - g.ph
+                    v = j * g.sx + b * g.dx - g.pw
+                    if 0 <= u < h and 0 <= v < w:
+                        patch[:, :, a, b] = x[:, :, u, v]
+            rows[:, i * ow + j] = patch.reshape(n, -1)
+    return rows
+
+
+def loop_gram(x, g, scale, bias=False):
+    rows = loop_patches(x, g)
+    if bias:
+        rows = numpy.concatenate([rows, numpy.ones(rows.shape[:2] + (1,))],
+                                 axis=2)
+    return numpy.einsum('nli,nlj->ij', rows, rows) * scale
+
+
+# (height, width), geometry: padding, stride, dilation, cover_all,
+# rectangular kernels, kernels wider than the input, 1x1 subsampling.
+CASES = [
+    ((6, 6), ConvGeometry(3, 3, 1, 1, 1, 1)),
+    ((5, 7), ConvGeometry(3, 3, 1, 1, 0, 0)),
+    ((6, 5), ConvGeometry(3, 3, 1, 1, 2, 2, 2, 2)),
+    ((7, 6), ConvGeometry(2, 3, 1, 1, 1, 0, 1, 2)),
+    ((4, 6), ConvGeometry(3, 1, 1, 1, 1, 0)),
+    ((6, 6), ConvGeometry(5, 5, 1, 1, 4, 1)),
+    ((2, 2), ConvGeometry(3, 3, 1, 1, 1, 1)),
+    ((1, 5), ConvGeometry(3, 3, 1, 1, 1, 1, 1, 2)),
+    ((3, 3), ConvGeometry(3, 3, 1, 1, 3, 3)),
+    ((6, 6), ConvGeometry(3, 3, 2, 2, 1, 1)),
+    ((7, 6), ConvGeometry(3, 3, 2, 1, 1, 0, cover_all=True)),
+    ((7, 7), ConvGeometry(3, 2, 3, 2, 2, 1, 2, 1, cover_all=True)),
+    ((6, 6), ConvGeometry(1, 1)),
+    ((6, 5), ConvGeometry(1, 1, 2, 2)),
+    ((5, 5), ConvGeometry(1, 1, 2, 1, 1, 2)),
+]
+
+
+def strategies(shape, g):
+    return sorted(patches.strategy_costs(shape, g))
+
+
+@pytest.mark.parametrize('bias', [False, True])
+@pytest.mark.parametrize('size,geometry', CASES)
+def test_patch_gram_equals_loop_patches(size, geometry, bias):
+    x = numpy.random.RandomState(0).randn(3, 2, *size)
+    expected = loop_gram(x, geometry, 1.0 / 3, bias)
+    for strategy in strategies(x.shape, geometry):
+        got = patches.patch_gram(x, geometry, 1.0 / 3, append_ones=bias,
+                                 strategy=strategy)
+        assert got.dtype == numpy.float64
+        numpy.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12,
+                                      err_msg=strategy)
+        numpy.testing.assert_array_equal(got, got.T)
+
+
+def test_shifted_applies_to_stride_one_kernels_only():
+    shape = (2, 3, 8, 8)
+    assert strategies(shape, ConvGeometry(3, 3)) == ['shifted', 'unfolded']
+    assert strategies(shape, ConvGeometry(1, 3)) == ['shifted', 'unfolded']
+    assert strategies(shape, ConvGeometry(3, 3, 2, 1)) == ['unfolded']
+    assert strategies(shape, ConvGeometry(1, 1)) == ['unfolded']
+    with pytest.raises(ValueError, match='shifted'):
+        patches.patch_gram(numpy.zeros(shape), ConvGeometry(1, 1), 1.0,
+                           strategy='shifted')
+
+
+def test_geometry_of_a_convolution_call():
+    import chainer
+    import chainer.functions as F
+    seen = []
+
+    class Hook(chainer.FunctionHook):
+        def forward_preprocess(self, function, in_data):
+            seen.append(ConvGeometry.of(function, in_data[1].shape[2:]))
+
+    x = numpy.zeros((1, 2, 9, 9), numpy.float32)
+    w = numpy.zeros((4, 2, 3, 2), numpy.float32)
+    with Hook():
+        F.convolution_2d(x, w, stride=(2, 1), pad=(1, 0), dilate=(1, 3),
+                         cover_all=True)
+    assert seen == [ConvGeometry(3, 2, 2, 1, 1, 0, 1, 3, True)]
+    assert seen[0].out_size(9, 9) == (5, 6)
+
+
+@pytest.mark.parametrize('shape', [(4, 3, 5, 6), (2, 5, 1, 7)])
+def test_channel_gram_is_gram_of_channel_vectors(shape):
+    y = numpy.random.RandomState(1).randn(*shape)
+    rows = y.transpose(0, 2, 3, 1).reshape(-1, shape[1])
+    numpy.testing.assert_allclose(patches.channel_gram(y, 0.25),
+                                  rows.T.dot(rows) * 0.25, rtol=1e-12)
+
+
+@pytest.mark.parametrize('geometry', [ConvGeometry(3, 3, 1, 1, 1, 1),
+                                      ConvGeometry(3, 3, 2, 2, 1, 1)])
+def test_float32_strategies_agree_on_a_resnet_layer(geometry):
+    x = numpy.random.RandomState(2).randn(8, 16, 16, 16).astype(numpy.float32)
+    exact = loop_gram(x.astype(numpy.float64), geometry, 1.0 / 8)
+    for strategy in strategies(x.shape, geometry):
+        got = patches.patch_gram(x, geometry, 1.0 / 8, strategy=strategy)
+        assert got.dtype == numpy.float32
+        numpy.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-4)
+
+
+def half_rounded(x, scale):
+    """x scaled as the fp16 paths scale it, rounded to fp16, back in fp32."""
+    peak = numpy.float32(numpy.abs(x).max())
+    factor = numpy.float32(numpy.sqrt(scale)) / peak
+    return (x * factor).astype(numpy.float16).astype(numpy.float32), peak
+
+
+def test_unfolded_fp16_twin_rounds_inputs_and_output():
+    x = numpy.random.RandomState(3).randn(4, 3, 6, 6).astype(numpy.float32)
+    x[0, 0, 0, 0] = -7.0    # the peak is a negative value
+    g = ConvGeometry(3, 3, 2, 2, 1, 1)
+    half, peak = half_rounded(x, 0.25)
+    columns = numpy.ascontiguousarray(
+        loop_patches(half, g).reshape(-1, 27).T.astype(numpy.float32))
+    # The twin's product: fp32 GEMM of the fp16 values (two buffers, so
+    # the same BLAS call), rounded to fp16.
+    product = numpy.matmul(columns, columns.copy().T)
+    expected = product.astype(numpy.float16).astype(numpy.float32) * (
+        peak * peak)
+    got = patches.patch_gram(x, g, 0.25, numpy.float16, strategy='unfolded')
+    assert got.dtype == numpy.float32
+    numpy.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize('bias', [False, True])
+@pytest.mark.parametrize('size,geometry', [CASES[0], CASES[2], CASES[9],
+                                           CASES[13]])
+def test_fp16_factors_close_to_exact(size, geometry, bias):
+    x = numpy.random.RandomState(4).randn(16, 4, *size).astype(numpy.float32)
+    exact = loop_gram(x.astype(numpy.float64), geometry, 1.0 / 16, bias)
+    for strategy in strategies(x.shape, geometry):
+        got = patches.patch_gram(x, geometry, 1.0 / 16, numpy.float16,
+                                 append_ones=bias, strategy=strategy)
+        # fp16 inputs (2^-11 relative) and fp16 sums (2^-11 of the sum).
+        assert numpy.abs(got - exact).max() <= 3e-3 * numpy.abs(exact).max()
+        numpy.testing.assert_array_equal(got, got.T)
+
+
+def test_fp16_channel_gram_does_not_overflow():
+    y = numpy.full((64, 2, 32, 32), 300.0, numpy.float32)  # Σ y² = 5.9e9
+    value = patches.channel_gram(y, 1.0 / 64, numpy.float16)
+    numpy.testing.assert_allclose(value, 300.0 ** 2 * 32 * 32, rtol=1e-3)
+
+
+def test_fp64_input_gives_fp64_factor_in_fp16_mode():
+    x = numpy.random.RandomState(5).randn(2, 2, 4, 4)
+    for strategy in strategies(x.shape, ConvGeometry(3, 3, 1, 1, 1, 1)):
+        got = patches.patch_gram(x, ConvGeometry(3, 3, 1, 1, 1, 1), 0.5,
+                                 numpy.float16, strategy=strategy)
+        assert got.dtype == numpy.float64
+
+
+# -- GPU: the CuPy path against the NumPy one ---------------------------------
+def cupy_or_skip():
+    cupy = pytest.importorskip('cupy')
+    try:
+        cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as error:
+        pytest.skip('no GPU: {}'.format(error))
+    return cupy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtype', ['float32', 'float16'])
+@pytest.mark.parametrize('bias', [False, True])
+@pytest.mark.parametrize('size,geometry', CASES)
+def test_gpu_patch_gram_equals_numpy(size, geometry, bias, dtype):
+    cupy = cupy_or_skip()
+    x = numpy.random.RandomState(6).randn(5, 3, *size).astype(numpy.float32)
+    for strategy in strategies(x.shape, geometry):
+        cpu = patches.patch_gram(x, geometry, 0.2, dtype, bias, strategy)
+        gpu = patches.patch_gram(cupy.asarray(x), geometry, 0.2, dtype, bias,
+                                 strategy)
+        assert isinstance(gpu, cupy.ndarray) and gpu.dtype == cpu.dtype
+        # fp32: summation order; fp16: one fp16 rounding of the sums.
+        tol = 1e-5 if dtype == 'float32' else 2e-3
+        numpy.testing.assert_allclose(cupy.asnumpy(gpu), cpu, rtol=tol,
+                                      atol=tol * numpy.abs(cpu).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtype', ['float32', 'float16'])
+def test_gpu_channel_gram_equals_numpy(dtype):
+    cupy = cupy_or_skip()
+    y = numpy.random.RandomState(7).randn(8, 6, 5, 4).astype(numpy.float32)
+    cpu = patches.channel_gram(y, 0.5, dtype)
+    gpu = patches.channel_gram(cupy.asarray(y), 0.5, dtype)
+    tol = 1e-5 if dtype == 'float32' else 2e-3
+    numpy.testing.assert_allclose(cupy.asnumpy(gpu), cpu, rtol=tol,
+                                  atol=tol * numpy.abs(cpu).max())
+
+
+def test_cases_cover_both_strategies():
+    kinds = [strategies((1, 1) + size, g) for size, g in CASES]
+    assert sum(k == ['shifted', 'unfolded'] for k in kinds) >= 8
+    assert sum(k == ['unfolded'] for k in kinds) >= 5
+
+
+@pytest.mark.parametrize('half', [False, True])
+def test_split_k_column_gram_equals_product(half):
+    matrix = numpy.random.RandomState(8).randn(5, 96).astype(numpy.float32)
+    exact = matrix.astype(numpy.float64).dot(matrix.T)
+    operand = matrix.astype(numpy.float16) if half else matrix
+    for pieces in (1, 3, 96, None):
+        got = patches.column_gram(operand, half, numpy.dtype(numpy.float32),
+                                  pieces)
+        assert got.dtype == numpy.float32
+        numpy.testing.assert_allclose(got, exact, rtol=3e-3 if half else 1e-5,
+                                      atol=3e-2 if half else 1e-4)
+    # fp16: each piece's sum rounded once to fp16, then summed in fp32.
+    # Integers: exact fp32 sums in any order, fp16 rounding above 2048.
+    integers = numpy.random.RandomState(9).randint(-16, 17, (5, 96))
+    operand = integers.astype(numpy.float16 if half else numpy.float32)
+    wide = integers.reshape(5, 3, 32)
+    expected = numpy.einsum('ipk,jpk->pij', wide, wide).astype(numpy.float32)
+    if half:
+        expected = expected.astype(numpy.float16).astype(numpy.float32)
+        assert not numpy.array_equal(expected.sum(axis=0),
+                                     integers.dot(integers.T))
+    numpy.testing.assert_array_equal(
+        patches.column_gram(operand, half, numpy.dtype(numpy.float32), 3),
+        expected.sum(axis=0))
