@@ -2,6 +2,7 @@
 type, links not called, BN-free models, sum losses, stock training scripts."""
 import io
 import re
+import tempfile
 
 import numpy
 import pytest
@@ -358,11 +359,12 @@ def _train_stock_mlp(make_optimizer, epochs=10):
     test_iter = chainer.iterators.SerialIterator(test, 100, repeat=False,
                                                  shuffle=False)
     updater = training.updaters.StandardUpdater(train_iter, optimizer)
-    trainer = training.Trainer(updater, (epochs, 'epoch'), out='.')
-    trainer.extend(extensions.Evaluator(test_iter, model))
-    log = extensions.LogReport(trigger=(1, 'epoch'), filename=None)
-    trainer.extend(log)
-    trainer.run()
+    with tempfile.TemporaryDirectory() as out:
+        trainer = training.Trainer(updater, (epochs, 'epoch'), out=out)
+        trainer.extend(extensions.Evaluator(test_iter, model))
+        log = extensions.LogReport(trigger=(1, 'epoch'))
+        trainer.extend(log)
+        trainer.run()
     return [(e['validation/main/loss'], e['validation/main/accuracy'])
             for e in log.log]
 
