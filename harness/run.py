@@ -76,24 +76,29 @@ def attach_hooks(name, optimizer, args):
 
 
 def observers(optimizer, name, images_per_iteration):
-    """Values logged per epoch besides loss and accuracy."""
-    out = [extensions.observe_lr(),
-           extensions.observe_value('momentum',
-                                    lambda t: optimizer.momentum)]
+    """Values logged per epoch besides loss and accuracy, with their
+    triggers: the optimizer's values after each step (so an epoch's entry is
+    their mean over the steps that ended in it, the same for any number of
+    processes), the throughput every iteration."""
+    at_steps = triggers.StepBoundary()
+    out = [(extensions.observe_lr(), at_steps),
+           (extensions.observe_value('momentum',
+                                     lambda t: optimizer.momentum), at_steps)]
     if name == 'kfac':
-        out.append(extensions.observe_value(
-            'damping', lambda t: optimizer.damping))
+        out.append((extensions.observe_value(
+            'damping', lambda t: optimizer.damping), at_steps))
         for kind in ('A', 'G', 'F'):
-            out.append(extensions.observe_value(
+            out.append((extensions.observe_value(
                 'refresh_interval_' + kind,
                 lambda t, k=kind: optimizer.refresh_intervals[k](
-                    optimizer.t, optimizer.epoch)))
+                    optimizer.t, optimizer.epoch)), at_steps))
 
     def images_per_sec(trainer):
         elapsed = trainer.elapsed_time
         return (trainer.updater.iteration * images_per_iteration / elapsed
                 if elapsed > 0 else 0.0)
-    out.append(extensions.observe_value('images_per_sec', images_per_sec))
+    out.append((extensions.observe_value('images_per_sec', images_per_sec),
+                triggers.every_iteration))
     return out
 
 
@@ -167,6 +172,7 @@ def train(args, comm, optimizer_name, out, cfg):
     if comm.rank == 0:
         os.makedirs(out, exist_ok=True)
     comm.mpi_comm.Barrier()
+    snapshots.remove_unfinished(out, comm.rank)
     data = data_module.prepare(args, comm, out, n_class, loaderjob)
 
     numpy.random.seed(args.seed)   # same initial weights on every rank
@@ -222,8 +228,9 @@ def train(args, comm, optimizer_name, out, cfg):
                    trigger=triggers.EpochAtStepBoundary(args.snapshot_every))
     # Every process runs the observers and the LogReport (which averages
     # the training values over processes); rank 0 writes and prints.
-    for observer in observers(optimizer, optimizer_name, batch * comm.size):
-        trainer.extend(observer, trigger=triggers.every_iteration)
+    for observer, trigger in observers(optimizer, optimizer_name,
+                                       batch * comm.size):
+        trainer.extend(observer, trigger=trigger)
     trainer.extend(evaluation.log_report(
         comm, totals=lambda: {'bad_images_skipped': converter.skipped}))
     label = args.label or run_dir.label_of(optimizer_name, cfg)

@@ -143,6 +143,16 @@ def snapshot_extension(rank, keep, compression=False):
         n_retains=keep if keep > 0 else -1)
 
 
+def remove_unfinished(out, rank):
+    """Remove this process's temporary snapshot files left by a killed
+    run (a snapshot being written when the process died)."""
+    pattern = re.compile(r'\.snapshot_epoch_\d+\.rank{}\.tmp'.format(rank))
+    if os.path.isdir(out):
+        for name in os.listdir(out):
+            if pattern.fullmatch(name):
+                os.remove(os.path.join(out, name))
+
+
 def save_npz_atomic(path, obj, compression=False):
     """``chainer.serializers.save_npz`` to a temporary file renamed into
     place when complete (e.g. ``model_final.npz``)."""
