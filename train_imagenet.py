@@ -123,7 +123,7 @@ def main(argv=None):
     args = parse_args(argv)
     # Before MPI is initialised: Open MPI's help files, the loaders' fork
     # server.
-    harness_mpi.prepare_process(args.loaderjob)
+    args.loaderjob = harness_mpi.prepare_process(args.loaderjob)
     name = args.communicator or ('pure_nccl' if args.gpu else 'naive')
     comm = chainerkfac.create_communicator(name)
     if args.demo:

@@ -42,13 +42,40 @@ def start_forkserver():
     """Loader processes from a fork server started before MPI (as in
     ChainerMN's ImageNet example): forking a process that has initialised
     MPI (InfiniBand, CUDA) can hang or crash it. The dummy process starts
-    the server now, while this process has not touched MPI."""
+    the server now, while this process has not touched MPI; the server
+    imports the data pipeline once, so loaders start without importing
+    it."""
     if multiprocessing.get_start_method(allow_none=True) == 'forkserver':
         return
     multiprocessing.set_start_method('forkserver', force=True)
+    multiprocessing.set_forkserver_preload(['augment.stream'])
     process = multiprocessing.Process()
     process.start()
     process.join()
+
+
+#: Variables in which launchers give the number of processes on this node.
+_LOCAL_SIZE_VARIABLES = ('OMPI_COMM_WORLD_LOCAL_SIZE', 'MPI_LOCALNRANKS',
+                         'MV2_COMM_WORLD_LOCAL_SIZE', 'SLURM_NTASKS_PER_NODE')
+
+
+def processes_on_this_node():
+    """Processes of this job on this node, from the launcher's environment
+    (Open MPI, MPICH, MVAPICH, Slurm); 1 if none says."""
+    for name in _LOCAL_SIZE_VARIABLES:
+        value = os.environ.get(name, '').split('(')[0]
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def default_loaderjob():
+    """Loader processes per rank: the node's cores shared among the ranks on
+    it, one left for the rank itself; 0 when a rank has a single core
+    (decoding in the training process is then as fast). Known before MPI
+    starts, so that the fork server is started only when needed."""
+    cores = os.cpu_count() or 1
+    return max(cores // processes_on_this_node() - 1, 0)
 
 
 def prepare_process(loaderjob):
@@ -57,20 +84,20 @@ def prepare_process(loaderjob):
     Parameters
     ----------
     loaderjob : int or None
-        ``--loaderjob``; ``None`` (the default share of cores) or a positive
-        count starts the fork server, 0 does not.
+        ``--loaderjob`` (``None``: :func:`default_loaderjob`).
+
+    Returns
+    -------
+    int
+        The number of loader processes per rank; if positive, the fork
+        server is running.
     """
     use_bundled_open_mpi_help()
-    if loaderjob != 0:
+    if loaderjob is None:
+        loaderjob = default_loaderjob()
+    if loaderjob > 0:
         start_forkserver()
-
-
-def default_loaderjob(comm):
-    """Loader processes per rank: the node's cores shared among the ranks on
-    it, one left for the rank itself (0 when a rank has one core: decoding
-    in the training process is then as fast and simpler)."""
-    cores = os.cpu_count() or 1
-    return max(cores // max(comm.intra_size, 1) - 1, 0)
+    return loaderjob
 
 
 def raise_together(comm, error):

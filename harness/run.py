@@ -26,7 +26,7 @@ from chainerkfac import extensions as kfac_extensions
 from chainerkfac.diagnostics import FisherDiffLog, TimeToAccuracy
 from harness import data as data_module
 from harness import evaluation, run_dir, snapshots, triggers
-from harness.mpi import default_loaderjob, raise_together
+from harness.mpi import raise_together
 from harness.updater import AugmentedUpdater, BatchConverter
 
 OPTIMIZERS = ('kfac', 'sgd', 'lars')
@@ -167,8 +167,7 @@ def train(args, comm, optimizer_name, out, cfg):
     kfac = optimizer_name == 'kfac'
     if kfac:
         config_module.check_epochs(cfg, args.config)
-    loaderjob = (default_loaderjob(comm) if args.loaderjob is None
-                 else args.loaderjob)
+    loaderjob = args.loaderjob
     if comm.rank == 0:
         os.makedirs(out, exist_ok=True)
     comm.mpi_comm.Barrier()
