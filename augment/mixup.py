@@ -136,6 +136,17 @@ class RunningMixup:
                          'distributions of shape ({0}, {1}), got {2} {3}'
                          .format(batch_size, self.n_class, t.dtype, t.shape))
 
+    def state(self):
+        """The stream's state (references, not copies: the stream replaces
+        its partner arrays and never writes into them), for
+        :meth:`set_state`."""
+        return self._partner_x, self._partner_y, self.last_lambda
+
+    def set_state(self, state):
+        """Return to a :meth:`state` (e.g. when the step that used the
+        stream was skipped)."""
+        self._partner_x, self._partner_y, self.last_lambda = state
+
     def serialize(self, serializer):
         """The previous virtual batch (the stream's state; λ draws come from
         the caller's ``rng`` in resumable runs). Absent keys (a stream not

@@ -53,6 +53,9 @@ class AtomicThreadWriter(snapshot_writers.ThreadWriter):
     ----------
     compression : bool
         zlib-compress the npz (Chainer's default; slow for little gain).
+    savefun : callable or None
+        ``savefun(file, dict_of_arrays)`` writing to an open binary file
+        (default: ``chainer.serializers.save_npz``).
 
     Attributes
     ----------
@@ -61,8 +64,8 @@ class AtomicThreadWriter(snapshot_writers.ThreadWriter):
         previous write, copying the arrays).
     """
 
-    def __init__(self, compression=False):
-        super().__init__(savefun=functools.partial(
+    def __init__(self, compression=False, savefun=None):
+        super().__init__(savefun=savefun or functools.partial(
             npz.save_npz, compression=compression))
         self.last_blocked_seconds = 0.0
         self._error = None

@@ -153,6 +153,8 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
         chunk = iterator.chunks + self.comm.rank
         batch = iterator.next()
         x, t = self.converter(batch, self.device)
+        if self.at_step_boundary:
+            self.mixup.checkpoint()
         if self.mixup.streams:
             slot = chunk % (self.comm.size * self.acc_iters)
             x, t = self.mixup.streams[slot](
@@ -165,6 +167,8 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
             optimizer.new_epoch(auto=True)
         if self.kfac:
             optimizer.update(optimizer.target, x, t)
+            if _reported('kfac/skipped_step'):
+                self.mixup.restore()
         else:
             self._accumulate(optimizer, x, t)
         self.finished = iterator.epoch_detail >= self.stop_epoch
@@ -222,6 +226,7 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
             skipped = 0.0
         else:
             _restore_persistents(model, self._bn_state)
+            self.mixup.restore()
             skipped = 1.0
             if self.comm.rank == 0:
                 print('step at iteration {}: non-finite gradient, update '
@@ -246,14 +251,36 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
 
 
 class MixupStreams:
-    """The running-mixup streams of one process, saved by global slot."""
+    """The running-mixup streams of one process, saved by global slot.
+
+    A skipped (non-finite) step must not leave its virtual batches as the
+    next step's partners (a NaN input would poison every later step of its
+    slot): :meth:`restore` returns the streams to their :meth:`checkpoint`.
+    """
 
     def __init__(self, streams):
         self.streams = streams
+        self._saved = {}
+
+    def checkpoint(self):
+        self._saved = {slot: stream.state()
+                       for slot, stream in self.streams.items()}
+
+    def restore(self):
+        for slot, state in self._saved.items():
+            self.streams[slot].set_state(state)
 
     def serialize(self, serializer):
         for slot, stream in sorted(self.streams.items()):
             stream.serialize(serializer['stream{}'.format(slot)])
+
+
+def _reported(key):
+    """Whether ``key`` was reported as true in the current observation
+    (e.g. K-FAC's ``kfac/skipped_step``)."""
+    observation = chainer.reporter.get_current_reporter().observation
+    value = observation.get(key)
+    return value is not None and bool(chainer.as_array(value))
 
 
 def _grads_finite(model):
