@@ -25,19 +25,22 @@ class ImageList:
     ----------
     list_path : str
         The list file (named in error messages).
+    root : str
+        Directory the paths are relative to.
     paths : sequence of str
-        Full path of every image.
+        Path of every image relative to ``root``.
     labels, lines : sequence of int
         Label and line number (1-based) of every image.
 
     Notes
     -----
-    Paths are kept as one UTF-8 byte array: a list of 1.28 M images pickles
-    to a loader process in tens of milliseconds.
+    Relative paths are kept as one UTF-8 byte array: the list pickles to a
+    loader process as a few arrays, quickly.
     """
 
-    def __init__(self, list_path, paths, labels, lines):
+    def __init__(self, list_path, root, paths, labels, lines):
         self.list_path = list_path
+        self.root = root
         self._paths = np.array([p.encode('utf-8') for p in paths],
                                dtype=np.bytes_) if len(paths) else \
             np.zeros(0, dtype='S1')
@@ -49,7 +52,7 @@ class ImageList:
 
     def path(self, i):
         """Full path of image ``i``."""
-        return self._paths[i].decode('utf-8')
+        return os.path.join(self.root, self._paths[i].decode('utf-8'))
 
     def where(self, i):
         """``'<path> (listed in <list>, line <n>)'`` for messages."""
@@ -63,6 +66,7 @@ class ImageList:
         keep[np.asarray(list(indices), dtype=np.int64)] = False
         out = ImageList.__new__(ImageList)
         out.list_path = self.list_path
+        out.root = self.root
         out._paths = self._paths[keep]
         out.labels = self.labels[keep]
         out.lines = self.lines[keep]
@@ -135,10 +139,10 @@ def read_image_list(list_path, root='.', check_files=True, n_class=None):
                     '(labels must lie in [0, {}); set the class count with '
                     'n_class in the config or --n-class)'.format(
                         list_path, lineno, label, n_class, n_class))
-            paths.append(os.path.join(root, fields[0].strip()))
+            paths.append(fields[0].strip())
             labels.append(label)
             lines.append(lineno)
-    images = ImageList(list_path, paths, labels, lines)
+    images = ImageList(list_path, root, paths, labels, lines)
     if check_files:
         missing = images.missing_files()
         if missing:
