@@ -38,6 +38,8 @@ class GlobalMeanEvaluator(extensions.Evaluator):
         iterator.reset()
         sums, count = {}, 0
         for batch in iterator:
+            if not batch:           # an empty share (more processes than
+                continue            # validation images)
             observation = {}
             with reporter_module.report_scope(observation):
                 in_arrays = convert._call_converter(self.converter, batch,

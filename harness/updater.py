@@ -278,7 +278,10 @@ class MixupStreams:
 def _reported(key):
     """Whether ``key`` was reported as true in the current observation
     (e.g. K-FAC's ``kfac/skipped_step``)."""
-    observation = chainer.reporter.get_current_reporter().observation
+    try:
+        observation = chainer.reporter.get_current_reporter().observation
+    except IndexError:              # no reporter (outside a Trainer)
+        return False
     value = observation.get(key)
     return value is not None and bool(chainer.as_array(value))
 
