@@ -14,7 +14,7 @@ A run directory is what ``train_imagenet.py`` writes: ``config.json`` (the
 resolved config plus ``"run": {"optimizer", "n_processes", "acc_iters",
 "label", "arch", ...}``), ``log`` (Chainer's ``LogReport``, one entry per
 epoch) and, with Diff logging on, ``fisher_diff.jsonl``
-(:class:`chainerkfac.diagnostics.FisherDiffLog`).
+(:class:`chainerkfac.training.FisherDiffLog`).
 
 Bad input (a directory without a log, a file of another format, an unknown
 model) stops a script with a one-line error and exit status 2, before any

@@ -177,7 +177,7 @@ def load_fisher_diff(run: Run) -> List[Dict]:
         raise AnalysisError(
             '{}: no fisher_diff.jsonl (train with Diff logging on: '
             'train_imagenet.py --fisher-diff, i.e. KFAC(fisher_diff=True) '
-            'and chainerkfac.diagnostics.FisherDiffLog)'.format(run.path))
+            'and chainerkfac.training.FisherDiffLog)'.format(run.path))
     records = []
     with open(path) as f:
         for number, line in enumerate(f, 1):

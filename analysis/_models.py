@@ -9,7 +9,7 @@ import chainer
 import numpy
 
 import models
-from chainerkfac.fisher_blocks import build_blocks
+from chainerkfac.fisher_blocks import BlockOptions, build_blocks
 
 from analysis._io import AnalysisError
 
@@ -36,4 +36,4 @@ def model_kwargs(facts: Dict) -> Dict:
 
 def kfac_blocks(model, bn_fisher: str = 'full') -> List:
     """The Fisher blocks KFAC registers for ``model`` (fp32 factors)."""
-    return build_blocks(model, numpy.float32, bn_fisher)
+    return build_blocks(model, BlockOptions('float32', bn_fisher))

@@ -19,7 +19,7 @@ import argparse
 from typing import Dict, List, Optional, Sequence
 
 from analysis import _io
-from chainerkfac import schedules
+from chainerkfac import equations
 
 ACCURACY_KEY = 'validation/main/accuracy'
 FIGURE_TITLES = {
@@ -49,7 +49,7 @@ def lr_series(run: _io.Run, epochs: List[float]) -> Dict:
            for k in ('lr', 'p_decay', 'e_start', 'e_end')) and \
             config['e_end'] > config['e_start']:
         return {'epoch': list(epochs), 'lr': [
-            schedules.polynomial_lr(e, config['lr'], config['p_decay'],
+            equations.polynomial_lr(e, config['lr'], config['p_decay'],
                                     config['e_start'], config['e_end'])
             for e in epochs], 'source': 'config (eq. 17)'}
     return {'epoch': [], 'lr': [], 'source': 'none'}

@@ -3,7 +3,7 @@
     python -m analysis.fisher_diff RUN [RUN ...] [--mark 500] [--out F.png]
 
 For every run directory (its ``fisher_diff.jsonl``, written by
-:class:`chainerkfac.diagnostics.FisherDiffLog`) and every logged step, the
+:class:`chainerkfac.training.FisherDiffLog`) and every logged step, the
 {5, 25, 50, 75, 95}th percentiles over layers of Diff(t) of the Kronecker
 factors A and G of the convolutional layers (left: A above, G below) and of
 the Fisher F of the BatchNormalization layers (right). One colour per run,

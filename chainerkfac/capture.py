@@ -1,18 +1,19 @@
-"""Stage 1-2: capture layer inputs and output gradients.
+"""Stages 1-2: capture layer inputs and output gradients.
 
 :class:`FactorCapture` is a Chainer ``FunctionHook`` that the optimizer
 activates only inside ``update``. For each function call it finds the block
 in O(1) by the identity of the call's weight (its second input): the
 parameter's array in the forward pass, where the function's input nodes do
 not exist yet, and the parameter itself in the backward pass. It hands the
-block the arrays it needs. A link called several times per
-step contributes every call.
+block the arrays it needs, when one of the block's factors of that pass is
+due. A link called several times per micro-batch contributes every call.
 
-It also remembers the logits of the loss (the input of the last softmax /
+It also remembers the batch size (the first axis of the first modelled
+layer's input) and the logits of the loss (the input of the last softmax /
 log-softmax / softmax cross-entropy), which the Monte-Carlo Fisher needs to
 sample labels from the model.
 """
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Mapping, Optional
 
 import chainer
 from chainer.functions.activation import log_softmax as log_softmax_module
@@ -30,31 +31,50 @@ class FactorCapture(chainer.FunctionHook):
     Parameters
     ----------
     blocks : iterable of FisherBlock
-        Blocks whose factors may be captured.
-    forward : bool
-        Capture the forward factors (A) this pass.
-    backward : set of str
-        Names of the backward factors (G, F) to capture this pass.
+        Every block of the model (those without factors are ignored).
+    due : mapping, optional
+        ``{block: names of its factors due this step}``; the forward pass
+        captures the due factors of kind ``INPUTS``, the backward pass the
+        others. Default: nothing is due (the hook then only records the
+        batch size and the logits).
     record_logits : bool
         Keep the last logits variable (for the MC Fisher).
+
+    Attributes
+    ----------
+    forward : bool
+        Capture in forward passes (the optimizer turns it off once the
+        loss is computed: the backward of some functions calls the forward
+        of others).
+    batch_size : int or None
+        First axis of the first modelled layer's input in the forward pass.
     """
 
     name = 'KFACFactorCapture'
 
-    def __init__(self, blocks: Iterable, forward: bool = True,
-                 backward: Iterable[str] = ('G', 'F'),
+    def __init__(self, blocks: Iterable, due: Optional[Mapping] = None,
                  record_logits: bool = False):
+        due = due or {}
         self._by_param: Dict[int, object] = {}
         self._by_array: Dict[int, object] = {}
+        self._forward_due = set()
+        self._backward_due = set()
         for block in blocks:
-            if block.function_types:
-                weight = block.params[0]
-                self._by_param[id(weight)] = block
-                if weight.array is not None:
-                    self._by_array[id(weight.array)] = block
-        self.forward = forward
-        self.backward = set(backward)
+            if not block.function_types:
+                continue
+            weight = block.params[0]
+            self._by_param[id(weight)] = block
+            if weight.array is not None:
+                self._by_array[id(weight.array)] = block
+            kinds = block.factor_kinds
+            names = due.get(block, ())
+            if any(kinds[n].forward for n in names):
+                self._forward_due.add(block)
+            if any(not kinds[n].forward for n in names):
+                self._backward_due.add(block)
+        self.forward = True
         self.record_logits = record_logits
+        self.batch_size = None
         self._logit_function = None
 
     @property
@@ -95,17 +115,18 @@ class FactorCapture(chainer.FunctionHook):
         if not self.forward:
             return
         block = self._block_forward(function, in_data)
-        if block is not None and 'A' in block.forward_factors:
+        if block is None:
+            return
+        if self.batch_size is None:
+            self.batch_size = int(in_data[0].shape[0])
+        if block in self._forward_due:
             block.capture_forward(function, in_data)
 
     def backward_preprocess(self, function, in_data, out_grad):
-        if not self.backward:
+        if not self._backward_due:
             return
         block = self._block_backward(function)
-        if block is None:
-            return
-        if any(name in self.backward for name in block.factor_names
-               if name not in block.forward_factors):
+        if block in self._backward_due:
             block.capture_backward(function, in_data, out_grad)
 
 

@@ -6,7 +6,7 @@
 * :func:`damped_inverse` inverts ``M + d·I`` by Cholesky and, when ``M + d·I``
   is not positive definite, raises ``d`` and retries.
 """
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Sequence
 
 import numpy
 
@@ -162,6 +162,32 @@ def damped_inverse(matrix, damping: float,
         if inverse is not None and bool(xp.isfinite(inverse).all()):
             return InverseResult(inverse, used, attempt)
     return InverseResult(None, used, max_tries)
+
+
+def damped_inverses(matrices: Sequence, dampings: Sequence[float],
+                    max_tries: int = MAX_INVERSE_TRIES,
+                    boost: float = DAMPING_BOOST) -> List[InverseResult]:
+    """:func:`damped_inverse` of many factors (one call per stage).
+
+    A 2-D entry is a symmetric positive semi-definite factor; a 1-D entry
+    is the diagonal of a diagonal Fisher, inverted elementwise as
+    ``1 / (diag + damping)`` (``None`` if it is not finite).
+    """
+    results = []
+    for matrix, damping in zip(matrices, dampings):
+        if matrix.ndim == 1:
+            results.append(_diagonal_inverse(matrix, damping, max_tries))
+        else:
+            results.append(damped_inverse(matrix, damping, max_tries, boost))
+    return results
+
+
+def _diagonal_inverse(diag, damping, max_tries):
+    xp = get_array_module(diag)
+    if not bool(xp.isfinite(diag).all()):
+        return InverseResult(None, damping, max_tries)
+    # diag >= 0 by construction; damping > 0 keeps it invertible.
+    return InverseResult(1.0 / (diag + damping), damping, 0)
 
 
 def to_device_of(array, like):

@@ -17,7 +17,7 @@ import os
 import typing
 from typing import Union
 
-from chainerkfac import schedules
+from chainerkfac import equations
 
 #: Values of the string-valued choices.
 BN_FISHER_CHOICES = ('full', 'diag')
@@ -91,7 +91,7 @@ class TrainConfig:
     refresh_interval_a, refresh_interval_g, refresh_interval_f : int or str
         Steps between refreshes of the Kronecker factors A and G and of the
         BN Fisher F: a positive int, or a preset of
-        :data:`chainerkfac.schedules.REFRESH_PRESETS` (``'eq22'``,
+        :data:`chainerkfac.equations.REFRESH_PRESETS` (``'eq22'``,
         ``'eq23'``).
     weight_rescale : bool or str
         Eq. (20), rescaling Conv/FC weights after each step: ``true`` (every
@@ -208,9 +208,9 @@ def _check_values(config):
                 'refresh_interval_f'):
         value = getattr(config, key)
         if isinstance(value, str):
-            require(value in schedules.REFRESH_PRESETS, key,
+            require(value in equations.REFRESH_PRESETS, key,
                     'must be a preset of {}'.format(
-                        sorted(schedules.REFRESH_PRESETS)))
+                        sorted(equations.REFRESH_PRESETS)))
         else:
             require(value >= 1, key, 'must be at least 1')
 

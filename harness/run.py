@@ -22,8 +22,8 @@ from chainer.training import extensions
 import augment
 import config as config_module
 import models
-from chainerkfac import extensions as kfac_extensions
-from chainerkfac.diagnostics import FisherDiffLog, TimeToAccuracy
+from chainerkfac import training as kfac_training
+from chainerkfac.training import FisherDiffLog, TimeToAccuracy
 from harness import data as data_module
 from harness import evaluation, run_dir, snapshots, triggers
 from harness.mpi import raise_together
@@ -40,7 +40,7 @@ def build_optimizer(name, cfg, comm, acc_iters, args):
             verbose=comm.rank == 0, seed=args.seed + comm.rank,
             **config_module.kfac_options(cfg))
         optimizer = chainerkfac.create_multi_node_optimizer(optimizer, comm)
-        schedule = kfac_extensions.PolynomialLRDecay(
+        schedule = kfac_training.PolynomialLRDecay(
             cfg.lr, cfg.p_decay, cfg.e_start, cfg.e_end,
             momentum_init=cfg.momentum)
         return optimizer, schedule
@@ -59,9 +59,9 @@ def build_optimizer(name, cfg, comm, acc_iters, args):
         momentum = args.baseline_momentum or 0.929
         warmup_start = lr / 100.0
     optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=momentum)
-    schedule = kfac_extensions.LinearWarmupLR(
+    schedule = kfac_training.LinearWarmupLR(
         lr, warmup_start, warmup_epochs=args.warmup_epochs,
-        decay=kfac_extensions.polynomial_decay(
+        decay=kfac_training.polynomial_decay(
             lr, 2.0, args.warmup_epochs, cfg.epochs + 1e-6))
     return optimizer, schedule
 

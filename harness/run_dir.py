@@ -2,8 +2,8 @@
 
 ``config.json`` (the resolved config plus the run's facts under ``"run"``),
 ``log`` (Chainer's ``LogReport``), ``fisher_diff.jsonl``
-(:class:`chainerkfac.diagnostics.FisherDiffLog`), ``time_to_accuracy.json``
-(:class:`chainerkfac.diagnostics.TimeToAccuracy`), ``model_final.npz``. The
+(:class:`chainerkfac.training.FisherDiffLog`), ``time_to_accuracy.json``
+(:class:`chainerkfac.training.TimeToAccuracy`), ``model_final.npz``. The
 analysis scripts read them (:mod:`analysis`); their test fixtures write them
 through these functions.
 """

@@ -4,13 +4,15 @@
 classes, so ``bcast_data``, ``scatter_dataset``, the multi-node evaluator and
 ``multi_node_mean_grad`` keep working, plus ``reduce_scatter_v`` and
 ``all_gather_v`` (see :class:`~chainerkfac.communicators.base.\
-KfacCommunicatorMixin`).
+KfacCommunicatorMixin`). A plain ChainerMN communicator works too:
+:func:`kfac_collectives` puts K-FAC's collectives beside it.
 """
 import warnings
 
 from chainermn import global_except_hook
 from chainermn import nccl
 
+from chainerkfac.communicators.adapter import kfac_collectives  # NOQA
 from chainerkfac.communicators.base import KfacCommunicatorMixin  # NOQA
 from chainerkfac.communicators.base import WIRE_DTYPES  # NOQA
 
@@ -61,11 +63,13 @@ def create_communicator(name: str = 'naive', mpi_comm=None,
         from chainerkfac.communicators.pure_nccl import \
             KfacPureNcclCommunicator
         comm = KfacPureNcclCommunicator(mpi_comm, wire_dtype=wire_dtype)
-    _install_except_hook()
+    install_except_hook()
     return comm
 
 
-def _install_except_hook() -> None:
+def install_except_hook() -> None:
+    """Make an uncaught exception on one process end the whole job
+    (ChainerMN's global except hook, which calls ``MPI_Abort``)."""
     # add_hook() warns and does nothing when the hook is already installed
     # (by an earlier communicator, or CHAINERMN_FORCE_ABORT_ON_EXCEPTION).
     with warnings.catch_warnings():

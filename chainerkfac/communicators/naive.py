@@ -1,7 +1,8 @@
-"""K-FAC collectives over MPI for NumPy arrays (CPU).
+"""K-FAC collectives over MPI (CPU, or GPU arrays staged through the host).
 
 One ``MPI.Reduce_scatter`` with per-rank counts and one ``Allgatherv`` move
-one packed buffer per call.
+one packed buffer per call. CuPy buffers are copied to the host and back
+(MPI is not assumed to be CUDA-aware).
 
 MPI has no float16 type nor float16 sum, so a float16 wire sends the bytes
 as 16-bit integers and reduces them with a user-defined, commutative
@@ -12,6 +13,7 @@ speed anything up (on GPU, NCCL sums float16 natively).
 import numpy
 from mpi4py import MPI
 
+import chainer
 from chainermn.communicators.naive_communicator import NaiveCommunicator
 
 from chainerkfac.communicators.base import KfacCommunicatorMixin
@@ -37,10 +39,34 @@ def _mpi_type_and_sum(dtype: numpy.dtype):
         dtype.type], MPI.SUM
 
 
-def _check_numpy(buffer) -> None:
-    if not isinstance(buffer, numpy.ndarray):
-        raise TypeError('the naive communicator moves NumPy arrays; use the '
-                        "'pure_nccl' communicator for CuPy arrays")
+def _to_host(buffer):
+    if isinstance(buffer, numpy.ndarray):
+        return buffer, None
+    device = chainer.backend.get_device_from_array(buffer)
+    return chainer.backend.CpuDevice().send(buffer), device
+
+
+def mpi_reduce_scatter(mpi_comm, rank: int, sendbuf, layout):
+    """This rank's summed segment of a packed reduce-scatter buffer."""
+    host, device = _to_host(sendbuf)
+    datatype, op = _mpi_type_and_sum(layout.wire_dtype)
+    segment = numpy.empty(layout.reduce_scatter_counts[rank],
+                          dtype=layout.wire_dtype)
+    mpi_comm.Reduce_scatter([host, datatype], [segment, datatype],
+                            list(layout.reduce_scatter_counts), op)
+    return segment if device is None else device.send(segment)
+
+
+def mpi_all_gather(mpi_comm, segment, layout):
+    """The whole buffer of an all-gather of per-rank segments."""
+    host, device = _to_host(segment)
+    datatype, _ = _mpi_type_and_sum(layout.wire_dtype)
+    buffer = numpy.empty(layout.all_gather_size, dtype=layout.wire_dtype)
+    mpi_comm.Allgatherv(
+        [host, datatype],
+        [buffer, (list(layout.all_gather_counts),
+                  list(layout.all_gather_offsets)), datatype])
+    return buffer if device is None else device.send(buffer)
 
 
 class KfacNaiveCommunicator(KfacCommunicatorMixin, NaiveCommunicator):
@@ -59,21 +85,7 @@ class KfacNaiveCommunicator(KfacCommunicatorMixin, NaiveCommunicator):
         self._init_kfac(wire_dtype)
 
     def _reduce_scatter(self, sendbuf, layout):
-        _check_numpy(sendbuf)
-        datatype, op = _mpi_type_and_sum(layout.wire_dtype)
-        segment = numpy.empty(layout.reduce_scatter_counts[self.rank],
-                              dtype=layout.wire_dtype)
-        self.mpi_comm.Reduce_scatter(
-            [sendbuf, datatype], [segment, datatype],
-            list(layout.reduce_scatter_counts), op)
-        return segment
+        return mpi_reduce_scatter(self.mpi_comm, self.rank, sendbuf, layout)
 
     def _all_gather(self, segment, layout):
-        _check_numpy(segment)
-        datatype, _ = _mpi_type_and_sum(layout.wire_dtype)
-        buffer = numpy.empty(layout.all_gather_size, dtype=layout.wire_dtype)
-        self.mpi_comm.Allgatherv(
-            [segment, datatype],
-            [buffer, (list(layout.all_gather_counts),
-                      list(layout.all_gather_offsets)), datatype])
-        return buffer
+        return mpi_all_gather(self.mpi_comm, segment, layout)

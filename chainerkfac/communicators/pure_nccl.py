@@ -17,6 +17,28 @@ from chainermn.communicators.pure_nccl_communicator import \
 from chainerkfac.communicators.base import KfacCommunicatorMixin
 
 
+def nccl_reduce_scatter(nccl_comm, rank: int, sendbuf, layout):
+    """This rank's summed segment of a padded reduce-scatter buffer."""
+    count = layout.reduce_scatter_counts[rank]  # equal on all ranks
+    segment = chainer.cuda.cupy.empty(count, dtype=layout.wire_dtype)
+    nccl_comm.reduceScatter(
+        sendbuf.data.ptr, segment.data.ptr, count,
+        _communication_utility._get_nccl_type_id(layout.wire_dtype),
+        nccl.NCCL_SUM, chainer.cuda.Stream.null.ptr)
+    return segment
+
+
+def nccl_all_gather(nccl_comm, segment, layout):
+    """The whole buffer of an all-gather of equal (padded) segments."""
+    buffer = chainer.cuda.cupy.empty(layout.all_gather_size,
+                                     dtype=layout.wire_dtype)
+    nccl_comm.allGather(
+        segment.data.ptr, buffer.data.ptr, segment.size,
+        _communication_utility._get_nccl_type_id(layout.wire_dtype),
+        chainer.cuda.Stream.null.ptr)
+    return buffer
+
+
 class KfacPureNcclCommunicator(KfacCommunicatorMixin, PureNcclCommunicator):
     """ChainerMN's ``PureNcclCommunicator`` with K-FAC's collectives.
 
@@ -36,20 +58,8 @@ class KfacPureNcclCommunicator(KfacCommunicatorMixin, PureNcclCommunicator):
 
     def _reduce_scatter(self, sendbuf, layout):
         self._init_comms()
-        count = layout.reduce_scatter_counts[self.rank]  # equal on all ranks
-        segment = chainer.cuda.cupy.empty(count, dtype=layout.wire_dtype)
-        self.nccl_comm.reduceScatter(
-            sendbuf.data.ptr, segment.data.ptr, count,
-            _communication_utility._get_nccl_type_id(layout.wire_dtype),
-            nccl.NCCL_SUM, chainer.cuda.Stream.null.ptr)
-        return segment
+        return nccl_reduce_scatter(self.nccl_comm, self.rank, sendbuf, layout)
 
     def _all_gather(self, segment, layout):
         self._init_comms()
-        buffer = chainer.cuda.cupy.empty(layout.all_gather_size,
-                                         dtype=layout.wire_dtype)
-        self.nccl_comm.allGather(
-            segment.data.ptr, buffer.data.ptr, segment.size,
-            _communication_utility._get_nccl_type_id(layout.wire_dtype),
-            chainer.cuda.Stream.null.ptr)
-        return buffer
+        return nccl_all_gather(self.nccl_comm, segment, layout)

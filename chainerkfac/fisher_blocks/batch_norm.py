@@ -12,34 +12,41 @@ import chainer.functions.normalization.batch_normalization as bn_module
 from chainer.backend import get_array_module
 
 from chainerkfac import linalg
-from chainerkfac.fisher_blocks.base import FisherBlock, regularized_grad
+from chainerkfac.fisher_blocks.base import (BlockOptions, FactorKind,
+                                            FisherBlock, Unsupported,
+                                            regularized_grad)
 
 BN_FISHER_MODES = ('full', 'diag')
 
 
 class BatchNormalizationBlock(FisherBlock):
-    """Full or diagonal Fisher of a BatchNormalization link's (γ, β)."""
+    """Full or diagonal Fisher of a BatchNormalization link's (γ, β).
 
-    factor_names = ('F',)
+    A BatchNormalization without γ or β (``use_gamma=False`` /
+    ``use_beta=False``) or normalising over a custom ``axis`` gets the plain
+    gradient (:class:`~chainerkfac.fisher_blocks.Unsupported`).
+    """
+
+    factor_kinds = {'F': FactorKind.PARAM_GRADS}
     function_types = (bn_module.BatchNormalization,)
 
-    def __init__(self, name, link, factor_dtype=numpy.float32,
-                 mode: str = 'full'):
+    def __init__(self, name, link, options=None):
+        options = options or BlockOptions()
+        mode = options.bn_fisher
         if mode not in BN_FISHER_MODES:
             raise ValueError('bn_fisher must be one of {}, got {!r}'
                              .format(BN_FISHER_MODES, mode))
-        if getattr(link, 'gamma', None) is None or \
-                getattr(link, 'beta', None) is None:
-            raise ValueError(
-                'K-FAC: BatchNormalization layer {} has no gamma or beta '
-                '(use_gamma/use_beta=False); it is not supported.'
-                .format(name))
+        missing = [p for p in ('gamma', 'beta')
+                   if getattr(link, p, None) is None]
+        if missing:
+            raise Unsupported('BatchNormalization without {} (use_{}=False): '
+                              'the (gamma, beta) Fisher needs both'.format(
+                                  missing[0], missing[0]))
         if getattr(link, 'axis', None) is not None:
-            raise ValueError(
-                'K-FAC: BatchNormalization layer {} normalises over a custom '
-                'axis {}; only the default (channel axis 1) is supported.'
-                .format(name, link.axis))
-        super().__init__(name, link, factor_dtype)
+            raise Unsupported('BatchNormalization over a custom axis {}: only '
+                              'the channel axis 1 is modelled'.format(
+                                  link.axis))
+        super().__init__(name, link, options)
         self.mode = mode
         self.kind = 'BN ({})'.format('full Fisher' if mode == 'full'
                                      else 'diagonal Fisher')
@@ -86,23 +93,9 @@ class BatchNormalizationBlock(FisherBlock):
             value = (rows.astype(dtype) ** 2).sum(axis=0) * dtype.type(n)
         self._accumulate('F', value)
 
-    def update_inverses(self, names, damping):
-        if 'F' not in names:
-            return {}
-        if self.mode == 'full':
-            result = linalg.damped_inverse(self.factors['F'], damping)
-        else:
-            result = self._diag_inverse(self.factors['F'], damping)
-        return {'F': self._store_inverse('F', result)}
-
-    @staticmethod
-    def _diag_inverse(diag, damping):
-        xp = get_array_module(diag)
-        if not bool(xp.isfinite(diag).all()):
-            return linalg.InverseResult(None, damping,
-                                        linalg.MAX_INVERSE_TRIES)
-        # diag ≥ 0 by construction; damping > 0 keeps it invertible.
-        return linalg.InverseResult(1.0 / (diag + damping), damping, 0)
+    def inverse_requests(self, candidates, damping):
+        # A 1-D factor (diagonal Fisher) is inverted elementwise.
+        return {name: (value, damping) for name, value in candidates.items()}
 
     def precondition(self, grads, damping):
         xp = get_array_module(grads[0])

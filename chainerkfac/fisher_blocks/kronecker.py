@@ -26,14 +26,14 @@ from chainer.backend import get_array_module
 from chainer.utils import conv
 
 from chainerkfac import linalg
-from chainerkfac.fisher_blocks.base import FisherBlock, regularized_grad
+from chainerkfac.fisher_blocks.base import (FactorKind, FisherBlock,
+                                            Unsupported, regularized_grad)
 
 
 class KroneckerBlock(FisherBlock):
     """Shared maths of the Linear and Convolution2D blocks."""
 
-    factor_names = ('A', 'G')
-    forward_factors = ('A',)
+    factor_kinds = {'A': FactorKind.INPUTS, 'G': FactorKind.OUTPUT_GRADS}
 
     @property
     def params(self):
@@ -61,11 +61,13 @@ class KroneckerBlock(FisherBlock):
         return {'A': (self.in_size, self.in_size),
                 'G': (self.out_size, self.out_size)}
 
-    def _trace_split(self, damping: float):
-        """Return (γ_A, γ_G), the damping split by the trace norm π."""
-        xp = get_array_module(self.factors['A'])
-        trace_a = float(xp.trace(self.factors['A'])) / self.in_size
-        trace_g = float(xp.trace(self.factors['G'])) / self.out_size
+    @staticmethod
+    def trace_split(a, g, damping: float):
+        """Return (γ_A, γ_G): ``damping`` split by the trace norm π of the
+        factors ``a`` and ``g``."""
+        xp = get_array_module(a)
+        trace_a = float(xp.trace(a)) / a.shape[0]
+        trace_g = float(xp.trace(g)) / g.shape[0]
         root = math.sqrt(damping)
         if trace_a > 0 and trace_g > 0 and math.isfinite(trace_a * trace_g):
             pi = math.sqrt(trace_a / trace_g)
@@ -73,16 +75,16 @@ class KroneckerBlock(FisherBlock):
             pi = 1.0
         return pi * root, root / pi
 
-    def update_inverses(self, names, damping):
-        if not names:
+    def inverse_requests(self, candidates, damping):
+        # π needs both factors: the refreshed one and, if only one is
+        # refreshed this step, the other as stored.
+        a = candidates.get('A', self.factors.get('A'))
+        g = candidates.get('G', self.factors.get('G'))
+        if a is None or g is None:
             return {}
-        damping_a, damping_g = self._trace_split(damping)
-        retries = {}
-        for factor, value in (('A', damping_a), ('G', damping_g)):
-            if factor in names:
-                result = linalg.damped_inverse(self.factors[factor], value)
-                retries[factor] = self._store_inverse(factor, result)
-        return retries
+        damping_a, damping_g = self.trace_split(a, g, damping)
+        split = {'A': (a, damping_a), 'G': (g, damping_g)}
+        return {name: split[name] for name in candidates}
 
     def precondition(self, grads, damping):
         weight = self.link.W.array
@@ -124,20 +126,20 @@ class Convolution2DBlock(KroneckerBlock):
     """K-FAC block of :class:`chainer.links.Convolution2D` (KFC).
 
     Stride, padding (symmetric or not), dilation and ``cover_all`` are read
-    from the function call; grouped convolutions are rejected at set-up.
+    from the function call. A grouped convolution is not one Kronecker
+    product (it is one per group): it gets the plain gradient.
     """
 
     kind = 'Conv2D (K-FAC)'
     function_types = (conv2d_module.Convolution2DFunction,)
 
-    def __init__(self, name, link, factor_dtype=numpy.float32):
+    def __init__(self, name, link, options=None):
         groups = getattr(link, 'groups', 1)
         if groups != 1:
-            raise ValueError(
-                'K-FAC: layer {} is a grouped convolution (groups={}); its '
-                'Fisher is not Kronecker-factored by this block. Use '
-                'groups=1 or exclude the layer.'.format(name, groups))
-        super().__init__(name, link, factor_dtype)
+            raise Unsupported(
+                'grouped convolution (groups={}): one Kronecker product per '
+                'group, not modelled'.format(groups))
+        super().__init__(name, link, options)
 
     def capture_forward(self, function, in_data):
         x = in_data[0]

@@ -20,8 +20,8 @@ from chainer.training import extensions
 
 import config as config_module
 import models
-from chainerkfac import extensions as kfac_extensions
-from chainerkfac.diagnostics import FisherDiffLog
+from chainerkfac import training as kfac_training
+from chainerkfac.training import FisherDiffLog
 from chainerkfac.optimizers import KFAC
 from harness import run_dir
 
@@ -67,7 +67,7 @@ def train_run(out, optimizer_name='kfac', batch=32, bn_fisher='full',
     updater = training.updaters.StandardUpdater(
         chainer.iterators.SerialIterator(train, batch), optimizer)
     trainer = training.Trainer(updater, (EPOCHS, 'epoch'), out=str(out))
-    trainer.extend(kfac_extensions.PolynomialLRDecay(
+    trainer.extend(kfac_training.PolynomialLRDecay(
         cfg.lr, cfg.p_decay, cfg.e_start, cfg.e_end,
         momentum_init=cfg.momentum), trigger=(1, 'iteration'))
     trainer.extend(extensions.Evaluator(

@@ -100,7 +100,8 @@ def test_from_blocks_uses_the_cost_model():
     with chainer.using_config('dtype', numpy.float64):
         model = chainer.Sequential(L.Linear(9, 4), L.BatchNormalization(4),
                                    L.PReLU())
-    blocks = fisher_blocks.build_blocks(model, numpy.float64, 'full')
+    blocks = fisher_blocks.build_blocks(model, fisher_blocks.BlockOptions(
+        bn_fisher='full'))
     assignment = Assignment.from_blocks(blocks, 2)
     cost = {type(b).__name__: c for b, c in zip(blocks, assignment.costs)}
     assert cost == {'LinearBlock': 10.0 ** 3 + 4.0 ** 3,

@@ -78,5 +78,31 @@ def test_resnet50_registers_107_kfac_layers_in_the_optimizer():
     assert kinds.count('Conv2D (K-FAC)') == 53
     assert kinds.count('BN (full Fisher)') == 53
     assert kinds.count('Linear (K-FAC)') == 1
-    assert 'unpreconditioned' in optimizer.registration_table()
+    assert 'with the plain gradient' in optimizer.registration_table()
     assert all(b.factor_names for b in optimizer.blocks)
+
+
+def test_resnet50_auto_rescale_is_every_conv_and_not_the_fc():
+    """Eq. (20) with weight_rescale='auto': every convolution of ResNet-50
+    feeds a BatchNormalization (scale invariant); the FC feeds the softmax
+    and is left alone (the paper rescales it too: weight_rescale=True)."""
+    import chainerkfac
+    import chainer.functions as F
+    model = ResNet50(n_class=4)
+    optimizer = chainerkfac.optimizers.KFAC(lr=0.0, momentum=0.0,
+                                            verbose=False,
+                                            refresh_interval_a=100,
+                                            refresh_interval_g=100,
+                                            refresh_interval_f=100)
+    optimizer.setup(model)
+    x = np.random.RandomState(0).rand(2, 3, 32, 32).astype(np.float32)
+    t = np.array([0, 1], np.int32)
+    optimizer.update(lambda x, t: F.softmax_cross_entropy(model(x), t), x, t)
+    rescaled = set(optimizer.rescaled_params())
+    convs = {name for name, _ in model.namedparams()
+             if name.endswith('/W') and 'conv' in name}
+    assert len(convs) == 53
+    assert rescaled == convs
+    paper = chainerkfac.optimizers.KFAC(weight_rescale=True, verbose=False)
+    paper.setup(ResNet50(n_class=4))
+    assert set(paper.rescaled_params()) == convs | {'/fc/W'}

@@ -194,10 +194,3 @@ def test_mc_label_sampler_follows_softmax():
     freq = numpy.bincount(labels, minlength=3) / len(labels)
     numpy.testing.assert_allclose(freq, [0.7, 0.2, 0.1], atol=0.015)
 
-
-def test_grouped_convolution_is_rejected_at_setup():
-    import chainer.links as L
-    model = chainer.Sequential(L.Convolution2D(4, 4, 3, groups=2))
-    optimizer = helpers.kfac()
-    with pytest.raises(ValueError, match='grouped convolution'):
-        optimizer.setup(model)

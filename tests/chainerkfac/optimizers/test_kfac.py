@@ -13,7 +13,7 @@ import chainer.links as L
 from chainer import serializers
 
 import chainerkfac
-from chainerkfac import schedules
+from chainerkfac import equations
 from tests.chainerkfac import helpers
 
 
@@ -278,14 +278,15 @@ def test_non_pd_factor_raises_damping_and_is_reported(monkeypatch):
     optimizer = helpers.kfac(lr=0.1, damping=1e-4)
     optimizer.setup(model)
     block = helpers.block_named(optimizer, '/l1')
-    original = block.local_factors
+    original = block.captured
 
-    def negative_a(names, n):
-        factors = original(names, n)
+    def negative_a():
+        factors = original()
         if 'A' in factors:
-            factors['A'] = -numpy.eye(len(factors['A']))  # not PD
+            total, count = factors['A']
+            factors['A'] = (-numpy.eye(len(total)), count)  # not PD
         return factors
-    monkeypatch.setattr(block, 'local_factors', negative_a)
+    monkeypatch.setattr(block, 'captured', negative_a)
     reporter, observation = chainer.Reporter(), {}
     with reporter.scope(observation):
         optimizer.update(helpers.loss_of(model), x, t)
@@ -304,18 +305,21 @@ def test_nan_factor_keeps_weights_finite(monkeypatch):
     optimizer.update(helpers.loss_of(model), x, t)       # healthy step
     block = helpers.block_named(optimizer, '/l1')
     healthy_inverse = block.inverses['A'].copy()
-    original = block.local_factors
+    healthy_factor = block.factors['A'].copy()
+    original = block.captured
 
-    def nan_a(names, n):
-        factors = original(names, n)
-        factors['A'] = factors['A'] * numpy.nan
+    def nan_a():
+        factors = original()
+        total, count = factors['A']
+        factors['A'] = (total * numpy.nan, count)
         return factors
-    monkeypatch.setattr(block, 'local_factors', nan_a)
+    monkeypatch.setattr(block, 'captured', nan_a)
     reporter, observation = chainer.Reporter(), {}
     with reporter.scope(observation):
         optimizer.update(helpers.loss_of(model), x, t)
     assert observation['kfac/inverse_retries'] > 0
     numpy.testing.assert_array_equal(block.inverses['A'], healthy_inverse)
+    numpy.testing.assert_array_equal(block.factors['A'], healthy_factor)
     for _, param in model.namedparams():
         assert numpy.isfinite(param.array).all()
 
@@ -393,29 +397,39 @@ def test_update_without_lossfun_is_a_clear_error():
         optimizer.update()
 
 
-def test_registration_table_lists_every_layer(capsys):
+def test_registration_table_lists_every_layer(caplog):
     model = helpers.ConvNet(bn=True)
-    model.add_link('embed', L.EmbedID(3, 2))
-    chainerkfac.optimizers.KFAC().setup(model)
-    out = capsys.readouterr().out
+    with helpers.float64_links():
+        model.add_link('embed', L.EmbedID(3, 2))
+    caplog.set_level('INFO', logger='chainerkfac')
+    optimizer = chainerkfac.optimizers.KFAC().setup(model)
+    assert caplog.text == ''   # logged at the first update
+    x, t = helpers.data(n=4)
+    optimizer.update(helpers.loss_of(model), x, t)
+    out = caplog.text
     assert '/conv' in out and 'Conv2D (K-FAC)' in out and 'A 19x19, G 3x3' \
         in out
     assert 'BN (full Fisher)' in out and 'F 6x6' in out
-    assert '/embed' in out and 'plain' in out
-    assert '3 K-FAC layers, 1 unpreconditioned' in out
+    assert '/embed' in out and 'plain gradient' in out and \
+        'no Fisher block for EmbedID' in out
+    assert '3 K-FAC layers, 1 with the plain gradient' in out
+    # conv feeds BN: scale invariant, rescaled; the classifier is not.
+    rows = {line.split()[0]: line for line in out.splitlines()
+            if line.startswith('/')}
+    assert '  yes' in rows['/conv'] and '  no' in rows['/fc']
 
 
 def test_schedules_are_the_papers_equations():
-    assert schedules.damping_at(0, 2.5e-2, 2.5e-4, 313) == 2.5e-2
+    assert equations.damping_at(0, 2.5e-2, 2.5e-4, 313) == 2.5e-2
     alpha = 2 * math.log10(100) / 313
-    assert schedules.damping_at(2, 2.5e-2, 2.5e-4, 313) == pytest.approx(
+    assert equations.damping_at(2, 2.5e-2, 2.5e-4, 313) == pytest.approx(
         2.5e-4 + (1 - alpha) ** 2 * (2.5e-2 - 2.5e-4))
-    assert schedules.polynomial_lr(0.5, 8.18e-3, 11.0, 1, 53) == 8.18e-3
-    assert schedules.polynomial_lr(27, 8.18e-3, 11.0, 1, 53) == \
+    assert equations.polynomial_lr(0.5, 8.18e-3, 11.0, 1, 53) == 8.18e-3
+    assert equations.polynomial_lr(27, 8.18e-3, 11.0, 1, 53) == \
         pytest.approx(8.18e-3 * 0.5 ** 11)
-    assert schedules.polynomial_lr(53, 8.18e-3, 11.0, 1, 53) == 0.0
-    assert schedules.coupled_momentum(4e-3, 8e-3, 0.997) == 0.997 / 2
-    assert [schedules.stale_interval_eq22(0, e) for e in
+    assert equations.polynomial_lr(53, 8.18e-3, 11.0, 1, 53) == 0.0
+    assert equations.coupled_momentum(4e-3, 8e-3, 0.997) == 0.997 / 2
+    assert [equations.stale_interval_eq22(0, e) for e in
             (0, 4, 5, 9, 10, 15, 20, 40)] == [1, 1, 6, 6, 11, 16, 20, 20]
-    assert [schedules.stale_interval_eq23(0, e) for e in (0, 12, 13, 30)] \
+    assert [equations.stale_interval_eq23(0, e) for e in (0, 12, 13, 30)] \
         == [1, 1, 20, 20]

@@ -1,4 +1,4 @@
-"""Training extensions that log K-FAC's diagnostics for the figures.
+"""Trainer extensions recording what a run needs for the figures.
 
 :class:`FisherDiffLog` writes Diff(t) of eq. (21) for every refreshed factor
 of every layer (Figure 5) as JSON lines, one per K-FAC step::
@@ -10,9 +10,14 @@ In a multi-process run each block's Diff is known only to its owner; the
 values are gathered to rank 0, which writes the file.
 """
 import json
+import logging
 import os
 
 from chainer.training import extension
+
+from chainerkfac import _logging
+
+logger = logging.getLogger(__name__)
 
 
 class FisherDiffLog(extension.Extension):
@@ -108,11 +113,11 @@ class TimeToAccuracy(extension.Extension):
                 with open(tmp, 'w') as f:
                     json.dump(self.reached, f, indent=1)
                 os.replace(tmp, path)
-            print('target top-1 {:.3f} reached at epoch {:.2f} (iteration {}, '
-                  '{:.1f} s)'.format(self.target, self.reached['epoch'],
-                                     self.reached['iteration'],
-                                     self.reached['elapsed_time']),
-                  flush=True)
+            _logging.ensure_visible()
+            logger.info('target top-1 %.3f reached at epoch %.2f (iteration '
+                        '%d, %.1f s)', self.target, self.reached['epoch'],
+                        self.reached['iteration'],
+                        self.reached['elapsed_time'])
 
     def serialize(self, serializer):
         reached = serializer('reached', json.dumps(self.reached))

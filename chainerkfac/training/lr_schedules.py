@@ -3,7 +3,7 @@
 Siblings of :class:`chainer.training.extensions.PolynomialShift`: called
 every iteration, they set ``optimizer.lr`` (and ``optimizer.momentum``) from
 the *fractional* epoch ``trainer.updater.epoch_detail``. The values are pure
-functions of that epoch (the equations live in :mod:`chainerkfac.schedules`),
+functions of that epoch (the equations live in :mod:`chainerkfac.equations`),
 so a run resumed from a snapshot continues with exactly the values of an
 uninterrupted one.
 
@@ -19,7 +19,7 @@ import bisect
 
 from chainer.training import extension
 
-from chainerkfac import schedules
+from chainerkfac import equations
 
 
 class _EpochSchedule(extension.Extension):
@@ -104,11 +104,11 @@ class PolynomialLRDecay(_EpochSchedule):
         self.momentum_init = momentum_init
 
     def values(self, epoch):
-        lr = schedules.polynomial_lr(epoch, self.lr_init, self.p_decay,
+        lr = equations.polynomial_lr(epoch, self.lr_init, self.p_decay,
                                      self.e_start, self.e_end)
         if self.momentum_init is None:
             return {'lr': lr}
-        return {'lr': lr, 'momentum': schedules.coupled_momentum(
+        return {'lr': lr, 'momentum': equations.coupled_momentum(
             lr, self.lr_init, self.momentum_init)}
 
 
@@ -181,5 +181,5 @@ def step_decay(lr, milestones=(30, 60, 80), factor=0.1):
 def polynomial_decay(lr, p_decay, e_start, e_end):
     """``epoch -> η(epoch)`` of eq. (17), for :class:`LinearWarmupLR`."""
     def schedule(epoch):
-        return schedules.polynomial_lr(epoch, lr, p_decay, e_start, e_end)
+        return equations.polynomial_lr(epoch, lr, p_decay, e_start, e_end)
     return schedule

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from chainer import training
 
-from chainerkfac.extensions import (LinearWarmupLR, PolynomialLRDecay,
+from chainerkfac.training import (LinearWarmupLR, PolynomialLRDecay,
                                     polynomial_decay, step_decay)
 
 # bs32k of Table 3 (published magnitudes).
@@ -14,7 +14,7 @@ LR0, P, E_START, E_END, M0 = 0.03, 3.5, 1.5, 49.5, 0.97
 
 
 def eq17(e):
-    """η(e), written out independently of chainerkfac.schedules."""
+    """η(e), written out independently of chainerkfac.equations."""
     if e <= E_START:
         return LR0
     if e >= E_END:
