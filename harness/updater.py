@@ -177,21 +177,10 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
 
     # -- the end ---------------------------------------------------------------
     def _flush(self, optimizer, pending):
-        if not self.kfac:
-            done = self._step(optimizer, pending)
-        elif hasattr(optimizer, 'flush_accumulation'):
+        if self.kfac:
             done = optimizer.flush_accumulation()
         else:
-            # TEMPORARY until chainerkfac has KFAC.flush_accumulation():
-            # the trailing micro-batches are reported, not trained.
-            chainer.reporter.report({'dropped_micro_batches': float(pending)})
-            if self.comm.rank == 0:
-                print('warning: this chainerkfac has no '
-                      'KFAC.flush_accumulation(): the last {} micro-batches '
-                      'of a step of {} are dropped (not trained)'.format(
-                          pending, self.acc_iters), file=sys.stderr,
-                      flush=True)
-            return
+            done = self._step(optimizer, pending)
         chainer.reporter.report({'trailing_micro_batches': float(done)})
         if self.comm.rank == 0:
             print('the run ends {} micro-batches into a step of {}: they '

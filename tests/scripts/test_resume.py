@@ -8,9 +8,9 @@ import time
 import numpy
 import pytest
 
-from chainerkfac.optimizers import KFAC
-from tests.scripts.conftest import (kill, read_log, reference_command, run,
-                                    start, weights)
+from tests.scripts import imagenet_like
+from tests.scripts.conftest import (command, kill, read_log,
+                                    reference_command, run, start, weights)
 
 #: Values of the log that depend on the machine's speed.
 TIMING = ('elapsed_time', 'images_per_sec')
@@ -22,24 +22,6 @@ GLOBAL_KEYS = ('epoch', 'main/loss', 'main/accuracy', 'lr', 'momentum',
                'damping', 'refresh_interval_A')
 #: Float32 wire tolerance of tests/chainerkfac/multi_node/test_equivalence.
 TOLERANCE = 1e-4
-
-
-def lean_state():
-    """Whether this chainerkfac saves the lean K-FAC state (factors, not
-    inverses), whose per-owner rank files merge into one optimizer."""
-    import chainer
-    import chainer.links as L
-    model = L.Classifier(L.Linear(3, 2))
-    optimizer = KFAC(verbose=False)
-    optimizer.setup(model)
-    x = numpy.ones((4, 3), numpy.float32)
-    optimizer.update(model, x, numpy.array([0, 1, 0, 1], numpy.int32))
-    keys = chainer.serializers.DictionarySerializer()
-    keys.save(optimizer)
-    return not any(k.endswith('_inv') for k in keys.target)
-
-
-LEAN_STATE = lean_state()
 
 
 def snapshot_complete(out, epoch, nproc):
@@ -106,14 +88,7 @@ def test_one_and_two_processes_train_alike(references):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('before, after', [
-    pytest.param(2, 1, marks=pytest.mark.xfail(
-        not LEAN_STATE, strict=True,
-        reason="needs chainerkfac's lean K-FAC state (a rank file holds "
-               "only its own blocks, so several files merge): today each "
-               "file stores None for the blocks it does not own, which "
-               "erases the owner's factors on loading")),
-    (1, 2)])
+@pytest.mark.parametrize('before, after', [(2, 1), (1, 2)])
 def test_resume_on_another_number_of_processes(dataset, references,
                                                tmp_path, before, after):
     """Epoch 2's snapshot lies on a step boundary after which the input
@@ -132,4 +107,30 @@ def test_resume_on_another_number_of_processes(dataset, references,
     assert max_relative_diff(
         weights(os.path.join(str(tmp_path), 'model_final.npz')),
         weights(os.path.join(references[before], 'model_final.npz')),
+        skip_statistics=True) < TOLERANCE
+
+
+@pytest.mark.slow
+def test_resume_from_three_processes_on_two(dataset, tmp_path):
+    """Global batch 48: 3 processes x 2 accumulated, then 2 x 3. Epoch 1's
+    snapshot follows step 0; step 1 reuses the stale A factors, which the
+    two processes own under another assignment than the three did."""
+    config = imagenet_like.write_config(
+        dataset['root'], 'bs48.json', global_batch_size=48, epochs=3)
+    three = tmp_path / 'three'
+    result = run(command(dataset, three, '--keep-snapshots', '0',
+                         config=config), 3)
+    assert result.returncode == 0, result.stdout[-3000:]
+    two = tmp_path / 'two'
+    result = run(command(dataset, two, '--resume',
+                         str(three / 'snapshot_epoch_1'), config=config), 2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert 'resumed from' in result.stdout and 'on 2 process(es)' in \
+        result.stdout
+    for want, have in zip(read_log(three), read_log(two)):
+        for key in GLOBAL_KEYS:
+            assert have[key] == pytest.approx(want[key], rel=TOLERANCE), key
+    assert max_relative_diff(
+        weights(str(two / 'model_final.npz')),
+        weights(str(three / 'model_final.npz')),
         skip_statistics=True) < TOLERANCE

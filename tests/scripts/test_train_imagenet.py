@@ -90,9 +90,6 @@ def test_run_ending_inside_a_step_completes_it_and_saves_it(dataset,
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not hasattr(__import__('chainerkfac').optimizers.KFAC,
-                                'flush_accumulation'),
-                    reason='needs KFAC.flush_accumulation() (library)')
 def test_kfac_run_ending_inside_a_step_flushes_it(references):
     entry = read_log(references[1])[-1]
     assert entry['trailing_micro_batches'] == 2
