@@ -7,14 +7,16 @@ issue 11.
 On ImageNet-like JPEGs (500x375, written with Pillow, resized to 256,
 cropped to 224):
 
-* **images/s per core of the data path** in one process (one core):
+* **images/s per core of the data path** in one process (one core;
+  decoding and resizing dominate, alike in both):
   *before*, each image decoded to float32, cropped, flipped and normalised
   on the host and batched as float32 (``ImageTransform`` over the old
   float ``ImageListDataset``); *after*, decoded and cropped to uint8
   (:class:`augment.TrainStream`), batched as uint8 and normalised as a
   batch (on the training device in a GPU run; here the CPU). The bytes
-  per image that cross from a loader process are reported as well
-  (float32 vs uint8).
+  per image that cross from a loader process (and to the device) are
+  reported as well (float32 vs uint8), and the training process's own
+  work per batch of loader output.
 * **the mixup label conversion** (integer labels to one-hot rows, 1000
   classes, batch 32): the old scatter with a min/max check against the
   vectorised comparison (on the CPU here; the old version's cost on a GPU
@@ -95,15 +97,29 @@ def data_path(images, mean, n, repeats) -> Dict:
             batch = [stream[k] for k in range(start, min(start + BATCH, n))]
             x = numpy.stack([image for image, _, _ in batch])
             augment.normalize(x, mean)
+    # Alternate the two (the machine is shared): medians of each.
+    times = {'before': [], 'after': []}
+    for _ in range(repeats):
+        for name, function in (('before', before), ('after', after)):
+            times[name].append(_timed(function, 1))
     out = {}
-    for name, function in (('before', before), ('after', after)):
-        seconds = _timed(function, repeats)
-        out[name] = {'images_per_s_per_core': n / seconds,
+    for name in ('before', 'after'):
+        out[name] = {'images_per_s_per_core': n / _common.median(times[name]),
                      'bytes_per_image_between_processes':
                      3 * CROP * CROP * (4 if name == 'before' else 1)}
-    out['after_normalize_ms_per_batch'] = 1e3 * _timed(
-        lambda: augment.normalize(numpy.zeros(
-            (BATCH, 3, CROP, CROP), numpy.uint8), mean), repeats)
+    out['after_over_before'] = _common.median(
+        [b / a for b, a in zip(times['before'], times['after'])])
+    # What the training process does per batch with the loaders' examples:
+    # before, batch float32 crops (then send 4 bytes per value to the
+    # device); after, batch uint8 crops and normalise them (on the device
+    # in a GPU run).
+    floats = [(numpy.zeros((3, CROP, CROP), numpy.float32), 0)] * BATCH
+    uint8s = [(numpy.zeros((3, CROP, CROP), numpy.uint8), 0)] * BATCH
+    out['before']['training_process_ms_per_batch'] = 1e3 * _timed(
+        lambda: chainer.dataset.concat_examples(floats), repeats * 5)
+    out['after']['training_process_ms_per_batch'] = 1e3 * _timed(
+        lambda: augment.normalize(chainer.dataset.concat_examples(uint8s)[0],
+                                  mean), repeats * 5)
     return out
 
 
@@ -201,7 +217,10 @@ def main(argv=None):
         ['', 'before', 'after'],
         [['data path images/s per core', path['before']
           ['images_per_s_per_core'], path['after']['images_per_s_per_core']],
-         ['bytes per image between processes',
+         ['training process ms per batch (batching; after: + normalise)',
+          path['before']['training_process_ms_per_batch'],
+          path['after']['training_process_ms_per_batch']],
+         ['bytes per image between processes (and to the device)',
           path['before']['bytes_per_image_between_processes'],
           path['after']['bytes_per_image_between_processes']],
          ['mixup labels ms per batch (CPU)', labels['before_ms'],
