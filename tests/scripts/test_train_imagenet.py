@@ -46,6 +46,20 @@ def test_run_leaves_log_snapshots_and_final_model(dataset, references,
             numpy.testing.assert_array_equal(
                 snap['updater/model:main/predictor/' + name], value)
         assert int(snap['updater/n_processes']) == nproc
+    # The K-FAC state in the snapshots: factors, no inverses, each block's
+    # on one process only.
+    holders = {}
+    for rank in range(nproc):
+        with numpy.load(os.path.join(out, 'snapshot_epoch_3.rank{}'.format(
+                rank)), allow_pickle=True) as snap:
+            kfac = [k for k in snap.files if '/kfac/' in k]
+            assert kfac and not [k for k in kfac if k.endswith('_inv')]
+            for key in kfac:
+                if key.rsplit('/', 1)[-1] in ('A', 'G', 'F'):
+                    holders.setdefault(key, []).append(rank)
+    assert holders and all(len(r) == 1 for r in holders.values())
+    assert {r for ranks in holders.values() for r in ranks} == \
+        set(range(nproc))
     # The mean image computed by all processes equals the serial mean.
     import augment
     serial = augment.compute_mean(augment.ImageListDataset(
