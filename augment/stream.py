@@ -87,6 +87,13 @@ class _LoaderView(chainer.dataset.DatasetMixin):
         self.resize = resize
         self._pid = os.getpid()
 
+    @property
+    def example_bytes(self):
+        """Bytes of the arrays of one example (a uint8 crop), for the
+        loaders' shared memory (given, the first batch need not be decoded
+        in this process to measure it)."""
+        return 3 * self.crop_size * self.crop_size
+
     def _decode(self, i):
         """``(uint8 image or None, message)`` of list entry ``i``."""
         if os.getpid() != self._pid:       # first call in a loader process
@@ -221,7 +228,8 @@ def make_loader(dataset, batch_size, loaderjob, repeat=True):
     if loaderjob > 0:
         return chainer.iterators.MultiprocessIterator(
             dataset, batch_size, repeat=repeat, shuffle=False,
-            n_processes=loaderjob)
+            n_processes=loaderjob,
+            shared_mem=getattr(dataset, 'example_bytes', None))
     return chainer.iterators.SerialIterator(dataset, batch_size,
                                             repeat=repeat, shuffle=False)
 
