@@ -72,6 +72,9 @@ def parse_args(argv=None):
     parser.add_argument('--keep-snapshots', type=int, default=2,
                         help='snapshots kept per process, older ones are '
                              'removed (0: keep all)')
+    parser.add_argument('--compress-snapshots', action='store_true',
+                        help='zlib-compress the snapshots (smaller files, '
+                             'many more CPU-seconds of the writer thread)')
     parser.add_argument('--epochs', type=int,
                         help='override the config\'s epochs (K-FAC: at most '
                              'e_end, where its learning rate reaches 0)')

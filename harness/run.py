@@ -222,8 +222,8 @@ def train(args, comm, optimizer_name, out, cfg):
         trainer.extend(target)
     if kfac and args.fisher_diff:
         trainer.extend(FisherDiffLog(optimizer, comm=comm))
-    trainer.extend(snapshots.snapshot_extension(comm.rank,
-                                                args.keep_snapshots),
+    trainer.extend(snapshots.snapshot_extension(
+        comm.rank, args.keep_snapshots, args.compress_snapshots),
                    trigger=triggers.EpochAtStepBoundary(args.snapshot_every))
     # Every process runs the observers and the LogReport (which averages
     # the training values over processes); rank 0 writes and prints.
