@@ -93,8 +93,9 @@ def _scan(images, what, resize, crop, loaderjob, comm):
     def progress(done, total, seconds):
         print('  {}: {}/{} images of rank 0\'s share, {:.0f} s'.format(
             what, done, total, seconds), flush=True)
-    _say(comm, '{}: decoding {} images on {} process(es) x {} loader(s)'
-         .format(what, len(images), comm.size, max(loaderjob, 1)))
+    _say(comm, '{}: decoding {} images on {} process(es), {}'.format(
+        what, len(images), comm.size, '{} loader process(es) each'.format(
+            loaderjob) if loaderjob else 'in the training processes'))
     result = augment.scan_images(images, indices, resize, crop, loaderjob,
                                  progress if comm.rank == 0 else None)
     total = comm.mpi_comm.allreduce(result.total)
