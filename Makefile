@@ -36,23 +36,27 @@ export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 export OMPI_MCA_btl_vader_single_copy_mechanism := none
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv venv-np2 test test-fast test-mpi test-numpy2 demo clean
+.PHONY: venv venv-np2 test test-fast test-mpi test-numpy2 test-gpu demo clean
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt constraints.txt
+# The library is installed editable (pyproject.toml), so scripts in any
+# directory import it; the harness folders are used from the checkout.
+$(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --no-cache-dir -r requirements.txt
+	$(VENV)/bin/pip install -q --no-cache-dir --no-deps -e .
 	touch $@
 
 venv-np2: $(VENV_NP2)/.installed
 
-$(VENV_NP2)/.installed: requirements-numpy2.txt constraints.txt
+$(VENV_NP2)/.installed: requirements-numpy2.txt constraints.txt pyproject.toml
 	@py='$(PYTHON_NP2)'; \
 	if [ -z "$$py" ]; then py='$(PYTHON)'; \
 	echo "test-numpy2: no Python 3.12 found; using $$py with NumPy 2"; fi; \
 	echo "$$py -m venv $(VENV_NP2)"; "$$py" -m venv $(VENV_NP2)
 	$(VENV_NP2)/bin/pip install -q --no-cache-dir -r requirements-numpy2.txt
+	$(VENV_NP2)/bin/pip install -q --no-cache-dir --no-deps -e .
 	touch $@
 
 # Single-process tests, then the distributed ones under mpiexec -n 1..4.
@@ -73,6 +77,27 @@ test-mpi: venv
 test-numpy2: venv-np2
 	$(PY_NP2) -c 'import sys, numpy; print("test-numpy2: Python", sys.version.split()[0], "NumPy", numpy.__version__)'
 	$(PY_NP2) -m pytest -q -p chainerkfac._compat -m "not mpi and not slow" tests
+
+# The GPU tests (CuPy and a CUDA device): pytest -m gpu, then the distributed
+# ones under mpiexec -n 1..4, every rank on device 0 (tests/gpu/run.sh says
+# how). No virtualenv is made: on a GPU node without network, with Chainer's
+# wheel in .whl/, run `make test-gpu PY=python3 MPIEXEC=mpiexec`.
+test-gpu:
+	PY='$(PY)' MPIEXEC='$(MPIEXEC)' bash tests/gpu/run.sh all
+
+# The library as a user installs it: a fresh virtualenv elsewhere,
+# `pip install <checkout>[mpi]` (not editable), a script run from there.
+check-install:
+	@d=$$(mktemp -d) && trap 'rm -rf "$$d"' EXIT && \
+	$(PYTHON) -m venv "$$d/venv" && \
+	"$$d/venv/bin/pip" install -q --no-cache-dir "$(CURDIR)[mpi]" && \
+	cd "$$d" && "$$d/venv/bin/python" -c 'import numpy, chainerkfac, chainer, chainer.links as L; \
+	m = L.Classifier(chainer.Sequential(L.Linear(None, 8), L.Linear(None, 3))); \
+	o = chainerkfac.optimizers.KFAC(verbose=False).setup(m); \
+	o.update(m, numpy.ones((4, 5), numpy.float32), numpy.zeros(4, numpy.int32)); \
+	assert chainerkfac.__file__.startswith("'"$$d"'"), chainerkfac.__file__; \
+	print("check-install: chainerkfac", chainerkfac.__version__, "from", chainerkfac.__file__)' && \
+	"$$d/venv/bin/mpiexec" --version | head -1
 
 # One BLAS thread per rank: several ranks on few cores otherwise spin
 # against each other (K-FAC's epoch took 4x longer with 2 threads per rank).

@@ -29,18 +29,6 @@ def damping_warmup_rate(damping_init: float, damping_target: float,
     return min(rate, 1.0)
 
 
-def damping_at(step: int, damping_init: float, damping_target: float,
-               warmup_steps: int) -> float:
-    """Damping γ(t) after ``step`` applications of eq. (16).
-
-    ``γ(t+1) = (1 − α) γ(t) + α γ_target``, in closed form
-    ``γ_target + (1 − α)^t (γ(0) − γ_target)``.
-    """
-    rate = damping_warmup_rate(damping_init, damping_target, warmup_steps)
-    return damping_target + (1.0 - rate) ** step * (
-        damping_init - damping_target)
-
-
 def polynomial_lr(epoch: float, lr_init: float, p_decay: float,
                   e_start: float, e_end: float) -> float:
     """Learning rate η(e) of eq. (17) at a (fractional) epoch.

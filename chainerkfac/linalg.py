@@ -3,8 +3,10 @@
 * :func:`gram` builds a Kronecker factor ``scale · XᵀX`` from rows ``X``,
   optionally with fp16 inputs and fp32 accumulation (Tensor Cores on GPU;
   the NumPy twin rounds the same way so tests can compare the two).
-* :func:`damped_inverse` inverts ``M + d·I`` by Cholesky and, when ``M + d·I``
-  is not positive definite, raises ``d`` and retries.
+* :func:`damped_inverses` inverts ``M + d·I`` by Cholesky for all factors of
+  a step at once and, where ``M + d·I`` is not positive definite, raises ``d``
+  and retries; :func:`damped_inverse` is its one-factor case. On the GPU the
+  work runs in :mod:`chainerkfac.linalg_cuda` (cuSOLVER on CUDA streams).
 """
 from typing import List, NamedTuple, Optional, Sequence
 
@@ -89,7 +91,7 @@ def _gram(rows, scale, factor_dtype):
 
 
 class InverseResult(NamedTuple):
-    """Outcome of :func:`damped_inverse`."""
+    """Outcome of :func:`damped_inverses` for one factor."""
     inverse: Optional[object]   # None when every try failed
     damping: float              # the damping finally used
     retries: int                # failed tries before success (or all)
@@ -122,15 +124,118 @@ def mirror_upper(matrix, block: int = 64):
     return matrix
 
 
-def _cholesky_inverse_gpu(matrix):
-    import cupy
-    from cupyx import lapack
-    eye = cupy.eye(matrix.shape[0], dtype=matrix.dtype)
-    try:
-        # cuSOLVER potrf + potrs against the identity.
-        return lapack.posv(matrix, eye)
-    except numpy.linalg.LinAlgError:
-        return None
+def inverse_dtype(dtype) -> numpy.dtype:
+    """The dtype an inverse is computed in: fp64 for fp64 factors, else fp32
+    (never half precision)."""
+    if numpy.dtype(dtype) == numpy.float64:
+        return numpy.dtype(numpy.float64)
+    return numpy.dtype(numpy.float32)
+
+
+def _attempt_cpu(matrices, dampings, check_input):
+    """One try for each factor on the CPU (LAPACK potrf + potri).
+
+    Returns, per factor, ``(input_finite, inverse or None)``; the input is
+    checked only with ``check_input``.
+    """
+    outcomes = []
+    for matrix, damping in zip(matrices, dampings):
+        if check_input and not numpy.isfinite(matrix).all():
+            outcomes.append((False, None))
+            continue
+        dtype = inverse_dtype(matrix.dtype).type
+        if matrix.ndim == 1:
+            shifted = matrix.astype(dtype) + dtype(damping)
+            inverse = dtype(1) / shifted if (shifted > 0).all() else None
+        else:
+            damped = matrix.astype(dtype)
+            diag = numpy.arange(matrix.shape[0])
+            damped[diag, diag] += dtype(damping)
+            inverse = _cholesky_inverse_cpu(damped)
+        if inverse is not None and not numpy.isfinite(inverse).all():
+            inverse = None
+        outcomes.append((True, inverse))
+    return outcomes
+
+
+def damped_inverses(matrices: Sequence, dampings: Sequence[float],
+                    max_tries: int = MAX_INVERSE_TRIES,
+                    boost: float = DAMPING_BOOST) -> List[InverseResult]:
+    """Invert ``M + d·I`` for every factor of a step, raising a factor's
+    damping (×``boost``) until its damped matrix is positive definite.
+
+    Parameters
+    ----------
+    matrices : sequence of numpy.ndarray or cupy.ndarray
+        All of one array module. A 2-D entry (n, n) is a symmetric positive
+        semi-definite factor, inverted by Cholesky. A 1-D entry (n,) is the
+        diagonal of a diagonal Fisher (BatchNormalization's
+        ``bn_fisher='diag'``): its inverse is ``1 / (diag + d)``, and it
+        counts as positive definite when every ``diag + d > 0``.
+    dampings : sequence of float
+        The first damping ``d`` of each factor.
+    max_tries : int
+        Tries per factor: the k-th (from 0) uses ``d · boost ** k``.
+    boost : float
+        Damping multiplier between tries.
+
+    Returns
+    -------
+    list of InverseResult
+        Aligned with ``matrices``. ``inverse`` has the factor's shape, in
+        fp32 for fp32/fp16 factors and fp64 for fp64 ones, and is exactly
+        symmetric for 2-D factors. A factor with NaN or Inf cannot be
+        repaired by damping: ``InverseResult(None, d, max_tries)``, and the
+        caller keeps its previous inverse (or none) — NaN is never
+        returned. A factor that fails every try gives
+        ``InverseResult(None, d · boost ** (max_tries - 1), max_tries)``.
+
+    Notes
+    -----
+    Only the factors that failed a try are tried again. On the CPU each
+    factor is one LAPACK ``potrf`` + ``potri``. On the GPU all the factors
+    of a try run concurrently on CUDA streams and their checks (finite
+    input, Cholesky and inverse status, finite output) come back to the
+    host in one synchronisation per try (:mod:`chainerkfac.linalg_cuda`).
+    """
+    if len(matrices) != len(dampings):
+        raise ValueError('damped_inverses: {} matrices but {} dampings'
+                         .format(len(matrices), len(dampings)))
+    for matrix in matrices:
+        if matrix.ndim not in (1, 2) or (
+                matrix.ndim == 2 and matrix.shape[0] != matrix.shape[1]):
+            raise ValueError('damped_inverses: a factor must be square or '
+                             '1-D (a diagonal), got shape {}'.format(
+                                 matrix.shape))
+    if not len(matrices):
+        return []
+    if get_array_module(*matrices) is numpy:
+        attempt = _attempt_cpu
+    else:
+        from chainerkfac import linalg_cuda
+        attempt = linalg_cuda.attempt
+    results: List[Optional[InverseResult]] = [None] * len(matrices)
+    used = list(dampings)
+    pending = list(range(len(matrices)))
+    for tries in range(max_tries):
+        for k in pending:
+            used[k] = dampings[k] * boost ** tries
+        outcomes = attempt([matrices[k] for k in pending],
+                           [used[k] for k in pending], tries == 0)
+        failed = []
+        for k, (input_finite, inverse) in zip(pending, outcomes):
+            if not input_finite:
+                results[k] = InverseResult(None, dampings[k], max_tries)
+            elif inverse is not None:
+                results[k] = InverseResult(inverse, used[k], tries)
+            else:
+                failed.append(k)
+        pending = failed
+        if not pending:
+            break
+    for k in pending:
+        results[k] = InverseResult(None, used[k], max_tries)
+    return results
 
 
 def damped_inverse(matrix, damping: float,
@@ -139,55 +244,10 @@ def damped_inverse(matrix, damping: float,
     """Invert ``matrix + damping · I`` by Cholesky, raising the damping
     (×``boost``) until the damped matrix is positive definite.
 
-    A matrix with NaN or Inf cannot be repaired by damping: the result then
-    has ``inverse=None`` and the caller keeps its previous inverse (or uses
-    no preconditioning) — it never propagates NaN.
-
-    The inversion runs in fp32 for fp32/fp16 factors and fp64 for fp64
-    factors (never in half precision).
+    The one-factor case of :func:`damped_inverses` (same semantics, same
+    result).
     """
-    xp = get_array_module(matrix)
-    if not bool(xp.isfinite(matrix).all()):
-        return InverseResult(None, damping, max_tries)
-    dtype = numpy.float64 if matrix.dtype == numpy.float64 else numpy.float32
-    matrix = matrix.astype(dtype, copy=False)
-    invert = (_cholesky_inverse_cpu if xp is numpy
-              else _cholesky_inverse_gpu)
-    diag = xp.arange(matrix.shape[0])
-    for attempt in range(max_tries):
-        used = damping * boost ** attempt
-        damped = matrix.copy()
-        damped[diag, diag] += dtype(used)
-        inverse = invert(damped)
-        if inverse is not None and bool(xp.isfinite(inverse).all()):
-            return InverseResult(inverse, used, attempt)
-    return InverseResult(None, used, max_tries)
-
-
-def damped_inverses(matrices: Sequence, dampings: Sequence[float],
-                    max_tries: int = MAX_INVERSE_TRIES,
-                    boost: float = DAMPING_BOOST) -> List[InverseResult]:
-    """:func:`damped_inverse` of many factors (one call per stage).
-
-    A 2-D entry is a symmetric positive semi-definite factor; a 1-D entry
-    is the diagonal of a diagonal Fisher, inverted elementwise as
-    ``1 / (diag + damping)`` (``None`` if it is not finite).
-    """
-    results = []
-    for matrix, damping in zip(matrices, dampings):
-        if matrix.ndim == 1:
-            results.append(_diagonal_inverse(matrix, damping, max_tries))
-        else:
-            results.append(damped_inverse(matrix, damping, max_tries, boost))
-    return results
-
-
-def _diagonal_inverse(diag, damping, max_tries):
-    xp = get_array_module(diag)
-    if not bool(xp.isfinite(diag).all()):
-        return InverseResult(None, damping, max_tries)
-    # diag >= 0 by construction; damping > 0 keeps it invertible.
-    return InverseResult(1.0 / (diag + damping), damping, 0)
+    return damped_inverses([matrix], [damping], max_tries, boost)[0]
 
 
 def to_device_of(array, like):

@@ -21,6 +21,7 @@ their own dtype on unpacking. With ``pad=True`` every segment is padded with
 zeros to the longest one, as NCCL's ``reduceScatter`` / ``allGather`` take one
 count for all ranks.
 """
+import collections
 import functools
 from typing import List, Optional, Sequence, Tuple
 
@@ -222,70 +223,99 @@ class Layout(object):
         return self.all_gather_counts[rank] * self.wire_dtype.itemsize
 
     # -- index maps: every pack / unpack is one gather (see gather_cast) ----
-    def _wire_positions(self, i: int, base: int):
-        """Positions, in a flat copy of array ``i`` starting at ``base``, of
-        its wire elements (the upper triangle, row by row, if symmetric)."""
-        shape = self.shapes[i]
-        if self.symmetric[i]:
-            n = shape[0]
-            rows, cols = numpy.triu_indices(n)
-            return base + rows * n + cols
-        return base + numpy.arange(int(numpy.prod(shape)))
+    def _build_index(self, key, xp=numpy):
+        """The index map of one pack or unpack (see :func:`gather_cast`),
+        built where it is used (``xp``: NumPy, or CuPy on the current
+        device).
 
-    def _array_positions(self, i: int, base: int):
-        """For every element of array ``i`` (row-major), its position in a
-        wire segment where the array starts at ``base``: the inverse map,
-        mirroring the triangle."""
-        shape = self.shapes[i]
-        if self.symmetric[i]:
-            n = shape[0]
-            rows, cols = numpy.indices((n, n))
-            low, high = numpy.minimum(rows, cols), numpy.maximum(rows, cols)
-            return (base + low * n - low * (low - 1) // 2 + high - low).ravel()
-        return base + numpy.arange(int(numpy.prod(shape)))
-
-    def _starts(self, indices):
-        sizes = [int(numpy.prod(self.shapes[i])) for i in indices]
-        return dict(zip(indices, numpy.concatenate(
-            [[0], numpy.cumsum(sizes)[:-1]]).astype(int))) if sizes else {}
-
-    def _build_index(self, key):
+        Built from one template per matrix size (:func:`_wire_template`,
+        :func:`_mirror_template`) plus each array's start, in the smallest
+        integer type that holds every position of the source.
+        """
         kind, rank = key
         if kind == 'pack_rs':        # buffer <- concat(all arrays)
-            starts = self._starts(range(len(self.shapes)))
-            index = numpy.full(self.reduce_scatter_size, -1, numpy.int64)
-            for r in range(self.size):
-                for i, offset in self._rs_slots[r]:
-                    at = self.reduce_scatter_offsets[r] + offset
-                    index[at:at + self.wire_lengths[i]] = \
-                        self._wire_positions(i, starts[i])
-            return index
+            return self._pack_index(
+                xp, range(len(self.shapes)),
+                [(self.reduce_scatter_offsets[r],
+                  self.reduce_scatter_counts[r], self._rs_slots[r])
+                 for r in range(self.size)])
         if kind == 'pack_ag':        # segment <- concat(rank's arrays)
             slots = self._ag_slots[rank]
-            starts = self._starts([i for i, _ in slots])
-            index = numpy.full(self.all_gather_counts[rank], -1, numpy.int64)
-            for i, offset in slots:
-                index[offset:offset + self.wire_lengths[i]] = \
-                    self._wire_positions(i, starts[i])
-            return index
+            return self._pack_index(
+                xp, [i for i, _ in slots],
+                [(0, self.all_gather_counts[rank], slots)])
         if kind == 'unpack_rs':      # concat(rank's arrays) <- segment
-            return _concat([self._array_positions(i, offset)
-                            for i, offset in self._rs_slots[rank]])
+            return self._unpack_index(
+                xp, self._rs_slots[rank], self.reduce_scatter_counts[rank])
         # 'unpack_ag': concat(all arrays) <- gathered buffer
         base = {}
         for r in range(self.size):
             for i, offset in self._ag_slots[r]:
                 base[i] = self.all_gather_offsets[r] + offset
-        return _concat([self._array_positions(i, base[i])
-                        for i in range(len(self.shapes))])
+        return self._unpack_index(xp, [(i, base[i]) for i in
+                                   range(len(self.shapes))],
+                                  self.all_gather_size)
+
+    def _sizes(self, indices) -> List[int]:
+        """Elements of each array of ``indices``."""
+        return [int(numpy.prod(self.shapes[i])) for i in indices]
+
+    def _pack_index(self, xp, sources, segments):
+        """Wire buffer <- the flat concatenation of the arrays ``sources``:
+        per segment ``(offset, count, slots)``, each slot's array's wire
+        elements at the slot, -1 in the padding."""
+        sources = list(sources)
+        sizes = self._sizes(sources)
+        starts = dict(zip(sources, _cumulative(sizes)))
+        index = xp.empty(sum(count for _, count, _ in segments),
+                         _index_dtype(sum(sizes)))
+        placements = []
+        for offset, count, slots in segments:
+            used = 0
+            for i, at in slots:
+                placements.append((offset + at, i, starts[i]))
+                used = at + self.wire_lengths[i]
+            index[offset + used:offset + count] = -1
+        self._fill(xp, index, placements, _wire_template)
+        return index
+
+    def _unpack_index(self, xp, slots, source_size):
+        """Flat arrays <- wire buffer: for every element of each array of
+        ``slots`` ``(array, where its wire elements start)``, in order, the
+        position of its wire element (a symmetric array's lower triangle
+        reads the upper one)."""
+        sizes = self._sizes([i for i, _ in slots])
+        index = xp.empty(sum(sizes), _index_dtype(source_size))
+        placements = [(at, i, base) for at, (i, base)
+                      in zip(_cumulative(sizes), slots)]
+        self._fill(xp, index, placements, _mirror_template)
+        return index
+
+    def _fill(self, xp, index, placements, template_of):
+        """``index[at:at + len]`` = positions of array ``i`` starting at
+        ``base``, for every ``(at, i, base)``: consecutive for a plain array,
+        ``base + template_of(n)`` for an n×n symmetric one (one template per
+        size, built once on the host and sent to ``index``'s device)."""
+        by_size = collections.defaultdict(list)
+        for at, i, base in placements:
+            if self.symmetric[i]:
+                by_size[self.shapes[i][0]].append((at, base))
+            else:
+                length = int(numpy.prod(self.shapes[i]))
+                index[at:at + length] = xp.arange(
+                    base, base + length, dtype=index.dtype)
+        for n, spots in by_size.items():
+            template = xp.asarray(template_of(n))
+            for at, base in spots:
+                xp.add(template, index.dtype.type(base),
+                       out=index[at:at + template.size])
 
     def _index(self, xp, kind: str, rank: Optional[int] = None):
         device = None if xp is numpy else xp.cuda.runtime.getDevice()
         key = (kind, rank, device)
         cache = self.__dict__.setdefault('_index_cache', {})
         if key not in cache:
-            index = self._build_index((kind, rank))
-            cache[key] = index if xp is numpy else xp.asarray(index)
+            cache[key] = self._build_index((kind, rank), xp)
         return cache[key]
 
     def _source(self, arrays, indices):
@@ -309,6 +339,41 @@ class Layout(object):
             start += size
         return out
 
+    # -- the NumPy path: per array, no layout-sized index maps --------------
+    def _pack_numpy(self, arrays, segments, size):
+        """Wire buffer of ``size`` elements: per segment ``(offset,
+        slots)``, each slot's array (its upper triangle if symmetric) at
+        ``offset + slot``, cast to the wire dtype; zeros in the padding.
+        The same buffer as the index-map gather (the GPU's one kernel),
+        without building layout-sized maps."""
+        out = numpy.zeros(size, self.wire_dtype)
+        for offset, slots in segments:
+            for i, at in slots:
+                array = arrays[i]
+                if array is None or array.shape != self.shapes[i]:
+                    raise ValueError(
+                        'array {} has shape {}, the layout expects {}'.format(
+                            i, getattr(array, 'shape', None), self.shapes[i]))
+                start = offset + at
+                if self.symmetric[i]:
+                    _pack_triangle(array, out[start:start +
+                                              self.wire_lengths[i]])
+                else:
+                    out[start:start + self.wire_lengths[i]] = array.ravel()
+        return out
+
+    def _unpack_numpy(self, source, slots):
+        """``(array index, new array)`` for every ``(array index, where its
+        wire elements start in source)`` (a symmetric array's lower
+        triangle mirrors the upper one)."""
+        for i, base in slots:
+            piece = source[base:base + self.wire_lengths[i]]
+            if self.symmetric[i]:
+                yield i, _unpack_triangle(piece, self.shapes[i][0],
+                                          self.dtypes[i])
+            else:
+                yield i, piece.reshape(self.shapes[i]).astype(self.dtypes[i])
+
     def pack_reduce_scatter(self, arrays: Sequence):
         """Flat send buffer of a reduce-scatter (one gather).
 
@@ -321,6 +386,12 @@ class Layout(object):
         -------
         array, shape (reduce_scatter_size,), dtype wire_dtype
         """
+        xp = _module_of(arrays)
+        if xp is numpy:
+            return self._pack_numpy(
+                arrays, [(self.reduce_scatter_offsets[r], self._rs_slots[r])
+                         for r in range(self.size)],
+                self.reduce_scatter_size)
         xp, source = self._source(arrays, range(len(self.shapes)))
         return gather_cast(source, self._index(xp, 'pack_rs'),
                            self.wire_dtype)
@@ -343,7 +414,11 @@ class Layout(object):
         xp = chainer.backend.get_array_module(segment)
         owned = [i for i, _ in self._rs_slots[rank]]
         result = [None] * len(self.shapes)
-        if owned:
+        if xp is numpy:
+            for i, array in self._unpack_numpy(segment,
+                                               self._rs_slots[rank]):
+                result[i] = array
+        elif owned:
             flat = gather_cast(segment, self._index(xp, 'unpack_rs', rank),
                                _common_dtype(self.dtypes[i] for i in owned))
             for i, array in self._split(flat, owned).items():
@@ -360,6 +435,10 @@ class Layout(object):
         -------
         array, shape (all_gather_counts[rank],), dtype wire_dtype
         """
+        xp = _module_of([arrays[i] for i, _ in self._ag_slots[rank]])
+        if xp is numpy:
+            return self._pack_numpy(arrays, [(0, self._ag_slots[rank])],
+                                    self.all_gather_counts[rank])
         xp, source = self._source(arrays, [i for i, _ in
                                            self._ag_slots[rank]])
         return gather_cast(source, self._index(xp, 'pack_ag', rank),
@@ -381,6 +460,12 @@ class Layout(object):
         indices = list(range(len(self.shapes)))
         if not indices:
             return []
+        if xp is numpy:
+            slots = [(i, self.all_gather_offsets[r] + offset)
+                     for r in range(self.size)
+                     for i, offset in self._ag_slots[r]]
+            unpacked = dict(self._unpack_numpy(buffer, slots))
+            return [unpacked[i] for i in indices]
         flat = gather_cast(buffer, self._index(xp, 'unpack_ag'),
                            _common_dtype(self.dtypes))
         split = self._split(flat, indices)
@@ -416,7 +501,7 @@ def _gather_cast_kernel():
     if not _KERNEL:
         import cupy
         _KERNEL.append(cupy.ElementwiseKernel(
-            'raw S source, int64 index', 'T out',
+            'raw S source, I index', 'T out',
             'out = index >= 0 ? (T)source[index] : (T)0',
             'chainerkfac_gather_cast'))
     return _KERNEL[0]
@@ -426,9 +511,71 @@ def _common_dtype(dtypes):
     return numpy.result_type(*list(dtypes))
 
 
-def _concat(parts):
-    return (numpy.concatenate(parts).astype(numpy.int64) if parts
-            else numpy.zeros(0, numpy.int64))
+def _cumulative(sizes) -> List[int]:
+    """Where each of consecutive pieces of these sizes starts."""
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total)
+        total += size
+    return starts
+
+
+def _index_dtype(source_size: int) -> numpy.dtype:
+    """int32 when every position of a source of this length fits (half the
+    bytes of int64 to build, hold on the device and read), else int64."""
+    if source_size < numpy.iinfo(numpy.int32).max:
+        return numpy.dtype(numpy.int32)
+    return numpy.dtype(numpy.int64)
+
+
+def _pack_triangle(matrix, out) -> None:
+    """``out`` ← the upper triangle of ``matrix`` row by row (cast), by
+    contiguous row copies (NumPy)."""
+    n, start = matrix.shape[0], 0
+    for r in range(n):
+        out[start:start + n - r] = matrix[r, r:]
+        start += n - r
+
+
+def _unpack_triangle(piece, n: int, dtype):
+    """The symmetric n×n matrix (``dtype``) whose packed upper triangle is
+    ``piece``: rows copied into the upper triangle, then mirrored by
+    cache-sized panels (NumPy)."""
+    from chainerkfac.linalg import mirror_upper
+    matrix = numpy.empty((n, n), dtype)
+    start = 0
+    for r in range(n):
+        matrix[r, r:] = piece[start:start + n - r]
+        start += n - r
+    return mirror_upper(matrix)
+
+
+def _wire_template(n: int):
+    """Positions, in a flat n×n matrix, of its upper triangle row by row
+    (``triu_pack``'s order): the k-th wire element of row r is at
+    ``k + r(r+1)/2``."""
+    dtype = _index_dtype(n * n)
+    rows = numpy.arange(n, dtype=dtype)
+    shift = numpy.repeat(rows * (rows + 1) // 2, n - rows)
+    return numpy.add(numpy.arange(n * (n + 1) // 2, dtype=dtype), shift,
+                     out=shift)
+
+
+def _mirror_template(n: int):
+    """For every element (r, c) of a flat n×n matrix, the position of
+    element (min, max) in its packed upper triangle: ``off(r) + c - r`` on
+    and above the diagonal, ``off(c) + r - c`` below it, where
+    ``off(r) = r·n - r(r-1)/2`` starts row r of the triangle."""
+    dtype = _index_dtype(n * (n + 1) // 2)
+    wide = numpy.arange(n, dtype=numpy.int64)  # r·n may overflow int32
+    shift = (wide * n - wide * (wide - 1) // 2 - wide).astype(dtype)
+    rows = wide.astype(dtype)                  # shift = off(r) - r
+    template = numpy.empty((n, n), dtype)
+    # Row by row: sequential writes (a transposed copy is slow at n = 2^k).
+    for r in range(n):
+        numpy.add(shift[:r], dtype.type(r), out=template[r, :r])
+        numpy.add(rows[r:], shift[r], out=template[r, r:])
+    return template.ravel()
 
 
 def _module_of(arrays):

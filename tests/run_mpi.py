@@ -7,6 +7,7 @@ every rank and combines the exit codes, so one failing rank fails the launch.
 import argparse
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -17,6 +18,9 @@ def main(argv=None):
     parser.add_argument('--mpiexec', default='mpiexec')
     parser.add_argument('--sizes', default='1,2,3,4')
     parser.add_argument('--timeout', type=float, default=600)
+    parser.add_argument('--marker', default='mpi',
+                        help="pytest -m expression, e.g. 'mpi and gpu' "
+                             '(default: mpi)')
     parser.add_argument('pytest_args', nargs='*', default=['tests'])
     args = parser.parse_args(argv)
     env = dict(os.environ)
@@ -32,8 +36,8 @@ def main(argv=None):
     totals = {'passed': 0, 'failed': 0, 'skipped': 0}
     for size in [int(s) for s in args.sizes.split(',')]:
         cmd = [args.mpiexec, '-n', str(size), sys.executable, '-m',
-               'tests.mpi_pytest'] + args.pytest_args
-        print('$ ' + ' '.join(cmd), flush=True)
+               'tests.mpi_pytest', '-m', args.marker] + args.pytest_args
+        print('$ ' + shlex.join(cmd), flush=True)
         start = time.time()
         try:
             done = subprocess.run(cmd, env=env, timeout=args.timeout,

@@ -17,7 +17,7 @@ from chainerkfac.communicators.base import KfacCommunicatorMixin  # NOQA
 from chainerkfac.communicators.base import WIRE_DTYPES  # NOQA
 
 
-COMMUNICATOR_NAMES = ('naive', 'pure_nccl')
+COMMUNICATOR_NAMES = ('naive', 'pure_nccl', 'host_staged')
 
 
 def create_communicator(name: str = 'naive', mpi_comm=None,
@@ -31,8 +31,9 @@ def create_communicator(name: str = 'naive', mpi_comm=None,
     Parameters
     ----------
     name : str
-        'naive' (MPI, NumPy arrays; works on CPU) or 'pure_nccl' (NCCL, CuPy
-        arrays; needs CuPy with NCCL).
+        'naive' (MPI, NumPy arrays; works on CPU), 'pure_nccl' (NCCL, CuPy
+        arrays; needs CuPy with NCCL) or 'host_staged' (MPI, CuPy arrays
+        through host memory: several ranks on one GPU, or no NCCL).
     mpi_comm : mpi4py.MPI.Comm, optional
         Defaults to ``MPI.COMM_WORLD``.
     wire_dtype : str or numpy.dtype
@@ -43,7 +44,8 @@ def create_communicator(name: str = 'naive', mpi_comm=None,
 
     Returns
     -------
-    KfacNaiveCommunicator or KfacPureNcclCommunicator
+    KfacNaiveCommunicator, KfacPureNcclCommunicator or
+    KfacHostStagedCommunicator
     """
     if name not in COMMUNICATOR_NAMES:
         raise ValueError('unknown communicator {!r}; valid names: {}'.format(
@@ -59,6 +61,10 @@ def create_communicator(name: str = 'naive', mpi_comm=None,
     if name == 'naive':
         from chainerkfac.communicators.naive import KfacNaiveCommunicator
         comm = KfacNaiveCommunicator(mpi_comm, wire_dtype=wire_dtype)
+    elif name == 'host_staged':
+        from chainerkfac.communicators.host_staged import \
+            KfacHostStagedCommunicator
+        comm = KfacHostStagedCommunicator(mpi_comm, wire_dtype=wire_dtype)
     else:
         from chainerkfac.communicators.pure_nccl import \
             KfacPureNcclCommunicator

@@ -97,7 +97,7 @@ class KfacCommunicatorMixin(object):
         """
         layout = self._layout(arrays, owners, symmetric)
         sendbuf = layout.pack_reduce_scatter(arrays)
-        self._bytes_sent['reduce_scatter_v'] += int(sendbuf.nbytes)
+        self._bytes_sent['reduce_scatter_v'] += layout.reduce_scatter_nbytes
         if layout.reduce_scatter_size == 0:
             segment = sendbuf[:0]
         else:
@@ -125,7 +125,7 @@ class KfacCommunicatorMixin(object):
         """
         layout = self._layout(arrays, owners, symmetric)
         segment = layout.pack_all_gather(arrays, self.rank)
-        self._bytes_sent['all_gather_v'] += int(segment.nbytes)
+        self._bytes_sent['all_gather_v'] += layout.all_gather_nbytes(self.rank)
         if layout.all_gather_size == 0:
             buffer = segment
         else:

@@ -10,7 +10,7 @@ from chainerkfac.fisher_blocks.base import FactorKind  # NOQA
 from chainerkfac.fisher_blocks.base import FisherBlock  # NOQA
 from chainerkfac.fisher_blocks.base import PlainBlock  # NOQA
 from chainerkfac.fisher_blocks.base import Unsupported  # NOQA
-from chainerkfac.fisher_blocks.base import regularized_grad  # NOQA
+from chainerkfac.fused import regularized_grad  # NOQA
 from chainerkfac.fisher_blocks.batch_norm import BatchNormalizationBlock  # NOQA
 from chainerkfac.fisher_blocks.batch_norm import BN_FISHER_MODES  # NOQA
 from chainerkfac.fisher_blocks.kronecker import Convolution2DBlock  # NOQA

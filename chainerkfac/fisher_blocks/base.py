@@ -385,13 +385,6 @@ class PlainBlock(FisherBlock):
         pass
 
 
-def regularized_grad(grad, weight, damping: float, mean: float = 0.0):
-    """∇E = ∇L + γ (w − μ) of eq. (13)."""
-    if mean:
-        return grad + damping * (weight - mean)
-    return grad + damping * weight
-
-
 def _is_deserializer(serializer) -> bool:
     from chainer import serializer as serializer_module
     return isinstance(serializer, serializer_module.Deserializer)

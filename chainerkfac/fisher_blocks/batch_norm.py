@@ -13,8 +13,8 @@ from chainer.backend import get_array_module
 
 from chainerkfac import linalg
 from chainerkfac.fisher_blocks.base import (BlockOptions, FactorKind,
-                                            FisherBlock, Unsupported,
-                                            regularized_grad)
+                                            FisherBlock, Unsupported)
+from chainerkfac.fused import regularized_grad
 
 BN_FISHER_MODES = ('full', 'diag')
 

@@ -27,7 +27,8 @@ from chainer.utils import conv
 
 from chainerkfac import linalg
 from chainerkfac.fisher_blocks.base import (FactorKind, FisherBlock,
-                                            Unsupported, regularized_grad)
+                                            Unsupported)
+from chainerkfac.fused import regularized_grad
 
 
 class KroneckerBlock(FisherBlock):

@@ -31,6 +31,7 @@ from chainerkfac import _logging
 from chainerkfac import capture
 from chainerkfac import equations
 from chainerkfac import fisher_blocks
+from chainerkfac import fused
 from chainerkfac import linalg
 from chainerkfac import scale_invariance
 from chainerkfac.fisher_blocks import FactorKind
@@ -42,7 +43,7 @@ FISHER_TYPES = ('emp', 'mc')
 FACTOR_DTYPES = ('float32', 'float16')
 LOSS_REDUCTIONS = ('mean', 'sum')
 #: ε of eq. (20).
-RESCALE_EPS = 1e-9
+RESCALE_EPS = fused.RESCALE_EPS
 #: Links whose weight eq. (20) concerns (the paper's Conv and FC layers).
 RESCALED_LINKS = (L.Linear, L.Convolution2D)
 #: Which refresh interval schedules each kind of factor.
@@ -79,19 +80,16 @@ class KFACRule(optimizer.UpdateRule):
         with chainer.using_device(param.device):
             self.state['v'] = param.device.xp.zeros_like(param.array)
 
-    def update_core(self, param):
+    def update_core_cpu(self, param):
         direction, self.direction = self.direction, None
         if direction is None:
             return
-        weight = param.array
-        velocity = self.state['v']
-        hp = self.hyperparam
-        new = weight + (hp.momentum * velocity - hp.lr * direction)
-        if self.rescale_norm is not None:
-            xp = get_array_module(new)
-            new *= self.rescale_norm / (xp.linalg.norm(new) + RESCALE_EPS)
-        velocity[...] = new - weight
-        weight[...] = new
+        fused.momentum_step(param.array, self.state['v'], direction,
+                            self.hyperparam.lr, self.hyperparam.momentum,
+                            self.rescale_norm)
+
+    # One fused kernel per parameter (three with eq. 20) on the GPU.
+    update_core_gpu = update_core_cpu
 
 
 class KFAC(optimizer.GradientMethod):
@@ -335,9 +333,10 @@ class KFAC(optimizer.GradientMethod):
         lines = [line.rstrip() for line in lines]
         n_kfac = sum(1 for b in self.blocks if b.factor_names)
         lines.append('{} K-FAC layers, {} with the plain gradient; eq. (20) '
-                     'rescales {} weights (weight_rescale={!r})'.format(
+                     'rescales {} of {} Linear/Convolution2D weights '
+                     '(weight_rescale={!r})'.format(
                          n_kfac, len(self.blocks) - n_kfac, len(rescaled),
-                         self.weight_rescale))
+                         len(candidates), self.weight_rescale))
         return '\n'.join(lines)
 
     def config_fingerprint(self) -> Dict[str, str]:
@@ -379,20 +378,19 @@ class KFAC(optimizer.GradientMethod):
         # A restored state may hold factors of blocks owned elsewhere now
         # (another number of processes): keep only our own, recompute their
         # inverses, and refresh every factor no process holds.
-        lacking = []
+        flags = []
         for block in self.blocks:
-            if not self.transport.owns(block):
+            owned = self.transport.owns(block)
+            if owned:
+                block.restore_inverses()
+            else:
                 block.drop_factors()
-                continue
-            block.restore_inverses()
-            lacking.append([int(n not in block.factors and
-                                block.last_refresh[n] >= 0)
-                            for n in block.factor_names])
-        flags = numpy.array([f for block in self.blocks for f in (
-            lacking.pop(0) if self.transport.owns(block)
-            else [0] * len(block.factor_names))], dtype=numpy.int64)
-        if flags.size and self.transport.all_sum(flags).any():
-            totals = iter(self.transport.all_sum(flags))
+            flags += [int(owned and name not in block.factors and
+                          block.last_refresh[name] >= 0)
+                      for name in block.factor_names]
+        totals = self.transport.all_sum(numpy.array(flags, numpy.int64))
+        if totals.any():
+            totals = iter(totals)
             stale = []
             for block in self.blocks:
                 for name in block.factor_names:
@@ -493,6 +491,9 @@ class KFAC(optimizer.GradientMethod):
         hook = capture.FactorCapture(
             self.blocks, forward_due if monte_carlo else due,
             record_logits=monte_carlo)
+        if not (due or self.loss_reduction == 'sum' or inspect):
+            # A stale step captures nothing: no hook on every function.
+            hook = _NO_HOOK
         with hook:
             loss = lossfun(*args, **kwds)
             # Backward of some functions calls forward of others: capture
@@ -635,8 +636,8 @@ class KFAC(optimizer.GradientMethod):
         directions = transport.all_gather(blocks, directions, present)
         self._mark('all_gather')
 
-        finite = transport.agree(_all_finite(
-            [d for ds in directions.values() for d in ds if d is not None]))
+        finite = transport.agree(fused.all_finite(
+            [d for ds in directions.values() for d in ds]))
         step = self.t
         self.t += 1
         if finite:
@@ -718,25 +719,38 @@ class KFAC(optimizer.GradientMethod):
 
     def _backup_persistents(self) -> None:
         """Keep the running statistics (BN's mean and variance, ...) of the
-        coming step, to restore them if the step is skipped."""
-        backup = []
+        coming step, to restore them if the step is skipped: one copy of
+        all persistent arrays (one kernel on the GPU)."""
+        arrays, scalars = [], []
         for _, link in self.target.namedlinks():
             for name in link._persistent:
                 value = getattr(link, name)
                 if isinstance(value, chainer.get_array_types()):
-                    backup.append((link, name, value.copy()))
+                    arrays.append((link, name, value))
                 elif isinstance(value, (int, float, numpy.generic)):
-                    backup.append((link, name, value))
-        self._persistent_backup = backup
+                    scalars.append((link, name, value))
+        groups = {}
+        for link, name, value in arrays:
+            key = (type(value), numpy.dtype(value.dtype))
+            groups.setdefault(key, []).append((link, name, value))
+        copies = []
+        for members in groups.values():
+            xp = get_array_module(members[0][2])
+            flat = xp.concatenate([v.ravel() for _, _, v in members])
+            copies.append(([(l, n, v.shape) for l, n, v in members], flat))
+        self._persistent_backup = (copies, scalars)
 
     def _restore_persistents(self) -> None:
-        for link, name, value in self._persistent_backup or ():
-            current = getattr(link, name)
-            if isinstance(current, chainer.get_array_types()) and \
-                    current.shape == value.shape:
-                current[...] = value
-            else:
-                setattr(link, name, value)
+        copies, scalars = self._persistent_backup or ((), ())
+        for members, flat in copies:
+            start = 0
+            for link, name, shape in members:
+                size = int(numpy.prod(shape))
+                getattr(link, name)[...] = flat[start:start + size].reshape(
+                    shape)
+                start += size
+        for link, name, value in scalars:
+            setattr(link, name, value)
 
     def _report(self, refreshed, retries, skipped):
         observation = {
@@ -812,6 +826,23 @@ class KFAC(optimizer.GradientMethod):
 _SCHEDULE_PROBE_EPOCHS = (0, 1, 2, 5, 10, 20, 30, 40, 50, 60, 80, 100)
 
 
+class _NoHook:
+    """Stands in for the capture hook in steps that capture nothing."""
+
+    forward = False
+    batch_size = None
+    logits = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_HOOK = _NoHook()
+
+
 def _of_pass(due, forward: bool):
     """The part of ``{block: due names}`` captured in one pass."""
     out = {}
@@ -826,14 +857,6 @@ def _of_pass(due, forward: bool):
 def _check(ok, name, value, why):
     if not ok:
         raise ValueError('KFAC: {}={!r} {}'.format(name, value, why))
-
-
-def _all_finite(arrays):
-    if not arrays:
-        return True
-    xp = get_array_module(arrays[0])
-    flags = [xp.isfinite(a).all() for a in arrays]
-    return bool(xp.stack(flags).all()) if xp is not numpy else all(flags)
 
 
 def _synchronize(target):

@@ -420,10 +420,9 @@ def test_registration_table_lists_every_layer(caplog):
 
 
 def test_schedules_are_the_papers_equations():
-    assert equations.damping_at(0, 2.5e-2, 2.5e-4, 313) == 2.5e-2
-    alpha = 2 * math.log10(100) / 313
-    assert equations.damping_at(2, 2.5e-2, 2.5e-4, 313) == pytest.approx(
-        2.5e-4 + (1 - alpha) ** 2 * (2.5e-2 - 2.5e-4))
+    assert equations.damping_warmup_rate(2.5e-2, 2.5e-4, 313) == \
+        pytest.approx(2 * math.log10(100) / 313)
+    assert equations.damping_warmup_rate(1e-1, 1e-4, 2) == 1.0  # clipped
     assert equations.polynomial_lr(0.5, 8.18e-3, 11.0, 1, 53) == 8.18e-3
     assert equations.polynomial_lr(27, 8.18e-3, 11.0, 1, 53) == \
         pytest.approx(8.18e-3 * 0.5 ** 11)

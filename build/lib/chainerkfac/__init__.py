@@ -1,0 +1,33 @@
+"""chainerkfac: distributed K-FAC for Chainer (Osawa et al., CVPR 2019).
+
+``import chainerkfac`` before ``import chainer`` on NumPy 2 / Python 3.12
+(it installs the compatibility shims of :mod:`chainerkfac._compat`).
+
+* :class:`chainerkfac.optimizers.KFAC` — the optimizer, a sibling of
+  ``chainer.optimizers.MomentumSGD``;
+* :func:`create_multi_node_optimizer` — distributed K-FAC over a ChainerMN
+  communicator;
+* :func:`register_block` — Fisher blocks for more link types;
+* :mod:`chainerkfac.training` — Trainer extensions (schedules, run logs).
+"""
+from chainerkfac import _compat  # NOQA  (must run before chainer is imported)
+from chainerkfac import equations  # NOQA
+from chainerkfac import optimizers  # NOQA
+from chainerkfac import training  # NOQA
+from chainerkfac.fisher_blocks import FactorKind  # NOQA
+from chainerkfac.fisher_blocks import FisherBlock  # NOQA
+from chainerkfac.fisher_blocks import Unsupported  # NOQA
+from chainerkfac.fisher_blocks import register_block  # NOQA
+from chainerkfac.multi_node_optimizer import create_multi_node_optimizer  # NOQA
+
+__version__ = '0.2.0'
+
+
+def __getattr__(name):
+    # The communicators import ChainerMN and so mpi4py (MPI_Init): only
+    # when asked for, not on ``import chainerkfac``.
+    if name == 'create_communicator':
+        from chainerkfac.communicators import create_communicator
+        return create_communicator
+    raise AttributeError('module {!r} has no attribute {!r}'.format(
+        __name__, name))

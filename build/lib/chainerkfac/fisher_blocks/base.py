@@ -1,0 +1,397 @@
+"""The interface every Fisher block implements.
+
+A block owns the curvature of one link: it accumulates its factors from the
+values the capture hook hands it (stages 1-2), turns averaged factors into
+damped inverses (stage 4), and preconditions the gradients of its parameters
+(stage 5). Who computes which block, and how factors travel, is decided
+elsewhere (:mod:`chainerkfac.assignment`, :mod:`chainerkfac.transport`);
+blocks only do the maths, identically on NumPy and CuPy.
+
+A block declares its factors in :attr:`FisherBlock.factor_kinds`, each with
+a :class:`FactorKind`: whether it is estimated from the layer's inputs in
+the forward pass, or from gradients in the backward pass. The refresh
+schedule of the stale Fisher (eqs. 22-23) keys on that kind, never on a
+factor's name.
+"""
+import enum
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy
+
+from chainer.backend import get_array_module
+
+from chainerkfac import linalg
+
+
+class FactorKind(enum.Enum):
+    """What a factor is estimated from: the pass that captures it and the
+    refresh interval that schedules it (``KFAC(refresh_interval_a/g/f)``).
+
+    ``INPUTS``
+        From the layer's inputs, in the forward pass (K-FAC's ``A``);
+        refreshed every ``refresh_interval_a`` steps.
+    ``OUTPUT_GRADS``
+        From the gradients of the loss w.r.t. the layer's outputs, in the
+        backward pass (K-FAC's ``G``); ``refresh_interval_g``.
+    ``PARAM_GRADS``
+        A Fisher of per-sample parameter gradients, in the backward pass
+        (the BatchNormalization ``F``); ``refresh_interval_f``.
+    """
+
+    INPUTS = 'forward'
+    OUTPUT_GRADS = 'backward'
+    PARAM_GRADS = 'backward (parameters)'
+
+    @property
+    def forward(self) -> bool:
+        """Captured in the forward pass (else in the backward pass)."""
+        return self is FactorKind.INPUTS
+
+
+class Unsupported(Exception):
+    """Raised by a block factory for a link it cannot model.
+
+    The link's parameters then get the plain (unpreconditioned) gradient;
+    the message says why in the registration table.
+    """
+
+
+class BlockOptions:
+    """Options of the optimizer that shape the blocks it builds.
+
+    Parameters
+    ----------
+    factor_dtype : dtype-like
+        ``float16`` builds factors from half-precision products.
+    bn_fisher : {'full', 'diag'}
+        Fisher of BatchNormalization's (γ, β): full or diagonal.
+    """
+
+    def __init__(self, factor_dtype='float32', bn_fisher: str = 'full'):
+        self.factor_dtype = numpy.dtype(factor_dtype)
+        self.bn_fisher = bn_fisher
+
+
+class FisherBlock:
+    """Base class of the per-link curvature blocks.
+
+    A subclass sets :attr:`factor_kinds` and :attr:`function_types`, and
+    implements :attr:`params`, :meth:`factor_shapes`, the capture methods,
+    :meth:`inverse_requests` and :meth:`precondition`.
+
+    The capture hook routes a function call to a block when the function
+    node is an instance of :attr:`function_types` and its second input is
+    the block's first parameter (``params[0]``): ``linear(x, W, b)``,
+    ``convolution_2d(x, W, b)``, ``batch_normalization(x, gamma, beta)``.
+
+    Parameters
+    ----------
+    name : str
+        The link's path in the model (``'/res2/a/conv1'``).
+    link : chainer.Link
+        The link whose parameters this block preconditions.
+    options : BlockOptions, optional
+    """
+
+    #: Short label in the registration table.
+    kind = 'base'
+    #: Factor name -> what it is estimated from; empty for plain blocks.
+    factor_kinds: Dict[str, FactorKind] = {}
+    #: FunctionNode type(s) this block captures from.
+    function_types: tuple = ()
+
+    def __init__(self, name: str, link, options: Optional[BlockOptions] = None):
+        options = options or BlockOptions()
+        self.name = name
+        self.link = link
+        self.factor_dtype = options.factor_dtype
+        self._sums: Dict[str, object] = {}
+        self._counts: Dict[str, int] = {}
+        self._seen: set = set()
+        self._scales: Dict[str, float] = {}
+        self._collect: frozenset = frozenset()
+        #: Averaged (and reduced) factors, as last refreshed.
+        self.factors: Dict[str, object] = {}
+        #: Damped inverses computed from :attr:`factors`.
+        self.inverses: Dict[str, object] = {}
+        #: The damping each inverse was computed with (after retries).
+        self.inverse_damping: Dict[str, float] = {}
+        #: K-FAC step of the last refresh of each factor (-1: never).
+        self.last_refresh: Dict[str, int] = {n: -1 for n in self.factor_names}
+        #: Diff(t) of eq. (21) at the last refresh of each factor.
+        self.diff: Dict[str, float] = {}
+        #: How many times each factor was computed / inverted (diagnostics).
+        self.refresh_count: Dict[str, int] = {n: 0 for n in self.factor_names}
+        self.inverse_count: Dict[str, int] = {n: 0 for n in self.factor_names}
+        #: Rows of the registration table's last column (why plain, ...).
+        self.note = ''
+
+    # -- description -------------------------------------------------------
+    @property
+    def factor_names(self) -> Tuple[str, ...]:
+        """The block's factors, in declaration order."""
+        return tuple(self.factor_kinds)
+
+    @property
+    def params(self) -> List:
+        """Parameters in the order :meth:`precondition` takes them."""
+        raise NotImplementedError
+
+    def factor_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        raise NotImplementedError
+
+    def symmetric(self, factor: str) -> bool:
+        """Whether a factor is a symmetric matrix (travels packed)."""
+        return len(self.factor_shapes()[factor]) == 2
+
+    def inverse_cost(self) -> float:
+        """Cost model for assignment: inverting an n×n factor ~ n³ (0 for a
+        link not initialised yet)."""
+        if any(p.array is None for p in self.params):
+            return 0.0
+        cost = 0.0
+        for shape in self.factor_shapes().values():
+            cost += float(shape[0]) ** 3 if len(shape) == 2 else shape[0]
+        return cost
+
+    def damping_scale(self, rho_bn: float) -> float:
+        """Multiplier of the global damping for this block (ρ_BN for BN)."""
+        return 1.0
+
+    def describe(self) -> str:
+        if any(p.array is None for p in self.params):
+            return '(not initialised)'
+        shapes = self.factor_shapes()
+        return ', '.join('{} {}'.format(n, 'x'.join(map(str, shapes[n])))
+                         for n in self.factor_names)
+
+    # -- stages 1-2: capture -------------------------------------------------
+    def start_capture(self, names) -> None:
+        """Collect the named factors in the coming micro-batches; others
+        are dropped (a block that computes several backward factors in one
+        call keeps only those due)."""
+        self._collect = frozenset(names)
+        self._scales = {}
+
+    def scale_capture(self, scales: Dict[str, float]) -> None:
+        """Multiply what the rest of this micro-batch captures of each named
+        factor (the optimizer's correction for a summed loss)."""
+        self._scales = dict(scales)
+
+    def capture_forward(self, function, in_data) -> None:
+        """Called by the capture hook before ``function``'s forward, when
+        one of this block's forward factors is due."""
+
+    def capture_backward(self, function, in_data, out_grad) -> None:
+        """Called by the capture hook before ``function``'s backward, when
+        one of this block's backward factors is due."""
+
+    def _accumulate(self, factor: str, value) -> None:
+        """Add one call's estimate of ``factor`` (for one micro-batch).
+
+        A link called several times in one micro-batch contributes the sum
+        of its calls.
+        """
+        if factor not in self._collect:
+            return
+        scale = self._scales.get(factor)
+        if scale is not None:
+            value = value * value.dtype.type(scale)
+        if factor in self._sums:
+            self._sums[factor] += value
+        else:
+            self._sums[factor] = value
+        self._seen.add(factor)
+
+    def end_micro_batch(self) -> None:
+        """Close a micro-batch: count it for the factors it captured."""
+        for factor in self._seen:
+            self._counts[factor] = self._counts.get(factor, 0) + 1
+        self._seen = set()
+        self._scales = {}
+
+    def captured(self) -> Dict[str, Tuple[object, int]]:
+        """``{factor: (sum over micro-batches, number of micro-batches)}``
+        of this step's capture, then forget it."""
+        out = {f: (self._sums[f], self._counts[f]) for f in self._counts}
+        self.reset_capture()
+        return out
+
+    def reset_capture(self) -> None:
+        self._sums = {}
+        self._counts = {}
+        self._seen = set()
+        self._scales = {}
+        self._collect = frozenset()
+
+    # -- stage 4: factors and inverses --------------------------------------
+    def candidate(self, factor: str, value, decay: float = 0.0):
+        """The refreshed value of ``factor``: ``value``, or with ``decay``
+        the exponential average with the stored factor."""
+        old = self.factors.get(factor)
+        if old is not None and decay > 0:
+            return decay * old + (1.0 - decay) * value
+        return value
+
+    def inverse_requests(self, candidates: Dict[str, object], damping: float
+                         ) -> Dict[str, Tuple[object, float]]:
+        """``{factor: (matrix, damping)}`` to invert for the refreshed
+        ``candidates`` (``damping`` is this block's γ). Factors the block
+        cannot invert yet (e.g. the other Kronecker factor is missing) are
+        left out."""
+        raise NotImplementedError
+
+    def commit(self, factor: str, value, result: linalg.InverseResult,
+               with_diff: bool = False) -> bool:
+        """Store a refreshed factor and its inverse.
+
+        A factor whose inverse failed (non-finite, or not positive definite
+        at any tried damping) is not stored: the block keeps its previous
+        factor and inverse (none on the first step: the block then goes
+        unpreconditioned). Returns whether the factor was stored.
+        """
+        self.refresh_count[factor] += 1
+        if result.inverse is None:
+            return False
+        old = self.factors.get(factor)
+        if with_diff and old is not None:
+            xp = get_array_module(value)
+            denom = float(xp.linalg.norm(old))
+            self.diff[factor] = (float(xp.linalg.norm(value - old)) / denom
+                                 if denom > 0 else float('inf'))
+        self.factors[factor] = value
+        self.inverses[factor] = result.inverse
+        self.inverse_damping[factor] = float(result.damping)
+        self.inverse_count[factor] += 1
+        return True
+
+    def drop_factors(self) -> None:
+        """Forget factors and inverses (a process that no longer owns the
+        block); the refresh bookkeeping stays."""
+        self.factors = {}
+        self.inverses = {}
+        self.inverse_damping = {}
+
+    def has_inverses(self) -> bool:
+        return all(n in self.inverses for n in self.factor_names)
+
+    # -- stage 5: precondition ----------------------------------------------
+    def precondition(self, grads: Sequence, damping: float) -> List:
+        """Return ``(F + γI)⁻¹ ∇E`` for this block's parameters.
+
+        ``grads`` are the (reduced) gradients ∇L aligned with :attr:`params`;
+        ∇E = ∇L + γ(w − μ) (eq. 13) is formed here. ``damping`` is this
+        block's γ (already multiplied by :meth:`damping_scale`).
+        """
+        raise NotImplementedError
+
+    # -- state ----------------------------------------------------------------
+    def serialize(self, serializer) -> None:
+        """Refresh bookkeeping always; factors (not inverses) and the
+        damping of their inverses where this process holds them.
+
+        Inverses are a function of a factor and its damping: on loading
+        they are recomputed (bit for bit, see :meth:`restore_inverses`).
+        Loading several files (one per process of a run) merges their
+        factors: a file that does not hold a factor leaves it alone.
+        """
+        saving = not _is_deserializer(serializer)
+        held = numpy.array([n in self.factors for n in self.factor_names],
+                           dtype=numpy.uint8)
+        held = numpy.asarray(serializer('held', held), dtype=bool)
+        like = self.params[0].array
+        for factor, has in zip(self.factor_names, held):
+            self.last_refresh[factor] = int(serializer(
+                'last_refresh_' + factor, self.last_refresh[factor]))
+            self.refresh_count[factor] = int(serializer(
+                'refresh_count_' + factor, self.refresh_count[factor]))
+            self.inverse_count[factor] = int(serializer(
+                'inverse_count_' + factor, self.inverse_count[factor]))
+            if not has:
+                continue
+            value = serializer(factor, self.factors.get(factor))
+            damping = float(serializer(factor + '_damping',
+                                       self.inverse_damping.get(factor, 0.0)))
+            if not saving:
+                self.factors[factor] = linalg.to_device_of(value, like)
+                self.inverse_damping[factor] = damping
+                self.inverses.pop(factor, None)
+
+    def restore_inverses(self) -> List[str]:
+        """Recompute the inverses of held factors that lack one (after
+        loading), with the damping each was computed with. Returns the
+        factors whose inverse could not be restored."""
+        missing = [f for f in self.factor_names
+                   if f in self.factors and f not in self.inverses]
+        if not missing:
+            return []
+        results = linalg.damped_inverses(
+            [self.factors[f] for f in missing],
+            [self.inverse_damping[f] for f in missing], max_tries=1)
+        failed = []
+        for factor, result in zip(missing, results):
+            if result.inverse is None:
+                failed.append(factor)
+            else:
+                self.inverses[factor] = result.inverse
+        return failed
+
+
+class PlainBlock(FisherBlock):
+    """Parameters K-FAC does not precondition: the plain gradient.
+
+    They travel through the same stages (reduced, "preconditioned" by the
+    identity, gathered) and get the same update rule (eq. 19), so every
+    parameter belongs to exactly one block.
+
+    Parameters
+    ----------
+    name, link, options
+        As for :class:`FisherBlock`.
+    params : list of chainer.Parameter
+        The link's own parameters.
+    reason : str
+        Why this link gets no curvature (shown in the registration table).
+    """
+
+    kind = 'plain gradient'
+    factor_kinds: Dict[str, FactorKind] = {}
+
+    def __init__(self, name, link, options=None, params=(), reason=''):
+        super().__init__(name, link, options)
+        self._params = list(params)
+        self.note = reason
+
+    @property
+    def params(self):
+        return self._params
+
+    def factor_shapes(self):
+        return {}
+
+    def describe(self) -> str:
+        return ''
+
+    def inverse_cost(self):
+        return float(sum(p.size for p in self._params if p.array is not None))
+
+    def inverse_requests(self, candidates, damping):
+        return {}
+
+    def precondition(self, grads, damping):
+        return list(grads)
+
+    def serialize(self, serializer):
+        pass
+
+
+def regularized_grad(grad, weight, damping: float, mean: float = 0.0):
+    """∇E = ∇L + γ (w − μ) of eq. (13)."""
+    if mean:
+        return grad + damping * (weight - mean)
+    return grad + damping * weight
+
+
+def _is_deserializer(serializer) -> bool:
+    from chainer import serializer as serializer_module
+    return isinstance(serializer, serializer_module.Deserializer)

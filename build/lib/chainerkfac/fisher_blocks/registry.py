@@ -1,0 +1,159 @@
+"""Which Fisher block each link gets: the block registry.
+
+Every link type K-FAC models is registered here with a *block factory*, a
+callable ``factory(name, link, options) -> FisherBlock`` (a
+:class:`~chainerkfac.fisher_blocks.FisherBlock` subclass is one). The
+built-in Linear, Convolution2D and BatchNormalization blocks are registered
+through the same table as a user's::
+
+    chainerkfac.register_block(MyLink, MyBlock)
+
+A link is looked up by its class and then its base classes (the most
+specific registration wins). A factory may decline a particular link by
+raising :class:`~chainerkfac.fisher_blocks.Unsupported` with the reason
+(e.g. a grouped convolution). Links with no registration, declined links
+and links matched by ``skip_layers`` get the plain gradient
+(:class:`~chainerkfac.fisher_blocks.PlainBlock`), with the reason in the
+registration table.
+"""
+import re
+from typing import Callable, Dict, Iterable, List, Tuple
+
+from chainerkfac.fisher_blocks.base import (BlockOptions, FisherBlock,
+                                            PlainBlock, Unsupported)
+
+BlockFactory = Callable[[str, object, BlockOptions], FisherBlock]
+
+_REGISTRY: Dict[type, BlockFactory] = {}
+
+
+def register_block(link_class: type, block_factory: BlockFactory) -> None:
+    """Make links of ``link_class`` (and its subclasses, unless they have a
+    registration of their own) get the block ``block_factory`` builds.
+
+    Parameters
+    ----------
+    link_class : type
+        A :class:`chainer.Link` subclass.
+    block_factory : callable
+        ``block_factory(name, link, options)`` returns a
+        :class:`~chainerkfac.fisher_blocks.FisherBlock` for the link named
+        ``name`` (its path in the model), or raises
+        :class:`~chainerkfac.fisher_blocks.Unsupported`; ``options`` is a
+        :class:`~chainerkfac.fisher_blocks.BlockOptions`. A registration
+        replaces an earlier one for the same class. Use
+        :func:`plain_gradient` to register a type as unpreconditioned.
+    """
+    if not isinstance(link_class, type):
+        raise TypeError('register_block takes a link class, got {!r}'.format(
+            link_class))
+    if not callable(block_factory):
+        raise TypeError('register_block: the block factory for {} is not '
+                        'callable: {!r}'.format(link_class.__name__,
+                                                block_factory))
+    _REGISTRY[link_class] = block_factory
+
+
+def plain_gradient(reason: str) -> BlockFactory:
+    """A block factory that declines every link with ``reason``."""
+    def factory(name, link, options):
+        raise Unsupported(reason)
+    return factory
+
+
+def registered_factory(link):
+    """The factory registered for ``link``'s class or nearest base class,
+    or None."""
+    for cls in type(link).__mro__:
+        if cls in _REGISTRY:
+            return _REGISTRY[cls]
+    return None
+
+
+def block_for(name: str, link, options: BlockOptions) -> FisherBlock:
+    """The block of ``link``: its registered block, or a plain one with the
+    reason."""
+    own = own_params(link)
+    factory = registered_factory(link)
+    if factory is None:
+        return PlainBlock(name, link, options, own, 'no Fisher block for {}'
+                          .format(type(link).__name__))
+    try:
+        return factory(name, link, options)
+    except Unsupported as why:
+        return PlainBlock(name, link, options, own, str(why))
+
+
+def own_params(link) -> List:
+    """A link's own parameters (not those of its children), by name."""
+    return [getattr(link, n) for n in sorted(link._params)]
+
+
+def build_blocks(target, options: BlockOptions = None, skip_layers=()
+                 ) -> List[FisherBlock]:
+    """One block per link of ``target`` that has parameters, in model order.
+
+    Every parameter belongs to exactly one block.
+
+    Parameters
+    ----------
+    target : chainer.Link
+    options : BlockOptions
+    skip_layers : iterable
+        Link names (``'/predictor/fc'``; the leading ``/`` may be left out),
+        regular expressions (strings or compiled, matched against the whole
+        name) or link classes; matched links get the plain gradient.
+
+    Returns
+    -------
+    list of FisherBlock
+    """
+    options = options or BlockOptions()
+    matchers = skip_matchers(skip_layers)
+    blocks = []
+    for name, link in target.namedlinks():
+        own = own_params(link)
+        if not own:
+            continue
+        skipped = [text for text, match in matchers if match(name, link)]
+        if skipped:
+            blocks.append(PlainBlock(name, link, options, own,
+                                     'skipped (skip_layers: {})'.format(
+                                         skipped[0])))
+            continue
+        block = block_for(name, link, options)
+        if sorted(map(id, block.params)) != sorted(map(id, own)):
+            raise ValueError(
+                'the block {} built for {} ({}) does not hold exactly the '
+                "link's own parameters {}".format(
+                    type(block).__name__, name, type(link).__name__,
+                    sorted(link._params)))
+        blocks.append(block)
+    return blocks
+
+
+def skip_matchers(skip_layers: Iterable) -> List[Tuple[str, Callable]]:
+    """``[(description, match(name, link))]`` for ``skip_layers``."""
+    if isinstance(skip_layers, (str, type, re.Pattern)):
+        skip_layers = [skip_layers]
+    matchers = []
+    for item in skip_layers:
+        if isinstance(item, type):
+            matchers.append((item.__name__,
+                             lambda name, link, cls=item:
+                             isinstance(link, cls)))
+        elif isinstance(item, (str, re.Pattern)):
+            pattern = re.compile(item) if isinstance(item, str) else item
+
+            def match(name, link, text=item, pattern=pattern):
+                bare = name.lstrip('/')
+                return (name == text or bare == text or
+                        pattern.fullmatch(name) is not None or
+                        pattern.fullmatch(bare) is not None)
+            matchers.append((item if isinstance(item, str)
+                             else item.pattern, match))
+        else:
+            raise TypeError('skip_layers takes link names, regular '
+                            'expressions or link classes, got {!r}'.format(
+                                item))
+    return matchers

@@ -1,0 +1,95 @@
+"""``linalg.damped_inverses`` through linalg_cuda on the CPU, against the
+emulated CuPy and cuSOLVER of tests/chainerkfac/cuda_emulation.py: the same
+results, retries and dampings as the per-factor reference, with potri and
+with its potrs stand-in, every factor on a worker stream. The real GPU runs
+in tests/gpu."""
+import sys
+
+import numpy
+import pytest
+
+from chainerkfac import linalg
+from chainerkfac import linalg_cuda
+from tests.chainerkfac import cuda_emulation
+from tests.chainerkfac.test_linalg import _problem_factors, _reference_inverse
+from tests.gpu import support
+
+pytestmark = pytest.mark.skipif(
+    support.SKIP_REASON is None,
+    reason='a GPU is here: tests/gpu runs linalg_cuda for real')
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    modules = cuda_emulation.modules()
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    # damped_inverses takes the emulated arrays for CuPy arrays.
+    monkeypatch.setattr(linalg, 'get_array_module',
+                        lambda *arrays: modules['cupy'])
+    for cached in (linalg_cuda._workers, linalg_cuda._kernels):
+        cached.cache_clear()
+    monkeypatch.setattr(linalg_cuda, '_LWORK', {})
+    cuda_emulation.CALLS.clear()
+    yield
+    for cached in (linalg_cuda._workers, linalg_cuda._kernels):
+        cached.cache_clear()
+
+
+def _factors():
+    factors = _problem_factors()
+    rng = numpy.random.RandomState(0)
+    for n in (1, 5, 33, 64, 64, 7, 100):
+        m = rng.randn(n, 2 * n)
+        factors.append(((m.dot(m.T) / (2 * n)).astype(numpy.float32), 1e-2))
+    factors.append((numpy.abs(rng.randn(9)), 1e-3))
+    return factors
+
+
+@pytest.mark.parametrize('potri', [True, False], ids=['potri', 'potrs'])
+def test_emulated_gpu_path_equals_the_reference(potri, emulated,
+                                                monkeypatch):
+    monkeypatch.setattr(linalg_cuda, '_raw_potri',
+                        cuda_emulation.raw_potri if potri else lambda: None)
+    factors = _factors()
+    results = linalg.damped_inverses(
+        [cuda_emulation.array(m) for m, _ in factors],
+        [d for _, d in factors])
+    for (matrix, damping), (inverse, used, retries) in zip(factors,
+                                                          results):
+        expected, expected_damping, expected_retries = _reference_inverse(
+            matrix, damping)
+        assert (retries, used) == (expected_retries, expected_damping)
+        if expected is None:
+            assert inverse is None
+            continue
+        inverse = numpy.asarray(inverse)
+        assert inverse.dtype == expected.dtype
+        numpy.testing.assert_allclose(
+            inverse, expected, rtol=1e-4, atol=1e-4 * abs(expected).max())
+        if matrix.ndim == 2:
+            numpy.testing.assert_array_equal(inverse, inverse.T)
+    used = {(handle, stream) for call, handle, stream
+            in cuda_emulation.CALLS}
+    assert {call for call, _, _ in cuda_emulation.CALLS} == (
+        {'potrf', 'potri'} if potri else {'potrf', 'potrs'})
+    # One handle per stream, every stream a worker's (never the main one).
+    assert len(used) == len({s for _, s in used}) == linalg_cuda.N_STREAMS
+    assert cuda_emulation._STACK[0].ptr not in {s for _, s in used}
+
+
+def test_potri_check_accepts_a_correct_potri(emulated):
+    assert linalg_cuda._check_potri(cuda_emulation.raw_potri()) is None
+
+
+def test_potri_check_rejects_a_wrong_triangle(emulated):
+    functions = cuda_emulation.raw_potri()
+    right = functions['spotri']
+
+    def upper_only(handle, uplo, n, a, lda, work, lwork, info):
+        status = right(handle, uplo, n, a, lda, work, lwork, info)
+        matrix = cuda_emulation._column_major(a, n, numpy.float32)
+        matrix[numpy.tril_indices(n, -1)] = 0.0   # lower triangle lost
+        return status
+    functions['spotri'] = upper_only
+    assert 'differs' in linalg_cuda._check_potri(functions)

@@ -1,0 +1,120 @@
+"""The README's code: the worked example of a Fisher block (run against
+per-sample gradients) and the library used from a script in another
+directory."""
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+import chainerkfac
+from chainerkfac.fisher_blocks import registry
+from tests.chainerkfac import helpers
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def readme_python_blocks(section):
+    """The ```python blocks of one README section (up to the next heading
+    of the same or a higher level)."""
+    with open(os.path.join(REPO, 'README.md')) as f:
+        text = f.read()
+    start = text.index(section)
+    level = section.split()[0]
+    rest = text[start + len(section):]
+    end = re.search(r'^#{1,%d} ' % len(level), rest, re.M)
+    body = rest[:end.start()] if end else rest
+    return re.findall(r'```python\n(.*?)```', body, re.S)
+
+
+@pytest.fixture
+def readme_block():
+    saved = dict(registry._REGISTRY)
+    namespace = {}
+    for code in readme_python_blocks('### Adding a Fisher block'):
+        exec(compile(code, 'README.md', 'exec'), namespace)
+    yield namespace
+    registry._REGISTRY.clear()
+    registry._REGISTRY.update(saved)
+
+
+class Tagger(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with helpers.float64_links(), self.init_scope():
+            self.embed = L.EmbedID(5, 3)
+            self.fc = L.Linear(3, 4)
+
+    def forward(self, ids):
+        return self.fc(F.tanh(self.embed(ids)))
+
+
+def test_readme_block_is_the_diagonal_fisher_by_oracle(readme_block):
+    assert registry.registered_factory(L.EmbedID(2, 2)) is \
+        readme_block['EmbedIDDiagonalBlock']
+    model = Tagger()
+    rng = numpy.random.RandomState(0)
+    ids = numpy.array([0, 2, 2, 4, 1, 0], numpy.int32)
+    t = rng.randint(0, 4, len(ids)).astype(numpy.int32)
+    damping = 1e-2
+    optimizer = helpers.kfac(lr=1.0, momentum=0.0, damping=damping)
+    optimizer.setup(model)
+    assert helpers.block_named(optimizer, '/embed').kind == \
+        'EmbedID (diagonal)'
+    w = model.embed.W.array.copy()
+    per_sample = []
+    for n in range(len(ids)):
+        model.cleargrads()
+        F.softmax_cross_entropy(model(ids[n:n + 1]), t[n:n + 1]).backward()
+        per_sample.append(model.embed.W.grad.copy())
+    fisher = (numpy.array(per_sample) ** 2).mean(axis=0)
+    model.cleargrads()
+    F.softmax_cross_entropy(model(ids), t).backward()
+    grad = model.embed.W.grad.copy()
+    optimizer.update(helpers.loss_of(model), ids, t)
+    expected = w - (grad + damping * w) / (fisher + damping)
+    numpy.testing.assert_allclose(model.embed.W.array, expected, rtol=1e-10)
+
+
+def test_library_imports_from_a_script_in_another_directory(tmp_path):
+    """The installed library (``pip install -e .``, done by the Makefile)
+    from a user's script elsewhere, with the README's swap line and a stock
+    model: it trains, and the harness folders are not on the path."""
+    script = tmp_path / 'user_script.py'
+    script.write_text(textwrap.dedent('''
+        import numpy
+        import chainerkfac
+        import chainer
+        import chainer.links as L
+        model = L.Classifier(chainer.Sequential(
+            L.Linear(None, 16), chainer.functions.relu, L.Linear(None, 3)))
+        optimizer = chainerkfac.optimizers.KFAC(lr=0.01, momentum=0.9,
+                                                damping=1e-2)
+        optimizer.setup(model)
+        x = numpy.random.rand(8, 5).astype(numpy.float32)
+        t = numpy.arange(8, dtype=numpy.int32) % 3
+        for _ in range(3):
+            optimizer.update(model, x, t)
+        try:
+            import models  # noqa: F401  (the harness is not installed)
+            print('HARNESS IMPORTABLE')
+        except ImportError:
+            pass
+        print('version', chainerkfac.__version__, 'steps', optimizer.t)
+    '''))
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
+    proc = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path),
+                          env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert 'version {} steps 3'.format(chainerkfac.__version__) in \
+        proc.stdout
+    assert 'K-FAC registration' in proc.stdout     # shown by default
+    assert 'HARNESS IMPORTABLE' not in proc.stdout
