@@ -6,7 +6,6 @@ from typing import Dict, List
 
 import chainerkfac  # NOQA  (before chainer: NumPy-2 compatibility shims)
 import chainer
-import numpy
 
 import models
 from chainerkfac.fisher_blocks import BlockOptions, build_blocks
