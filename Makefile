@@ -21,6 +21,13 @@ PY_NP2 := $(VENV_NP2)/bin/python
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_BUILD_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# The PyPI Open MPI's help texts live in the venv: without OPAL_PREFIX a
+# process started without mpiexec prints "Sorry! You were supposed to get
+# help about: mpi-abort ... help-mpi-api.txt: No such file or directory"
+# after every error instead of Open MPI's message (train_imagenet.py also
+# sets it for itself when it is unset). Each venv has its own Open MPI.
+test test-fast test-mpi demo: export OPAL_PREFIX := $(abspath $(VENV))
+test-numpy2: export OPAL_PREFIX := $(abspath $(VENV_NP2))
 # Open MPI 5 inside containers: allow root and more ranks than cores.
 # Users of a real cluster never need these.
 export OMPI_ALLOW_RUN_AS_ROOT := 1

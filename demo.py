@@ -1,5 +1,9 @@
 """The embedded default run (``python train_imagenet.py --demo``).
 
+``train_imagenet.py --demo`` calls :func:`run_demo`, which trains through
+:func:`harness.run.train` like any run (this module does not import the
+script back).
+
 No data set can be downloaded, so the demo writes an ImageNet-format data
 set (PNG files, ``train.txt`` / ``val.txt``) from real images that ship
 inside an installed package — scikit-learn's 1,797 handwritten digits — and
@@ -13,6 +17,9 @@ import shutil
 import tempfile
 
 import numpy
+
+from harness.mpi import raise_together
+from harness.run import resolve_config, train
 
 DEMO_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                            'config', 'demo.json')
@@ -56,14 +63,17 @@ def build_digits_dataset(cache_dir):
     return lists + (root,)
 
 
-def run_demo(args, comm, run, load_config):
+def run_demo(args, comm):
     """K-FAC and SGD on the digits; table and figures on rank 0."""
     cache = os.environ.get('CHAINERKFAC_CACHE', os.path.join(
         os.path.dirname(os.path.abspath(__file__)), '.cache'))
+    paths, error = None, None
     if comm.rank == 0:
-        paths = build_digits_dataset(cache)
-    else:
-        paths = None
+        try:
+            paths = build_digits_dataset(cache)
+        except (OSError, ImportError) as e:
+            error = e
+    raise_together(comm, error)
     args.train, args.val, args.root = comm.mpi_comm.bcast(paths, root=0)
     out = args.out if args.out != 'result' else 'demo_out'
     args.config = args.config or DEMO_CONFIG
@@ -72,11 +82,12 @@ def run_demo(args, comm, run, load_config):
     args.fisher_diff = True
     args.target_acc = args.target_acc or 0.9
     args.warmup_epochs = min(args.warmup_epochs, 1.0)
-    cfg = load_config(args, comm)
+    cfg = resolve_config(args, comm)
     summaries = []
     for name in ('kfac', 'sgd'):
         args.label = None
-        summaries.append(run(args, comm, name, os.path.join(out, name), cfg))
+        summaries.append(train(args, comm, name, os.path.join(out, name),
+                               cfg))
     if comm.rank != 0:
         return 0
     table = summary_table(summaries, args.target_acc)

@@ -45,30 +45,36 @@ class RandomErasing:
         self.aspect_range = tuple(aspect_range)
         self._rng = ProcessLocalRNG(seed)
 
-    def __call__(self, x):
+    def __call__(self, x, rng=None):
         """Return a copy of the batch with the rectangles set to zero.
 
         Parameters
         ----------
         x : numpy.ndarray or cupy.ndarray, shape ``(N, C, H, W)``
             Not modified.
+        rng : numpy.random.Generator or None
+            Draw the rectangles from this generator (e.g. one derived from
+            the batch's position in the data stream) instead of this
+            object's own.
 
         Returns
         -------
         array of the shape and dtype of ``x``
         """
-        mask = self.sample_mask(x.shape)
+        mask = self.sample_mask(x.shape, rng)
         xp = backend.get_array_module(x)
         mask = xp.asarray(mask)[:, None]
         return xp.where(mask, xp.zeros((), dtype=x.dtype), x)
 
-    def sample_mask(self, shape):
+    def sample_mask(self, shape, rng=None):
         """Draw the erased pixels of a batch.
 
         Parameters
         ----------
         shape : tuple
             ``(N, C, H, W)``.
+        rng : numpy.random.Generator or None
+            As for :meth:`__call__`.
 
         Returns
         -------
@@ -76,7 +82,7 @@ class RandomErasing:
             True where a pixel (all channels) is erased.
         """
         n, _, height, width = shape
-        rng = self._rng()
+        rng = self._rng() if rng is None else rng
         erase = rng.random(n) < self.p
         area = rng.uniform(*self.area_range, size=n) * height * width
         aspect = rng.uniform(*self.aspect_range, size=n)

@@ -1,10 +1,13 @@
 """ImageNet list-format datasets: ``relative/path.JPEG label`` per line.
 
-:class:`ImageListDataset` is a :class:`chainer.dataset.DatasetMixin` that
-returns resized images as ``(3, size, size)`` float32 arrays in ``[0, 255]``
-and int32 labels; random crop, flip and normalisation are applied on top by
-:class:`augment.ImageTransform` through
-:class:`chainer.datasets.TransformDataset` (see :func:`imagenet_dataset`).
+:func:`read_image_list` parses a list into an :class:`ImageList` (paths,
+labels and line numbers in compact arrays, cheap to pickle to loader
+processes), checking every label against the number of classes and, if
+asked, that the files exist. :class:`ImageListDataset` is a
+:class:`chainer.dataset.DatasetMixin` over such a list that returns resized
+images as ``(3, size, size)`` **uint8** arrays and int32 labels; crop, flip
+and normalisation come on top (:class:`augment.ImageTransform`, or on the
+training device in ``train_imagenet.py``).
 """
 import os
 
@@ -15,7 +18,74 @@ from PIL import Image
 from augment.transforms import ImageTransform
 
 
-def read_image_list(list_path, root='.', check_files=True):
+class ImageList:
+    """The entries of one list file.
+
+    Parameters
+    ----------
+    list_path : str
+        The list file (named in error messages).
+    root : str
+        Directory the paths are relative to.
+    paths : sequence of str
+        Path of every image relative to ``root``.
+    labels, lines : sequence of int
+        Label and line number (1-based) of every image.
+
+    Notes
+    -----
+    Relative paths are kept as one UTF-8 byte array: the list pickles to a
+    loader process as a few arrays, quickly.
+    """
+
+    def __init__(self, list_path, root, paths, labels, lines):
+        self.list_path = list_path
+        self.root = root
+        self._paths = np.array([p.encode('utf-8') for p in paths],
+                               dtype=np.bytes_) if len(paths) else \
+            np.zeros(0, dtype='S1')
+        self.labels = np.asarray(labels, dtype=np.int32)
+        self.lines = np.asarray(lines, dtype=np.int64)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def path(self, i):
+        """Full path of image ``i``."""
+        return os.path.join(self.root, self._paths[i].decode('utf-8'))
+
+    def where(self, i):
+        """``'<path> (listed in <list>, line <n>)'`` for messages."""
+        return '{} (listed in {}, line {})'.format(
+            self.path(i), self.list_path, int(self.lines[i]))
+
+    def without(self, indices):
+        """A copy without the entries ``indices`` (e.g. unreadable images).
+        """
+        keep = np.ones(len(self), dtype=bool)
+        keep[np.asarray(list(indices), dtype=np.int64)] = False
+        out = ImageList.__new__(ImageList)
+        out.list_path = self.list_path
+        out.root = self.root
+        out._paths = self._paths[keep]
+        out.labels = self.labels[keep]
+        out.lines = self.lines[keep]
+        return out
+
+    def missing_files(self, indices=None):
+        """Indices (among ``indices``, default all) whose file is missing."""
+        indices = range(len(self)) if indices is None else indices
+        return [i for i in indices if not os.path.isfile(self.path(i))]
+
+    def missing_files_error(self, missing):
+        """The :class:`FileNotFoundError` for the missing ``missing``."""
+        first = min(missing)
+        return FileNotFoundError(
+            'image not found: {}; {} of {} listed images are missing'.format(
+                self.where(first), len(missing), len(self)))
+
+
+def read_image_list(list_path, root='.', check_files=True, n_class=None):
     """Parse an image list.
 
     Parameters
@@ -27,22 +97,26 @@ def read_image_list(list_path, root='.', check_files=True):
         Directory the paths are relative to.
     check_files : bool
         Check that every listed image exists, so that a missing file stops the
-        run before training starts rather than hours into it.
+        run before training starts rather than hours into it. (A distributed
+        run checks a share of the files on each process instead, with
+        :meth:`ImageList.missing_files`.)
+    n_class : int or None
+        Number of classes: every label must lie in ``[0, n_class)``.
 
     Returns
     -------
-    list of (str, int, int)
-        ``(full path, label, line number)`` per image.
+    ImageList
 
     Raises
     ------
     ValueError
-        A line that does not parse, naming the list file and line number.
+        A line that does not parse, or a label outside ``[0, n_class)``,
+        naming the list file and the line.
     FileNotFoundError
         The list file or a listed image is missing, naming the image, the
         list file and the line; the message counts all missing images.
     """
-    entries = []
+    paths, labels, lines = [], [], []
     with open(list_path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -59,18 +133,21 @@ def read_image_list(list_path, root='.', check_files=True):
                     '{}, line {}: expected "relative/path label" with a '
                     'non-negative integer label, got {!r}'.format(
                         list_path, lineno, line.rstrip('\n'))) from None
-            entries.append((os.path.join(root, fields[0].strip()), label,
-                            lineno))
+            if n_class is not None and label >= n_class:
+                raise ValueError(
+                    '{}, line {}: label {} is out of range for {} classes '
+                    '(labels must lie in [0, {}); set the class count with '
+                    'n_class in the config or --n-class)'.format(
+                        list_path, lineno, label, n_class, n_class))
+            paths.append(fields[0].strip())
+            labels.append(label)
+            lines.append(lineno)
+    images = ImageList(list_path, root, paths, labels, lines)
     if check_files:
-        missing = [(path, lineno) for path, _, lineno in entries
-                   if not os.path.isfile(path)]
+        missing = images.missing_files()
         if missing:
-            path, lineno = missing[0]
-            raise FileNotFoundError(
-                'image not found: {} (listed in {}, line {}); {} of {} '
-                'listed images are missing'.format(
-                    path, list_path, lineno, len(missing), len(entries)))
-    return entries
+            raise images.missing_files_error(missing)
+    return images
 
 
 def load_image(path, size=None):
@@ -87,20 +164,21 @@ def load_image(path, size=None):
     Returns
     -------
     numpy.ndarray
-        float32, ``(3, H, W)``, values in ``[0, 255]``.
+        uint8, ``(3, H, W)``.
 
     Raises
     ------
     OSError
-        The file cannot be read as an image; names the file.
+        The file cannot be read as an image (missing, truncated, not an
+        image); names the file.
     """
     try:
         with Image.open(path) as image:
             image = image.convert('RGB')
             if size is not None:
                 image = image.resize((size, size), Image.BILINEAR)
-            array = np.asarray(image, dtype=np.float32)
-    except (OSError, ValueError) as error:
+            array = np.asarray(image, dtype=np.uint8)
+    except (OSError, ValueError, Image.DecompressionBombError) as error:
         raise OSError('cannot read image {}: {}'.format(path, error)) \
             from error
     return array.transpose(2, 0, 1)
@@ -111,8 +189,9 @@ class ImageListDataset(chainer.dataset.DatasetMixin):
 
     Parameters
     ----------
-    list_path : str
-        ImageNet list format (see :func:`read_image_list`).
+    list_path : str or ImageList
+        ImageNet list format (see :func:`read_image_list`), or a list
+        already read.
     root : str
         Directory the listed paths are relative to.
     resize : int or None
@@ -121,41 +200,48 @@ class ImageListDataset(chainer.dataset.DatasetMixin):
         be batched).
     check_files : bool
         Check up front that every listed image exists.
+    n_class : int or None
+        Check every label against the number of classes.
 
     Notes
     -----
-    ``dataset[i]`` is ``(image, label)``: float32 ``(3, resize, resize)`` in
-    ``[0, 255]`` and ``numpy.int32``. An unreadable image raises
-    :class:`OSError` naming the file and its line in the list.
+    ``dataset[i]`` is ``(image, label)``: uint8 ``(3, resize, resize)`` and
+    ``numpy.int32``. An unreadable image raises :class:`OSError` naming the
+    file and its line in the list.
     """
 
-    def __init__(self, list_path, root='.', resize=256, check_files=True):
-        self.list_path = list_path
+    def __init__(self, list_path, root='.', resize=256, check_files=True,
+                 n_class=None):
+        if isinstance(list_path, ImageList):
+            self.images = list_path
+        else:
+            self.images = read_image_list(list_path, root, check_files,
+                                          n_class)
+        self.list_path = self.images.list_path
         self.resize = resize
-        self._entries = read_image_list(list_path, root, check_files)
 
     def __len__(self):
-        return len(self._entries)
+        return len(self.images)
 
     @property
     def labels(self):
         """numpy.ndarray of int32: the label of every image, in list order."""
-        return np.array([label for _, label, _ in self._entries],
-                        dtype=np.int32)
+        return self.images.labels
 
     def get_example(self, i):
-        path, label, lineno = self._entries[i]
         try:
-            image = load_image(path, self.resize)
+            image = load_image(self.images.path(i), self.resize)
         except OSError as error:
             raise OSError('{} (listed in {}, line {})'.format(
-                error, self.list_path, lineno)) from error
-        return image, np.int32(label)
+                error, self.list_path, int(self.images.lines[i]))) from error
+        return image, self.images.labels[i]
 
 
 def imagenet_dataset(list_path, root, mean, crop_size=224, resize=256,
                      train=True, seed=None, check_files=True):
-    """The training or validation dataset of section 4.1.
+    """The training or validation dataset of section 4.1, normalised on the
+    host (float32 examples; ``train_imagenet.py`` moves uint8 crops and
+    normalises on the device instead).
 
     Parameters
     ----------

@@ -1,4 +1,11 @@
-"""The mean image of section 4.1: compute over a dataset, save, load."""
+"""The mean image of section 4.1: compute over a dataset, save, load.
+
+``train_imagenet.py`` computes it in parallel (:mod:`augment.scan`); the
+serial :func:`compute_mean` is the reference it equals.
+"""
+import os
+import tempfile
+
 import numpy as np
 
 
@@ -32,8 +39,36 @@ def compute_mean(dataset, crop_size):
 
 
 def save_mean(path, mean):
-    """Write the mean image as ``.npy``."""
-    np.save(path, np.asarray(mean, dtype=np.float32))
+    """Write the mean image as ``.npy`` (whole or not at all: a temporary
+    file in the same directory, renamed when complete)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix='.mean.', suffix='.tmp', dir=directory)
+    try:
+        with os.fdopen(fd, 'wb') as f:
+            np.save(f, np.asarray(mean, dtype=np.float32))
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def check_writable(path):
+    """Raise before any work if the mean image cannot be written to
+    ``path`` (missing directory, no permission), naming the path.
+
+    Raises
+    ------
+    OSError
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix='.mean.', suffix='.tmp',
+                                   dir=directory)
+    except OSError as error:
+        raise OSError('cannot write the mean image to {}: {}'.format(
+            path, error)) from None
+    os.close(fd)
+    os.unlink(tmp)
 
 
 def load_mean(path, crop_size=None):

@@ -11,8 +11,10 @@ Table 3; see ``config/README.md``.
 """
 from config.loader import ConfigError  # NOQA
 from config.loader import TrainConfig  # NOQA
+from config.loader import check_epochs  # NOQA
 from config.loader import derive_acc_iters  # NOQA
 from config.loader import from_dict  # NOQA
+from config.loader import kfac_options  # NOQA
 from config.loader import load  # NOQA
 from config.loader import preset_names  # NOQA
 from config.loader import preset_path  # NOQA

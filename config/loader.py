@@ -23,6 +23,8 @@ from chainerkfac import equations
 BN_FISHER_CHOICES = ('full', 'diag')
 FISHER_CHOICES = ('emp', 'mc')
 FACTOR_DTYPE_CHOICES = ('float32', 'float16')
+#: The string value of ``weight_rescale`` (besides true / false).
+WEIGHT_RESCALE_CHOICES = ('auto',)
 
 _CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -91,8 +93,14 @@ class TrainConfig:
         BN Fisher F: a positive int, or a preset of
         :data:`chainerkfac.equations.REFRESH_PRESETS` (``'eq22'``,
         ``'eq23'``).
-    weight_rescale : bool
-        Rescale Conv/FC weights after each step, eq. (20).
+    weight_rescale : bool or str
+        Eq. (20), rescaling Conv/FC weights after each step: ``true`` (every
+        Conv/FC weight, the paper's ResNet-50 runs), ``false``, or
+        ``"auto"`` (the layers the optimizer finds scale-invariant, i.e.
+        followed by BatchNormalization).
+    n_class : int
+        Number of classes of the data set (1000 for ImageNet); every label
+        must lie in ``[0, n_class)``.
     description : str
         Free text naming the run (e.g. its row of Table 3).
     """
@@ -116,7 +124,8 @@ class TrainConfig:
     refresh_interval_a: Union[int, str] = 1
     refresh_interval_g: Union[int, str] = 1
     refresh_interval_f: Union[int, str] = 1
-    weight_rescale: bool = True
+    weight_rescale: Union[bool, str] = True
+    n_class: int = 1000
     description: str = ''
 
     def __post_init__(self):
@@ -150,9 +159,12 @@ def _check_type(key, value, expected):
         return value
     if expected == Union[int, str] and (is_int or isinstance(value, str)):
         return value
+    if expected == Union[bool, str] and isinstance(value, (bool, str)):
+        return value
     names = {float: 'a number', int: 'an integer', str: 'a string',
              bool: 'true or false', Union[int, str]:
-             'a positive integer or a preset name'}
+             'a positive integer or a preset name',
+             Union[bool, str]: 'true or false, or "auto"'}
     raise ConfigError(key, 'must be {}, got {!r} ({})'.format(
         names[expected], value, type(value).__name__))
 
@@ -164,7 +176,7 @@ def _check_values(config):
                 message, getattr(config, key)))
 
     for key in ('global_batch_size', 'epochs', 'damping_warmup_steps',
-                'batch_size_per_process'):
+                'batch_size_per_process', 'n_class'):
         require(getattr(config, key) >= 1, key, 'must be at least 1')
     for key in ('lr', 'damping', 'damping_target', 'rho_bn'):
         require(getattr(config, key) > 0, key, 'must be positive')
@@ -189,6 +201,9 @@ def _check_values(config):
             'must be one of {}'.format(FISHER_CHOICES))
     require(config.factor_dtype in FACTOR_DTYPE_CHOICES, 'factor_dtype',
             'must be one of {}'.format(FACTOR_DTYPE_CHOICES))
+    if isinstance(config.weight_rescale, str):
+        require(config.weight_rescale in WEIGHT_RESCALE_CHOICES,
+                'weight_rescale', 'must be true, false or "auto"')
     for key in ('refresh_interval_a', 'refresh_interval_g',
                 'refresh_interval_f'):
         value = getattr(config, key)
@@ -335,3 +350,50 @@ def derive_acc_iters(global_batch, n_processes, batch_per_process):
                     per_micro_batch, global_batch / per_micro_batch,
                     global_batch // batch_per_process))
     return global_batch // per_micro_batch
+
+
+def kfac_options(config):
+    """Keyword arguments of :class:`chainerkfac.optimizers.KFAC` for a config.
+
+    The one mapping from a :class:`TrainConfig` to the optimizer (the
+    training script, the analysis fixtures and the benchmarks use it); the
+    caller adds what is not a property of the config (``acc_iters``,
+    ``fisher_diff``, ``verbose``, ``seed``).
+
+    Returns
+    -------
+    dict
+        ``lr``, ``momentum``, the damping of eqs. (13)-(16), ``rho_bn``,
+        ``bn_fisher``, ``fisher``, the refresh intervals, ``factor_dtype``
+        and ``weight_rescale``.
+    """
+    return dict(
+        lr=config.lr, momentum=config.momentum, damping=config.damping,
+        damping_target=config.damping_target,
+        damping_warmup_steps=config.damping_warmup_steps,
+        rho_bn=config.rho_bn, bn_fisher=config.bn_fisher,
+        fisher=config.fisher, refresh_interval_a=config.refresh_interval_a,
+        refresh_interval_g=config.refresh_interval_g,
+        refresh_interval_f=config.refresh_interval_f,
+        factor_dtype=config.factor_dtype,
+        weight_rescale=config.weight_rescale)
+
+
+def check_epochs(config, source=None):
+    """Refuse a run longer than the learning-rate decay of eq. (17).
+
+    K-FAC's learning rate is exactly 0 from ``e_end`` on, so epochs beyond
+    it would spend compute without changing the weights.
+
+    Raises
+    ------
+    ConfigError
+        ``epochs > e_end``, with both numbers.
+    """
+    if config.epochs > config.e_end:
+        raise ConfigError(
+            'epochs', '{} epochs exceed e_end = {:g}, where the learning rate '
+            'of eq. (17) reaches 0: the last {:g} epochs would not change the '
+            'weights; use at most {} epochs or raise e_end'.format(
+                config.epochs, config.e_end, config.epochs - config.e_end,
+                int(config.e_end)), source or '<TrainConfig>')

@@ -1,10 +1,11 @@
 """Real run directories for the analysis tests, from short training runs.
 
 Each run trains a small ResNet (depth 8, width 4) on 8x8 scikit-learn digits
-with a Chainer Trainer, as ``train_imagenet.py`` would, and leaves the same
-files: ``config.json`` (resolved config + ``"run"`` facts), ``log``
-(LogReport per epoch with lr, momentum and, for K-FAC, damping) and, for
-K-FAC, ``fisher_diff.jsonl`` (FisherDiffLog). A few seconds for all runs.
+with a Chainer Trainer, as ``train_imagenet.py`` would, and leaves its files
+through the writers ``train_imagenet.py`` uses: ``config.json``
+(:func:`harness.run_dir.write_run_config`), ``log`` (``LogReport``) and, for
+K-FAC, ``fisher_diff.jsonl`` (``FisherDiffLog``); the optimizer is built
+from the config by :func:`config.kfac_options`. A few seconds for all runs.
 """
 import json
 import os
@@ -22,6 +23,7 @@ import models
 from chainerkfac import training as kfac_training
 from chainerkfac.training import FisherDiffLog
 from chainerkfac.optimizers import KFAC
+from harness import run_dir
 
 N_TRAIN, N_VAL, EPOCHS = 320, 96, 3
 ARCH = {'arch': 'small', 'depth': 8, 'width': 4, 'n_class': 10}
@@ -50,18 +52,14 @@ def train_run(out, optimizer_name='kfac', batch=32, bn_fisher='full',
         lr=0.02 if optimizer_name == 'kfac' else 0.1, momentum=0.9,
         batch_size_per_process=batch, bn_fisher=bn_fisher,
         refresh_interval_a=refresh, refresh_interval_g=refresh,
-        refresh_interval_f=refresh, description='analysis test run')
+        refresh_interval_f=refresh, n_class=ARCH['n_class'],
+        description='analysis test run')
     numpy.random.seed(0)
     model = L.Classifier(models.SmallResNet(
         depth=ARCH['depth'], width=ARCH['width'], n_class=ARCH['n_class']))
     if optimizer_name == 'kfac':
-        optimizer = KFAC(
-            lr=cfg.lr, momentum=cfg.momentum, damping=cfg.damping,
-            damping_target=cfg.damping_target,
-            damping_warmup_steps=cfg.damping_warmup_steps, rho_bn=cfg.rho_bn,
-            bn_fisher=bn_fisher, refresh_interval_a=refresh,
-            refresh_interval_g=refresh, refresh_interval_f=refresh,
-            fisher_diff=True, verbose=False)
+        optimizer = KFAC(fisher_diff=True, verbose=False,
+                         **config_module.kfac_options(cfg))
     else:
         optimizer = chainer.optimizers.MomentumSGD(cfg.lr, cfg.momentum)
     optimizer.setup(model)
@@ -85,11 +83,10 @@ def train_run(out, optimizer_name='kfac', batch=32, bn_fisher='full',
         trainer.extend(FisherDiffLog(optimizer))
     trainer.extend(extensions.LogReport(trigger=(1, 'epoch')))
     trainer.run()
-    data = config_module.to_dict(cfg)
-    data['run'] = dict(ARCH, optimizer=optimizer_name, n_processes=1,
-                       acc_iters=1, label='')
-    with open(os.path.join(str(out), 'config.json'), 'w') as f:
-        json.dump(data, f, indent=1)
+    run_dir.write_run_config(cfg, str(out), run_dir.run_facts(
+        optimizer_name, n_processes=1, acc_iters=1, batch_per_process=batch,
+        arch=ARCH['arch'], depth=ARCH['depth'], width=ARCH['width'],
+        n_train=N_TRAIN, n_val=N_VAL, n_class=ARCH['n_class'], label=''))
     return str(out)
 
 

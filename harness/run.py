@@ -1,0 +1,283 @@
+"""One training run of ``train_imagenet.py`` (and of each run of the demo).
+
+:func:`train` builds the model, the optimizer and its schedule, the data
+stream, the Chainer trainer with its extensions, resumes if asked, trains,
+and leaves the run directory: ``config.json``, ``log``, snapshots (the last
+``--keep-snapshots`` per process, the final one included),
+``model_final.npz`` (the bare network's weights and BatchNormalization
+statistics: ``chainer.serializers.load_npz(path, models.ResNet50(1000))``),
+``fisher_diff.jsonl`` and ``time_to_accuracy.json`` when asked for.
+"""
+import os
+import sys
+import time
+
+import chainerkfac  # NOQA  (before chainer: NumPy-2 compatibility shims)
+import chainer
+import chainermn
+import numpy
+from chainer import training
+from chainer.training import extensions
+
+import augment
+import config as config_module
+import models
+from chainerkfac import training as kfac_training
+from chainerkfac.training import FisherDiffLog, TimeToAccuracy
+from harness import data as data_module
+from harness import evaluation, run_dir, snapshots, triggers
+from harness.mpi import raise_together
+from harness.updater import AugmentedUpdater, BatchConverter
+
+OPTIMIZERS = ('kfac', 'sgd', 'lars')
+
+
+def build_optimizer(name, cfg, comm, acc_iters, args):
+    """The optimizer and its learning-rate schedule extension."""
+    if name == 'kfac':
+        optimizer = chainerkfac.optimizers.KFAC(
+            acc_iters=acc_iters, fisher_diff=args.fisher_diff,
+            verbose=comm.rank == 0, seed=args.seed + comm.rank,
+            **config_module.kfac_options(cfg))
+        optimizer = chainerkfac.create_multi_node_optimizer(optimizer, comm)
+        schedule = kfac_training.PolynomialLRDecay(
+            cfg.lr, cfg.p_decay, cfg.e_start, cfg.e_end,
+            momentum_init=cfg.momentum)
+        return optimizer, schedule
+    # First-order baselines (Goyal et al.; LARS as in seed 002), with a
+    # linear warm-up then polynomial (power 2) decay to the last epoch.
+    scale = cfg.global_batch_size / 256.0
+    if name == 'sgd':
+        lr = args.baseline_lr or 0.1 * scale
+        momentum = args.baseline_momentum or 0.9
+        warmup_start = 0.1
+    else:
+        # MLPerf-0.6 LARS at 32K: base LR 29 with trust coefficient 1e-3
+        # (Chainer's GradientLARS has none), momentum 0.929, 18 warm-up
+        # epochs; scaled linearly to other batch sizes by default.
+        lr = args.baseline_lr or 29.0e-3 * cfg.global_batch_size / 32768
+        momentum = args.baseline_momentum or 0.929
+        warmup_start = lr / 100.0
+    optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=momentum)
+    schedule = kfac_training.LinearWarmupLR(
+        lr, warmup_start, warmup_epochs=args.warmup_epochs,
+        decay=kfac_training.polynomial_decay(
+            lr, 2.0, args.warmup_epochs, cfg.epochs + 1e-6))
+    return optimizer, schedule
+
+
+def attach_hooks(name, optimizer, args):
+    if name == 'sgd':
+        optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
+            args.weight_decay))
+    elif name == 'lars':
+        optimizer.add_hook(chainer.optimizer_hooks.GradientLARS(
+            weight_decay=args.weight_decay))
+
+
+def observers(optimizer, name, images_per_iteration):
+    """Values logged per epoch besides loss and accuracy, with their
+    triggers: the optimizer's values after each step (so an epoch's entry is
+    their mean over the steps that ended in it, the same for any number of
+    processes), the throughput every iteration."""
+    at_steps = triggers.StepBoundary()
+    out = [(extensions.observe_lr(), at_steps),
+           (extensions.observe_value('momentum',
+                                     lambda t: optimizer.momentum), at_steps)]
+    if name == 'kfac':
+        out.append((extensions.observe_value(
+            'damping', lambda t: optimizer.damping), at_steps))
+        for kind in ('A', 'G', 'F'):
+            out.append((extensions.observe_value(
+                'refresh_interval_' + kind,
+                lambda t, k=kind: optimizer.refresh_intervals[k](
+                    optimizer.t, optimizer.epoch)), at_steps))
+
+    def images_per_sec(trainer):
+        elapsed = trainer.elapsed_time
+        return (trainer.updater.iteration * images_per_iteration / elapsed
+                if elapsed > 0 else 0.0)
+    out.append((extensions.observe_value('images_per_sec', images_per_sec),
+                triggers.every_iteration))
+    return out
+
+
+def _resume_prefix(args, out):
+    if args.resume != 'latest':
+        return args.resume
+    prefix = snapshots.latest_snapshot(out)
+    if prefix is None:
+        raise FileNotFoundError('--resume latest: no complete snapshot in {}'
+                                .format(out))
+    return prefix
+
+
+def _resume(args, comm, trainer, optimizer, updater, out, kfac):
+    """Load the snapshot ``--resume`` names into the trainer."""
+    files, error = None, None
+    try:
+        prefix = _resume_prefix(args, out)
+        files = snapshots.snapshot_files(prefix)
+    except (OSError, ValueError) as e:
+        error = e
+    raise_together(comm, error)
+    try:
+        snapshots.restore(trainer, files, comm.rank, comm.size,
+                          optimizer if kfac else None, updater.mixup)
+    except (OSError, ValueError, KeyError) as e:
+        error = e
+    raise_together(comm, error)
+    iterator = updater.get_iterator('main')
+    if comm.rank == 0:
+        reached = next((e.reached for e in _extensions_of(
+            trainer, TimeToAccuracy)), None)
+        run_dir.continue_run_files(
+            os.path.dirname(os.path.abspath(files[0])), out,
+            getattr(optimizer, 't', 0), reached)
+        print('resumed from {} ({} process(es)) on {} process(es) at epoch '
+              '{:.4f}{}'.format(
+                  prefix, len(files), comm.size, iterator.epoch_detail,
+                  '; {} chunks of the flushed last step skipped'.format(
+                      iterator.skipped_chunks)
+                  if iterator.skipped_chunks else ''), flush=True)
+
+
+def _extensions_of(trainer, kind):
+    return [entry.extension for entry in trainer._extensions.values()
+            if isinstance(entry.extension, kind)]
+
+
+def train(args, comm, optimizer_name, out, cfg):
+    """Train one model; return a summary dict (on every process).
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        ``train_imagenet.py``'s options.
+    comm : ChainerMN communicator
+    optimizer_name : str
+        ``'kfac'``, ``'sgd'`` or ``'lars'``.
+    out : str
+        The run directory.
+    cfg : config.TrainConfig
+    """
+    acc_iters = cfg.acc_iters(comm.size)
+    batch = cfg.batch_size_per_process
+    n_class = args.n_class or cfg.n_class
+    kfac = optimizer_name == 'kfac'
+    if kfac:
+        config_module.check_epochs(cfg, args.config)
+    loaderjob = args.loaderjob
+    if comm.rank == 0:
+        os.makedirs(out, exist_ok=True)
+    comm.mpi_comm.Barrier()
+    snapshots.remove_unfinished(out, comm.rank)
+    data = data_module.prepare(args, comm, out, n_class, loaderjob)
+
+    numpy.random.seed(args.seed)   # same initial weights on every rank
+    model = models.SoftLabelClassifier(models.build_model(
+        args.arch, n_class, args.depth, args.width))
+    device = chainer.get_device(
+        '@cupy:{}'.format(comm.intra_rank) if args.gpu else '@numpy')
+    device.use()
+    model.to_device(device)
+    optimizer, schedule = build_optimizer(optimizer_name, cfg, comm,
+                                          acc_iters, args)
+    optimizer.setup(model)
+    attach_hooks(optimizer_name, optimizer, args)
+    if not kfac:
+        comm.bcast_data(model)
+
+    stream = augment.TrainStream(
+        data.train, args.resize, args.crop_size, args.seed, comm.size,
+        comm.rank, batch, skip_bad=args.skip_bad_images)
+    train_iter = augment.GlobalBatchIterator(
+        stream, cfg.global_batch_size // batch, loaderjob)
+    val_view = augment.EvalView(
+        data.val, augment.share(len(data.val), comm.size, comm.rank),
+        args.resize, args.crop_size)
+    val_iter = augment.stream.make_loader(val_view, batch, loaderjob,
+                                          repeat=False)
+    augmenting = not args.no_augment
+    converter = BatchConverter(data.mean, args.skip_bad_images,
+                               labels_on_host=True)
+    updater = AugmentedUpdater(
+        train_iter, optimizer, comm, acc_iters, cfg.epochs, converter,
+        args.seed, cfg.alpha_mixup if augmenting else 0.0, n_class,
+        augmenting, device)
+    trainer = training.Trainer(updater, triggers.EpochLimit(cfg.epochs),
+                               out=out)
+    trainer.extend(schedule, trigger=triggers.StepBoundary())
+    # BN running statistics are per process; average them before evaluating.
+    trainer.extend(chainermn.extensions.AllreducePersistent(model, comm),
+                   trigger=(1, 'epoch'),
+                   priority=training.extension.PRIORITY_WRITER + 1)
+    trainer.extend(evaluation.GlobalMeanEvaluator(
+        val_iter, model, comm, BatchConverter(
+            data.mean, args.skip_bad_images, drop_bad=True), device),
+        trigger=(1, 'epoch'))
+    target = None
+    if args.target_acc:
+        target = TimeToAccuracy(args.target_acc, write=comm.rank == 0)
+        trainer.extend(target)
+    if kfac and args.fisher_diff:
+        trainer.extend(FisherDiffLog(optimizer, comm=comm))
+    trainer.extend(snapshots.snapshot_extension(
+        comm.rank, args.keep_snapshots, args.compress_snapshots),
+                   trigger=triggers.EpochAtStepBoundary(args.snapshot_every))
+    # Every process runs the observers and the LogReport (which averages
+    # the training values over processes); rank 0 writes and prints.
+    for observer, trigger in observers(optimizer, optimizer_name,
+                                       batch * comm.size):
+        trainer.extend(observer, trigger=trigger)
+    trainer.extend(evaluation.log_report(
+        comm, totals=lambda: {'bad_images_skipped': converter.skipped}))
+    label = args.label or run_dir.label_of(optimizer_name, cfg)
+    if comm.rank == 0:
+        trainer.extend(extensions.PrintReport(
+            ['epoch', 'iteration', 'main/loss', 'main/accuracy',
+             'validation/main/accuracy', 'lr', 'elapsed_time']))
+        if not args.no_progress:
+            trainer.extend(extensions.ProgressBar(update_interval=10))
+        run_dir.write_run_config(cfg, out, run_dir.run_facts(
+            optimizer_name, comm.size, acc_iters, batch, args.arch,
+            args.depth, args.width, len(data.train), len(data.val), n_class,
+            label))
+    if args.resume:
+        _resume(args, comm, trainer, optimizer, updater, out, kfac)
+    start = time.time()
+    trainer.run()
+    if comm.rank == 0:
+        snapshots.save_npz_atomic(os.path.join(out, run_dir.MODEL_FINAL_FILE),
+                                  model.predictor)
+        print('wrote {}'.format(os.path.join(out, run_dir.MODEL_FINAL_FILE)),
+              flush=True)
+    comm.mpi_comm.Barrier()
+    summary = {'optimizer': optimizer_name, 'epochs': updater.epoch,
+               'elapsed_time': time.time() - start,
+               'reached': target.reached if target else None}
+    if comm.rank == 0:
+        log = run_dir.load_log(out)
+        accuracies = [e.get('validation/main/accuracy') for e in log]
+        measured = [a for a in accuracies if a is not None]
+        summary['final_top1'] = accuracies[-1] if accuracies else None
+        summary['best_top1'] = max(measured) if measured else None
+    sys.stdout.flush()
+    return summary
+
+
+def resolve_config(args, comm):
+    """The config of ``--config`` with ``--epochs`` applied, checked against
+    the number of processes (every error raised once, naming the key)."""
+    cfg, error = None, None
+    try:
+        cfg = config_module.load(args.config)
+        if args.epochs:
+            cfg = config_module.from_dict(
+                dict(config_module.to_dict(cfg), epochs=args.epochs),
+                source=args.config)
+        cfg.acc_iters(comm.size)   # raises with the numbers if impossible
+    except (OSError, ValueError) as e:
+        error = e
+    raise_together(comm, error)
+    return cfg

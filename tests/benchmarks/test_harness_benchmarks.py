@@ -1,0 +1,56 @@
+"""``python -m benchmarks.snapshot --smoke`` and ``benchmarks.data_path
+--smoke`` run as a user runs them and their JSON holds the figures (finite,
+positive); nothing asserts a speed."""
+import json
+import math
+import subprocess
+import sys
+
+from benchmarks import _common
+
+
+def positive(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) and value > 0
+
+
+def test_snapshot_smoke(tmp_path):
+    out = str(tmp_path / 'snapshot.json')
+    proc = subprocess.run(
+        [sys.executable, '-m', 'benchmarks.snapshot', '--smoke', '--out',
+         out], cwd=_common.ROOT, env=_common.worker_env(threads=1),
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out) as f:
+        data = json.load(f)
+    assert data['benchmark'] == 'snapshot'
+    assert '--smoke' in data['command']
+    [result] = data['results']
+    for key in ('seconds', 'bytes'):
+        assert positive(result['before'][key])
+    for key in ('blocked_s', 'write_s', 'bytes'):
+        assert positive(result['after'][key])
+    assert result['after']['blocked_s'] <= result['after']['write_s']
+    assert positive(result['after']['array_bytes']['kfac_factors'])
+    assert 'loop blocked s' in proc.stdout
+
+
+def test_data_path_smoke(tmp_path):
+    out = str(tmp_path / 'data_path.json')
+    proc = subprocess.run(
+        [sys.executable, '-m', 'benchmarks.data_path', '--smoke', '--out',
+         out], cwd=_common.ROOT, env=_common.worker_env(threads=1),
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out) as f:
+        [result] = json.load(f)['results']
+    for side in ('before', 'after'):
+        assert positive(result['data_path'][side]['images_per_s_per_core'])
+    assert result['data_path']['after']['bytes_per_image_between_processes'] \
+        * 4 == result['data_path']['before'][
+            'bytes_per_image_between_processes']
+    for key in ('before_ms', 'after_ms'):
+        assert positive(result['mixup_labels'][key])
+    for key in ('mean_serial_s_per_image', 'list_read_s',
+                'old_broadcast_pickle_bytes', 'loader_list_pickle_bytes'):
+        assert positive(result['startup'][key])

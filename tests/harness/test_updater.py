@@ -1,0 +1,153 @@
+"""The updater of the first-order baselines: a non-finite step leaves the
+weights and BatchNormalization's running statistics as they were; the
+batch converter normalises uint8 batches and refuses unreadable images."""
+import chainer
+import chainer.links as L
+import numpy as np
+import pytest
+
+import augment
+import models
+from harness.updater import AugmentedUpdater, BatchConverter
+
+
+class OneProcess:
+    """The communicator surface the updater uses, for one process."""
+    rank, size = 0, 1
+
+    class mpi_comm:
+        @staticmethod
+        def allgather(value):
+            return [value]
+
+    @staticmethod
+    def multi_node_mean_grad(model):
+        pass
+
+
+class Batches(chainer.dataset.Iterator):
+    """An iterator of fixed batches with the GlobalBatchIterator surface."""
+
+    def __init__(self, batches, n_examples):
+        self.batches, self.position, self.n = batches, 0, n_examples
+
+    def next(self):
+        batch = self.batches[self.position % len(self.batches)]
+        self.position += 1
+        return batch
+
+    @property
+    def chunks(self):
+        return self.position
+
+    @property
+    def epoch_detail(self):
+        return self.position * 4 / self.n
+
+    @property
+    def is_new_epoch(self):
+        return False
+
+    def finalize(self):
+        pass
+
+    def serialize(self, serializer):
+        pass
+
+
+def batch(value, labels=(0, 1, 2, 1)):
+    rng = np.random.RandomState(value)
+    return [(rng.randint(0, 256, (3, 8, 8)).astype(np.uint8), np.int32(t), '')
+            for t in labels]
+
+
+def reporting(model, observation):
+    """A reporter scope collecting what the updater and model report, as
+    the Trainer's."""
+    reporter = chainer.Reporter()
+    reporter.add_observer('main', model)
+    return reporter.scope(observation)
+
+
+def statistics(model):
+    return {name: np.array(getattr(link, name))
+            for path, link in model.namedlinks()
+            if isinstance(link, L.BatchNormalization)
+            for name in ('avg_mean', 'avg_var')}
+
+
+def make_updater(batches, acc_iters=2, stop_epoch=100):
+    np.random.seed(0)
+    model = models.SoftLabelClassifier(models.SmallResNet(8, 4, 3))
+    optimizer = chainer.optimizers.MomentumSGD(lr=0.1)
+    optimizer.setup(model)
+    updater = AugmentedUpdater(
+        Batches(batches, 16), optimizer, OneProcess(), acc_iters, stop_epoch,
+        BatchConverter(None, labels_on_host=True), seed=0, alpha_mixup=0.4,
+        n_class=3, erasing=True, device=chainer.get_device('@numpy'))
+    return updater, model
+
+
+def test_non_finite_step_keeps_weights_and_bn_statistics(capsys):
+    updater, model = make_updater([batch(1), batch(2)])
+    with reporting(model, {}):
+        for _ in range(2):
+            updater.update()
+    weights = {n: p.array.copy() for n, p in model.namedparams()}
+    before = statistics(model)
+    original = updater.converter
+
+    class Poisoned(BatchConverter):
+        def __call__(self, b, device):
+            x, t = original(b, device)
+            x[0, 0, 0, 0] = np.nan
+            return x, t
+    updater.converter = Poisoned(None, labels_on_host=True)
+    with reporting(model, {}):
+        for _ in range(2):                    # one step of 2 micro-batches
+            updater.update()
+    assert 'non-finite gradient, update skipped' in capsys.readouterr().err
+    for name, param in model.namedparams():
+        np.testing.assert_array_equal(param.array, weights[name])
+    after = statistics(model)
+    for name in before:
+        assert np.isfinite(after[name]).all()
+        np.testing.assert_array_equal(after[name], before[name])
+    updater.converter = original
+    with reporting(model, {}):
+        for _ in range(2):
+            updater.update()
+    assert any(not np.array_equal(p.array, weights[n])
+               for n, p in model.namedparams())
+
+
+def test_last_partial_step_is_completed(capsys):
+    # 4 samples per micro-batch, 16 per epoch: 1 epoch = 4 micro-batches,
+    # 1.33 steps of 3.
+    updater, model = make_updater([batch(1), batch(2)], acc_iters=3,
+                                  stop_epoch=1)
+    observation = {}
+    with reporting(model, observation):
+        for _ in range(4):
+            updater.update()
+    assert updater.finished
+    assert observation['trailing_micro_batches'] == 1
+    assert updater.get_optimizer('main').t == 2
+    assert 'ends 1 micro-batches into a step of 3' in capsys.readouterr().out
+
+
+def test_converter_normalises_and_refuses_unreadable_images():
+    mean = np.full((3, 8, 8), 100, np.float32)
+    good = batch(3)
+    x, t = BatchConverter(mean)(good, chainer.get_device('@numpy'))
+    expected = np.stack([augment.normalize(image, mean)
+                         for image, _, _ in good])
+    np.testing.assert_array_equal(x, expected)
+    assert x.dtype == np.float32 and t.dtype == np.int32
+    bad = good[:2] + [(good[2][0], good[2][1], 'cannot read x.JPEG (listed '
+                       'in l.txt, line 3)')] + good[3:]
+    with pytest.raises(OSError, match='x.JPEG .*line 3.*--skip-bad-images'):
+        BatchConverter(mean)(bad, chainer.get_device('@numpy'))
+    dropping = BatchConverter(mean, skip_bad=True, drop_bad=True)
+    x, t = dropping(bad, chainer.get_device('@numpy'))
+    assert len(x) == 3 and dropping.skipped == 1

@@ -1,0 +1,97 @@
+"""Fixtures of the end-to-end tests of ``train_imagenet.py``: the data set,
+a command line, and the uninterrupted reference runs the resume tests
+continue (1 and 2 processes, run once per session)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy
+import pytest
+
+from tests import launch
+from tests.scripts import imagenet_like
+
+ROOT = launch.REPO
+SCRIPT = os.path.join(ROOT, 'train_imagenet.py')
+#: The reference runs: global batch 32 (1 process: 4 x 8 accumulated; 2:
+#: 2 x 8 each), 48 images = 1.5 steps per epoch, so epochs end inside
+#: steps and the run (3 epochs, 4.5 steps) ends inside one; A refreshed
+#: every 2nd step, mixup and erasing on.
+REFERENCE = {'global_batch_size': 32, 'epochs': 3}
+
+
+@pytest.fixture(scope='session')
+def dataset(tmp_path_factory):
+    return imagenet_like.build(str(tmp_path_factory.mktemp('imagenet')))
+
+
+def command(dataset, out, *extra, train=None, val=None, config=None):
+    return [sys.executable, SCRIPT, train or dataset['train'],
+            val or dataset['val'], '--root', dataset['root'], '--config',
+            config or dataset['config'], '--arch', 'small', '--width', '8',
+            '--crop-size', '16', '--resize', '18', '--out', str(out),
+            '--no-progress'] + list(extra)
+
+
+def run(cmd, nproc=1, timeout=300):
+    if nproc > 1:
+        cmd = [launch.MPIEXEC, '-n', str(nproc)] + cmd
+    return subprocess.run(cmd, env=launch.mpi_env(), cwd=ROOT,
+                          timeout=timeout, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, universal_newlines=True)
+
+
+def start(cmd, nproc=1):
+    """Start a run in its own process group (mpiexec and its ranks)."""
+    if nproc > 1:
+        cmd = [launch.MPIEXEC, '-n', str(nproc)] + cmd
+    return subprocess.Popen(cmd, env=launch.mpi_env(), cwd=ROOT,
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def kill(process):
+    """SIGKILL the whole run (mpiexec and every rank)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+    time.sleep(0.5)     # let orphaned ranks, if any, see the signal
+
+
+def read_log(out):
+    with open(os.path.join(str(out), 'log')) as f:
+        return json.load(f)
+
+
+def weights(path):
+    """{name: array} of a model_final.npz."""
+    with numpy.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+def reference_config(dataset):
+    return imagenet_like.write_config(dataset['root'], 'reference.json',
+                                      **REFERENCE)
+
+
+def reference_command(dataset, out, *extra):
+    return command(dataset, out, '--keep-snapshots', '0', '--fisher-diff',
+                   *extra, config=reference_config(dataset))
+
+
+@pytest.fixture(scope='session')
+def references(dataset, tmp_path_factory):
+    """``{1: dir, 2: dir}``: the uninterrupted reference runs."""
+    out = {}
+    for nproc in (1, 2):
+        directory = str(tmp_path_factory.mktemp('reference{}'.format(nproc)))
+        result = run(reference_command(dataset, directory), nproc)
+        assert result.returncode == 0, result.stdout[-3000:]
+        out[nproc] = directory
+    return out

@@ -1,0 +1,136 @@
+"""Resume: SIGKILL a run, ``--resume latest``, and the run continues the
+uninterrupted one bit for bit (1 and 2 processes, augmentation on, epochs
+ending inside optimizer steps); resume on another number of processes and
+it continues to the tolerance of the distributed-equivalence tests."""
+import os
+import time
+
+import numpy
+import pytest
+
+from tests.scripts import imagenet_like
+from tests.scripts.conftest import (command, kill, read_log,
+                                    reference_command, run, start, weights)
+
+#: Values of the log that depend on the machine's speed.
+TIMING = ('elapsed_time', 'images_per_sec')
+#: Log values every number of processes must agree on: the validation
+#: values depend on BatchNormalization's running statistics, which are
+#: per-process averages over each process's micro-batches (averaged over
+#: processes at each epoch's end, as in ChainerMN).
+GLOBAL_KEYS = ('epoch', 'main/loss', 'main/accuracy', 'lr', 'momentum',
+               'damping', 'refresh_interval_A')
+#: Float32 wire tolerance of tests/chainerkfac/multi_node/test_equivalence.
+TOLERANCE = 1e-4
+
+
+def snapshot_complete(out, epoch, nproc):
+    return all(os.path.exists(os.path.join(
+        str(out), 'snapshot_epoch_{}.rank{}'.format(epoch, r)))
+        for r in range(nproc))
+
+
+def max_relative_diff(a, b, skip_statistics=False):
+    worst = 0.0
+    assert set(a) == set(b)
+    for name in a:
+        if skip_statistics and name.rsplit('/', 1)[-1] in (
+                'avg_mean', 'avg_var', 'N'):
+            continue
+        scale = max(float(numpy.abs(b[name]).max()), 1e-30)
+        worst = max(worst, float(numpy.abs(a[name] - b[name]).max()) / scale)
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('nproc', [1, 2])
+def test_killed_run_resumes_bit_for_bit(dataset, references, tmp_path,
+                                        nproc):
+    process = start(reference_command(dataset, tmp_path), nproc)
+    deadline = time.time() + 240
+    while not snapshot_complete(tmp_path, 1, nproc):
+        assert process.poll() is None, 'the run ended before its snapshot'
+        assert time.time() < deadline, 'no snapshot after 240 s'
+        time.sleep(0.05)
+    time.sleep(numpy.random.RandomState(nproc).uniform(0, 0.5))
+    kill(process)
+    result = run(reference_command(dataset, tmp_path, '--resume', 'latest'),
+                 nproc)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert 'resumed from' in result.stdout
+    reference = references[nproc]
+    expected, got = read_log(reference), read_log(tmp_path)
+    assert len(got) == len(expected) == 3
+    for want, have in zip(expected, got):
+        for key in set(want) | set(have):
+            if key not in TIMING:
+                assert have.get(key) == want.get(key), (key, want, have)
+    assert max_relative_diff(
+        weights(os.path.join(str(tmp_path), 'model_final.npz')),
+        weights(os.path.join(reference, 'model_final.npz'))) == 0
+    with open(os.path.join(reference, 'fisher_diff.jsonl')) as f:
+        want_diff = f.read()
+    with open(os.path.join(str(tmp_path), 'fisher_diff.jsonl')) as f:
+        assert f.read() == want_diff
+
+
+@pytest.mark.slow
+def test_one_and_two_processes_train_alike(references):
+    """The global stream makes the two reference runs the same run."""
+    one, two = read_log(references[1]), read_log(references[2])
+    for a, b in zip(one, two):
+        for key in GLOBAL_KEYS:
+            assert a[key] == pytest.approx(b[key], rel=TOLERANCE), key
+    assert max_relative_diff(
+        weights(os.path.join(references[1], 'model_final.npz')),
+        weights(os.path.join(references[2], 'model_final.npz')),
+        skip_statistics=True) < TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('before, after', [(2, 1), (1, 2)])
+def test_resume_on_another_number_of_processes(dataset, references,
+                                               tmp_path, before, after):
+    """Epoch 2's snapshot lies on a step boundary after which the input
+    factor A is stale (refreshed every 2nd step): the continued run needs
+    the restored factors, re-sharded for the new processes."""
+    prefix = os.path.join(references[before], 'snapshot_epoch_2')
+    result = run(reference_command(dataset, tmp_path, '--resume', prefix),
+                 after)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert 'on {} process(es)'.format(after) in result.stdout
+    expected, got = read_log(references[before]), read_log(tmp_path)
+    assert [e['epoch'] for e in got] == [1, 2, 3]
+    for want, have in zip(expected, got):
+        for key in GLOBAL_KEYS:
+            assert have[key] == pytest.approx(want[key], rel=TOLERANCE), key
+    assert max_relative_diff(
+        weights(os.path.join(str(tmp_path), 'model_final.npz')),
+        weights(os.path.join(references[before], 'model_final.npz')),
+        skip_statistics=True) < TOLERANCE
+
+
+@pytest.mark.slow
+def test_resume_from_three_processes_on_two(dataset, tmp_path):
+    """Global batch 48: 3 processes x 2 accumulated, then 2 x 3. Epoch 1's
+    snapshot follows step 0; step 1 reuses the stale A factors, which the
+    two processes own under another assignment than the three did."""
+    config = imagenet_like.write_config(
+        dataset['root'], 'bs48.json', global_batch_size=48, epochs=3)
+    three = tmp_path / 'three'
+    result = run(command(dataset, three, '--keep-snapshots', '0',
+                         config=config), 3)
+    assert result.returncode == 0, result.stdout[-3000:]
+    two = tmp_path / 'two'
+    result = run(command(dataset, two, '--resume',
+                         str(three / 'snapshot_epoch_1'), config=config), 2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert 'resumed from' in result.stdout and 'on 2 process(es)' in \
+        result.stdout
+    for want, have in zip(read_log(three), read_log(two)):
+        for key in GLOBAL_KEYS:
+            assert have[key] == pytest.approx(want[key], rel=TOLERANCE), key
+    assert max_relative_diff(
+        weights(str(two / 'model_final.npz')),
+        weights(str(three / 'model_final.npz')),
+        skip_statistics=True) < TOLERANCE
