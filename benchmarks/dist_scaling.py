@@ -97,9 +97,9 @@ def worker(spec: Dict, out: str) -> int:
 
     def make(communicator, interval=1):
         numpy.random.seed(0)
-        model = models.SoftLabelClassifier(models.SmallResNet(
-            depth=spec['depth'], width=spec['width'],
-            n_class=spec['n_class']))
+        model = models.SoftLabelClassifier(models.build_model(
+            'small', n_class=spec['n_class'], depth=spec['depth'],
+            width=spec['width']))
         optimizer = chainerkfac.create_multi_node_optimizer(KFAC(
             lr=0.001, momentum=0.9, damping=1e-3, verbose=False,
             refresh_interval_a=interval, refresh_interval_g=interval,

@@ -143,11 +143,7 @@ SMOKE = {
 
 def build_model(arch: str, kwargs: Dict) -> chainer.Link:
     numpy.random.seed(0)   # every variant starts from the same weights
-    if arch == 'resnet50':
-        predictor = models.ResNet50(**kwargs)
-    else:
-        predictor = models.SmallResNet(**kwargs)
-    return models.SoftLabelClassifier(predictor)
+    return models.SoftLabelClassifier(models.build_model(arch, **kwargs))
 
 
 class SGDStep:
@@ -174,10 +170,13 @@ class SGDStep:
 
 
 class KFACStep:
-    """One K-FAC step (``acc_iters = 1``), refresh interval ``interval``."""
+    """One K-FAC step (``acc_iters = 1``), refresh interval ``interval``,
+    eq. (20) on every Conv/FC weight as in the paper (and the ImageNet
+    configs)."""
 
     def __init__(self, model, interval: int, gpu: bool, lr=0.001, **kwargs):
         self.model = model
+        kwargs.setdefault('weight_rescale', True)
         self.optimizer = KFAC(lr=lr, momentum=0.9, damping=1e-3,
                               refresh_interval_a=interval,
                               refresh_interval_g=interval,

@@ -126,8 +126,9 @@ def test_capture_timer_times_each_layer_type_and_unwraps():
     blocks = [b for b in step.optimizer.blocks if b.factor_names]
     # Synchronised before and after every capture call: 2 per call, one
     # call per forward factor and one per backward factor of each block.
-    per_step = sum(1 + (len(b.factor_names) > len(b.forward_factors))
-                   if b.forward_factors else 1 for b in blocks)
+    passes = [{kind.forward for kind in b.factor_kinds.values()}
+              for b in blocks]
+    per_step = sum(len(p) for p in passes)
     assert len(calls) == 2 * 2 * per_step
     assert all('capture_forward' not in vars(b) and
                'capture_backward' not in vars(b) for b in blocks)
