@@ -435,7 +435,7 @@ class Layout(object):
         -------
         array, shape (all_gather_counts[rank],), dtype wire_dtype
         """
-        xp = _module_of([arrays[i] for i, _ in self._ag_slots[rank]])
+        xp = _module_of(arrays)
         if xp is numpy:
             return self._pack_numpy(arrays, [(0, self._ag_slots[rank])],
                                     self.all_gather_counts[rank])

@@ -48,7 +48,8 @@ def start_forkserver():
     if multiprocessing.get_start_method(allow_none=True) == 'forkserver':
         return
     multiprocessing.set_start_method('forkserver', force=True)
-    multiprocessing.set_forkserver_preload(['augment.stream'])
+    # chainerkfac first: its NumPy-2 shims must precede chainer's import.
+    multiprocessing.set_forkserver_preload(['chainerkfac', 'augment.stream'])
     process = multiprocessing.Process()
     process.start()
     process.join()
