@@ -31,9 +31,10 @@ from chainerkfac import linalg
 logger = logging.getLogger(__name__)
 
 #: Concurrent CUDA streams for the inverses of one try. On an H100 the
-#: Cholesky inverses of ResNet-50's 161 factors took 0.270 s on one stream,
-#: 0.158 s on 4 and 0.126 s on 8 (a calibration on the H100 of issue 12).
-N_STREAMS = 8
+#: potrf + potri of ResNet-50's 161 factors took 0.130 s on 4 streams,
+#: 0.144 s on 8, 0.130 s on 16 and 0.134 s on 32 (2026-11-23); the 27
+#: factors of n >= 2048 alone 0.092 s on 16.
+N_STREAMS = 16
 
 # Columns of the per-factor status array written on the device.
 _INPUT_NONFINITE, _FACTOR_INFO, _INVERSE_INFO, _OUTPUT_NONFINITE = range(4)

@@ -73,8 +73,10 @@ def test_emulated_gpu_path_equals_the_reference(potri, emulated,
             in cuda_emulation.CALLS}
     assert {call for call, _, _ in cuda_emulation.CALLS} == (
         {'potrf', 'potri'} if potri else {'potrf', 'potrs'})
-    # One handle per stream, every stream a worker's (never the main one).
-    assert len(used) == len({s for _, s in used}) == linalg_cuda.N_STREAMS
+    # One handle per stream, several streams, every stream a worker's
+    # (never the main one).
+    assert len(used) == len({s for _, s in used})
+    assert 1 < len(used) <= linalg_cuda.N_STREAMS
     assert cuda_emulation._STACK[0].ptr not in {s for _, s in used}
 
 
