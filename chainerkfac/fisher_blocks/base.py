@@ -21,6 +21,7 @@ import numpy
 from chainer.backend import get_array_module
 
 from chainerkfac import linalg
+from chainerkfac import packing
 
 
 class FactorKind(enum.Enum):
@@ -287,8 +288,9 @@ class FisherBlock:
 
     # -- state ----------------------------------------------------------------
     def serialize(self, serializer) -> None:
-        """Refresh bookkeeping always; factors (not inverses) and the
-        damping of their inverses where this process holds them.
+        """Refresh bookkeeping always; factors (not inverses; symmetric
+        ones as their upper triangle) and the damping of their inverses
+        where this process holds them.
 
         Inverses are a function of a factor and its damping: on loading
         they are recomputed (bit for bit, see :meth:`restore_inverses`).
@@ -309,11 +311,21 @@ class FisherBlock:
                 'inverse_count_' + factor, self.inverse_count[factor]))
             if not has:
                 continue
-            value = serializer(factor, self.factors.get(factor))
+            value = self.factors.get(factor)
+            if saving and value is not None and value.ndim == 2:
+                # Symmetric: its upper triangle, half the bytes. The
+                # inverse reads only that triangle (Cholesky), so the one
+                # recomputed on loading is the same bit for bit.
+                value = packing.triu_pack(value)
+            value = serializer(factor, value)
             damping = float(serializer(factor + '_damping',
                                        self.inverse_damping.get(factor, 0.0)))
             if not saving:
-                self.factors[factor] = linalg.to_device_of(value, like)
+                value = linalg.to_device_of(value, like)
+                shape = self.factor_shapes()[factor]
+                if len(shape) == 2 and value.ndim == 1:
+                    value = packing.triu_unpack(value, shape[0])
+                self.factors[factor] = value
                 self.inverse_damping[factor] = damping
                 self.inverses.pop(factor, None)
 

@@ -388,9 +388,13 @@ def test_snapshot_holds_factors_not_inverses():
     buffer = io.BytesIO()
     chainer.serializers.save_npz(buffer, optimizer)
     buffer.seek(0)
-    keys = set(numpy.load(buffer).files)
+    saved = numpy.load(buffer)
+    keys = set(saved.files)
     assert {'kfac/conv/A', 'kfac/conv/G', 'kfac/bn/F', 'kfac/fc/A'} <= keys
     assert not [k for k in keys if k.endswith('_inv')]
+    # Symmetric factors as upper triangles: n (n + 1) / 2 numbers.
+    n = helpers.block_named(optimizer, '/conv').factors['A'].shape[0]
+    assert saved['kfac/conv/A'].shape == (n * (n + 1) // 2,)
     restored = helpers.kfac(lr=0.05).setup(model.copy(mode='copy'))
     buffer.seek(0)
     chainer.serializers.load_npz(buffer, restored)
