@@ -94,6 +94,11 @@ def triu_pack(m):
         raise ValueError(
             'triu_pack needs a square matrix, got shape {}'.format(m.shape))
     xp = chainer.backend.get_array_module(m)
+    if xp is numpy:
+        n = m.shape[0]
+        out = numpy.empty(n * (n + 1) // 2, m.dtype)
+        _pack_triangle(m, out)
+        return out
     return m[_cached_triu_indices(xp, m.shape[0])]
 
 
@@ -117,6 +122,8 @@ def triu_unpack(v, n: int):
         raise ValueError('triu_unpack: {} elements do not make the upper '
                          'triangle of a {}x{} matrix'.format(v.size, n, n))
     xp = chainer.backend.get_array_module(v)
+    if xp is numpy:
+        return _unpack_triangle(v, n, v.dtype)
     rows, cols = _cached_triu_indices(xp, n)
     m = xp.empty((n, n), dtype=v.dtype)
     m[rows, cols] = v
