@@ -239,19 +239,32 @@ def test_snapshot_on_gpu_resumes_on_cpu():
     assert support.max_relative_diff(resumed, straight) <= CPU_GPU_TOLERANCE
 
 
-def test_pure_nccl_with_one_process_equals_the_single_process_optimizer():
+@pytest.mark.parametrize('plain', [False, True],
+                         ids=['chainerkfac', 'plain_chainermn'])
+def test_pure_nccl_with_one_process_equals_the_single_process_optimizer(
+        plain):
     """ChainerMN's ``pure_nccl`` ``bcast_data`` sends the parameters in
     Chainer's default dtype (float32), so a float64 model starts from
     float32-rounded weights (the 1.3e-7 of issue 12). Started from the same
     rounded weights, one process through NCCL equals the single-process
-    optimizer to CPU-vs-GPU rounding."""
+    optimizer to CPU-vs-GPU rounding — with chainerkfac's communicator, and
+    with a plain ``chainermn.create_communicator('pure_nccl')`` (K-FAC's
+    collectives then run beside it on its NCCL communicator)."""
+    import chainermn
     from chainermn import nccl
     from mpi4py import MPI
     if not nccl._available:
         pytest.skip('CuPy without NCCL')
     if MPI.COMM_WORLD.size != 1:
         pytest.skip('one process only (NCCL refuses two on one GPU)')
-    comm = chainerkfac.create_communicator('pure_nccl', wire_dtype='float64')
+    if plain:
+        comm = chainermn.create_communicator('pure_nccl')
+        # The collectives beside it have the default fp32 wire.
+        tolerance = 1e-5
+    else:
+        comm = chainerkfac.create_communicator('pure_nccl',
+                                               wire_dtype='float64')
+        tolerance = CPU_GPU_TOLERANCE
     options = _options(bn_fisher='full', weight_rescale=True)
     numpy.random.seed(0)
     base = ConvModel(bn=True)
@@ -270,4 +283,4 @@ def test_pure_nccl_with_one_process_equals_the_single_process_optimizer():
             optimizer.update(helpers.loss_of(model), *support.to_gpu(x, t))
         models.append(support.weights(model))
     single, nccl_run = models
-    assert support.max_relative_diff(nccl_run, single) <= CPU_GPU_TOLERANCE
+    assert support.max_relative_diff(nccl_run, single) <= tolerance
