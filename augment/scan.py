@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from augment.stream import _LoaderView, make_loader
+from augment.stream import IndexedView, make_loader
 
 
 def share(n, n_processes, rank):
@@ -19,18 +19,10 @@ def share(n, n_processes, rank):
     return range(n * rank // n_processes, n * (rank + 1) // n_processes)
 
 
-class ScanView(_LoaderView):
+class ScanView(IndexedView):
     """``(upper-left crop window (uint8), ok, message)`` of the entries
     ``indices`` of a list; an unreadable image gives zeros, ``ok = 0`` and
     its error."""
-
-    def __init__(self, images, indices, resize, crop_size):
-        super().__init__(images, resize)
-        self.indices = np.asarray(indices, dtype=np.int64)
-        self.crop_size = crop_size
-
-    def __len__(self):
-        return len(self.indices)
 
     def get_example(self, k):
         image, message = self._decode(int(self.indices[k]))

@@ -106,6 +106,19 @@ class _LoaderView(chainer.dataset.DatasetMixin):
                 error, self.images.list_path, int(self.images.lines[i]))
 
 
+class IndexedView(_LoaderView):
+    """The list entries ``indices``, decoded and cut to ``crop_size``
+    (subclasses say how)."""
+
+    def __init__(self, images, indices, resize, crop_size):
+        super().__init__(images, resize)
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.crop_size = crop_size
+
+    def __len__(self):
+        return len(self.indices)
+
+
 class TrainStream(_LoaderView):
     """Rank ``rank``'s share of the global sample stream, as a dataset view.
 
@@ -195,7 +208,7 @@ class TrainStream(_LoaderView):
         return image, self.images.labels[index], message
 
 
-class EvalView(_LoaderView):
+class EvalView(IndexedView):
     """Centre crops of the entries ``indices`` of a list (a process's share
     of the validation list).
 
@@ -203,14 +216,6 @@ class EvalView(_LoaderView):
     an unreadable image is zeros with its error as the message (the
     converter raises, or drops it with ``--skip-bad-images``).
     """
-
-    def __init__(self, images, indices, resize, crop_size):
-        super().__init__(images, resize)
-        self.indices = np.asarray(indices, dtype=np.int64)
-        self.crop_size = crop_size
-
-    def __len__(self):
-        return len(self.indices)
 
     def get_example(self, k):
         index = int(self.indices[k])

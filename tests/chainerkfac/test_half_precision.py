@@ -4,6 +4,7 @@ import numpy
 import pytest
 
 from chainerkfac import linalg
+from tests.gpu import support
 
 
 def test_factor_dtype_is_fp64_for_fp64_arrays_else_fp32():
@@ -57,18 +58,9 @@ def test_append_ones_row_is_gram_of_augmented_vectors(dtype):
                                   rtol=1e-6)
 
 
-def cupy_or_skip():
-    cupy = pytest.importorskip('cupy')
-    try:
-        cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as error:
-        pytest.skip('no GPU: {}'.format(error))
-    return cupy
-
-
 @pytest.mark.gpu
 def test_gpu_half_matmul_equals_twin():
-    cupy = cupy_or_skip()
+    cupy = support.cupy_or_skip()
     rng = numpy.random.RandomState(3)
     a = rng.randn(2, 64, 512).astype(numpy.float16)
     b = rng.randn(2, 512, 32).astype(numpy.float16)
@@ -84,7 +76,7 @@ def test_gpu_half_matmul_equals_twin():
 @pytest.mark.gpu
 @pytest.mark.parametrize('factor_dtype', ['float32', 'float16'])
 def test_gpu_gram_equals_numpy(factor_dtype):
-    cupy = cupy_or_skip()
+    cupy = support.cupy_or_skip()
     rows = numpy.random.RandomState(4).randn(200, 30).astype(numpy.float32)
     cpu = linalg.gram(rows, 0.01, factor_dtype, append_ones=True)
     gpu = linalg.gram(cupy.asarray(rows), 0.01, factor_dtype,

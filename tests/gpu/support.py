@@ -41,6 +41,15 @@ MARKS = [pytest.mark.gpu,
                             reason='GPU test: {}'.format(SKIP_REASON))]
 
 
+def cupy_or_skip():
+    """CuPy, or skip the calling test with the reason (for test modules
+    that also hold CPU tests and cannot use :data:`MARKS`)."""
+    if SKIP_REASON is not None:
+        pytest.skip('GPU test: {}'.format(SKIP_REASON))
+    import cupy
+    return cupy
+
+
 def device():
     """Device 0: every rank of an mpiexec job shares it."""
     return chainer.get_device('@cupy:0')

@@ -8,6 +8,7 @@ from chainer.utils import conv
 
 from chainerkfac.fisher_blocks import patches
 from chainerkfac.fisher_blocks.patches import ConvGeometry
+from tests.gpu import support
 
 
 def loop_patches(x, g):
@@ -179,21 +180,12 @@ def test_fp64_input_gives_fp64_factor_in_fp16_mode():
 
 
 # -- GPU: the CuPy path against the NumPy one ---------------------------------
-def cupy_or_skip():
-    cupy = pytest.importorskip('cupy')
-    try:
-        cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as error:
-        pytest.skip('no GPU: {}'.format(error))
-    return cupy
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize('dtype', ['float32', 'float16'])
 @pytest.mark.parametrize('bias', [False, True])
 @pytest.mark.parametrize('size,geometry', CASES)
 def test_gpu_patch_gram_equals_numpy(size, geometry, bias, dtype):
-    cupy = cupy_or_skip()
+    cupy = support.cupy_or_skip()
     x = numpy.random.RandomState(6).randn(5, 3, *size).astype(numpy.float32)
     for strategy in strategies(x.shape, geometry):
         cpu = patches.patch_gram(x, geometry, 0.2, dtype, bias, strategy)
@@ -209,7 +201,7 @@ def test_gpu_patch_gram_equals_numpy(size, geometry, bias, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize('dtype', ['float32', 'float16'])
 def test_gpu_channel_gram_equals_numpy(dtype):
-    cupy = cupy_or_skip()
+    cupy = support.cupy_or_skip()
     y = numpy.random.RandomState(7).randn(8, 6, 5, 4).astype(numpy.float32)
     cpu = patches.channel_gram(y, 0.5, dtype)
     gpu = patches.channel_gram(cupy.asarray(y), 0.5, dtype)
