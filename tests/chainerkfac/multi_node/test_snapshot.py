@@ -33,18 +33,26 @@ def shared_dir():
         shutil.rmtree(path)
 
 
-def _files(directory, rank):
-    return (os.path.join(directory, 'model_rank{}.npz'.format(rank)),
-            os.path.join(directory, 'optimizer_rank{}.npz'.format(rank)))
-
-
-def test_resume_equals_uninterrupted_run(shared_dir):
+def _train_and_save(shared_dir):
+    """N distributed steps, then every rank saves its model and optimizer
+    (its own files)."""
     comm = common.naive('float64')
     model, optimizer = common.distributed(comm, **OPTIONS)
     common.train_distributed(model, optimizer, comm, N)
     model_file, optimizer_file = _files(shared_dir, comm.rank)
     chainer.serializers.save_npz(model_file, model)
     chainer.serializers.save_npz(optimizer_file, optimizer)
+    return comm, model, optimizer, model_file, optimizer_file
+
+
+def _files(directory, rank):
+    return (os.path.join(directory, 'model_rank{}.npz'.format(rank)),
+            os.path.join(directory, 'optimizer_rank{}.npz'.format(rank)))
+
+
+def test_resume_equals_uninterrupted_run(shared_dir):
+    comm, model, optimizer, model_file, optimizer_file = \
+        _train_and_save(shared_dir)
     common.train_distributed(model, optimizer, comm, M, first_step=N)
     uninterrupted = common.params(model)
 
@@ -62,12 +70,8 @@ def test_resume_equals_uninterrupted_run(shared_dir):
 @pytest.mark.skipif(common.world.size < 2,
                     reason='needs a snapshot of several ranks')
 def test_resume_from_one_shard_refreshes_the_missing_factors(shared_dir):
-    comm = common.naive('float64')
-    model, optimizer = common.distributed(comm, **OPTIONS)
-    common.train_distributed(model, optimizer, comm, N)
-    model_file, optimizer_file = _files(shared_dir, comm.rank)
-    chainer.serializers.save_npz(model_file, model)
-    chainer.serializers.save_npz(optimizer_file, optimizer)
+    comm, model, optimizer, model_file, optimizer_file = \
+        _train_and_save(shared_dir)
     held = {b.name: set(b.factors) for b in optimizer.blocks}
 
     # Each rank resumes alone from its own shard only: it lacks the
@@ -92,12 +96,8 @@ def test_resume_from_one_shard_refreshes_the_missing_factors(shared_dir):
 def test_elastic_resume_on_one_process_equals_uninterrupted(shared_dir):
     """P ranks for N steps, then one process (acc_iters=P) loading every
     rank's file continues as the P-rank run does."""
-    comm = common.naive('float64')
-    model, optimizer = common.distributed(comm, **OPTIONS)
-    common.train_distributed(model, optimizer, comm, N)
-    model_file, optimizer_file = _files(shared_dir, comm.rank)
-    chainer.serializers.save_npz(model_file, model)
-    chainer.serializers.save_npz(optimizer_file, optimizer)
+    comm, model, optimizer, model_file, optimizer_file = \
+        _train_and_save(shared_dir)
     comm.mpi_comm.Barrier()
     common.train_distributed(model, optimizer, comm, M, first_step=N)
     uninterrupted = common.params(model)
