@@ -18,6 +18,7 @@ import logging
 from typing import Dict, List, Optional, Sequence
 
 import numpy
+from chainer.backend import get_array_module
 
 try:
     from typing import Protocol
@@ -250,11 +251,7 @@ class MultiNodeTransport:
 
 
 def _same(a, b) -> bool:
-    xp = numpy if isinstance(a, numpy.ndarray) else None
-    if xp is None:
-        from chainer.backend import get_array_module
-        xp = get_array_module(a)
-    return bool(xp.array_equal(a, b))
+    return bool(get_array_module(a).array_equal(a, b))
 
 
 def _ranks_text(ranks: List[int]) -> str:

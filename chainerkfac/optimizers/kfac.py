@@ -488,10 +488,11 @@ class KFAC(optimizer.GradientMethod):
         # The MC Fisher takes the backward factors from a second backward
         # pass with sampled labels; the true labels' pass captures only A.
         monte_carlo = self.fisher == 'mc' and bool(backward_due)
-        hook = capture.FactorCapture(
-            self.blocks, forward_due if monte_carlo else due,
-            record_logits=monte_carlo)
-        if not (due or self.loss_reduction == 'sum' or inspect):
+        if due or self.loss_reduction == 'sum' or inspect:
+            hook = capture.FactorCapture(
+                self.blocks, forward_due if monte_carlo else due,
+                record_logits=monte_carlo)
+        else:
             # A stale step captures nothing: no hook on every function.
             hook = _NO_HOOK
         with hook:
@@ -668,10 +669,9 @@ class KFAC(optimizer.GradientMethod):
         if name in captured:
             return captured[name][0]
         like = block.params[0]
-        dtype = numpy.float64 if like.dtype == numpy.float64 \
-            else numpy.float32
         with chainer.using_device(like.device):
-            return like.device.xp.zeros(block.factor_shapes()[name], dtype)
+            return like.device.xp.zeros(block.factor_shapes()[name],
+                                        linalg.factor_dtype_for(like.dtype))
 
     def _refresh(self, factors, counts) -> int:
         """Stage 4: average the reduced factor sums, invert, store."""
