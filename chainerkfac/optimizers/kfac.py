@@ -34,14 +34,12 @@ from chainerkfac import fisher_blocks
 from chainerkfac import fused
 from chainerkfac import linalg
 from chainerkfac import scale_invariance
+from chainerkfac.optimizers import options
 from chainerkfac.fisher_blocks import FactorKind
 from chainerkfac.transport import LocalTransport
 
 logger = logging.getLogger(__name__)
 
-FISHER_TYPES = ('emp', 'mc')
-FACTOR_DTYPES = ('float32', 'float16')
-LOSS_REDUCTIONS = ('mean', 'sum')
 #: ε of eq. (20).
 RESCALE_EPS = fused.RESCALE_EPS
 #: Links whose weight eq. (20) concerns (the paper's Conv and FC layers).
@@ -199,28 +197,16 @@ class KFAC(optimizer.GradientMethod):
         super().__init__()
         self.hyperparam.lr = lr
         self.hyperparam.momentum = momentum
-        _check(damping > 0, 'damping', damping, 'must be positive')
-        _check(rho_bn > 0, 'rho_bn', rho_bn, 'must be positive')
-        _check(bn_fisher in fisher_blocks.BN_FISHER_MODES, 'bn_fisher',
-               bn_fisher, 'must be one of {}'.format(
-                   fisher_blocks.BN_FISHER_MODES))
-        _check(fisher in FISHER_TYPES, 'fisher', fisher,
-               'must be one of {}'.format(FISHER_TYPES))
-        _check(isinstance(acc_iters, int) and acc_iters >= 1, 'acc_iters',
-               acc_iters, 'must be an int >= 1')
-        _check(str(numpy.dtype(factor_dtype)) in FACTOR_DTYPES,
-               'factor_dtype', factor_dtype,
-               'must be one of {}'.format(FACTOR_DTYPES))
-        _check(0 <= factor_decay < 1, 'factor_decay', factor_decay,
-               'must be in [0, 1)')
-        _check(isinstance(weight_rescale, bool) or weight_rescale == 'auto',
-               'weight_rescale', weight_rescale,
-               "must be 'auto', True or False")
-        _check(loss_reduction in LOSS_REDUCTIONS, 'loss_reduction',
-               loss_reduction, 'must be one of {}'.format(LOSS_REDUCTIONS))
-        if (damping_target is None) != (damping_warmup_steps is None):
-            raise ValueError('damping_target and damping_warmup_steps go '
-                             'together (eqs. 15-16): give both or neither')
+        options.check_options(
+            lr=lr, momentum=momentum, damping=damping,
+            damping_target=damping_target,
+            damping_warmup_steps=damping_warmup_steps, rho_bn=rho_bn,
+            bn_fisher=bn_fisher, fisher=fisher, acc_iters=acc_iters,
+            refresh_interval_a=refresh_interval_a,
+            refresh_interval_g=refresh_interval_g,
+            refresh_interval_f=refresh_interval_f, factor_dtype=factor_dtype,
+            factor_decay=factor_decay, weight_rescale=weight_rescale,
+            loss_reduction=loss_reduction)
         self.damping = float(damping)
         self.damping_target = damping_target
         self.damping_warmup_steps = damping_warmup_steps
@@ -852,11 +838,6 @@ def _of_pass(due, forward: bool):
         if mine:
             out[block] = mine
     return out
-
-
-def _check(ok, name, value, why):
-    if not ok:
-        raise ValueError('KFAC: {}={!r} {}'.format(name, value, why))
 
 
 def _synchronize(target):
