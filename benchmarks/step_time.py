@@ -38,8 +38,8 @@ over the timed steps; for SGD, forward_backward and update.
 **Capture.** K-FAC's capture is measured two ways: as the difference of
 forward_backward medians (K-FAC every step minus SGD, both in the rounds),
 and directly, in extra every-step K-FAC steps after the rounds in which the
-benchmark wraps each Fisher block's ``capture_forward`` /
-``capture_backward`` in a timer (on GPU with a device synchronisation
+benchmark wraps each Fisher block's ``capture_inputs`` /
+``capture_gradients`` in a timer (on GPU with a device synchronisation
 before and after each call, which is why those steps are kept out of the
 rounds): seconds per refresh step by layer type (``Linear A``,
 ``Linear G``, ``Conv A``, ``Conv G``, ``BN F``), medians over the steps.
@@ -197,7 +197,7 @@ class KFACStep:
 class CaptureTimer:
     """Seconds spent in the Fisher blocks' capture calls, by layer type.
 
-    Wraps ``capture_forward`` / ``capture_backward`` of each block instance
+    Wraps ``capture_inputs`` / ``capture_gradients`` of each block instance
     of an optimizer in a timer (synchronising the device before and after
     each call) while active; the library is untouched.
     """
@@ -219,8 +219,8 @@ class CaptureTimer:
                        if kind.forward]
             backward = [n for n, kind in block.factor_kinds.items()
                         if not kind.forward]
-            for method, factors in (('capture_forward', forward),
-                                    ('capture_backward', backward)):
+            for method, factors in (('capture_inputs', forward),
+                                    ('capture_gradients', backward)):
                 if factors:
                     setattr(block, method, self._timed(
                         getattr(block, method),
@@ -229,7 +229,7 @@ class CaptureTimer:
 
     def __exit__(self, *exc):
         for block in self.blocks:
-            for method in ('capture_forward', 'capture_backward'):
+            for method in ('capture_inputs', 'capture_gradients'):
                 block.__dict__.pop(method, None)
 
     def _timed(self, method, key):
@@ -244,9 +244,10 @@ class CaptureTimer:
 
 def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             rounds: int, warmup: int, array_module, profile: bool = False,
-            target: str = 'cpu') -> Dict:
+            target: str = 'cpu', kfac_options: Dict = None) -> Dict:
     """Time the variants on one model (see the module docstring); with
-    ``profile``, then cProfile one more every-step K-FAC step."""
+    ``profile``, then cProfile one more every-step K-FAC step.
+    ``kfac_options`` go to every K-FAC variant (``conv_a_strategy``)."""
     xp = array_module
     gpu = xp is not numpy
     synchronize = _common.synchronizer(xp)
@@ -261,7 +262,7 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
         else:
             steps[variant] = KFACStep(
                 model, interval if variant == 'kfac_stale' else 1, gpu,
-                **KFAC_VARIANTS[variant])
+                **dict(KFAC_VARIANTS[variant], **(kfac_options or {})))
     for variant in variants:
         for _ in range(warmup):
             steps[variant](x, t)
@@ -431,26 +432,9 @@ def profile_step(step: KFACStep, x, t, top: int = 20) -> str:
     return text.getvalue()
 
 
-def force_conv_a(strategy: str) -> None:
-    """Make every convolution form A by ``strategy`` where it applies (the
-    library's choice elsewhere), by wrapping
-    :func:`chainerkfac.fisher_blocks.patches.patch_gram` for this process."""
-    from chainerkfac.fisher_blocks import patches
-    library_choice = patches.patch_gram
-
-    def patch_gram(x, geometry, scale, factor_dtype=numpy.float32,
-                   append_ones=False, strategy=None):
-        costs = patches.strategy_costs(x.shape, geometry,
-                                       chainer.backend.get_array_module(x))
-        return library_choice(x, geometry, scale, factor_dtype, append_ones,
-                              forced if forced in costs else None)
-    forced = strategy
-    patches.patch_gram = patch_gram
-
-
 # -- the inverse stage alone ------------------------------------------------------
 def measure_inverse(name: str, spec: Dict, repeats: int, array_module,
-                    target: str = 'cpu') -> Dict:
+                    target: str = 'cpu', kfac_options: Dict = None) -> Dict:
     """Capture one every-step K-FAC step's factors, then time the inverse
     stage as the optimizer runs it: every block's requests (the trace-norm
     split of the damping for Kronecker blocks, ρ_BN·γ for BN) in one
@@ -462,7 +446,7 @@ def measure_inverse(name: str, spec: Dict, repeats: int, array_module,
     model = build_model(spec['arch'], spec['kwargs'])
     if xp is not numpy:
         model.to_device('@cupy:0')
-    step = KFACStep(model, 1, xp is not numpy)
+    step = KFACStep(model, 1, xp is not numpy, **(kfac_options or {}))
     step(x, t)
     optimizer = step.optimizer
     requests = []   # (kind, matrix, damping)
@@ -686,8 +670,10 @@ def main(argv=None):
     data.update(smoke=args.smoke, gpu=args.gpu,
                 refresh_interval=args.interval,
                 threads_requested=args.threads, conv_a=args.conv_a)
-    if args.conv_a != 'auto':
-        force_conv_a(args.conv_a)
+    # The convolution strategy is an option of the blocks (KFAC's
+    # conv_a_strategy); 'auto' leaves the library's choice.
+    kfac_options = ({} if args.conv_a == 'auto' else
+                    {'conv_a_strategy': args.conv_a})
     with _common.limit_blas_threads(args.threads):
         data['blas_threads'] = _common.blas_threads()
         if args.inverse_only:
@@ -696,7 +682,7 @@ def main(argv=None):
                 print('inverting the factors of {} (batch {})...'.format(
                     name, spec['batch']), flush=True)
                 data['inverse'].append(measure_inverse(
-                    name, spec, args.rounds or 5, xp, target))
+                    name, spec, args.rounds or 5, xp, target, kfac_options))
             text = inverse_table(data)
         else:
             data['variants'] = list(args.variants)
@@ -707,7 +693,8 @@ def main(argv=None):
                 data['results'].append(measure(
                     name, spec, args.variants, args.interval,
                     spec['rounds'], spec['warmup'], xp,
-                    profile=args.profile, target=target))
+                    profile=args.profile, target=target,
+                    kfac_options=kfac_options))
             text = tables(data)
     print(_common.describe_machine(data))
     print(text)

@@ -1,136 +1,215 @@
-"""Stages 1-2: capture layer inputs and output gradients.
+"""Stages 1-2: see every backward pass through the links being watched.
 
-:class:`FactorCapture` is a Chainer ``FunctionHook`` that the optimizer
-activates only inside ``update``. For each function call it finds the block
-in O(1) by the identity of the call's weight (its second input): the
-parameter's array in the forward pass, where the function's input nodes do
-not exist yet, and the parameter itself in the backward pass. It hands the
-block the arrays it needs, when one of the block's factors of that pass is
-due. A link called several times per micro-batch contributes every call.
+:class:`BackwardCapture` is the one capture mechanism of the library: the
+optimizer's factor estimation (:mod:`chainerkfac.estimator`) and the
+curvature quantities (:mod:`chainerkfac.curvature`) both listen to it. It is
+a Chainer ``FunctionHook`` kept in the thread's function hooks while
+installed (K-FAC installs it at ``setup`` and keeps it while a factor is
+due), so it sees the passes whoever runs them: a ``StandardUpdater``, a
+hand-written ``loss.backward(); optimizer.update()``, BPTT over 35 time
+steps, a GAN updater, ChainerMN's multi-node optimizer.
 
-It also remembers the batch size (the first axis of the first modelled
-layer's input) and the logits of the loss (the input of the last softmax /
-log-softmax / softmax cross-entropy), which the Monte-Carlo Fisher needs to
-sample labels from the model.
+Everything is taken when the backward pass runs through a call, never in
+the forward pass: a call counts only if the backward pass of some loss
+reaches it (an evaluation pass, a forward under ``no_backprop_mode`` or an
+output that no loss uses contributes nothing). A call is routed to its
+listener's target by the identity of its second input, the weight
+parameter (``linear(x, W, b)``, ``convolution_2d(x, W, b)``,
+``batch_normalization(x, gamma, beta)``), and its function type; the target
+gets the inputs the function retained for its own backward (``x`` for these
+three) and the gradients w.r.t. its outputs.
+
+Backward passes
+---------------
+Chainer processes one backward pass in order of decreasing rank (a
+function's depth in its graph). A call whose rank is higher than that of the
+node before it, or a watched call seen a second time, therefore starts a new
+pass; the listener is told the pass's index with each call. (A pass whose
+first node has the rank of the previous pass's last one is taken for its
+continuation: it needs a graph of one level.) Passes that the listener runs
+itself — the extra passes of the Monte-Carlo or exact Fisher — are opened
+with :meth:`BackwardCapture.explicit_pass` instead.
+
+The hook also keeps, on request, the functions of the backward passes (the
+graph for eq. 20's scale-invariance analysis) and the logits of the last
+call of a registered logits function in the forward pass (for the
+Monte-Carlo and exact Fisher).
 """
-from typing import Dict, Iterable, Mapping, Optional
+import contextlib
+import itertools
+import weakref
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import chainer
-from chainer.functions.activation import log_softmax as log_softmax_module
-from chainer.functions.activation import softmax as softmax_module
-from chainer.functions.loss import softmax_cross_entropy as sce_module
-
-_LOGIT_FUNCTIONS = (sce_module.SoftmaxCrossEntropy,
-                    log_softmax_module.LogSoftmax,
-                    softmax_module.Softmax)
 
 
-class FactorCapture(chainer.FunctionHook):
-    """Route function calls to their Fisher blocks.
-
-    Parameters
-    ----------
-    blocks : iterable of FisherBlock
-        Every block of the model (those without factors are ignored).
-    due : mapping, optional
-        ``{block: names of its factors due this step}``; the forward pass
-        captures the due factors of kind ``INPUTS``, the backward pass the
-        others. Default: nothing is due (the hook then only records the
-        batch size and the logits).
-    record_logits : bool
-        Keep the last logits variable (for the MC Fisher).
+class PassInfo(NamedTuple):
+    """The backward pass a call belongs to.
 
     Attributes
     ----------
-    forward : bool
-        Capture in forward passes (the optimizer turns it off once the
-        loss is computed: the backward of some functions calls the forward
-        of others).
-    batch_size : int or None
-        First axis of the first modelled layer's input in the forward pass.
+    index : int
+        Counts the passes this hook has seen (implicit and explicit).
+    explicit : bool
+        A pass opened by :meth:`BackwardCapture.explicit_pass` (the
+        listener's own extra pass), not a pass of some loss's backward.
+    """
+    index: int
+    explicit: bool
+
+
+class GraphNode(NamedTuple):
+    """A function node of a backward pass, with its input and output
+    variable nodes held (a later ``unchain_backward`` empties the
+    function's own ``inputs``)."""
+    function: object
+    inputs: tuple
+    outputs: tuple
+
+
+_serial = itertools.count()
+
+
+class BackwardCapture(chainer.FunctionHook):
+    """Route the backward calls of watched parameters to a listener.
+
+    Parameters
+    ----------
+    listener : object
+        Held weakly (the hook lives in the thread's function hooks; it must
+        not keep a model alive). It provides ``routes``, a mapping
+        ``{id(parameter): (function types, target)}``, and
+        ``on_backward(target, function, in_data, out_grad, pass_info)``;
+        optionally ``on_pass(function, pass_info)``, called with the first
+        function of every implicit pass (the loss's creator).
+
+    Attributes
+    ----------
+    record_logits : bool
+        Keep the last call of a logits function
+        (:func:`chainerkfac.fisher_blocks.logits_functions`) in forward
+        passes: :attr:`logits`.
+    record_graph : bool
+        Keep every function node of the backward passes: :attr:`graph`.
     """
 
-    name = 'KFACFactorCapture'
-
-    def __init__(self, blocks: Iterable, due: Optional[Mapping] = None,
-                 record_logits: bool = False):
-        due = due or {}
-        self._by_param: Dict[int, object] = {}
-        self._by_array: Dict[int, object] = {}
-        self._forward_due = set()
-        self._backward_due = set()
-        for block in blocks:
-            if not block.function_types:
-                continue
-            weight = block.params[0]
-            self._by_param[id(weight)] = block
-            if weight.array is not None:
-                self._by_array[id(weight.array)] = block
-            kinds = block.factor_kinds
-            names = due.get(block, ())
-            if any(kinds[n].forward for n in names):
-                self._forward_due.add(block)
-            if any(not kinds[n].forward for n in names):
-                self._backward_due.add(block)
-        self.forward = True
-        self.record_logits = record_logits
-        self.batch_size = None
+    def __init__(self, listener):
+        self.name = 'chainerkfac.capture.{}'.format(next(_serial))
+        self._listener = weakref.ref(listener)
+        self._hooks: Optional[Dict] = None
+        self._pass = 0
+        self._explicit = False
+        self._last_rank = -1
+        self._seen = weakref.WeakSet()
+        self.record_logits = False
+        self.record_graph = False
+        self.graph: List[GraphNode] = []
+        self._logits_types: Tuple[type, ...] = ()
         self._logit_function = None
+        # Forget the hook once the listener is gone (removed at the next
+        # install or removal of any capture: never while Chainer iterates
+        # over the hooks).
+        self._dead = [False]
+        weakref.finalize(listener, _mark_dead, self._dead)
+
+    # -- installation ---------------------------------------------------------
+    @property
+    def installed(self) -> bool:
+        return self._hooks is not None
+
+    def install(self) -> None:
+        """Put the hook into this thread's function hooks (idempotent)."""
+        hooks = chainer.get_function_hooks()
+        _purge_dead(hooks)
+        if self._hooks is not None:
+            return
+        hooks[self.name] = self
+        self._hooks = hooks
+        self._last_rank = -1
+
+    def remove(self) -> None:
+        """Take the hook out of the function hooks it was put into."""
+        if self._hooks is not None:
+            self._hooks.pop(self.name, None)
+            _purge_dead(self._hooks)
+            self._hooks = None
+
+    @contextlib.contextmanager
+    def explicit_pass(self):
+        """Mark the backward pass run inside as one pass of the listener's
+        own (rank-based detection is off inside)."""
+        self._pass += 1
+        self._explicit = True
+        self._seen = weakref.WeakSet()
+        try:
+            yield self._pass
+        finally:
+            self._explicit = False
+            self._last_rank = -1
 
     @property
     def logits(self):
-        """The logits variable of the last softmax-type call, or None."""
-        if self._logit_function is None or \
-                self._logit_function.inputs is None:
+        """The logits variable of the last recorded logits-function call,
+        or None."""
+        function = self._logit_function
+        if function is None or function.inputs is None:
             return None
-        return self._logit_function.inputs[0].get_variable()
+        return function.inputs[0].get_variable()
 
-    def _block_forward(self, function, in_data):
-        if len(in_data) < 2:
-            return None
-        block = self._by_array.get(id(in_data[1]))
-        if block is None:
-            # A lazily initialised parameter got its array in this call.
-            block = self._lazy_lookup(in_data[1])
-        return _matching(block, function)
+    def forget_logits(self) -> None:
+        self._logit_function = None
 
-    def _lazy_lookup(self, array):
-        for block in self._by_param.values():
-            if block.params[0].array is array:
-                self._by_array[id(array)] = block
-                return block
-        return None
+    def start_recording_logits(self, logits_types) -> None:
+        """Record logits in the coming forward passes (see
+        :attr:`logits`)."""
+        self._logits_types = tuple(logits_types)
+        self._logit_function = None
+        self.record_logits = True
 
-    def _block_backward(self, function):
-        inputs = function.inputs
-        if len(inputs) < 2:
-            return None
-        param = inputs[1].get_variable_or_none()
-        return _matching(self._by_param.get(id(param)), function)
-
+    # -- the hook ---------------------------------------------------------------
     def forward_preprocess(self, function, in_data):
-        if self.record_logits and isinstance(function, _LOGIT_FUNCTIONS):
+        if self.record_logits and isinstance(function, self._logits_types):
             # Its input nodes exist only after the forward: keep the call.
             self._logit_function = function
-        if not self.forward:
-            return
-        block = self._block_forward(function, in_data)
-        if block is None:
-            return
-        if self.batch_size is None:
-            self.batch_size = int(in_data[0].shape[0])
-        if block in self._forward_due:
-            block.capture_forward(function, in_data)
 
     def backward_preprocess(self, function, in_data, out_grad):
-        if not self._backward_due:
+        if self._dead[0]:
             return
-        block = self._block_backward(function)
-        if block in self._backward_due:
-            block.capture_backward(function, in_data, out_grad)
+        listener = self._listener()
+        if listener is None:
+            return
+        rank = function.rank
+        if not self._explicit and rank > self._last_rank:
+            self._new_pass()
+            on_pass = getattr(listener, 'on_pass', None)
+            if on_pass is not None:
+                on_pass(function, PassInfo(self._pass, False))
+        self._last_rank = rank
+        inputs = function.inputs
+        if self.record_graph:
+            self.graph.append(GraphNode(
+                function, tuple(inputs), tuple(o() for o in function.outputs)))
+        if len(inputs) < 2:
+            return
+        route = listener.routes.get(id(inputs[1].get_variable_or_none()))
+        if route is None or not isinstance(function, route[0]):
+            return
+        if function in self._seen and not self._explicit:
+            self._new_pass()
+        self._seen.add(function)
+        listener.on_backward(route[1], function, in_data, out_grad,
+                             PassInfo(self._pass, self._explicit))
+
+    def _new_pass(self) -> None:
+        self._pass += 1
+        self._seen = weakref.WeakSet()
 
 
-def _matching(block, function):
-    if block is None or not isinstance(function, block.function_types):
-        return None
-    return block
+def _mark_dead(flag) -> None:
+    flag[0] = True
+
+
+def _purge_dead(hooks) -> None:
+    for name in [n for n, h in hooks.items()
+                 if isinstance(h, BackwardCapture) and h._dead[0]]:
+        del hooks[name]

@@ -29,6 +29,12 @@ def damping_warmup_rate(damping_init: float, damping_target: float,
     return min(rate, 1.0)
 
 
+def damping_step(damping: float, damping_target: float, rate: float
+                 ) -> float:
+    """Eq. (16): the next damping, ``(1 − α) γ(t) + α γ_target``."""
+    return (1 - rate) * damping + rate * damping_target
+
+
 def polynomial_lr(epoch: float, lr_init: float, p_decay: float,
                   e_start: float, e_end: float) -> float:
     """Learning rate η(e) of eq. (17) at a (fractional) epoch.

@@ -19,18 +19,12 @@ import numpy
 import chainer
 from chainer.backend import get_array_module
 
+from chainerkfac.dtypes import factor_dtype_for, inverse_dtype  # NOQA
+
 #: How much the damping of a block grows on each failed Cholesky, and how
 #: many times it is tried.
 DAMPING_BOOST = 10.0
 MAX_INVERSE_TRIES = 6
-
-
-def factor_dtype_for(array_dtype) -> numpy.dtype:
-    """The dtype a factor is stored in: fp64 for an fp64 model, else fp32
-    (whatever ``factor_dtype`` the products run in)."""
-    if numpy.dtype(array_dtype) == numpy.float64:
-        return numpy.dtype(numpy.float64)
-    return numpy.dtype(numpy.float32)
 
 
 def gram(rows, scale: float, factor_dtype=numpy.float32,
@@ -76,6 +70,20 @@ def _gram(rows, scale, factor_dtype):
     rows = rows.astype(out_dtype, copy=False)
     # One array and its transpose: NumPy calls syrk.
     return rows.T.dot(rows) * out_dtype.type(scale)
+
+
+def diagonal_gram(rows, scale: float, append_ones: bool = False):
+    """The diagonal of :func:`gram`: ``scale · Σ_rows x²`` per column (a
+    factor kept as its diagonal), in the factor dtype; with
+    ``append_ones``, one more entry ``scale · M`` for the constant 1."""
+    xp = get_array_module(rows)
+    dtype = factor_dtype_for(rows.dtype)
+    rows = rows.astype(dtype, copy=False)
+    diagonal = (rows * rows).sum(axis=0) * dtype.type(scale)
+    if not append_ones:
+        return diagonal
+    return xp.concatenate([diagonal, xp.full(
+        (1,), rows.shape[0] * scale, dtype=dtype)])
 
 
 def append_ones_row(core, sums, count: int, scale: float):
@@ -177,14 +185,6 @@ def mirror_upper(matrix, block: int = 64):
         diag = matrix[i:j, i:j]
         diag[...] = numpy.triu(diag) + numpy.triu(diag, 1).T
     return matrix
-
-
-def inverse_dtype(dtype) -> numpy.dtype:
-    """The dtype an inverse is computed in: fp64 for fp64 factors, else fp32
-    (never half precision)."""
-    if numpy.dtype(dtype) == numpy.float64:
-        return numpy.dtype(numpy.float64)
-    return numpy.dtype(numpy.float32)
 
 
 def _attempt_cpu(matrices, dampings, check_input):

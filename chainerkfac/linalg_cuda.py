@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy
 
-from chainerkfac import linalg
+from chainerkfac import dtypes
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def _assign_lanes(costs: Sequence[float], n_lanes: int) -> List[int]:
 def _invert(matrix, damping, status, k, handle):
     """Queue one factor's try on the current stream (no synchronisation)."""
     import cupy
-    dtype = linalg.inverse_dtype(matrix.dtype)
+    dtype = dtypes.inverse_dtype(matrix.dtype)
     slot = k * _STATUS_COLUMNS
     if matrix.ndim == 1:
         out = cupy.empty(matrix.shape, dtype)

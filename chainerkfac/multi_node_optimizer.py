@@ -9,6 +9,12 @@
     optimizer.setup(model)        # before or after the line above
     optimizer.update(lossfun, x_local, t_local)
 
+ChainerMN's own function works too: ``chainermn.create_multi_node_optimizer(
+KFAC(...), comm)`` averages the gradients itself (an all-reduce) and calls
+``KFAC.update()``, which finds the wrapper's communicator and runs the same
+algorithm on the factors (:func:`make_distributed`; its first update only
+broadcasts rank 0's parameters, as it does for any optimizer).
+
 Every process feeds its own part of the global mini-batch; the update equals
 the one a single process takes with ``acc_iters = comm.size`` (times the
 processes' own ``acc_iters``) fed the same parts in rank order. At the first
@@ -60,14 +66,21 @@ def create_multi_node_optimizer(kfac_optimizer: KFAC, comm) -> KFAC:
                         'chainerkfac.optimizers.KFAC optimizer, got {}; for '
                         'first-order optimizers use chainermn.create_multi_'
                         'node_optimizer'.format(type(kfac_optimizer).__name__))
+    if kfac_optimizer.started:
+        raise RuntimeError('create_multi_node_optimizer must be called '
+                           'before the first optimizer.update')
+    make_distributed(kfac_optimizer, comm)
+    return kfac_optimizer
+
+
+def make_distributed(kfac_optimizer: KFAC, comm) -> None:
+    """Give ``kfac_optimizer`` a :class:`~chainerkfac.transport.
+    MultiNodeTransport` over ``comm`` and install ChainerMN's global except
+    hook (one failing process ends the job)."""
     # Imported here: ChainerMN's communicators import mpi4py (MPI_Init),
     # which ``import chainerkfac`` must not do.
     from chainerkfac.communicators import install_except_hook
     from chainerkfac.communicators.adapter import kfac_collectives
     collectives = kfac_collectives(comm)
-    if kfac_optimizer.started:
-        raise RuntimeError('create_multi_node_optimizer must be called '
-                           'before the first optimizer.update')
     install_except_hook()
     kfac_optimizer.transport = MultiNodeTransport(comm, collectives)
-    return kfac_optimizer

@@ -8,10 +8,10 @@ which removes any positive factor on ``W`` and any per-channel constant
 — a BN-free MLP, the classifier of a ResNet — rescaling changes the
 function even at learning rate 0.
 
-:func:`scale_invariant_weights` walks the computational graph of one loss
-and returns the weights whose *every* use reaches a BatchNormalization
-input, directly or through operations that commute with a positive factor
-and keep a per-channel constant per channel:
+:func:`scale_invariant_weights` takes the function nodes of a graph and
+returns the weights whose *every* use reaches a normalising input,
+directly or through operations that commute with a positive factor and keep
+a per-channel constant per channel:
 
 * reshape, transpose, copy, identity;
 * max pooling;
@@ -19,27 +19,22 @@ and keep a per-channel constant per channel:
   differently at the borders).
 
 Anything else in between (an activation, an addition of a skip
-connection, a concatenation) makes the layer not scale invariant.
+connection, a concatenation) makes the layer not scale invariant. Which
+functions carry a weight and which normalise come from the Fisher blocks
+(the registry): the optimizer passes them in.
 """
-from typing import Dict, List, Set
+from typing import Dict, Iterable, List, Set
 
 from chainer.functions.array import copy as copy_module
 from chainer.functions.array import reshape as reshape_module
 from chainer.functions.array import transpose as transpose_module
-from chainer.functions.connection import convolution_2d as conv2d_module
-from chainer.functions.connection import linear as linear_module
 from chainer.functions.math import identity as identity_module
-from chainer.functions.normalization import batch_normalization as bn_module
 from chainer.functions.pooling import average_pooling_2d as avg2d_module
 from chainer.functions.pooling import average_pooling_nd as avgnd_module
 from chainer.functions.pooling import max_pooling_nd as maxnd_module
 
-#: Functions whose output is linear in their weight input (index 1).
-WEIGHTED_FUNCTIONS = (linear_module.LinearFunction,
-                      conv2d_module.Convolution2DFunction)
-#: Functions that normalise their first input per channel.
-NORMALIZING_FUNCTIONS = (bn_module.BatchNormalization,
-                         bn_module.FixedBatchNormalization)
+from chainerkfac.capture import GraphNode
+
 _PASS_THROUGH = (reshape_module.Reshape, transpose_module.Transpose,
                  copy_module.Copy, identity_module.Identity,
                  maxnd_module.MaxPoolingND)
@@ -47,71 +42,82 @@ _AVERAGE_POOLING = (avg2d_module.AveragePooling2D,
                     avgnd_module.AveragePoolingND)
 
 
-def scale_invariant_weights(loss) -> Set[int]:
-    """``id`` of every weight parameter whose layer is scale invariant in
-    the graph of ``loss`` (see the module docstring).
-
-    Parameters
-    ----------
-    loss : chainer.Variable
-        Output of a forward pass with the graph kept.
-
-    Returns
-    -------
-    set of int
-        ``id(param)`` of the ``W`` of every call of a Linear or
-        Convolution2D function whose output reaches only BatchNormalization
-        inputs; a weight used in several calls counts only if every call
-        does.
-    """
-    functions = _functions_of(loss)
-    consumers: Dict[int, List] = {}
-    for function in functions:
-        for index, node in enumerate(function.inputs):
-            consumers.setdefault(id(node), []).append((function, index))
-    verdict: Dict[int, bool] = {}
-    invariant: Dict[int, bool] = {}
-    for function in functions:
-        if not isinstance(function, WEIGHTED_FUNCTIONS):
-            continue
-        param = function.inputs[1].get_variable_or_none()
-        if param is None:
-            continue
-        output = function.outputs[0]()
-        ok = output is not None and _reaches_normalization(
-            output, consumers, verdict)
-        invariant[id(param)] = invariant.get(id(param), True) and ok
-    return {key for key, ok in invariant.items() if ok}
-
-
-def _functions_of(loss):
-    """Every function node that ``loss`` depends on."""
+def graph_of(loss) -> List[GraphNode]:
+    """The function nodes that ``loss`` depends on, each with its input and
+    output nodes (what the capture records in a backward pass)."""
     seen, stack, out = set(), [loss.creator_node], []
     while stack:
         function = stack.pop()
         if function is None or id(function) in seen:
             continue
         seen.add(id(function))
-        out.append(function)
+        out.append(GraphNode(function, tuple(function.inputs),
+                             tuple(o() for o in function.outputs)))
         for node in function.inputs:
             stack.append(node.creator_node)
     return out
 
 
-def _reaches_normalization(node, consumers, verdict) -> bool:
+def scale_invariant_weights(graph: Iterable[GraphNode], weighted: tuple,
+                            normalizing: tuple) -> Set[int]:
+    """``id`` of every weight parameter whose layer is scale invariant in
+    ``graph`` (see the module docstring).
+
+    Parameters
+    ----------
+    graph : iterable of GraphNode
+        The function nodes (:func:`graph_of`, or the capture's record of
+        the backward passes); a node may appear several times.
+    weighted : tuple of type
+        Function types whose output is linear in their weight (input 1).
+    normalizing : tuple of type
+        Function types that normalise their first input per channel.
+
+    Returns
+    -------
+    set of int
+        ``id(param)`` of the weight of every call of a ``weighted``
+        function whose output reaches only ``normalizing`` inputs; a weight
+        used in several calls counts only if every call does.
+    """
+    nodes = {}
+    for record in graph:
+        nodes.setdefault(id(record.function), record)
+    consumers: Dict[int, List] = {}
+    for record in nodes.values():
+        for index, node in enumerate(record.inputs):
+            consumers.setdefault(id(node), []).append((record, index))
+    verdict: Dict[int, bool] = {}
+    invariant: Dict[int, bool] = {}
+    for record in nodes.values():
+        if not isinstance(record.function, weighted) or \
+                len(record.inputs) < 2:
+            continue
+        param = record.inputs[1].get_variable_or_none()
+        if param is None:
+            continue
+        output = record.outputs[0] if record.outputs else None
+        ok = output is not None and _reaches_normalization(
+            output, consumers, verdict, normalizing)
+        invariant[id(param)] = invariant.get(id(param), True) and ok
+    return {key for key, ok in invariant.items() if ok}
+
+
+def _reaches_normalization(node, consumers, verdict, normalizing) -> bool:
     key = id(node)
     if key in verdict:
         return verdict[key]
     verdict[key] = False        # no cycles in a graph; guards recursion
     uses = consumers.get(key, [])
     ok = bool(uses)
-    for function, index in uses:
-        if isinstance(function, NORMALIZING_FUNCTIONS):
+    for record, index in uses:
+        function = record.function
+        if isinstance(function, normalizing):
             ok = ok and index == 0
-        elif _passes_scale(function) and len(function.inputs) == 1:
-            output = function.outputs[0]()
+        elif _passes_scale(function) and len(record.inputs) == 1:
+            output = record.outputs[0] if record.outputs else None
             ok = ok and output is not None and _reaches_normalization(
-                output, consumers, verdict)
+                output, consumers, verdict, normalizing)
         else:
             ok = False
         if not ok:

@@ -1,17 +1,29 @@
 """The interface every Fisher block implements.
 
 A block owns the curvature of one link: it accumulates its factors from the
-values the capture hook hands it (stages 1-2), turns averaged factors into
-damped inverses (stage 4), and preconditions the gradients of its parameters
+calls the capture hands it (stages 1-2), turns averaged factors into damped
+inverses (stage 4), and preconditions the gradients of its parameters
 (stage 5). Who computes which block, and how factors travel, is decided
 elsewhere (:mod:`chainerkfac.assignment`, :mod:`chainerkfac.transport`);
-blocks only do the maths, identically on NumPy and CuPy.
+blocks only do the maths, identically on NumPy and CuPy, and keep their own
+state: the optimizer reads and changes it through the methods below.
 
 A block declares its factors in :attr:`FisherBlock.factor_kinds`, each with
-a :class:`FactorKind`: whether it is estimated from the layer's inputs in
-the forward pass, or from gradients in the backward pass. The refresh
-schedule of the stale Fisher (eqs. 22-23) keys on that kind, never on a
-factor's name.
+a :class:`FactorKind`: whether it is estimated from the layer's inputs or
+from gradients. The refresh schedule of the stale Fisher (eqs. 22-23) and
+the way calls combine key on that kind, never on a factor's name.
+
+Several calls of a link
+-----------------------
+A link called several times for one loss (a discriminator on real and fake
+batches, 35 time steps of BPTT, shared weights) contributes every call. As
+KFC does for the locations of a convolution (Grosse & Martens 2016; Martens,
+Ba & Grosse 2018 for the time steps of an RNN), the calls are taken as
+independent and alike: ``F ≈ Σ_calls A_c ⊗ G_c ≈ (Σ_c A_c) ⊗ (mean_c G_c)``.
+So a factor of kind ``INPUTS`` is the **sum** over calls, one of kind
+``OUTPUT_GRADS`` the **mean** over the calls of one backward pass, and one
+of kind ``PARAM_GRADS`` (a Fisher of the parameters' own gradients, whose
+per-sample gradient is the sum over calls) the **sum** over calls.
 """
 import enum
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -25,18 +37,22 @@ from chainerkfac import packing
 
 
 class FactorKind(enum.Enum):
-    """What a factor is estimated from: the pass that captures it and the
-    refresh interval that schedules it (``KFAC(refresh_interval_a/g/f)``).
+    """What a factor is estimated from: how calls combine and the refresh
+    interval that schedules it (``KFAC(refresh_interval_a/g/f)``).
 
     ``INPUTS``
-        From the layer's inputs, in the forward pass (K-FAC's ``A``);
+        From the layer's inputs (K-FAC's ``A``), summed over calls;
         refreshed every ``refresh_interval_a`` steps.
     ``OUTPUT_GRADS``
-        From the gradients of the loss w.r.t. the layer's outputs, in the
-        backward pass (K-FAC's ``G``); ``refresh_interval_g``.
+        From the gradients of the loss w.r.t. the layer's outputs (K-FAC's
+        ``G``), averaged over the calls of a backward pass;
+        ``refresh_interval_g``.
     ``PARAM_GRADS``
-        A Fisher of per-sample parameter gradients, in the backward pass
-        (the BatchNormalization ``F``); ``refresh_interval_f``.
+        A Fisher of per-sample parameter gradients (the BatchNormalization
+        ``F``), summed over calls; ``refresh_interval_f``.
+
+    Every kind is captured when the backward pass runs through the call: a
+    call that no backward pass reaches contributes nothing.
     """
 
     INPUTS = 'forward'
@@ -45,8 +61,18 @@ class FactorKind(enum.Enum):
 
     @property
     def forward(self) -> bool:
-        """Captured in the forward pass (else in the backward pass)."""
+        """Estimated from the call's inputs (else from gradients)."""
         return self is FactorKind.INPUTS
+
+    @property
+    def interval(self) -> str:
+        """The refresh interval that schedules it: ``'A'``, ``'G'`` or
+        ``'F'``."""
+        return _INTERVAL_OF[self]
+
+
+_INTERVAL_OF = {FactorKind.INPUTS: 'A', FactorKind.OUTPUT_GRADS: 'G',
+                FactorKind.PARAM_GRADS: 'F'}
 
 
 class Unsupported(Exception):
@@ -54,7 +80,22 @@ class Unsupported(Exception):
 
     The link's parameters then get the plain (unpreconditioned) gradient;
     the message says why in the registration table.
+
+    Parameters
+    ----------
+    reason : str
+    rescaled_weight : chainer.Parameter, optional
+        The weight eq. (20) concerns even though the link gets the plain
+        gradient (a grouped convolution's kernel), with
+    output_size : int, optional
+        its d_out.
     """
+
+    def __init__(self, reason: str, rescaled_weight=None,
+                 output_size: Optional[int] = None):
+        super().__init__(reason)
+        self.rescaled_weight = rescaled_weight
+        self.output_size = output_size
 
 
 class BlockOptions:
@@ -66,11 +107,26 @@ class BlockOptions:
         ``float16`` builds factors from half-precision products.
     bn_fisher : {'full', 'diag'}
         Fisher of BatchNormalization's (γ, β): full or diagonal.
+    max_factor_dim : int or None
+        A factor larger than this (n×n with n > ``max_factor_dim``) is kept
+        as its diagonal instead (inverting it would cost n³ and n² memory).
+        ``None``: no limit.
+    conv_a_strategy : {'unfolded', 'shifted'}, optional
+        How a convolution forms ``A`` (:func:`chainerkfac.fisher_blocks.
+        patches.patch_gram`); by default the cheaper one.
     """
 
-    def __init__(self, factor_dtype='float32', bn_fisher: str = 'full'):
+    def __init__(self, factor_dtype='float32', bn_fisher: str = 'full',
+                 max_factor_dim: Optional[int] = None,
+                 conv_a_strategy: Optional[str] = None):
         self.factor_dtype = numpy.dtype(factor_dtype)
         self.bn_fisher = bn_fisher
+        self.max_factor_dim = max_factor_dim
+        self.conv_a_strategy = conv_a_strategy
+
+    def too_large(self, n: int) -> bool:
+        """Whether an n×n factor exceeds :attr:`max_factor_dim`."""
+        return self.max_factor_dim is not None and n > self.max_factor_dim
 
 
 class FisherBlock:
@@ -80,10 +136,12 @@ class FisherBlock:
     implements :attr:`params`, :meth:`factor_shapes`, the capture methods,
     :meth:`inverse_requests` and :meth:`precondition`.
 
-    The capture hook routes a function call to a block when the function
-    node is an instance of :attr:`function_types` and its second input is
-    the block's first parameter (``params[0]``): ``linear(x, W, b)``,
+    The capture routes a function call to a block when the function node
+    is an instance of :attr:`function_types` and its second input is the
+    block's first parameter (``params[0]``): ``linear(x, W, b)``,
     ``convolution_2d(x, W, b)``, ``batch_normalization(x, gamma, beta)``.
+    The calls are handed over when the backward pass runs through them,
+    with the inputs the function retained for its own backward.
 
     Parameters
     ----------
@@ -100,15 +158,22 @@ class FisherBlock:
     factor_kinds: Dict[str, FactorKind] = {}
     #: FunctionNode type(s) this block captures from.
     function_types: tuple = ()
+    #: FunctionNode types that normalise their first input per channel
+    #: (BatchNormalization): a layer whose output reaches only these is
+    #: scale invariant (:mod:`chainerkfac.scale_invariance`, eq. 20).
+    normalizing_function_types: tuple = ()
 
     def __init__(self, name: str, link, options: Optional[BlockOptions] = None):
         options = options or BlockOptions()
         self.name = name
         self.link = link
         self.factor_dtype = options.factor_dtype
-        self._sums: Dict[str, object] = {}
-        self._counts: Dict[str, int] = {}
-        self._seen: set = set()
+        # This step's capture: sums over the closed micro-batches, and the
+        # open micro-batch's sums and calls.
+        self._step_sums: Dict[str, object] = {}
+        self._step_counts: Dict[str, int] = {}
+        self._open: Dict[str, object] = {}
+        self._calls: Dict[str, int] = {}
         self._scales: Dict[str, float] = {}
         self._collect: frozenset = frozenset()
         #: Averaged (and reduced) factors, as last refreshed.
@@ -138,6 +203,17 @@ class FisherBlock:
         """Parameters in the order :meth:`precondition` takes them."""
         raise NotImplementedError
 
+    @property
+    def rescaled_weight(self):
+        """The weight eq. (20) may rescale (a Linear or convolution kernel),
+        or None."""
+        return None
+
+    @property
+    def output_size(self) -> Optional[int]:
+        """d_out of :attr:`rescaled_weight` (eq. 20's norm is √(2·d_out))."""
+        return None
+
     def factor_shapes(self) -> Dict[str, Tuple[int, ...]]:
         raise NotImplementedError
 
@@ -163,65 +239,94 @@ class FisherBlock:
         if any(p.array is None for p in self.params):
             return '(not initialised)'
         shapes = self.factor_shapes()
-        return ', '.join('{} {}'.format(n, 'x'.join(map(str, shapes[n])))
-                         for n in self.factor_names)
+        return ', '.join(
+            '{} {}'.format(n, 'x'.join(map(str, shapes[n])) if
+                           len(shapes[n]) == 2 else
+                           '{} (diag)'.format(shapes[n][0]))
+            for n in self.factor_names)
 
     # -- stages 1-2: capture -------------------------------------------------
     def start_capture(self, names) -> None:
-        """Collect the named factors in the coming micro-batches; others
-        are dropped (a block that computes several backward factors in one
-        call keeps only those due)."""
+        """Collect the named factors from now on (a new step); others are
+        dropped (a block that computes several factors in one call keeps
+        only those due)."""
+        self.reset_capture()
         self._collect = frozenset(names)
-        self._scales = {}
+
+    def collects(self, kind: FactorKind) -> bool:
+        """Whether a factor of ``kind`` is being collected this step."""
+        return any(self.factor_kinds[n] is kind for n in self._collect)
 
     def scale_capture(self, scales: Dict[str, float]) -> None:
         """Multiply what the rest of this micro-batch captures of each named
-        factor (the optimizer's correction for a summed loss)."""
+        factor (the optimizer's correction for a summed loss, the weight of
+        a Monte-Carlo sample)."""
         self._scales = dict(scales)
 
-    def capture_forward(self, function, in_data) -> None:
-        """Called by the capture hook before ``function``'s forward, when
-        one of this block's forward factors is due."""
+    def capture_inputs(self, function, in_data) -> None:
+        """A call's contribution to the factors of kind ``INPUTS``
+        (``in_data``: the inputs the function retained)."""
 
-    def capture_backward(self, function, in_data, out_grad) -> None:
-        """Called by the capture hook before ``function``'s backward, when
-        one of this block's backward factors is due."""
+    def capture_gradients(self, function, in_data, out_grad) -> None:
+        """A call's contribution to the factors of kinds ``OUTPUT_GRADS``
+        and ``PARAM_GRADS`` (``out_grad``: the gradients w.r.t. the
+        function's outputs)."""
 
     def _accumulate(self, factor: str, value) -> None:
-        """Add one call's estimate of ``factor`` (for one micro-batch).
-
-        A link called several times in one micro-batch contributes the sum
-        of its calls.
-        """
+        """Add one call's estimate of ``factor`` to the open micro-batch."""
         if factor not in self._collect:
             return
         scale = self._scales.get(factor)
         if scale is not None:
             value = value * value.dtype.type(scale)
-        if factor in self._sums:
-            self._sums[factor] += value
+        if factor in self._open:
+            self._open[factor] += value
         else:
-            self._sums[factor] = value
-        self._seen.add(factor)
+            self._open[factor] = value
+        self._calls[factor] = self._calls.get(factor, 0) + 1
 
-    def end_micro_batch(self) -> None:
-        """Close a micro-batch: count it for the factors it captured."""
-        for factor in self._seen:
-            self._counts[factor] = self._counts.get(factor, 0) + 1
-        self._seen = set()
+    def discard_open(self) -> None:
+        """Forget what the open micro-batch captured (its parameters'
+        gradients were cleared: what it saw is no part of the gradient)."""
+        self._open = {}
+        self._calls = {}
+
+    def end_micro_batch(self, passes: int = 1) -> None:
+        """Close a micro-batch: its factors join the step's sums.
+
+        ``passes`` backward passes ran over the same calls to estimate the
+        gradient factors (Monte-Carlo samples, columns of the loss
+        Hessian's root): a factor of kind ``OUTPUT_GRADS`` is the mean over
+        the calls of one pass (see the module docstring).
+        """
+        for factor, value in self._open.items():
+            calls = self._calls[factor]
+            if self.factor_kinds[factor] is FactorKind.OUTPUT_GRADS and \
+                    calls != passes:
+                value = value * value.dtype.type(passes / calls)
+            if factor in self._step_sums:
+                self._step_sums[factor] += value
+                self._step_counts[factor] += 1
+            else:
+                self._step_sums[factor] = value
+                self._step_counts[factor] = 1
+        self.discard_open()
         self._scales = {}
 
     def captured(self) -> Dict[str, Tuple[object, int]]:
         """``{factor: (sum over micro-batches, number of micro-batches)}``
         of this step's capture, then forget it."""
-        out = {f: (self._sums[f], self._counts[f]) for f in self._counts}
-        self.reset_capture()
+        out = {f: (self._step_sums[f], self._step_counts[f])
+               for f in self._step_counts}
+        self._step_sums = {}
+        self._step_counts = {}
         return out
 
     def reset_capture(self) -> None:
-        self._sums = {}
-        self._counts = {}
-        self._seen = set()
+        """Forget everything captured this step and collect nothing."""
+        self._step_sums = {}
+        self._step_counts = {}
+        self.discard_open()
         self._scales = {}
         self._collect = frozenset()
 
@@ -241,6 +346,13 @@ class FisherBlock:
         cannot invert yet (e.g. the other Kronecker factor is missing) are
         left out."""
         raise NotImplementedError
+
+    def keep_candidate(self, factor: str, value) -> None:
+        """Store a refreshed factor that cannot be inverted yet (its
+        Kronecker partner is missing); its inverse follows at a later
+        refresh."""
+        self.factors[factor] = value
+        self.refresh_count[factor] += 1
 
     def commit(self, factor: str, value, result: linalg.InverseResult,
                with_diff: bool = False) -> bool:
@@ -265,6 +377,16 @@ class FisherBlock:
         self.inverse_damping[factor] = float(result.damping)
         self.inverse_count[factor] += 1
         return True
+
+    def mark_refreshed(self, factor: str, step: int) -> None:
+        """Record that ``factor`` was refreshed at K-FAC step ``step`` (its
+        staleness counts from there)."""
+        self.last_refresh[factor] = int(step)
+
+    def forget_refresh(self, factor: str) -> None:
+        """Make ``factor`` due at the next step (a restored state lacks
+        it)."""
+        self.last_refresh[factor] = -1
 
     def drop_factors(self) -> None:
         """Forget factors and inverses (a process that no longer owns the
@@ -364,19 +486,33 @@ class PlainBlock(FisherBlock):
         The link's own parameters.
     reason : str
         Why this link gets no curvature (shown in the registration table).
+    rescaled_weight, output_size : optional
+        The weight eq. (20) still concerns, and its d_out (see
+        :class:`Unsupported`).
     """
 
     kind = 'plain gradient'
     factor_kinds: Dict[str, FactorKind] = {}
 
-    def __init__(self, name, link, options=None, params=(), reason=''):
+    def __init__(self, name, link, options=None, params=(), reason='',
+                 rescaled_weight=None, output_size=None):
         super().__init__(name, link, options)
         self._params = list(params)
         self.note = reason
+        self._rescaled_weight = rescaled_weight
+        self._output_size = output_size
 
     @property
     def params(self):
         return self._params
+
+    @property
+    def rescaled_weight(self):
+        return self._rescaled_weight
+
+    @property
+    def output_size(self):
+        return self._output_size
 
     def factor_shapes(self):
         return {}

@@ -3,7 +3,8 @@
 BN is not Kronecker-factored (section 5.4): the Fisher of ``(γ, β)`` is the
 full ``2C × 2C`` matrix ``F = E[f fᵀ]`` of the per-sample gradients
 ``f_n = N·[Σ_hw gy_n x̂_n, Σ_hw gy_n]`` ("no approx"), or its diagonal
-(``bn_fisher='diag'``). Its damping is ``ρ_BN · γ`` (section 4.3) and the
+(``bn_fisher='diag'``; also a full Fisher larger than
+``BlockOptions.max_factor_dim``, 2C > the limit). Its damping is ``ρ_BN · γ`` (section 4.3) and the
 regularisation pulls γ towards μ = 1 (eq. 13).
 """
 import numpy
@@ -29,6 +30,8 @@ class BatchNormalizationBlock(FisherBlock):
 
     factor_kinds = {'F': FactorKind.PARAM_GRADS}
     function_types = (bn_module.BatchNormalization,)
+    normalizing_function_types = (bn_module.BatchNormalization,
+                                  bn_module.FixedBatchNormalization)
 
     def __init__(self, name, link, options=None):
         options = options or BlockOptions()
@@ -47,9 +50,24 @@ class BatchNormalizationBlock(FisherBlock):
                               'the channel axis 1 is modelled'.format(
                                   link.axis))
         super().__init__(name, link, options)
-        self.mode = mode
-        self.kind = 'BN ({})'.format('full Fisher' if mode == 'full'
-                                     else 'diagonal Fisher')
+        self._requested = mode
+        self._options = options
+
+    @property
+    def mode(self) -> str:
+        """``'full'`` or ``'diag'``: as asked, unless the full 2C×2C Fisher
+        exceeds ``max_factor_dim`` (decided once γ exists)."""
+        if self._requested == 'full' and self.link.gamma.array is not None \
+                and self._options.too_large(2 * self.channels):
+            self.note = 'diagonal Fisher (2C={} > max_factor_dim={})'.format(
+                2 * self.channels, self._options.max_factor_dim)
+            return 'diag'
+        return self._requested
+
+    @property
+    def kind(self) -> str:
+        return 'BN ({})'.format('full Fisher' if self.mode == 'full'
+                                else 'diagonal Fisher')
 
     @property
     def params(self):
@@ -70,7 +88,7 @@ class BatchNormalizationBlock(FisherBlock):
     def damping_scale(self, rho_bn):
         return rho_bn
 
-    def capture_backward(self, function, in_data, out_grad):
+    def capture_gradients(self, function, in_data, out_grad):
         x, gy = in_data[0], out_grad[0]
         # The batch statistics of the forward pass (every BN implementation
         # of Chainer keeps them for its backward).

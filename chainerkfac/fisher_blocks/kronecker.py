@@ -15,6 +15,11 @@ flattened to (d_out, C·kh·kw)) and the bias appended as the last column,
 The damped inverse ``(G ⊗ A + γI)⁻¹`` is approximated by
 ``(G + γ_G I)⁻¹ ⊗ (A + γ_A I)⁻¹`` with the trace-norm split
 ``γ_A = π√γ``, ``γ_G = √γ/π``, ``π² = (tr A / dim A) / (tr G / dim G)``.
+
+A factor larger than ``BlockOptions.max_factor_dim`` (VGG16's fc6 has
+d_in = 25089: A would take 2.5 GB and an n³ inverse) is kept as its
+diagonal: ``diag(A)`` or ``diag(G)``, inverted elementwise; the other factor
+stays full when it fits.
 """
 import math
 
@@ -26,8 +31,8 @@ from chainer.backend import get_array_module
 
 from chainerkfac import linalg
 from chainerkfac.fisher_blocks import patches
-from chainerkfac.fisher_blocks.base import (FactorKind, FisherBlock,
-                                            Unsupported)
+from chainerkfac.fisher_blocks.base import (BlockOptions, FactorKind,
+                                            FisherBlock, Unsupported)
 from chainerkfac.fused import regularized_grad
 
 
@@ -36,12 +41,42 @@ class KroneckerBlock(FisherBlock):
 
     factor_kinds = {'A': FactorKind.INPUTS, 'G': FactorKind.OUTPUT_GRADS}
 
+    def __init__(self, name, link, options=None):
+        options = options or BlockOptions()
+        super().__init__(name, link, options)
+        self._options = options
+        self._diagonal = None
+
+    @property
+    def diagonal(self) -> frozenset:
+        """The factors kept as their diagonal (larger than
+        :attr:`BlockOptions.max_factor_dim`); decided once the link's
+        weight exists."""
+        if self._diagonal is None:
+            if self.link.W.array is None:
+                return frozenset()
+            self._decide_diagonal()
+        return self._diagonal
+
+    def _decide_diagonal(self) -> None:
+        sizes = {'A': self.in_size, 'G': self.out_size}
+        self._diagonal = frozenset(
+            n for n, size in sizes.items() if self._options.too_large(size))
+        self.note = '; '.join(
+            '{} diagonal ({} > max_factor_dim={})'.format(
+                n, sizes[n], self._options.max_factor_dim)
+            for n in sorted(self._diagonal))
+
     @property
     def params(self):
         params = [self.link.W]
         if self.has_bias:
             params.append(self.link.b)
         return params
+
+    @property
+    def rescaled_weight(self):
+        return self.link.W
 
     @property
     def has_bias(self) -> bool:
@@ -53,22 +88,24 @@ class KroneckerBlock(FisherBlock):
         out = getattr(self.link, 'out_size', None)
         return int(out if out is not None else self.link.out_channels)
 
+    output_size = out_size
+
     @property
     def in_size(self) -> int:
         """Columns of the weight matrix, bias column included."""
         return int(numpy.prod(self.link.W.shape[1:])) + int(self.has_bias)
 
     def factor_shapes(self):
-        return {'A': (self.in_size, self.in_size),
-                'G': (self.out_size, self.out_size)}
+        sizes = {'A': self.in_size, 'G': self.out_size}
+        return {n: (s,) if n in self.diagonal else (s, s)
+                for n, s in sizes.items()}
 
     @staticmethod
     def trace_split(a, g, damping: float):
         """Return (γ_A, γ_G): ``damping`` split by the trace norm π of the
-        factors ``a`` and ``g``."""
-        xp = get_array_module(a)
-        trace_a = float(xp.trace(a)) / a.shape[0]
-        trace_g = float(xp.trace(g)) / g.shape[0]
+        factors ``a`` and ``g`` (each a matrix or a diagonal)."""
+        trace_a = _mean_eigenvalue(a)
+        trace_g = _mean_eigenvalue(g)
         root = math.sqrt(damping)
         if trace_a > 0 and trace_g > 0 and math.isfinite(trace_a * trace_g):
             pi = math.sqrt(trace_a / trace_g)
@@ -98,10 +135,20 @@ class KroneckerBlock(FisherBlock):
         if self.has_inverses():
             a_inv = self.inverses['A'].astype(matrix.dtype, copy=False)
             g_inv = self.inverses['G'].astype(matrix.dtype, copy=False)
-            matrix = g_inv.dot(matrix).dot(a_inv)
+            matrix = (g_inv.dot(matrix) if g_inv.ndim == 2
+                      else g_inv[:, None] * matrix)
+            matrix = (matrix.dot(a_inv) if a_inv.ndim == 2
+                      else matrix * a_inv)
         if self.has_bias:
             return [matrix[:, :-1].reshape(weight.shape), matrix[:, -1]]
         return [matrix.reshape(weight.shape)]
+
+
+def _mean_eigenvalue(factor) -> float:
+    """tr(F) / dim(F) of a factor or of its diagonal."""
+    xp = get_array_module(factor)
+    total = xp.trace(factor) if factor.ndim == 2 else factor.sum()
+    return float(total) / factor.shape[0]
 
 
 class LinearBlock(KroneckerBlock):
@@ -110,17 +157,25 @@ class LinearBlock(KroneckerBlock):
     kind = 'Linear (K-FAC)'
     function_types = (linear_module.LinearFunction,)
 
-    def capture_forward(self, function, in_data):
+    def capture_inputs(self, function, in_data):
         x = in_data[0]
-        self._accumulate('A', linalg.gram(
-            x.reshape(x.shape[0], -1), 1.0 / x.shape[0], self.factor_dtype,
-            append_ones=self.has_bias))
+        rows = x.reshape(x.shape[0], -1)
+        if 'A' in self.diagonal:
+            value = linalg.diagonal_gram(rows, 1.0 / x.shape[0],
+                                         append_ones=self.has_bias)
+        else:
+            value = linalg.gram(rows, 1.0 / x.shape[0], self.factor_dtype,
+                                append_ones=self.has_bias)
+        self._accumulate('A', value)
 
-    def capture_backward(self, function, in_data, out_grad):
+    def capture_gradients(self, function, in_data, out_grad):
         gy = out_grad[0]
         # Per-sample gradient N·gy; G = (1/N) Σ (N gy)(N gy)ᵀ = N Σ gy gyᵀ.
-        self._accumulate('G', linalg.gram(gy, float(gy.shape[0]),
-                                          self.factor_dtype))
+        if 'G' in self.diagonal:
+            value = linalg.diagonal_gram(gy, float(gy.shape[0]))
+        else:
+            value = linalg.gram(gy, float(gy.shape[0]), self.factor_dtype)
+        self._accumulate('G', value)
 
 
 class Convolution2DBlock(KroneckerBlock):
@@ -139,22 +194,37 @@ class Convolution2DBlock(KroneckerBlock):
         if groups != 1:
             raise Unsupported(
                 'grouped convolution (groups={}): one Kronecker product per '
-                'group, not modelled'.format(groups))
+                'group, not modelled'.format(groups),
+                rescaled_weight=link.W, output_size=int(link.out_channels))
         super().__init__(name, link, options)
 
-    def capture_forward(self, function, in_data):
+    def capture_inputs(self, function, in_data):
         x = in_data[0]
         geometry = patches.ConvGeometry.of(function, self.link.W.shape[2:])
         # Summed over locations, averaged over the batch.
-        self._accumulate('A', patches.patch_gram(
-            x, geometry, 1.0 / x.shape[0], self.factor_dtype,
-            append_ones=self.has_bias))
+        if 'A' in self.diagonal:
+            value = patches.patch_square_sums(x, geometry, 1.0 / x.shape[0],
+                                              append_ones=self.has_bias)
+        else:
+            strategy = self._options.conv_a_strategy
+            if strategy is not None and strategy not in \
+                    patches.strategy_costs(x.shape, geometry,
+                                           get_array_module(x)):
+                strategy = None           # it does not apply to this call
+            value = patches.patch_gram(
+                x, geometry, 1.0 / x.shape[0], self.factor_dtype,
+                append_ones=self.has_bias, strategy=strategy)
+        self._accumulate('A', value)
 
-    def capture_backward(self, function, in_data, out_grad):
+    def capture_gradients(self, function, in_data, out_grad):
         gy = out_grad[0]
         n = gy.shape[0]
         locations = gy.shape[2] * gy.shape[3]
         # Per-sample gradients N·gy, averaged over batch and locations:
         # (1/(N·T)) Σ (N gy)(N gy)ᵀ = (N/T) Σ gy gyᵀ.
-        self._accumulate('G', patches.channel_gram(
-            gy, float(n) / locations, self.factor_dtype))
+        if 'G' in self.diagonal:
+            value = patches.channel_square_sums(gy, float(n) / locations)
+        else:
+            value = patches.channel_gram(gy, float(n) / locations,
+                                         self.factor_dtype)
+        self._accumulate('G', value)

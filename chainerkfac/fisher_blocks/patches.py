@@ -149,6 +149,30 @@ def channel_gram(y, scale: float, factor_dtype=numpy.float32):
     return _unfolded_gram(y, POINTWISE, scale, numpy.dtype(factor_dtype))
 
 
+def patch_square_sums(x, geometry: ConvGeometry, scale: float,
+                      append_ones: bool = False):
+    """The diagonal of :func:`patch_gram`: ``scale · Σ_n Σ_locations p²``
+    per patch entry (C·kh·kw,), +1 entry ``scale · N·oh·ow`` with
+    ``append_ones``; in the factor dtype (a factor kept as its diagonal)."""
+    xp = get_array_module(x)
+    dtype = linalg.factor_dtype_for(x.dtype)
+    x = x.astype(dtype, copy=False)
+    diagonal = _patch_sums(x * x, geometry, dtype) * dtype.type(scale)
+    if not append_ones:
+        return diagonal
+    oh, ow = geometry.out_size(*x.shape[2:])
+    return xp.concatenate([diagonal, xp.full(
+        (1,), x.shape[0] * oh * ow * scale, dtype=dtype)])
+
+
+def channel_square_sums(y, scale: float):
+    """The diagonal of :func:`channel_gram`: ``scale · Σ_n Σ_locations y²``
+    per channel."""
+    dtype = linalg.factor_dtype_for(y.dtype)
+    y = y.astype(dtype, copy=False)
+    return (y * y).sum(axis=(0, 2, 3)) * dtype.type(scale)
+
+
 def strategy_costs(x_shape, geometry: ConvGeometry, xp=numpy
                    ) -> Dict[str, float]:
     """Estimated cost of each applicable strategy, in multiply-adds.

@@ -25,6 +25,7 @@ from chainerkfac.fisher_blocks.base import (BlockOptions, FisherBlock,
 BlockFactory = Callable[[str, object, BlockOptions], FisherBlock]
 
 _REGISTRY: Dict[type, BlockFactory] = {}
+_LOGIT_FUNCTIONS: List[type] = []
 
 
 def register_block(link_class: type, block_factory: BlockFactory) -> None:
@@ -54,6 +55,23 @@ def register_block(link_class: type, block_factory: BlockFactory) -> None:
     _REGISTRY[link_class] = block_factory
 
 
+def register_logits_function(function_type: type) -> None:
+    """Make calls of ``function_type`` (a FunctionNode class whose first
+    input is the logits of a categorical model: softmax, log-softmax,
+    softmax cross-entropy) mark the logits that ``fisher='mc'`` and
+    ``fisher='exact'`` take their extra backward passes from."""
+    if not isinstance(function_type, type):
+        raise TypeError('register_logits_function takes a FunctionNode '
+                        'class, got {!r}'.format(function_type))
+    if function_type not in _LOGIT_FUNCTIONS:
+        _LOGIT_FUNCTIONS.append(function_type)
+
+
+def logits_functions() -> tuple:
+    """The registered logits-consuming function types."""
+    return tuple(_LOGIT_FUNCTIONS)
+
+
 def plain_gradient(reason: str) -> BlockFactory:
     """A block factory that declines every link with ``reason``."""
     def factory(name, link, options):
@@ -81,7 +99,9 @@ def block_for(name: str, link, options: BlockOptions) -> FisherBlock:
     try:
         return factory(name, link, options)
     except Unsupported as why:
-        return PlainBlock(name, link, options, own, str(why))
+        return PlainBlock(name, link, options, own, str(why),
+                          rescaled_weight=why.rescaled_weight,
+                          output_size=why.output_size)
 
 
 def own_params(link) -> List:

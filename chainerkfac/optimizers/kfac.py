@@ -1,106 +1,70 @@
 """K-FAC for Chainer (Osawa et al., CVPR 2019), single- or multi-process.
 
-One training step, top to bottom (:meth:`KFAC.update`):
+One K-FAC step, top to bottom (:meth:`KFAC._step`, Algorithm 1):
 
-1-2. forward and backward of the user's loss with the capture hook on
-     (:mod:`chainerkfac.capture`) — only the factors due this step;
+1-2. the forward and backward passes of the loss — run by the user's loop
+     or by ``update(lossfun, ...)`` — while the capture estimates the
+     factors due this step (:mod:`chainerkfac.estimator`);
 3.   the transport sums gradients and due factors over processes and leaves
      each block's on its owner (:mod:`chainerkfac.transport`);
 4.   owners refresh their blocks' damped inverses
      (:mod:`chainerkfac.fisher_blocks`, :mod:`chainerkfac.linalg`);
 5.   owners precondition their blocks' gradients, ``(F + γI)⁻¹ ∇E``;
 6.   the transport gives every process all preconditioned gradients;
-     then every process applies eqs. (19)-(20) (:class:`KFACRule`).
+     then, unless a direction is not finite (:mod:`chainerkfac.step_guard`),
+     every process applies eqs. (19)-(20)
+     (:mod:`chainerkfac.optimizers.update_rule`,
+     :mod:`chainerkfac.optimizers.rescale`).
 """
 import logging
-import math
-import time
+import sys
 import warnings
 from typing import Dict, List, Optional
 
 import numpy
 
 import chainer
-import chainer.functions as F
-import chainer.links as L
 from chainer import optimizer
-from chainer.backend import get_array_module
-from chainer.functions.math import sum as sum_module
 
 from chainerkfac import _logging
-from chainerkfac import capture
 from chainerkfac import equations
 from chainerkfac import fisher_blocks
-from chainerkfac import fused
 from chainerkfac import linalg
-from chainerkfac import scale_invariance
+from chainerkfac.estimator import CurvatureEstimator
 from chainerkfac.optimizers import options
-from chainerkfac.fisher_blocks import FactorKind
+from chainerkfac.optimizers import registration
+from chainerkfac.optimizers import state
+from chainerkfac.optimizers.rescale import WeightRescale
+from chainerkfac.optimizers.update_rule import RESCALE_EPS  # NOQA
+from chainerkfac.optimizers.update_rule import KFACRule
+from chainerkfac.stage_timer import StageTimer
+from chainerkfac.step_guard import StepGuard
 from chainerkfac.transport import LocalTransport
 
 logger = logging.getLogger(__name__)
 
-#: ε of eq. (20).
-RESCALE_EPS = fused.RESCALE_EPS
-#: Links whose weight eq. (20) concerns (the paper's Conv and FC layers).
-RESCALED_LINKS = (L.Linear, L.Convolution2D)
-#: Which refresh interval schedules each kind of factor.
-_INTERVAL_OF = {FactorKind.INPUTS: 'A', FactorKind.OUTPUT_GRADS: 'G',
-                FactorKind.PARAM_GRADS: 'F'}
-
-_default_hyperparam = optimizer.Hyperparameter()
-_default_hyperparam.lr = 0.01
-_default_hyperparam.momentum = 0.9
-
-
-class KFACRule(optimizer.UpdateRule):
-    """Update rule of one parameter: eqs. (19) and (20).
-
-    ``w ← w − η G + m (w − w_prev)``, then, where eq. (20) applies,
-    ``w ← √(2·d_out) · w / (‖w‖ + ε)``. The state ``v`` holds the last
-    displacement ``w(t) − w(t−1)`` of the (rescaled) weights. The direction
-    ``G`` is handed over by the optimizer for each step in
-    :attr:`direction`.
-    """
-
-    def __init__(self, parent_hyperparam=None, lr=None, momentum=None):
-        super().__init__(parent_hyperparam or _default_hyperparam)
-        if lr is not None:
-            self.hyperparam.lr = lr
-        if momentum is not None:
-            self.hyperparam.momentum = momentum
-        #: Target norm of eq. (20), or None for no rescaling.
-        self.rescale_norm: Optional[float] = None
-        #: Preconditioned gradient for the coming update (consumed by it).
-        self.direction = None
-
-    def init_state(self, param):
-        with chainer.using_device(param.device):
-            self.state['v'] = param.device.xp.zeros_like(param.array)
-
-    def update_core_cpu(self, param):
-        direction, self.direction = self.direction, None
-        if direction is None:
-            return
-        fused.momentum_step(param.array, self.state['v'], direction,
-                            self.hyperparam.lr, self.hyperparam.momentum,
-                            self.rescale_norm)
-
-    # One fused kernel per parameter (three with eq. 20) on the GPU.
-    update_core_gpu = update_core_cpu
+_default_lr = 0.01
+_default_momentum = 0.9
 
 
 class KFAC(optimizer.GradientMethod):
     """Kronecker-factored natural gradient with the paper's schemes.
 
-    Set up and driven exactly like :class:`chainer.optimizers.MomentumSGD`::
+    Set up and driven like :class:`chainer.optimizers.MomentumSGD`, in any
+    training loop::
 
         optimizer = chainerkfac.optimizers.KFAC(lr=..., momentum=...)
         optimizer.setup(model)
-        optimizer.update(model, x, t)   # or through a StandardUpdater
+        optimizer.update(lossfun, x, t)     # a StandardUpdater does this
+        # or
+        model.cleargrads(); loss.backward(); optimizer.update()
 
-    ``update`` must be given the loss function (K-FAC captures layer inputs
-    and output gradients while it runs).
+    From ``setup`` on, K-FAC sees every backward pass through the model's
+    links (:mod:`chainerkfac.capture`): a step's factors are estimated from
+    exactly the backward passes that make its gradient — those since the
+    links' gradients were last cleared — whoever runs them. A link called
+    several times contributes every call (A summed over calls, G averaged:
+    :mod:`chainerkfac.fisher_blocks.base`).
 
     Which link gets which Fisher block is decided by the block registry
     (:func:`chainerkfac.register_block`): Linear and Convolution2D get
@@ -111,10 +75,13 @@ class KFAC(optimizer.GradientMethod):
     registration table (logged at the first update) says what each link
     got and why.
 
-    A link not called in a step contributes nothing to that step: a factor
-    due then keeps its previous value and inverse and stays due (its
-    staleness does not advance); parameters without a gradient on any
-    process are not updated that step.
+    A link not reached by a backward pass in a step contributes nothing to
+    that step: a factor due then keeps its previous value and inverse and
+    stays due (its staleness does not advance; a warning names the link);
+    parameters without a gradient on any process are not updated that step.
+    The reporter counts, every step, the blocks preconditioned
+    (``kfac/preconditioned_blocks``) and those on the plain gradient
+    (``kfac/plain_blocks``).
 
     Parameters
     ----------
@@ -129,9 +96,15 @@ class KFAC(optimizer.GradientMethod):
         BatchNormalization layers use ``ρ_BN · γ`` (section 4.3).
     bn_fisher : {'full', 'diag'}
         Full 2C×2C Fisher of (γ, β) ("no approx") or its diagonal (5.4).
-    fisher : {'emp', 'mc'}
-        Empirical Fisher with the true labels (the paper), or one label per
-        sample drawn from the model's softmax (Monte-Carlo "true" Fisher).
+    fisher : {'emp', 'mc', 'exact'}
+        The output-gradient factors from the empirical Fisher with the true
+        labels (the paper); from ``mc_samples`` labels per sample drawn from
+        the model's softmax (Monte-Carlo "true" Fisher); or from the loss
+        Hessian's exact root, one extra backward pass per class (KFLR's G,
+        Botev et al. 2017). ``'mc'`` and ``'exact'`` need the loss function
+        (``update(lossfun, ...)``) and a softmax-type loss.
+    mc_samples : int
+        Label draws per micro-batch for ``fisher='mc'``.
     acc_iters : int
         Micro-batches accumulated (gradients and factors) per K-FAC step:
         one step every ``acc_iters`` calls of :meth:`update`.
@@ -151,7 +124,7 @@ class KFAC(optimizer.GradientMethod):
         ``√(2·d_out)`` after every step. ``'auto'`` (default): only weights
         whose layer is scale invariant — its output feeds a
         BatchNormalization (:mod:`chainerkfac.scale_invariance`), found from
-        the graph of the first update — where rescaling leaves the network's
+        the graph of the first step — where rescaling leaves the network's
         function unchanged. On ResNet-50 that is every convolution but not
         the final FC. ``True``: every Linear and Convolution2D weight, as
         the paper does (its FC included; the ImageNet configs use this).
@@ -168,45 +141,58 @@ class KFAC(optimizer.GradientMethod):
         with an error. With ``'sum'`` the factors are rescaled and the
         gradient divided by the number of samples, so the step equals that
         of the mean loss.
+    max_factor_dim : int or None
+        The cost guard: a factor of dimension n > ``max_factor_dim``
+        (inverting it costs n³, storing it n²) is kept as its diagonal —
+        VGG16's fc6 input factor (n = 25089), a wide BatchNormalization's
+        full Fisher (2C) — and the registration table says so. ``None``: no
+        limit (the ImageNet configs, as the paper).
+    conv_a_strategy : {'unfolded', 'shifted'}, optional
+        Force how convolutions form A where it applies (benchmarks); by
+        default the cheaper one (:mod:`chainerkfac.fisher_blocks.patches`).
     fisher_diff : bool
         Compute Diff(t) of eq. (21) for every refreshed factor
         (:attr:`fisher_diffs`, and reported as ``kfac/diff/...``).
     verbose : bool
         Log the registration table (layer → block → factor shapes, eq. 20)
-        at the first update (on stdout unless logging is configured).
+        at the first step (on stdout unless logging is configured).
     seed : int, optional
-        Seed of the label sampler of the MC Fisher.
+        Seed of the label sampler of the MC Fisher
+        (:attr:`label_sampler`).
     """
 
     lr = optimizer.HyperparameterProxy('lr')
     momentum = optimizer.HyperparameterProxy('momentum')
 
-    def __init__(self, lr=_default_hyperparam.lr,
-                 momentum=_default_hyperparam.momentum,
+    def __init__(self, lr=_default_lr, momentum=_default_momentum,
                  damping: float = 1e-3,
                  damping_target: Optional[float] = None,
                  damping_warmup_steps: Optional[int] = None,
                  rho_bn: float = 1.0, bn_fisher: str = 'full',
-                 fisher: str = 'emp', acc_iters: int = 1,
-                 refresh_interval_a=1, refresh_interval_g=1,
-                 refresh_interval_f=1, factor_dtype: str = 'float32',
-                 factor_decay: float = 0.0, weight_rescale='auto',
-                 skip_layers=(), loss_reduction: str = 'mean',
+                 fisher: str = 'emp', mc_samples: int = 1,
+                 acc_iters: int = 1, refresh_interval_a=1,
+                 refresh_interval_g=1, refresh_interval_f=1,
+                 factor_dtype: str = 'float32', factor_decay: float = 0.0,
+                 weight_rescale='auto', skip_layers=(),
+                 loss_reduction: str = 'mean',
+                 max_factor_dim: Optional[int] = None,
+                 conv_a_strategy: Optional[str] = None,
                  fisher_diff: bool = False, verbose: bool = True,
                  seed: Optional[int] = None):
         super().__init__()
-        self.hyperparam.lr = lr
-        self.hyperparam.momentum = momentum
         options.check_options(
             lr=lr, momentum=momentum, damping=damping,
             damping_target=damping_target,
             damping_warmup_steps=damping_warmup_steps, rho_bn=rho_bn,
-            bn_fisher=bn_fisher, fisher=fisher, acc_iters=acc_iters,
-            refresh_interval_a=refresh_interval_a,
+            bn_fisher=bn_fisher, fisher=fisher, mc_samples=mc_samples,
+            acc_iters=acc_iters, refresh_interval_a=refresh_interval_a,
             refresh_interval_g=refresh_interval_g,
             refresh_interval_f=refresh_interval_f, factor_dtype=factor_dtype,
             factor_decay=factor_decay, weight_rescale=weight_rescale,
-            loss_reduction=loss_reduction)
+            loss_reduction=loss_reduction, max_factor_dim=max_factor_dim,
+            conv_a_strategy=conv_a_strategy)
+        self.hyperparam.lr = lr
+        self.hyperparam.momentum = momentum
         self.damping = float(damping)
         self.damping_target = damping_target
         self.damping_warmup_steps = damping_warmup_steps
@@ -217,6 +203,7 @@ class KFAC(optimizer.GradientMethod):
         self.rho_bn = float(rho_bn)
         self.bn_fisher = bn_fisher
         self.fisher = fisher
+        self.mc_samples = mc_samples
         self.acc_iters = acc_iters
         self.refresh_intervals = {
             'A': equations.resolve_interval(refresh_interval_a),
@@ -228,24 +215,32 @@ class KFAC(optimizer.GradientMethod):
         self.skip_layers = skip_layers
         fisher_blocks.registry.skip_matchers(skip_layers)  # check the types
         self.loss_reduction = loss_reduction
+        self.max_factor_dim = max_factor_dim
+        self.conv_a_strategy = conv_a_strategy
         self.fisher_diff = fisher_diff
         self.verbose = verbose
-        self._rng = numpy.random.RandomState(seed)
         self.blocks: List = []
+        #: Stages 1-2: capture and factor estimation.
+        self.estimator = CurvatureEstimator(fisher, mc_samples,
+                                            loss_reduction, seed)
+        #: Eq. (20): which weights are rescaled.
+        self.rescale = WeightRescale(weight_rescale)
+        #: The skipped-step guard (:attr:`StepGuard.skipped` after a step).
+        self.guard = StepGuard()
         #: Stages 3 and 6 (see :mod:`chainerkfac.transport`).
         self.transport = LocalTransport()
+        #: The gradients arrive averaged over processes already
+        #: (ChainerMN's own multi-node optimizer wraps this one).
+        self.gradients_reduced = False
         #: Diff(t) of eq. (21) from the last refresh: {(layer, factor): x}.
         self.fisher_diffs: Dict = {}
-        #: Wall time of each stage in the last step (seconds).
-        self.stage_times: Dict[str, float] = {}
-        #: Synchronise the device before reading stage timers (benchmarks).
-        self.synchronize_stage_timers = False
+        self.timer = StageTimer()
         self._micro = 0
-        self._samples = 0
-        self._due: Dict = {}
+        self._grad_sums: Dict[int, object] = {}
         self._started = False
-        self._rescale_decided = False
-        self._persistent_backup = None
+        self._checkpoint_due = False
+        self._table_shown = False
+        self._warned_uncaptured: set = set()
 
     # -- set-up ----------------------------------------------------------------
     def create_update_rule(self):
@@ -254,181 +249,145 @@ class KFAC(optimizer.GradientMethod):
     def setup(self, link):
         super().setup(link)
         self.blocks = fisher_blocks.build_blocks(
-            link, fisher_blocks.BlockOptions(self.factor_dtype,
-                                             self.bn_fisher),
+            link, fisher_blocks.BlockOptions(
+                self.factor_dtype, self.bn_fisher, self.max_factor_dim,
+                self.conv_a_strategy),
             self.skip_layers)
         for text, match in fisher_blocks.registry.skip_matchers(
                 self.skip_layers):
             if not any(match(n, l) for n, l in link.namedlinks()):
                 warnings.warn('KFAC: skip_layers entry {!r} matches no link '
                               'of the model'.format(text))
-        if self.weight_rescale is True:
-            self._set_rescaled({id(p) for p, _ in self._rescale_candidates()})
+        self.rescale.setup(self.blocks)
+        self.estimator.setup(self.blocks)
+        self.guard.checkpoint(link)
+        self._begin_step()
         return self
 
     @property
     def started(self) -> bool:
-        """Whether the first update has begun (the transport is set up)."""
+        """Whether the first step has begun (the transport is set up)."""
         return self._started
 
-    def _rescale_candidates(self):
-        """``[(W, d_out)]`` of the weights eq. (20) may concern."""
-        out = []
-        for _, link in self.target.namedlinks():
-            if isinstance(link, RESCALED_LINKS):
-                weight = getattr(link, 'W', None)
-                if weight is not None:
-                    d_out = getattr(link, 'out_size', None) or \
-                        link.out_channels
-                    out.append((weight, int(d_out)))
-        return out
+    @property
+    def label_sampler(self):
+        """The MC Fisher's label sampler
+        (:class:`chainerkfac.estimator.LabelSampler`)."""
+        return self.estimator.label_sampler
 
-    def _set_rescaled(self, ids):
-        for weight, d_out in self._rescale_candidates():
-            weight.update_rule.rescale_norm = (
-                math.sqrt(2.0 * d_out) if id(weight) in ids else None)
-        self._rescale_decided = True
+    @property
+    def pending_micro_batches(self) -> int:
+        """Micro-batches accumulated towards the coming step."""
+        return self._micro
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step was skipped (a non-finite direction):
+        weights and running statistics stayed as they were."""
+        return self.guard.skipped
+
+    @property
+    def stage_times(self) -> Dict[str, float]:
+        """Wall time of each stage in the last step (seconds)."""
+        return self.timer.times
+
+    @property
+    def synchronize_stage_timers(self) -> bool:
+        """Synchronise the device before reading stage timers
+        (benchmarks)."""
+        return self.timer.synchronize
+
+    @synchronize_stage_timers.setter
+    def synchronize_stage_timers(self, value: bool) -> None:
+        self.timer.synchronize = bool(value)
 
     def rescaled_params(self) -> List[str]:
         """Names of the parameters eq. (20) rescales (decided at the first
-        update for ``weight_rescale='auto'``)."""
+        step for ``weight_rescale='auto'``)."""
         return [name for name, param in self.target.namedparams()
                 if param.update_rule is not None and
-                param.update_rule.rescale_norm is not None]
+                getattr(param.update_rule, 'rescale_norm', None) is not None]
 
     def registration_table(self) -> str:
         """Layer → block → factor shapes → eq. (20) → note, one line per
         link with parameters."""
-        rescaled = {id(p) for p, _ in self._rescale_candidates()
-                    if p.update_rule.rescale_norm is not None}
-        candidates = {id(p) for p, _ in self._rescale_candidates()}
-        rows = [('layer', 'block', 'factors', 'rescale', 'note')]
-        for block in self.blocks:
-            weights = [p for p in block.params if id(p) in candidates]
-            if not weights:
-                rescale = '-'
-            elif not self._rescale_decided:
-                rescale = 'auto'
-            else:
-                rescale = 'yes' if id(weights[0]) in rescaled else 'no'
-            rows.append((block.name, block.kind, block.describe(), rescale,
-                         block.note))
-        width = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ['  '.join('{:<{}}'.format(r[i], width[i]) for i in range(4))
-                 + ('  ' + r[4] if r[4] else '') for r in rows]
-        lines = [line.rstrip() for line in lines]
-        n_kfac = sum(1 for b in self.blocks if b.factor_names)
-        lines.append('{} K-FAC layers, {} with the plain gradient; eq. (20) '
-                     'rescales {} of {} Linear/Convolution2D weights '
-                     '(weight_rescale={!r})'.format(
-                         n_kfac, len(self.blocks) - n_kfac, len(rescaled),
-                         len(candidates), self.weight_rescale))
-        return '\n'.join(lines)
+        return registration.registration_table(self.blocks, self.rescale)
 
     def config_fingerprint(self) -> Dict[str, str]:
-        """What must be equal on every process: parameter names, shapes and
-        dtypes, hyperparameters, step counters, blocks.
-
-        Returns
-        -------
-        dict
-            ``{'param /conv/W': '(4, 2, 3, 3) float32', 'damping': '0.001',
-            ...}`` — string values, comparable across processes.
-        """
-        items = {}
-        for name, param in sorted(self.target.namedparams()):
-            items['param ' + name] = (
-                'uninitialised' if param.array is None else
-                '{} {}'.format(tuple(param.shape), param.dtype))
-        for name in ('lr', 'momentum'):
-            items[name] = repr(getattr(self.hyperparam, name))
-        for name in ('damping', 'damping_target', 'damping_warmup_steps',
-                     'rho_bn', 'bn_fisher', 'fisher', 'acc_iters',
-                     'factor_dtype', 'factor_decay', 'weight_rescale',
-                     'loss_reduction', 'fisher_diff', 't', 'epoch'):
-            items[name] = repr(getattr(self, name))
-        for kind, interval in sorted(self.refresh_intervals.items()):
-            items['refresh_interval_' + kind] = repr(
-                [int(interval(self.t, e)) for e in sorted(
-                    set(_SCHEDULE_PROBE_EPOCHS) | {self.epoch})])
-        for block in self.blocks:
-            items['block ' + block.name] = '{} {}'.format(block.kind,
-                                                          block.note)
-        return items
+        """What must be equal on every process (see
+        :func:`chainerkfac.optimizers.registration.config_fingerprint`)."""
+        return registration.config_fingerprint(self)
 
     def _start(self) -> bool:
-        """Set up the transport and the blocks' ownership (first update).
+        """Set up the transport and the blocks' ownership (first step).
         Returns whether the transport replaced this process's parameters."""
         changed = self.transport.setup(self)
         self._started = True
-        # A restored state may hold factors of blocks owned elsewhere now
-        # (another number of processes): keep only our own, recompute their
-        # inverses, and refresh every factor no process holds.
-        flags = []
-        for block in self.blocks:
-            owned = self.transport.owns(block)
-            if owned:
-                block.restore_inverses()
-            else:
-                block.drop_factors()
-            flags += [int(owned and name not in block.factors and
-                          block.last_refresh[name] >= 0)
-                      for name in block.factor_names]
-        totals = self.transport.all_sum(numpy.array(flags, numpy.int64))
-        if totals.any():
-            totals = iter(totals)
-            stale = []
-            for block in self.blocks:
-                for name in block.factor_names:
-                    if next(totals):
-                        block.last_refresh[name] = -1
-                        stale.append(block.name + ' ' + name)
-            if self.transport.rank == 0:
-                logger.warning(
-                    'K-FAC: the restored state lacks %d factors of blocks '
-                    'owned here (a snapshot from another number of processes '
-                    'whose files were not all loaded?); they are refreshed at '
-                    'the next step: %s', len(stale), ', '.join(stale[:5]))
+        state.reconcile(self)
+        if not self.estimator.capturing:
+            # Factors no owner holds became due: capture them this step.
+            self._begin_step()
         return changed
+
+    def new_epoch(self, auto=False):
+        super().new_epoch(auto)
+        # The refresh intervals are functions of the epoch: decide again
+        # what is due, unless this step's capture has begun.
+        if self._micro == 0 and not self.estimator.capturing:
+            self._begin_step()
 
     # -- one call of update = one micro-batch ----------------------------------
     def update(self, lossfun=None, *args, **kwds):
-        """Forward/backward one micro-batch; every ``acc_iters`` calls, take
-        one K-FAC step."""
+        """Close one micro-batch; every ``acc_iters`` calls, take one K-FAC
+        step.
+
+        With ``lossfun``, run it on ``args`` / ``kwds`` and backpropagate
+        (the gradients are cleared first, as Chainer's optimizers do);
+        without, use the gradients and the backward passes since the last
+        call (``loss.backward(); optimizer.update()``).
+        """
         if lossfun is None:
-            raise TypeError(
-                'KFAC.update needs the loss function, e.g. '
-                'optimizer.update(model, x, t): K-FAC captures the layer '
-                'inputs and output gradients while it runs.')
+            self._check_manual_update(sys._getframe(1))
         first = not self._started
-        lazy = first and bool(self.transport.all_sum(numpy.array(
-            [any(p.array is None for p in self.target.params())],
-            numpy.int64))[0])
-        if first and not lazy:
-            self._start()
+        lazy = first and lossfun is not None and bool(
+            self.transport.all_sum(numpy.array(
+                [any(p.array is None for p in self.target.params())],
+                numpy.int64))[0])
+        changed = self._start() if first and not lazy else False
         if self._micro == 0:
+            self.timer.start()
+            if self._checkpoint_due and lossfun is not None:
+                self.guard.checkpoint(self.target)
+                self._checkpoint_due = False
+        if lossfun is not None:
             self.target.cleargrads()
-            self._due = self._factors_due()
-            self._backup_persistents()
-            self._mark('start')
-        self._forward_backward(lossfun, args, kwds, inspect=first)
-        if lazy and self._start():
-            # The first forward ran on this process's own initial values of
-            # lazily initialised links: redo it with rank 0's.
+            self._run_loss(lossfun, args, kwds)
+            if lazy and self._start():
+                # The first forward ran on this process's own initial
+                # values of lazily initialised links: redo it with rank 0's.
+                logger.warning(
+                    'K-FAC multi-node: lazily initialised parameters '
+                    "differed from rank 0's; the first micro-batch was "
+                    "recomputed with rank 0's values")
+                self._redo(lossfun, args, kwds)
+        elif changed:
+            # Computed with this process's own initial values: dropped, as
+            # ChainerMN's multi-node optimizer drops its first update.
             logger.warning(
-                'K-FAC multi-node: lazily initialised parameters differed '
-                "from rank 0's; the first micro-batch was recomputed with "
-                "rank 0's values")
-            self._restore_persistents()
+                "K-FAC multi-node: parameters differed from rank 0's; the "
+                "first micro-batch was computed with this process's own "
+                'values and is dropped (rank 0\'s were broadcast)')
+            self.guard.restore()
             self.target.cleargrads()
-            for block in self.blocks:
-                block.reset_capture()
-            self._samples = 0
-            self._forward_backward(lossfun, args, kwds, inspect=False)
+            self.estimator.discard_micro_batch()
+            return
+        self.estimator.end_micro_batch()
         self._micro += 1
         if self._micro < self.acc_iters:
+            self._hold_gradients()
             return
-        self._mark('forward_backward')
+        self._collect_gradients()
+        self.timer.mark('forward_backward', self._like())
         self._step()
 
     def flush_accumulation(self) -> int:
@@ -446,137 +405,79 @@ class KFAC(optimizer.GradientMethod):
         """
         pending = self._micro
         if pending:
-            self._mark('forward_backward')
+            self._collect_gradients()
+            self.timer.mark('forward_backward', self._like())
             self._step()
         return pending
 
-    def _factors_due(self):
-        due = {}
-        for block in self.blocks:
-            names = frozenset(
-                name for name, kind in block.factor_kinds.items()
-                if self._is_due(block.last_refresh[name], kind))
-            if names:
-                due[block] = names
-        return due
+    def _run_loss(self, lossfun, args, kwds) -> None:
+        self.estimator.run_loss(lossfun, args, kwds,
+                                list(self.target.params()))
 
-    def _is_due(self, last: int, kind: FactorKind) -> bool:
-        interval = self.refresh_intervals[_INTERVAL_OF[kind]]
-        return last < 0 or self.t - last >= interval(self.t, self.epoch)
+    def _redo(self, lossfun, args, kwds) -> None:
+        self.guard.restore()
+        self.target.cleargrads()
+        self.estimator.discard_micro_batch()
+        self._run_loss(lossfun, args, kwds)
 
-    def _forward_backward(self, lossfun, args, kwds, inspect=False):
-        due = self._due
-        if self._micro == 0:
-            for block, names in due.items():
-                block.start_capture(names)
-        forward_due = _of_pass(due, forward=True)
-        backward_due = _of_pass(due, forward=False)
-        # The MC Fisher takes the backward factors from a second backward
-        # pass with sampled labels; the true labels' pass captures only A.
-        monte_carlo = self.fisher == 'mc' and bool(backward_due)
-        if due or self.loss_reduction == 'sum' or inspect:
-            hook = capture.FactorCapture(
-                self.blocks, forward_due if monte_carlo else due,
-                record_logits=monte_carlo)
-        else:
-            # A stale step captures nothing: no hook on every function.
-            hook = _NO_HOOK
-        with hook:
-            loss = lossfun(*args, **kwds)
-            # Backward of some functions calls forward of others: capture
-            # A only from the loss's own forward pass.
-            hook.forward = False
-            self._check_reduction(loss)
-            batch = hook.batch_size
-            if self.loss_reduction == 'sum':
-                if not batch:
-                    raise RuntimeError(
-                        "KFAC(loss_reduction='sum') takes the batch size "
-                        'from the first modelled layer (Linear, '
-                        'Convolution2D, BatchNormalization); the loss '
-                        'called none')
-                if not monte_carlo:
-                    self._scale_backward_capture(backward_due, batch)
-            if not monte_carlo:
-                loss.backward()
-        if monte_carlo:
-            self._sampled_backward(hook.logits, backward_due)
-            loss.backward()
-        self._samples += batch or 0
-        for block in due:
-            block.end_micro_batch()
-        if inspect:
-            self._inspect_first_graph(loss)
-        del loss
+    def _check_manual_update(self, caller) -> None:
+        """``update()`` without a loss function: the Fisher passes of 'mc'
+        and 'exact' cannot run; ChainerMN's own multi-node optimizer may be
+        the caller."""
+        if self.estimator.needs_loss_function:
+            raise TypeError(
+                "KFAC(fisher={!r}) takes the output-gradient factors from "
+                "extra backward passes from the model's logits, which need "
+                'the loss function: call optimizer.update(lossfun, *args). '
+                "In a loop that calls loss.backward() itself use "
+                "fisher='emp'.".format(self.fisher))
+        if not self._started and isinstance(self.transport, LocalTransport):
+            comm = _chainermn_wrapper_communicator(caller, self)
+            if comm is not None:
+                from chainerkfac.multi_node_optimizer import make_distributed
+                make_distributed(self, comm)
+                self.gradients_reduced = True
 
-    def _check_reduction(self, loss) -> None:
-        if self.loss_reduction == 'mean' and isinstance(
-                loss.creator, sum_module.Sum):
-            raise ValueError(
-                'K-FAC: the loss is a sum over the mini-batch (its last '
-                'operation is F.sum), but K-FAC scales the factors for a '
-                "batch-mean loss. Use a mean (F.mean, or reduce='mean' in "
-                "the loss function), or KFAC(loss_reduction='sum').")
+    def _hold_gradients(self) -> None:
+        """Between the micro-batches of a step, keep the sum of their
+        gradients here (the loop may clear ``param.grad`` before the next
+        backward)."""
+        for param in self.target.params():
+            grad = param.grad
+            if grad is None:
+                continue
+            held = self._grad_sums.get(id(param))
+            if held is None:
+                self._grad_sums[id(param)] = grad
+            else:
+                held += grad
+            param.grad = None
 
-    def _scale_backward_capture(self, backward_due, batch):
-        # A summed loss delivers per-sample output gradients N times larger
-        # than a mean's: backward factors are quadratic in them.
-        scale = 1.0 / float(batch) ** 2
-        for block, names in backward_due.items():
-            block.scale_capture({n: scale for n in names})
+    def _collect_gradients(self) -> None:
+        """The step's gradient sums into ``param.grad``."""
+        if not self._grad_sums:
+            return
+        for param in self.target.params():
+            held = self._grad_sums.get(id(param))
+            if held is None:
+                continue
+            grad = param.grad
+            param.grad = held if grad is None else held + grad
+        self._grad_sums = {}
 
-    def _inspect_first_graph(self, loss) -> None:
-        """Eq. (20) 'auto' from the first graph; then the table."""
-        if self.weight_rescale == 'auto' and not self._rescale_decided:
-            invariant = scale_invariance.scale_invariant_weights(loss)
-            names = [n for n, p in sorted(self.target.namedparams())]
-            flags = numpy.array(
-                [int(id(p) in invariant)
-                 for _, p in sorted(self.target.namedparams())],
-                dtype=numpy.int64)
-            # Rescale only where every process found invariance.
-            agreed = self.transport.all_sum(flags) == self.transport.size
-            params = dict(self.target.namedparams())
-            self._set_rescaled({id(params[n]) for n, ok in zip(names, agreed)
-                                if ok})
-        if self.verbose and self.transport.rank == 0:
-            _logging.ensure_visible()
-            logger.info('K-FAC registration\n%s', self.registration_table())
-
-    def _sampled_backward(self, logits, backward_due):
-        """G/F from labels drawn from the model's softmax (MC Fisher)."""
-        if logits is None:
-            raise RuntimeError(
-                "fisher='mc' needs the logits: the loss must apply "
-                'F.softmax_cross_entropy, F.log_softmax or F.softmax to the '
-                "model's output")
-        labels = self.sample_labels(logits.array)
-        stashed = [(p, p.grad_var) for p in self.target.params()]
-        for param, _ in stashed:
-            param.grad_var = None
-        sampled_hook = capture.FactorCapture(self.blocks, backward_due)
-        sampled_hook.forward = False
-        with sampled_hook:
-            F.softmax_cross_entropy(logits, labels).backward()
-        for param, grad_var in stashed:
-            param.grad_var = grad_var
-
-    def sample_labels(self, logits):
-        """One label per row drawn from ``softmax(logits)`` (MC Fisher)."""
-        probs = chainer.backend.CpuDevice().send(
-            F.softmax(logits.astype(numpy.float64)).array)
-        cumulative = probs.cumsum(axis=1)
-        draws = self._rng.random_sample((probs.shape[0], 1))
-        labels = (cumulative < draws * cumulative[:, -1:]).sum(axis=1)
-        labels = numpy.minimum(labels, probs.shape[1] - 1).astype(numpy.int32)
-        return chainer.backend.get_device_from_array(logits).send(labels)
+    def _like(self):
+        for param in self.target.params():
+            if param.array is not None:
+                return param.array
+        return None
 
     # -- stages 3-6 and the update -----------------------------------------------
     def _step(self):
         blocks, transport = self.blocks, self.transport
         n_micro, self._micro = self._micro, 0
-        samples, self._samples = self._samples, 0
+        samples = self.estimator.samples
         captured = {b: b.captured() for b in blocks}
+        due = self.estimator.due
         # Every process learns which factors were captured anywhere (and by
         # how many micro-batches) and which parameters have a gradient
         # anywhere, so all send the same arrays.
@@ -591,6 +492,9 @@ class KFAC(optimizer.GradientMethod):
             counts[block] = {n: c for n, c in zip(
                 block.factor_names, totals) if c}
             present[block] = [bool(next(totals)) for _ in block.params]
+        self._warn_uncaptured(due, counts, present)
+        if not self._table_shown:
+            self._decide_rescale()
         self.reallocate_cleared_grads()
         scale = 1.0 / (samples if self.loss_reduction == 'sum' else n_micro)
         for block in blocks:
@@ -603,28 +507,23 @@ class KFAC(optimizer.GradientMethod):
                  for b in blocks}
         factors = {b: {n: self._local_factor(b, n, captured[b])
                        for n in counts[b]} for b in blocks}
-        self._mark('factors')
-        grads, factors = transport.reduce_scatter(blocks, grads, factors)
-        if transport.size > 1:
-            for reduced in grads.values():
-                for grad in reduced:
-                    if grad is not None:
-                        grad /= transport.size
-        self._mark('reduce_scatter')
+        self.timer.mark('factors', self._like())
+        grads, factors = self._reduce_scatter(grads, factors)
+        self.timer.mark('reduce_scatter', self._like())
 
         retries = self._refresh(factors, counts)
-        self._mark('inverse')
+        self.timer.mark('inverse', self._like())
 
         directions = {}
         for block in blocks:
             if transport.owns(block) and any(present[block]):
                 directions[block] = self._precondition(block, grads[block])
-        self._mark('precondition')
+        self.timer.mark('precondition', self._like())
         directions = transport.all_gather(blocks, directions, present)
-        self._mark('all_gather')
+        self.timer.mark('all_gather', self._like())
 
-        finite = transport.agree(fused.all_finite(
-            [d for ds in directions.values() for d in ds]))
+        finite = self.guard.check(
+            [d for ds in directions.values() for d in ds], transport.agree)
         step = self.t
         self.t += 1
         if finite:
@@ -635,19 +534,41 @@ class KFAC(optimizer.GradientMethod):
                         param.update_rule.direction = direction
                         param.update()
         else:
-            self._restore_persistents()
+            self.guard.restore()
         refreshed = set()
         for block in blocks:
             for name in counts[block]:
-                block.last_refresh[name] = step
-                refreshed.add(_INTERVAL_OF[block.factor_kinds[name]])
-        self._report(refreshed, retries, skipped=not finite)
+                block.mark_refreshed(name, step)
+                refreshed.add(block.factor_kinds[name].interval)
+        self._report(refreshed, retries)
         if self._damping_rate is not None:
-            rate = self._damping_rate
-            self.damping = (1 - rate) * self.damping + \
-                rate * self.damping_target
-        self._mark('update')
+            self.damping = equations.damping_step(
+                self.damping, self.damping_target, self._damping_rate)
+        self.timer.mark('update', self._like())
         self.call_hooks('post')
+        self.guard.checkpoint(self.target)
+        self._begin_step()
+
+    def _reduce_scatter(self, grads, factors):
+        """Stage 3: gradients and due factors summed over processes, each
+        block's on its owner (gradients averaged)."""
+        transport = self.transport
+        if self.gradients_reduced:
+            # Averaged already (ChainerMN's multi-node optimizer): only the
+            # factors travel; owners precondition their local copy.
+            _, factors = transport.reduce_scatter(
+                self.blocks, {b: [None] * len(g) for b, g in grads.items()},
+                factors)
+            return ({b: g for b, g in grads.items() if transport.owns(b)},
+                    factors)
+        grads, factors = transport.reduce_scatter(self.blocks, grads,
+                                                  factors)
+        if transport.size > 1:
+            for reduced in grads.values():
+                for grad in reduced:
+                    if grad is not None:
+                        grad /= transport.size
+        return grads, factors
 
     def _local_factor(self, block, name, captured):
         """This process's factor sum, or zeros if it captured none (others
@@ -679,8 +600,7 @@ class KFAC(optimizer.GradientMethod):
                 if name not in wanted:
                     # Cannot be inverted yet (its partner is missing): keep
                     # it for when it can.
-                    block.factors[name] = candidates[name]
-                    block.refresh_count[name] += 1
+                    block.keep_candidate(name, candidates[name])
         results = linalg.damped_inverses([r[2] for r in requests],
                                          [r[3] for r in requests])
         retries = 0
@@ -697,60 +617,96 @@ class KFAC(optimizer.GradientMethod):
         return retries
 
     def _precondition(self, block, grads):
+        """Stage 5: ``(F + γI)⁻¹ ∇E`` of one owned block."""
         damping = self.damping * block.damping_scale(self.rho_bn)
         filled = [g if g is not None else p.array * 0
                   for g, p in zip(grads, block.params)]
         out = block.precondition(filled, damping)
         return [d if g is not None else None for d, g in zip(out, grads)]
 
-    def _backup_persistents(self) -> None:
-        """Keep the running statistics (BN's mean and variance, ...) of the
-        coming step, to restore them if the step is skipped: one copy of
-        all persistent arrays (one kernel on the GPU)."""
-        arrays, scalars = [], []
-        for _, link in self.target.namedlinks():
-            for name in link._persistent:
-                value = getattr(link, name)
-                if isinstance(value, chainer.get_array_types()):
-                    arrays.append((link, name, value))
-                elif isinstance(value, (int, float, numpy.generic)):
-                    scalars.append((link, name, value))
-        groups = {}
-        for link, name, value in arrays:
-            key = (type(value), numpy.dtype(value.dtype))
-            groups.setdefault(key, []).append((link, name, value))
-        copies = []
-        for members in groups.values():
-            xp = get_array_module(members[0][2])
-            flat = xp.concatenate([v.ravel() for _, _, v in members])
-            copies.append(([(l, n, v.shape) for l, n, v in members], flat))
-        self._persistent_backup = (copies, scalars)
+    # -- between steps -------------------------------------------------------------
+    def _begin_step(self) -> None:
+        """Decide the factors due at the coming step and start capturing
+        them (the graph too, until the first step: eq. 20 'auto' and the
+        registration table)."""
+        self.estimator.start_step(self._factors_due(),
+                                  record_graph=not self._table_shown)
 
-    def _restore_persistents(self) -> None:
-        copies, scalars = self._persistent_backup or ((), ())
-        for members, flat in copies:
-            start = 0
-            for link, name, shape in members:
-                size = int(numpy.prod(shape))
-                getattr(link, name)[...] = flat[start:start + size].reshape(
-                    shape)
-                start += size
-        for link, name, value in scalars:
-            setattr(link, name, value)
+    def _factors_due(self):
+        due = {}
+        for block in self.blocks:
+            names = frozenset(
+                name for name, kind in block.factor_kinds.items()
+                if self._is_due(block.last_refresh[name], kind.interval))
+            if names:
+                due[block] = names
+        return due
 
-    def _report(self, refreshed, retries, skipped):
+    def _is_due(self, last: int, interval: str) -> bool:
+        schedule = self.refresh_intervals[interval]
+        return last < 0 or self.t - last >= schedule(self.t, self.epoch)
+
+    def _decide_rescale(self) -> None:
+        """Eq. (20) 'auto' from the first step's graph, before its update;
+        then the registration table."""
+        graph = self.estimator.graph
+        if self.rescale.mode == 'auto' and not self.rescale.decided:
+            if not graph:
+                return          # no backward pass yet: decide next step
+            self.rescale.decide_from_graph(
+                graph, lambda flags: self.transport.all_sum(flags) ==
+                self.transport.size)
+        self.estimator.stop_recording_graph()
+        self._table_shown = True
+        if self.verbose and self.transport.rank == 0:
+            _logging.ensure_visible()
+            logger.info('K-FAC registration\n%s', self.registration_table())
+
+    def _warn_uncaptured(self, due, counts, present) -> None:
+        """A due factor that no process captured: the block keeps its old
+        curvature (or none yet); say which and why, once per block."""
+        for block, names in due.items():
+            missing = sorted(n for n in names if n not in counts[block])
+            if not missing or block.name in self._warned_uncaptured:
+                continue
+            self._warned_uncaptured.add(block.name)
+            if self.transport.rank != 0:
+                continue
+            state_text = ('keeps its previous curvature' if
+                          block.has_inverses() or any(
+                              block.last_refresh[n] >= 0 for n in missing)
+                          else 'gets the plain gradient until they are')
+            why = ('no backward pass ran through it since the last update '
+                   '(not called, called in test mode or under '
+                   'no_backprop_mode, or its output reached no loss)'
+                   if not any(present[block]) else
+                   'its parameters have gradients, but no backward pass '
+                   'through a call of {} reached the hook (used by another '
+                   'function, or run in another thread?)'.format(
+                       ', '.join(t.__name__ for t in block.function_types)))
+            logger.warning('K-FAC step %d: %s (%s): factor%s %s due but not '
+                           'captured: %s; it %s', self.t, block.name,
+                           block.kind, 's' if len(missing) > 1 else '',
+                           ', '.join(missing), why, state_text)
+
+    def _report(self, refreshed, retries):
+        preconditioned = sum(
+            1 for b in self.blocks if b.factor_names and
+            all(b.last_refresh[n] >= 0 for n in b.factor_names))
         observation = {
             'kfac/damping': self.damping,
             'kfac/refresh_A': float('A' in refreshed),
             'kfac/refresh_G': float('G' in refreshed),
             'kfac/refresh_F': float('F' in refreshed),
             'kfac/inverse_retries': float(retries),
-            'kfac/skipped_step': float(skipped),
+            'kfac/skipped_step': float(self.guard.skipped),
+            'kfac/preconditioned_blocks': float(preconditioned),
+            'kfac/plain_blocks': float(len(self.blocks) - preconditioned),
         }
         for (layer, factor), value in self.fisher_diffs.items():
             observation['kfac/diff/{}{}'.format(factor, layer)] = value
         chainer.reporter.report(observation)
-        if skipped:
+        if self.guard.skipped:
             logger.warning('K-FAC step %d: non-finite preconditioned '
                            'gradient, update skipped (weights and running '
                            'statistics unchanged)', self.t)
@@ -762,88 +718,52 @@ class KFAC(optimizer.GradientMethod):
         out = {'A': -1, 'G': -1, 'F': -1}
         for block in self.blocks:
             for name, kind in block.factor_kinds.items():
-                key = _INTERVAL_OF[kind]
+                key = kind.interval
                 out[key] = max(out[key], block.last_refresh[name])
         return out
 
-    def _mark(self, stage):
-        if self.synchronize_stage_timers:
-            _synchronize(self.target)
-        now = time.perf_counter()
-        if stage != 'start':
-            self.stage_times[stage] = self.stage_times.get(stage, 0.0) + \
-                now - self._last_mark
-        else:
-            self.stage_times = {}
-        self._last_mark = now
-
     # -- state --------------------------------------------------------------------
     def serialize(self, serializer):
-        """Optimizer state: t, epoch, velocities (Chainer's), the damping,
-        the label sampler of the MC Fisher, and per block its refresh
-        bookkeeping and — for the blocks this process holds — its factors
-        (inverses are recomputed from them on loading, bit for bit)."""
+        """Optimizer state: t, epoch, velocities (Chainer's), and K-FAC's
+        own (:func:`chainerkfac.optimizers.state.serialize`)."""
         super().serialize(serializer)
-        self.damping = float(serializer('damping', self.damping))
-        # Gradients and factors of an unfinished accumulation are not part
-        # of the state: snapshot at step boundaries (train_imagenet.py does).
-        micro = int(serializer('micro_batch', self._micro))
-        if micro != self._micro:
-            warnings.warn(
-                'K-FAC state saved after {} of {} accumulated micro-batches: '
-                'they are dropped and the next update starts a new step'
-                .format(micro, self.acc_iters))
-        # The MC Fisher's label sampler continues where it stopped.
-        name, keys, position, has_gauss, gauss = self._rng.get_state()
-        keys = serializer('mc_rng_keys', keys)
-        position = int(serializer('mc_rng_position', position))
-        self._rng.set_state((name, numpy.asarray(keys, numpy.uint32),
-                             position, has_gauss, gauss))
-        state = serializer['kfac']
-        for block in self.blocks:
-            block.serialize(state[block.name.strip('/') or '_root'])
-        if self._started:
-            for block in self.blocks:
-                if self.transport.owns(block):
-                    block.restore_inverses()
+        state.serialize(self, serializer)
+        if isinstance(serializer, chainer.serializer.Deserializer):
+            if self._started:
+                for block in self.blocks:
+                    if self.transport.owns(block):
+                        block.restore_inverses()
+            # What is due follows the restored step; the running statistics
+            # to restore on a skipped step are those of the restored model,
+            # taken at the next update.
+            self._micro = 0
+            self._grad_sums = {}
+            self._begin_step()
+            self._checkpoint_due = True
 
 
-#: Epochs at which refresh-interval callables are compared across ranks.
-_SCHEDULE_PROBE_EPOCHS = (0, 1, 2, 5, 10, 20, 30, 40, 50, 60, 80, 100)
+def _chainermn_wrapper_communicator(caller_frame, optimizer):
+    """The communicator of ChainerMN's multi-node optimizer if it is the
+    caller of ``optimizer.update()``, else None.
 
-
-class _NoHook:
-    """Stands in for the capture hook in steps that capture nothing."""
-
-    forward = False
-    batch_size = None
-    logits = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NO_HOOK = _NoHook()
-
-
-def _of_pass(due, forward: bool):
-    """The part of ``{block: due names}`` captured in one pass."""
-    out = {}
-    for block, names in due.items():
-        mine = frozenset(n for n in names
-                         if block.factor_kinds[n].forward == forward)
-        if mine:
-            out[block] = mine
-    return out
-
-
-def _synchronize(target):
-    for param in target.params():
-        if param.array is not None:
-            xp = get_array_module(param.array)
-            if xp is not numpy:
-                xp.cuda.Device().synchronize()
-            return
+    ``chainermn.create_multi_node_optimizer(KFAC(...), comm)`` wraps the
+    optimizer without giving it the communicator; its ``update`` averages
+    the gradients and calls ``actual_optimizer.update(None)``. K-FAC needs
+    the communicator for its factors (Algorithm 1): the wrapper, found as
+    the caller, holds it.
+    """
+    module = sys.modules.get('chainermn.optimizers')
+    if module is None:
+        return None
+    caller = caller_frame.f_locals.get('self')
+    if isinstance(caller, module._DoubleBufferingOptimizer) and \
+            caller.actual_optimizer is optimizer:
+        raise ValueError(
+            'K-FAC under chainermn.create_multi_node_optimizer('
+            'double_buffering=True) would precondition the previous '
+            "iteration's gradients with this one's factors: use "
+            'double_buffering=False')
+    if isinstance(caller, module._MultiNodeOptimizer) and \
+            caller.actual_optimizer is optimizer:
+        return caller.communicator
+    return None

@@ -20,6 +20,8 @@ FISHER_TYPES = ('emp', 'mc', 'exact')
 FACTOR_DTYPES = ('float32', 'float16')
 #: ``loss_reduction``: how the loss reduces over the mini-batch.
 LOSS_REDUCTIONS = ('mean', 'sum')
+#: ``conv_a_strategy``: how a convolution forms A (None: the cheaper).
+CONV_A_STRATEGIES = ('unfolded', 'shifted')
 #: ``weight_rescale``: the string value (besides True / False).
 WEIGHT_RESCALE_CHOICES = ('auto',)
 
@@ -104,6 +106,9 @@ _RULES = {
                        'must be one of {}'.format(LOSS_REDUCTIONS)),
     'max_factor_dim': (lambda v: v is None or _positive_int(v),
                        'must be an int >= 1 (or None: no limit)'),
+    'conv_a_strategy': (lambda v: v is None or v in CONV_A_STRATEGIES,
+                        'must be one of {} (or None: the cheaper)'.format(
+                            CONV_A_STRATEGIES)),
 }
 _RULES['refresh_interval_g'] = _RULES['refresh_interval_a']
 _RULES['refresh_interval_f'] = _RULES['refresh_interval_a']

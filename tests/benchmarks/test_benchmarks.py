@@ -130,8 +130,8 @@ def test_capture_timer_times_each_layer_type_and_unwraps():
               for b in blocks]
     per_step = sum(len(p) for p in passes)
     assert len(calls) == 2 * 2 * per_step
-    assert all('capture_forward' not in vars(b) and
-               'capture_backward' not in vars(b) for b in blocks)
+    assert all('capture_inputs' not in vars(b) and
+               'capture_gradients' not in vars(b) for b in blocks)
 
 
 def test_dist_scaling_smoke(tmp_path):
@@ -214,11 +214,11 @@ def test_conv_a_option_forces_a_strategy_where_it_applies(strategy,
 
     for name in ('_shifted_gram', '_unfolded_gram'):
         monkeypatch.setattr(patches, name, recording(name))
-    monkeypatch.setattr(patches, 'patch_gram', patches.patch_gram)
-    step_time.force_conv_a(strategy)
     spec = step_time.SMOKE['small']
+    # --conv-a passes KFAC(conv_a_strategy=...), an option of the blocks.
     step = step_time.KFACStep(
-        step_time.build_model(spec['arch'], spec['kwargs']), 1, gpu=False)
+        step_time.build_model(spec['arch'], spec['kwargs']), 1, gpu=False,
+        conv_a_strategy=strategy)
     step(*step_time._batch(spec, numpy))
     # Stride-1 3x3 convolutions: the forced strategy; strided ones and 1x1
     # (G, shortcuts) can only be unfolded.

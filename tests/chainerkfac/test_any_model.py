@@ -229,7 +229,7 @@ class GainBlock(chainerkfac.FisherBlock):
     def factor_shapes(self):
         return {'D': self.link.g.shape}
 
-    def capture_backward(self, function, in_data, out_grad):
+    def capture_gradients(self, function, in_data, out_grad):
         x, gy = in_data[0], out_grad[0]
         n = len(x)
         # Per-sample gradient of g for a batch-mean loss: N * gy_n * x_n.

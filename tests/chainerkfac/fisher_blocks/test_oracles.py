@@ -164,14 +164,14 @@ def test_mc_fisher_uses_sampled_labels(monkeypatch):
     optimizer = helpers.kfac(lr=0.0, momentum=0.0, fisher='mc', seed=0)
     optimizer.setup(model)
     drawn = []
-    original = optimizer.sample_labels
+    original = optimizer.label_sampler.sample
 
     def record(logits):
         labels = original(logits)
         drawn.append(labels)
         return labels
 
-    monkeypatch.setattr(optimizer, 'sample_labels', record)
+    monkeypatch.setattr(optimizer.label_sampler, "sample", record)
     optimizer.update(helpers.loss_of(model), x, t)
     labels = drawn[0]
     block = helpers.block_named(optimizer, '/l2')
@@ -190,7 +190,7 @@ def test_mc_fisher_uses_sampled_labels(monkeypatch):
 def test_mc_label_sampler_follows_softmax():
     optimizer = helpers.kfac(fisher='mc', seed=1)
     logits = numpy.log(numpy.array([[0.7, 0.2, 0.1]] * 20000))
-    labels = optimizer.sample_labels(logits)
+    labels = optimizer.label_sampler.sample(logits)
     freq = numpy.bincount(labels, minlength=3) / len(labels)
     numpy.testing.assert_allclose(freq, [0.7, 0.2, 0.1], atol=0.015)
 

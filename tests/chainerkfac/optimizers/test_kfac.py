@@ -169,9 +169,9 @@ def test_stale_factors_are_computed_and_inverted_only_when_due(monkeypatch):
     optimizer = helpers.kfac(refresh_interval_a=3, refresh_interval_g=2,
                              refresh_interval_f=lambda it, ep: 4)
     optimizer.setup(model)
-    captured = {'forward': 0, 'backward': 0}
+    captured = {'inputs': 0, 'gradients': 0}
     for block in optimizer.blocks:
-        for kind in ('forward', 'backward'):
+        for kind in ('inputs', 'gradients'):
             original = getattr(block, 'capture_' + kind)
 
             def counting(*args, _original=original, _kind=kind):
@@ -187,7 +187,7 @@ def test_stale_factors_are_computed_and_inverted_only_when_due(monkeypatch):
     assert bn.refresh_count == {'F': 2}                 # F: 0,4
     assert bn.inverse_count == {'F': 2}
     # A of conv+fc on 3 steps; G of conv+fc on 4 steps + F of bn on 2.
-    assert captured == {'forward': 2 * 3, 'backward': 2 * 4 + 2}
+    assert captured == {'inputs': 2 * 3, 'gradients': 2 * 4 + 2}
 
 
 def test_published_refresh_presets_follow_epoch():
@@ -259,7 +259,7 @@ def test_snapshot_and_resume_continue_exactly(fisher):
     resumed = helpers.ConvNet(bn=True)
     serializers.load_npz(model_file, resumed)
     optimizer = make_optimizer(fisher).setup(resumed)
-    optimizer.sample_labels(numpy.zeros((5, 3)))   # move its RNG: restored
+    optimizer.label_sampler.sample(numpy.zeros((5, 3)))   # move its RNG: restored
     serializers.load_npz(opt_file, optimizer)
     assert optimizer.t == 4
     train_from = 4
@@ -391,9 +391,13 @@ def test_bad_arguments_name_the_argument(kwargs, match):
         chainerkfac.optimizers.KFAC(**kwargs)
 
 
-def test_update_without_lossfun_is_a_clear_error():
-    optimizer = helpers.kfac().setup(helpers.MLP())
-    with pytest.raises(TypeError, match='loss function'):
+@pytest.mark.parametrize('fisher', ['mc', 'exact'])
+def test_fisher_passes_without_lossfun_are_a_clear_error(fisher):
+    model = helpers.MLP()
+    optimizer = helpers.kfac(fisher=fisher).setup(model)
+    x, t = helpers.data(n=4, shape=(5,), n_class=3)
+    helpers.loss_of(model)(x, t).backward()
+    with pytest.raises(TypeError, match=r"update\(lossfun.*fisher='emp'"):
         optimizer.update()
 
 

@@ -1,0 +1,351 @@
+"""Stages 1-2: K-FAC's factors, estimated from the backward passes of the
+links the optimizer was set up on.
+
+:class:`CurvatureEstimator` listens to a
+:class:`~chainerkfac.capture.BackwardCapture` and hands each call to the
+block of its link, for the factors due this step. What counts for one
+optimizer step is exactly what makes up the gradient that step uses:
+
+* a **gradient pass** (the backward of the loss, run by the user's loop or
+  by ``update(lossfun)``) gives the factors of kind ``INPUTS`` of every call
+  it runs through and, with the empirical Fisher, the gradient factors;
+* a pass that meets a link whose gradients were **cleared** since its last
+  pass (``cleargrads()``, as every Chainer loop does before the backward of
+  the loss it updates with) first forgets what that link captured since the
+  last update: a GAN's generator loss backpropagated through the
+  discriminator after the discriminator's update enters neither the
+  discriminator's factors (its next ``cleargrads`` drops it) nor, the other
+  way round, the discriminator's loss the generator's;
+* with ``fisher='mc'`` or ``'exact'`` the gradient factors come from
+  **Fisher passes** the estimator runs itself from the logits of the loss:
+  ``mc_samples`` passes with labels drawn from the model's softmax, or one
+  pass per class with a column of the loss Hessian's symmetric root
+  (KFLR's ``G``, exact). They need the loss function: ``update(lossfun,
+  ...)``.
+
+Each ``update`` call closes a micro-batch (:meth:`end_micro_batch`).
+"""
+import logging
+from typing import Dict, List, Optional
+
+import numpy
+
+import chainer
+import chainer.functions as F
+from chainer.functions.math import sum as sum_module
+
+from chainerkfac import capture as capture_module
+from chainerkfac import fisher_blocks
+from chainerkfac.fisher_blocks import FactorKind
+
+logger = logging.getLogger(__name__)
+
+
+class LabelSampler:
+    """Labels drawn from a categorical model's softmax (the MC Fisher).
+
+    Parameters
+    ----------
+    seed : int, optional
+
+    Attributes
+    ----------
+    rng : numpy.random.RandomState
+        The source of the draws; replace it to draw from another stream
+        (e.g. one derived from the position in the data, so that a run
+        resumed on another number of processes draws the same labels).
+    """
+
+    def __init__(self, seed: Optional[int] = None):
+        self.rng = numpy.random.RandomState(seed)
+
+    def sample(self, logits):
+        """One label per row drawn from ``softmax(logits)`` (int32, on the
+        device of ``logits``)."""
+        probs = chainer.backend.CpuDevice().send(
+            F.softmax(logits.astype(numpy.float64)).array)
+        cumulative = probs.cumsum(axis=1)
+        draws = self.rng.random_sample((probs.shape[0], 1))
+        labels = (cumulative < draws * cumulative[:, -1:]).sum(axis=1)
+        labels = numpy.minimum(labels, probs.shape[1] - 1).astype(numpy.int32)
+        return chainer.backend.get_device_from_array(logits).send(labels)
+
+    def serialize(self, serializer) -> None:
+        name, keys, position, has_gauss, gauss = self.rng.get_state()
+        keys = serializer('mc_rng_keys', keys)
+        position = int(serializer('mc_rng_position', position))
+        self.rng.set_state((name, numpy.asarray(keys, numpy.uint32),
+                            position, has_gauss, gauss))
+
+
+def softmax_hessian_root(logits):
+    """The symmetric roots ``S_n = diag(√p_n) − p_n √p_nᵀ`` of the Hessians
+    ``diag(p_n) − p_n p_nᵀ`` of the softmax cross-entropy w.r.t. the logits
+    (``p_n = softmax(logits_n)``), as an array (N, C, C): column ``c`` of
+    ``S_n`` is ``root[n, :, c]``; ``S_n S_nᵀ`` is the Hessian."""
+    xp = chainer.backend.get_array_module(logits)
+    p = F.softmax(logits).array
+    sqrt_p = xp.sqrt(p)
+    root = -p[:, :, None] * sqrt_p[:, None, :]
+    diagonal = xp.arange(p.shape[1])
+    root[:, diagonal, diagonal] += sqrt_p
+    return root
+
+
+class CurvatureEstimator:
+    """Capture and factor estimation of one optimizer.
+
+    Parameters
+    ----------
+    fisher : {'emp', 'mc', 'exact'}
+    mc_samples : int
+        Label draws per micro-batch for ``fisher='mc'``.
+    loss_reduction : {'mean', 'sum'}
+    seed : int, optional
+        Of the label sampler.
+    """
+
+    def __init__(self, fisher: str = 'emp', mc_samples: int = 1,
+                 loss_reduction: str = 'mean', seed: Optional[int] = None):
+        self.fisher = fisher
+        self.mc_samples = mc_samples
+        self.loss_reduction = loss_reduction
+        self.label_sampler = LabelSampler(seed)
+        self.blocks: List = []
+        #: ``{id(weight): (function types, block)}`` (the capture's routes).
+        self.routes: Dict[int, tuple] = {}
+        self._capture = capture_module.BackwardCapture(self)
+        self._due: Dict = {}
+        self._gradient_due: Dict = {}
+        self._touched: Dict = {}
+        self._passes = 1
+        self._summed_passes: set = set()
+        self._summed_blocks: set = set()
+        #: Samples of the open micro-batch (first axis of the first routed
+        #: call's input), and of the step so far.
+        self.batch_size: Optional[int] = None
+        self.samples = 0
+
+    @property
+    def needs_loss_function(self) -> bool:
+        """Whether the Fisher passes need ``update(lossfun, ...)``."""
+        return self.fisher != 'emp'
+
+    def setup(self, blocks) -> None:
+        self.blocks = list(blocks)
+        self.refresh_routes()
+
+    def refresh_routes(self) -> None:
+        """Route by the blocks' weights (after lazily initialised links got
+        their parameters, the parameter objects are the same)."""
+        self.routes = {id(b.params[0]): (b.function_types, b)
+                       for b in self.blocks if b.function_types}
+
+    # -- steps ----------------------------------------------------------------
+    def start_step(self, due, record_graph: bool = False) -> None:
+        """Collect the factors ``due`` (``{block: names}``) from now on;
+        the hook stays installed only while something is to be captured."""
+        self._due = {b: frozenset(n) for b, n in due.items() if n}
+        self._gradient_due = {
+            b: names for b, names in self._due.items()
+            if any(not b.factor_kinds[n].forward for n in names)}
+        for block in self.blocks:
+            block.start_capture(self._due.get(block, ()))
+        self._touched = {}
+        self._passes = 1
+        self.batch_size = None
+        self.samples = 0
+        self._capture.record_graph = record_graph
+        if not record_graph:
+            self._capture.graph = []
+        if self._due or record_graph or self.loss_reduction == 'sum':
+            self._capture.install()
+        else:
+            # A stale step captures nothing: no hook on every function.
+            self._capture.remove()
+
+    @property
+    def due(self) -> Dict:
+        """``{block: names}`` of the factors due this step."""
+        return dict(self._due)
+
+    @property
+    def capturing(self) -> bool:
+        """Whether this step's capture has begun (a routed call was seen)."""
+        return self.batch_size is not None or self.samples > 0
+
+    @property
+    def graph(self) -> List:
+        """The function nodes of the backward passes since recording began
+        (:class:`chainerkfac.capture.GraphNode`)."""
+        return self._capture.graph
+
+    def stop_recording_graph(self) -> None:
+        self._capture.record_graph = False
+        self._capture.graph = []
+
+    def end_micro_batch(self) -> None:
+        """Close the micro-batch of the calls since the last one.
+
+        Raises
+        ------
+        ValueError
+            if the backward pass of a loss that sums over the mini-batch
+            contributed (``loss_reduction='mean'``).
+        """
+        if self._summed_blocks:
+            self._summed_blocks = set()
+            self._summed_passes = set()
+            raise ValueError(_SUMMED_LOSS)
+        self._summed_passes = set()
+        for block in self._due:
+            block.end_micro_batch(self._passes)
+        self.samples += self.batch_size or 0
+        self.batch_size = None
+        self._passes = 1
+        self._touched = {}
+
+    def discard_micro_batch(self) -> None:
+        """Forget the open micro-batch (it is computed again)."""
+        for block in self._due:
+            block.discard_open()
+        self.batch_size = None
+        self._touched = {}
+        self._summed_blocks = set()
+
+    def close(self) -> None:
+        """Take the hook out (the optimizer is done with)."""
+        self._capture.remove()
+
+    # -- the listener of the capture ------------------------------------------
+    def on_pass(self, function, pass_info) -> None:
+        if self.loss_reduction == 'mean' and _is_summed_loss(function):
+            # Refused if what it captures is still part of the update
+            # (other passes, e.g. for input gradients, may sum).
+            self._summed_passes.add(pass_info.index)
+
+    def on_backward(self, block, function, in_data, out_grad, pass_info):
+        names = self._due.get(block)
+        if pass_info.explicit:
+            if names and block in self._gradient_due:
+                block.capture_gradients(function, in_data, out_grad)
+            return
+        if self.batch_size is None:
+            self._learn_batch(int(in_data[0].shape[0]))
+        if not names:
+            return
+        if self._touched.get(block) != pass_info.index:
+            self._touched[block] = pass_info.index
+            if block.params[0].grad_var is None:
+                # Cleared since the last pass: what the link captured
+                # before is no part of the gradient of this update.
+                block.discard_open()
+                self._summed_blocks.discard(block)
+            if pass_info.index in self._summed_passes:
+                self._summed_blocks.add(block)
+        if block.collects(FactorKind.INPUTS):
+            if in_data[0] is None:
+                raise RuntimeError(
+                    'K-FAC: {} ({}) captures its layer inputs when the '
+                    'backward pass runs through {}, but that function did '
+                    'not retain its first input'.format(
+                        block.name, type(block).__name__,
+                        type(function).__name__))
+            block.capture_inputs(function, in_data)
+        if self.fisher == 'emp' and block in self._gradient_due:
+            block.capture_gradients(function, in_data, out_grad)
+
+    def _learn_batch(self, batch: int) -> None:
+        self.batch_size = batch
+        if self.loss_reduction == 'sum' and self.fisher == 'emp':
+            # A summed loss delivers per-sample output gradients N times
+            # larger than a mean's: gradient factors are quadratic in them.
+            scale = 1.0 / float(batch) ** 2
+            for block, names in self._gradient_due.items():
+                block.scale_capture({n: scale for n in names
+                                     if not block.factor_kinds[n].forward})
+
+    # -- update(lossfun, ...) --------------------------------------------------
+    def run_loss(self, lossfun, args, kwds, params) -> None:
+        """The micro-batch of ``update(lossfun, *args, **kwds)``: the loss,
+        its backward pass (gradients into ``param.grad``), then the Fisher
+        passes of ``fisher='mc'`` / ``'exact'``.
+
+        Parameters
+        ----------
+        params : list of chainer.Parameter
+            The optimizer's parameters (the Fisher passes differentiate
+            w.r.t. them only, leaving every ``grad`` as it is).
+        """
+        fisher_passes = self.fisher != 'emp' and bool(self._gradient_due)
+        if fisher_passes:
+            self._capture.start_recording_logits(
+                fisher_blocks.logits_functions())
+        try:
+            loss = lossfun(*args, **kwds)
+        finally:
+            self._capture.record_logits = False
+        if self.loss_reduction == 'mean' and _is_summed_loss(loss.creator):
+            raise ValueError(_SUMMED_LOSS)
+        loss.backward()
+        if self.loss_reduction == 'sum' and self.batch_size is None:
+            raise RuntimeError(
+                "KFAC(loss_reduction='sum') takes the batch size from the "
+                'first modelled layer (Linear, Convolution2D, '
+                'BatchNormalization); the loss called none')
+        if fisher_passes:
+            logits = self._capture.logits
+            self._capture.forget_logits()
+            if logits is None:
+                raise RuntimeError(
+                    "fisher='{}' needs the logits: the loss must apply one "
+                    'of {} to the model\'s output (register others with '
+                    'chainerkfac.fisher_blocks.register_logits_function)'
+                    .format(self.fisher, ', '.join(
+                        t.__name__ for t in fisher_blocks.logits_functions())))
+            self._fisher_passes(logits, params)
+
+    def _fisher_passes(self, logits, params) -> None:
+        inputs = [p for p in params
+                  if p.array is not None and p.requires_grad]
+        if self.fisher == 'mc':
+            weight = 1.0 / self.mc_samples
+            for _ in range(self.mc_samples):
+                labels = self.label_sampler.sample(logits.array)
+                if self.mc_samples > 1:
+                    self._scale_gradient_capture(weight)
+                with self._capture.explicit_pass():
+                    chainer.grad([F.softmax_cross_entropy(logits, labels)],
+                                 inputs)
+            self._passes = self.mc_samples
+            return
+        # 'exact': one pass per class with column c of S_n / N per sample:
+        # the capture scales output gradients by N (per-sample gradients of
+        # a mean loss), so G = (1/N) Σ_n Σ_c J_nᵀ S_nc S_ncᵀ J_n.
+        root = softmax_hessian_root(logits.array)
+        n, classes = root.shape[:2]
+        for c in range(classes):
+            column = chainer.Variable(root[:, :, c] / n)
+            with self._capture.explicit_pass():
+                chainer.grad([logits], inputs, grad_outputs=[column])
+        self._passes = classes
+
+    def _scale_gradient_capture(self, scale: float) -> None:
+        for block, names in self._gradient_due.items():
+            block.scale_capture({n: scale for n in names
+                                 if not block.factor_kinds[n].forward})
+
+
+_SUMMED_LOSS = (
+    'K-FAC: the loss is a sum over the mini-batch (its last operation is '
+    'F.sum), but K-FAC scales the factors for a batch-mean loss. Use a mean '
+    "(F.mean, or reduce='mean' in the loss function), or "
+    "KFAC(loss_reduction='sum').")
+
+
+def _is_summed_loss(function) -> bool:
+    """Whether ``function`` (a loss's creator) sums into a scalar."""
+    if not isinstance(function, sum_module.Sum):
+        return False
+    outputs = [o() for o in function.outputs]
+    return all(o is not None and o.shape == () for o in outputs)

@@ -1,0 +1,64 @@
+"""The optimizer's state: what a snapshot holds, and how a restored state
+is made consistent with the processes that own the blocks now."""
+import logging
+import warnings
+
+import numpy
+
+logger = logging.getLogger(__name__)
+
+
+def serialize(optimizer, serializer) -> None:
+    """Save or load a :class:`~chainerkfac.optimizers.KFAC`'s own state
+    (after Chainer's ``t``, ``epoch`` and the velocities): the damping, the
+    MC label sampler, and per block its refresh bookkeeping and — for the
+    blocks this process holds — its factors (inverses are recomputed from
+    them on loading, bit for bit)."""
+    optimizer.damping = float(serializer('damping', optimizer.damping))
+    # Gradients and factors of an unfinished accumulation are not part of
+    # the state: snapshot at step boundaries (train_imagenet.py does).
+    micro = int(serializer('micro_batch', optimizer.pending_micro_batches))
+    if micro != optimizer.pending_micro_batches:
+        warnings.warn(
+            'K-FAC state saved after {} of {} accumulated micro-batches: '
+            'they are dropped and the next update starts a new step'
+            .format(micro, optimizer.acc_iters))
+    optimizer.estimator.label_sampler.serialize(serializer)
+    state = serializer['kfac']
+    for block in optimizer.blocks:
+        block.serialize(state[block.name.strip('/') or '_root'])
+
+
+def reconcile(optimizer) -> None:
+    """After a restore, at the first update (the owners are known): keep
+    the factors of the blocks this process owns and recompute their
+    inverses, drop the others, and make due every factor that no owner
+    holds (a snapshot of another number of processes whose files were not
+    all loaded)."""
+    transport = optimizer.transport
+    flags = []
+    for block in optimizer.blocks:
+        owned = transport.owns(block)
+        if owned:
+            block.restore_inverses()
+        else:
+            block.drop_factors()
+        flags += [int(owned and name not in block.factors and
+                      block.last_refresh[name] >= 0)
+                  for name in block.factor_names]
+    totals = transport.all_sum(numpy.array(flags, numpy.int64))
+    if not totals.any():
+        return
+    totals = iter(totals)
+    stale = []
+    for block in optimizer.blocks:
+        for name in block.factor_names:
+            if next(totals):
+                block.forget_refresh(name)
+                stale.append(block.name + ' ' + name)
+    if transport.rank == 0:
+        logger.warning(
+            'K-FAC: the restored state lacks %d factors of blocks owned here '
+            '(a snapshot from another number of processes whose files were '
+            'not all loaded?); they are refreshed at the next step: %s',
+            len(stale), ', '.join(stale[:5]))
