@@ -76,8 +76,36 @@ def _cpu_and_gpu(make_model, steps=STEPS, **overrides):
     return support.weights(cpu), support.weights(gpu), initial
 
 
+class TwinModel(chainer.Chain):
+    """Blocks of equal shapes (with and without bias): on the GPU they are
+    preconditioned as batches (kronecker.precondition_batch)."""
+
+    in_shape = (2, 5, 5)
+    n_out = 3
+
+    def __init__(self):
+        super().__init__()
+        import chainer.links as L
+        with helpers.float64_links(), self.init_scope():
+            self.c0 = L.Convolution2D(2, 3, 3, pad=1)
+            self.c1 = L.Convolution2D(2, 3, 3, pad=1)
+            self.c2 = L.Convolution2D(2, 3, 3, pad=1, nobias=True)
+            self.c3 = L.Convolution2D(2, 3, 3, pad=1, nobias=True)
+            self.f0 = L.Linear(75, 3)
+            self.f1 = L.Linear(75, 3)
+
+    def forward(self, x):
+        import chainer.functions as F
+        h = F.relu(self.c0(x) + self.c1(x) + self.c2(x) + self.c3(x))
+        h = h.reshape(len(x), -1)
+        return self.f0(h) + self.f1(h)
+
+
 CASES = {
     'linear': (MLPModel, {}),
+    'batched equal shapes': (TwinModel, {}),
+    'batched equal shapes, diagonal A': (TwinModel,
+                                         dict(max_factor_dim=20)),
     'conv stride 2 pad 1': (lambda: ConvModel(stride=2, pad=1), {}),
     'conv dilation 2 no bias': (
         lambda: ConvModel(stride=1, pad=2, dilate=2, bias=False), {}),

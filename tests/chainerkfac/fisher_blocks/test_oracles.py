@@ -5,6 +5,7 @@ import pytest
 
 import chainer
 import chainer.functions as F
+import chainer.links as L
 
 from tests.chainerkfac import helpers
 
@@ -194,3 +195,50 @@ def test_mc_label_sampler_follows_softmax():
     freq = numpy.bincount(labels, minlength=3) / len(labels)
     numpy.testing.assert_allclose(freq, [0.7, 0.2, 0.1], atol=0.015)
 
+
+
+def test_batched_preconditioning_equals_block_by_block():
+    # Stage 5 on the GPU goes by groups of equal shapes
+    # (kronecker.precondition_batch); here its NumPy run against each
+    # block's own precondition, for bias / no bias and a diagonal factor.
+    from chainerkfac.fisher_blocks import kronecker
+
+    class Twins(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with helpers.float64_links(), self.init_scope():
+                for i in range(3):
+                    setattr(self, 'c{}'.format(i),
+                            L.Convolution2D(2, 2, 3, pad=1, nobias=i == 2))
+                for i in range(2):
+                    setattr(self, 'fc{}'.format(i), L.Linear(18, 3))
+
+        def forward(self, x):
+            h = sum(getattr(self, 'c{}'.format(i))(x) for i in range(3))
+            y = F.relu(h).reshape(len(x), -1)
+            return self.fc0(y) + self.fc1(y)
+
+    for max_factor_dim in (None, 10):
+        model = Twins()
+        optimizer = helpers.kfac(max_factor_dim=max_factor_dim).setup(model)
+        x, t = helpers.data(n=5, shape=(2, 3, 3), n_class=3)
+        optimizer.update(helpers.loss_of(model), x, t)
+        groups = {}
+        for block in optimizer.blocks:
+            groups.setdefault(kronecker.batch_key(block), []).append(block)
+        assert sorted(len(g) for g in groups.values()) == [1, 2, 2]
+        rng = numpy.random.RandomState(0)
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            grads = [[rng.randn(*p.shape) for p in b.params]
+                     for b in members]
+            stack = kronecker.InverseStack()
+            batched = kronecker.precondition_batch(members, grads, 0.01,
+                                                   stack)
+            assert stack.get(members) is stack.get(members)   # cached
+            for block, grad, got in zip(members, grads, batched):
+                expected = block.precondition(grad, 0.01)
+                for a, b in zip(got, expected):
+                    numpy.testing.assert_allclose(a, b, rtol=1e-12,
+                                                  atol=1e-14)
