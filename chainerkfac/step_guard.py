@@ -59,6 +59,12 @@ class StepGuard:
             copies.append(([(c, n, v.shape) for c, n, v in members], flat))
         self._backup = (copies, scalars)
 
+    def forget(self) -> None:
+        """Drop the backup (a restored model: a skipped step before the
+        next :meth:`checkpoint` leaves the running statistics as they
+        are)."""
+        self._backup = None
+
     def restore(self) -> None:
         """Put the values of the last :meth:`checkpoint` back."""
         copies, scalars = self._backup or ((), ())

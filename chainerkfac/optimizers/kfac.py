@@ -27,6 +27,7 @@ import chainer
 from chainer import optimizer
 
 from chainerkfac import _logging
+from chainerkfac.accumulation import GradientAccumulator
 from chainerkfac import equations
 from chainerkfac import fisher_blocks
 from chainerkfac import linalg
@@ -237,7 +238,8 @@ class KFAC(optimizer.GradientMethod):
         self.fisher_diffs: Dict = {}
         self.timer = StageTimer()
         self._micro = 0
-        self._grad_sums: Dict[int, object] = {}
+        #: The gradients of a step's micro-batches, held between them.
+        self.accumulator = GradientAccumulator()
         self._started = False
         self._checkpoint_due = False
         self._table_shown = False
@@ -386,9 +388,9 @@ class KFAC(optimizer.GradientMethod):
         self.estimator.end_micro_batch()
         self._micro += 1
         if self._micro < self.acc_iters:
-            self._hold_gradients()
+            self.accumulator.hold(self.target)
             return
-        self._collect_gradients()
+        self.accumulator.collect(self.target)
         self.timer.mark('forward_backward', self._like())
         self._step()
 
@@ -407,7 +409,7 @@ class KFAC(optimizer.GradientMethod):
         """
         pending = self._micro
         if pending:
-            self._collect_gradients()
+            self.accumulator.collect(self.target)
             self.timer.mark('forward_backward', self._like())
             self._step()
         return pending
@@ -439,33 +441,6 @@ class KFAC(optimizer.GradientMethod):
                 from chainerkfac.multi_node_optimizer import make_distributed
                 make_distributed(self, comm)
                 self.gradients_reduced = True
-
-    def _hold_gradients(self) -> None:
-        """Between the micro-batches of a step, keep the sum of their
-        gradients here (the loop may clear ``param.grad`` before the next
-        backward)."""
-        for param in self.target.params():
-            grad = param.grad
-            if grad is None:
-                continue
-            held = self._grad_sums.get(id(param))
-            if held is None:
-                self._grad_sums[id(param)] = grad
-            else:
-                held += grad
-            param.grad = None
-
-    def _collect_gradients(self) -> None:
-        """The step's gradient sums into ``param.grad``."""
-        if not self._grad_sums:
-            return
-        for param in self.target.params():
-            held = self._grad_sums.get(id(param))
-            if held is None:
-                continue
-            grad = param.grad
-            param.grad = held if grad is None else held + grad
-        self._grad_sums = {}
 
     def _like(self):
         for param in self.target.params():
@@ -768,8 +743,9 @@ class KFAC(optimizer.GradientMethod):
             # to restore on a skipped step are those of the restored model,
             # taken at the next update.
             self._micro = 0
-            self._grad_sums = {}
+            self.accumulator.reset()
             self._begin_step()
+            self.guard.forget()
             self._checkpoint_due = True
 
 

@@ -1,0 +1,81 @@
+"""GuardedOptimizer: a Chainer optimizer driven like K-FAC (accumulation,
+skipped-step guard) — against the same optimizer driven by hand."""
+import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
+
+import numpy
+import pytest
+
+import chainer
+
+from chainerkfac.optimizers import GuardedOptimizer
+from tests.chainerkfac import helpers
+
+
+def _sgd():
+    return chainer.optimizers.MomentumSGD(lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize('manual', [False, True])
+def test_accumulated_steps_equal_plain_sgd_on_the_whole_batch(manual):
+    x, t = helpers.data(n=8)
+    numpy.random.seed(0)
+    model = helpers.ConvNet(bn=True)
+    reference = model.copy('copy')
+    initial = {n: p.array.copy() for n, p in model.namedparams()}
+    optimizer = GuardedOptimizer(_sgd(), acc_iters=2).setup(model)
+    plain = _sgd().setup(reference)
+    lossfun = helpers.loss_of(model)
+    for _ in range(3):
+        for chunk in (slice(0, 4), slice(4, 8)):
+            if manual:
+                model.cleargrads()
+                lossfun(x[chunk], t[chunk]).backward()
+                optimizer.update()
+            else:
+                optimizer.update(lossfun, x[chunk], t[chunk])
+        assert optimizer.pending_micro_batches == 0
+        # The reference: the mean of the two chunks' gradients by hand.
+        reference.cleargrads()
+        loss = (helpers.loss_of(reference)(x[:4], t[:4]) +
+                helpers.loss_of(reference)(x[4:], t[4:])) / 2
+        loss.backward()
+        plain.update()
+    for name, param in reference.namedparams():
+        got = dict(model.namedparams())[name].array
+        numpy.testing.assert_allclose(got, param.array, rtol=1e-12,
+                                      atol=1e-14, err_msg=name)
+        assert not numpy.array_equal(got, initial[name]), name
+
+
+def test_a_non_finite_gradient_skips_the_step_and_restores_statistics():
+    x, t = helpers.data(n=4)
+    numpy.random.seed(0)
+    model = helpers.ConvNet(bn=True)
+    optimizer = GuardedOptimizer(_sgd()).setup(model)
+    optimizer.update(helpers.loss_of(model), x, t)
+    before = {n: p.array.copy() for n, p in model.namedparams()}
+    mean = model.bn.avg_mean.copy()
+    bad = x.copy()
+    bad[0, 0, 0, 0] = numpy.nan
+    optimizer.update(helpers.loss_of(model), bad, t)
+    assert optimizer.last_step_skipped
+    for name, param in model.namedparams():
+        numpy.testing.assert_array_equal(param.array, before[name])
+    numpy.testing.assert_array_equal(model.bn.avg_mean, mean)
+    optimizer.update(helpers.loss_of(model), x, t)
+    assert not optimizer.last_step_skipped
+    assert optimizer.guard.skipped_steps == 1
+
+
+def test_attributes_reach_the_wrapped_optimizer_and_flush_steps():
+    model = helpers.MLP()
+    optimizer = GuardedOptimizer(_sgd(), acc_iters=3).setup(model)
+    optimizer.lr = 0.05              # as a Trainer extension sets it
+    assert optimizer.actual_optimizer.lr == 0.05
+    x, t = helpers.data(n=4, shape=(5,), n_class=3)
+    optimizer.update(helpers.loss_of(model), x, t)
+    assert optimizer.flush_accumulation() == 1
+    assert optimizer.actual_optimizer.t == 1
+    assert optimizer.flush_accumulation() == 0
+    with pytest.raises(ValueError, match='acc_iters'):
+        GuardedOptimizer(_sgd(), acc_iters=0)
