@@ -296,6 +296,62 @@ def test_custom_factor_follows_the_interval_of_its_kind(gain_registered):
         {'A': 4, 'G': 4}
 
 
+class Dense(chainer.Link):
+    """A user's own fully connected link (not a chainer.links.Linear)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        with self.init_scope():
+            self.W = chainer.Parameter(
+                numpy.random.RandomState(n_in).randn(n_out, n_in), None)
+            self.b = chainer.Parameter(numpy.zeros(n_out), None)
+        self.out_size = n_out
+
+    def forward(self, x):
+        return F.linear(x, self.W, self.b)
+
+
+class DenseBlock(chainerkfac.fisher_blocks.LinearBlock):
+    """The Linear block registered for Dense: its rescaled weight and
+    output size come with it (the registry is their one home)."""
+
+    kind = 'Dense (K-FAC)'
+
+
+class DenseBNNet(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with helpers.float64_links(), self.init_scope():
+            self.d1 = Dense(4, 6)
+            self.bn = L.BatchNormalization(6)
+            self.d2 = Dense(6, 3)
+
+    def forward(self, x):
+        return self.d2(F.relu(self.bn(self.d1(x))))
+
+
+@pytest.mark.parametrize('mode, rescaled', [
+    ('auto', ['/d1/W']), (True, ['/d1/W', '/d2/W']), (False, [])])
+def test_a_registered_block_gets_eq20_from_its_declaration(mode, rescaled):
+    from chainerkfac.fisher_blocks import registry
+    saved = dict(registry._REGISTRY)
+    chainerkfac.register_block(Dense, DenseBlock)
+    try:
+        model = DenseBNNet()
+        optimizer = helpers.kfac(weight_rescale=mode).setup(model)
+        x, t = helpers.data(n=5, shape=(4,), n_class=3)
+        optimizer.update(helpers.loss_of(model), x, t)
+    finally:
+        registry._REGISTRY.clear()
+        registry._REGISTRY.update(saved)
+    assert sorted(optimizer.rescaled_params()) == rescaled
+    for name in rescaled:
+        weight = dict(model.namedparams())[name].array
+        d_out = weight.shape[0]
+        numpy.testing.assert_allclose(numpy.linalg.norm(weight),
+                                      numpy.sqrt(2.0 * d_out), rtol=1e-8)
+
+
 def test_register_block_checks_its_arguments():
     with pytest.raises(TypeError, match='link class'):
         chainerkfac.register_block('Linear', GainBlock)

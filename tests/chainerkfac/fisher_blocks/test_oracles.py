@@ -242,3 +242,37 @@ def test_batched_preconditioning_equals_block_by_block():
                 for a, b in zip(got, expected):
                     numpy.testing.assert_allclose(a, b, rtol=1e-12,
                                                   atol=1e-14)
+
+
+@pytest.mark.parametrize('make, limit', [
+    (lambda: helpers.ConvNet(stride=2, pad=1, bn=True), 10),
+    (lambda: helpers.ConvNet(ksize=3, dilate=2, pad=2, bias=False), 3),
+    (lambda: helpers.MLP(sizes=(5, 4, 3)), 4),
+])
+def test_diagonal_factors_are_the_diagonals_of_the_full_ones(make, limit):
+    # max_factor_dim keeps a factor larger than the limit as its diagonal:
+    # the same estimate's diagonal, the other factor unchanged.
+    x, t = helpers.data(n=6, shape=(2, 5, 5) if 'Conv' in str(make())
+                        else (5,), n_class=3)
+    factors = []
+    for max_factor_dim in (None, limit):
+        numpy.random.seed(0)
+        model = make()
+        optimizer = helpers.kfac(max_factor_dim=max_factor_dim)
+        optimizer.setup(model)
+        optimizer.update(helpers.loss_of(model), x, t)
+        factors.append({(b.name, n): v for b in optimizer.blocks
+                        for n, v in b.factors.items()})
+    full, limited = factors
+    diagonal = 0
+    for key, value in limited.items():
+        if value.ndim == 1 and full[key].ndim == 2:
+            diagonal += 1
+            assert full[key].shape[0] > limit, key
+            numpy.testing.assert_allclose(value, numpy.diag(full[key]),
+                                          rtol=1e-12, err_msg=str(key))
+        else:
+            assert full[key].shape == value.shape, key
+            assert value.ndim == 1 or value.shape[0] <= limit or \
+                full[key].ndim == 1, key
+    assert diagonal >= 1
