@@ -14,14 +14,14 @@ on the current CuPy stream, NCHW.
 Importing this package (``import chainerkfac`` does, before
 ``import chainer``) installs the backend when ``CHAINERKFAC_CUDNN=1`` is
 in the environment and the other conditions of
-:mod:`~chainerkfac.cudnn.install` hold;
+:mod:`~chainerkfac.cudnn.installer` hold;
 :func:`describe` says which cuDNN is in use, or why none is. Float32
 convolutions may use TF32 tensor cores as PyTorch's do by default;
 ``chainer.config.use_cudnn_tensor_core = 'never'`` makes them exact
 (:mod:`~chainerkfac.cudnn.convolution`). What is not served and what
 happens then: :mod:`~chainerkfac.cudnn.not_served`.
 """
-from chainerkfac.cudnn.install import ENV_VAR, describe, install  # NOQA
+from chainerkfac.cudnn.installer import ENV_VAR, describe, install  # NOQA
 from chainerkfac.cudnn.not_served import NotServedError  # NOQA
 
 install()

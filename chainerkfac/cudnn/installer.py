@@ -177,7 +177,11 @@ def _cupy_own_cudnn() -> str:
 
 
 def _dotted(version: int) -> str:
-    """cuDNN 9's version number (e.g. 92801) as '9.28.1'."""
+    """A cuDNN version number as 'major.minor.patch' (cuDNN 9: 92801 is
+    9.28.1; cuDNN 8 and older: 8907 is 8.9.7)."""
+    if version < 10000:
+        return '{}.{}.{}'.format(version // 1000, version // 100 % 10,
+                                 version % 100)
     return '{}.{}.{}'.format(version // 10000, version // 100 % 100,
                              version % 100)
 
