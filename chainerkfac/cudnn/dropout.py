@@ -87,4 +87,3 @@ class DropoutStates:
                      arrays.pointer(dy), desc, arrays.pointer(dx),
                      arrays.pointer(reserve_space), reserve_space.size)
         return dx
-

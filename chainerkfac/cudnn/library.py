@@ -20,7 +20,8 @@ libraries already loaded.
 import ctypes
 import importlib.util
 import os
-from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional
+from typing import (Callable, Dict, Iterator, List, Mapping, NamedTuple,
+                    Optional)
 
 #: cuDNN major version whose legacy API this backend binds.
 MAJOR = 9

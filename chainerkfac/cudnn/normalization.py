@@ -4,9 +4,9 @@ signatures (Chainer 7.8.1's ``F.batch_normalization``,
 
 Training runs ``cudnnBatchNormalizationForwardTrainingEx`` (BN only, no
 fused activation; the unused z / y / dz descriptors are ``x``'s and their
-data NULL, as CuPy 13 passed them), which updates the running mean and variance in place
-(``running = decay · running + (1 − decay) · batch``, the variance
-unbiased) and saves the batch mean and inverse standard deviation for the
+data NULL, as CuPy 13 passed them), which updates the running mean and
+variance in place (``running = decay · running + (1 − decay) · batch``, the
+variance unbiased) and saves the batch mean and inverse standard deviation for the
 backward pass. Its workspace and reserve space are asked of cuDNN on every
 call (CuPy 13 asked only for NHWC float16); the reserve space is handed to
 Chainer, which gives it back to :func:`batch_normalization_backward`.

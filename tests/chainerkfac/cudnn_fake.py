@@ -19,7 +19,8 @@ from chainerkfac.cudnn import library
 from chainerkfac.cudnn import runtime
 
 #: cuDNN 9's text for the statuses the tests use.
-STATUS_NAMES = {0: 'CUDNN_STATUS_SUCCESS', 1001: 'CUDNN_STATUS_NOT_INITIALIZED',
+STATUS_NAMES = {0: 'CUDNN_STATUS_SUCCESS',
+                1001: 'CUDNN_STATUS_NOT_INITIALIZED',
                 2000: 'CUDNN_STATUS_BAD_PARAM',
                 3000: 'CUDNN_STATUS_NOT_SUPPORTED',
                 5000: 'CUDNN_STATUS_EXECUTION_FAILED'}

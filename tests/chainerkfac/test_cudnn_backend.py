@@ -491,9 +491,10 @@ def test_activation(backend):
     highlevel.activation_backward(x, y, numpy.zeros_like(y),
                                   C.CUDNN_ACTIVATION_CLIPPED_RELU, 6.0)
     fake = backend.fake
-    assert [c.args[1:] for c in fake.named('cudnnSetActivationDescriptor')] \
-        == [(C.CUDNN_ACTIVATION_CLIPPED_RELU, C.CUDNN_NOT_PROPAGATE_NAN, 6.0)] \
-        * 2
+    expected = (C.CUDNN_ACTIVATION_CLIPPED_RELU, C.CUDNN_NOT_PROPAGATE_NAN,
+                6.0)
+    assert [c.args[1:] for c in fake.named(
+        'cudnnSetActivationDescriptor')] == [expected] * 2
     assert fake.named('cudnnSetTensor4dDescriptor')[0].args[3:] == \
         (2, 60, 1, 1)
     back, = fake.named('cudnnActivationBackward')
@@ -522,7 +523,7 @@ def test_dropout(backend):
     assert desc not in fake.live     # destroyed with the object
 
 
-# -- what is not served --------------------------------------------------------
+# -- what is not served -------------------------------------------------------
 @pytest.mark.parametrize('module, name, caller', [
     (highlevel, 'create_rnn_descriptor', 'RNN'),
     (highlevel, 'rnn_forward_training', 'RNN'),

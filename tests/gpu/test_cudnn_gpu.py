@@ -193,8 +193,8 @@ def test_pooling(monkeypatch, dtype):
     assert_all_close(cudnn, own, dtype, ['avg y', 'avg gx'])
     x3 = [_random((2, 4, 6, 6, 6), dtype, 1)]
     cudnn, own = both_ways(
-        monkeypatch, lambda v: F.average_pooling_nd(v, 2, pad=1,
-                                                     pad_value=None),
+        monkeypatch,
+        lambda v: F.average_pooling_nd(v, 2, pad=1, pad_value=None),
         x3, dtype, 'cudnnPoolingForward')
     assert_all_close(cudnn, own, dtype, ['avg nd y', 'avg nd gx'])
 
@@ -312,7 +312,7 @@ def test_not_served_functions_name_the_way_out():
         assert F.spatial_transformer_grid(theta, (5, 5)).shape == (2, 2, 5, 5)
 
 
-# -- whole steps -------------------------------------------------------------------
+# -- whole steps --------------------------------------------------------------
 def _resnet50(seed=0):
     numpy.random.seed(seed)
     model = models.SoftLabelClassifier(models.build_model('resnet50'))
