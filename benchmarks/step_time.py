@@ -5,6 +5,7 @@ its factor capture by layer type; or the inverse stage alone.
         [--models small,resnet50] [--variants sgd,kfac_every,...]
         [--rounds N] [--resnet50-rounds N] [--interval 20] [--threads 1]
         [--profile] [--conv-a auto|shifted|unfolded] [--inverse-only]
+        [--peer]
 
 For each model (CPU: the small ResNet at batch 128, 32x32, and ResNet-50 at
 batch 8, 224x224; ``--gpu``: the same small ResNet and ResNet-50 at batch
@@ -75,6 +76,12 @@ Timings are only comparable within one run.
 
 BLAS threads: ``--threads`` (default 1, through threadpoolctl); the JSON
 records the count in effect.
+
+**Peer** (``--peer``, with ``--gpu``): after our figures, PyTorch SGD and
+kfac-pytorch on torchvision's ResNet-50 at the same batch and size, in the
+same process (:mod:`benchmarks.peer_pytorch`; skipped, with the reason in
+the JSON, where PyTorch, torchvision or kfac-pytorch cannot be imported),
+recorded as ``peer_pytorch`` and tabled beside ours.
 """
 import argparse
 import collections
@@ -581,6 +588,18 @@ def inverse_table(data: Dict) -> str:
                      'total [s]', 'A [s]', 'G [s]', 'F [s]', 'goal'], rows)))
 
 
+def run_peer(data: Dict, specs: Dict[str, Dict], interval: int) -> str:
+    """Time the PyTorch peer at this run's ResNet-50 batch and size into
+    ``data['peer_pytorch']``; returns its table beside our figures."""
+    from benchmarks import peer_pytorch
+    spec = specs.get('resnet50', GPU['resnet50'])
+    data['peer_pytorch'] = peer_pytorch.run(
+        spec['batch'], spec['size'], spec['rounds'], spec['warmup'], interval)
+    ours = next((r for r in data['results'] if r['model'] == 'resnet50'),
+                None)
+    return peer_pytorch.table(data['peer_pytorch'], ours)
+
+
 def _device_words(data: Dict) -> str:
     if data['gpu']:
         return 'GPU, synchronised'
@@ -624,7 +643,14 @@ def parse_args(argv):
     parser.add_argument('--inverse-only', action='store_true',
                         help='time the inverse stage alone over the real '
                         'factors of each model after one capture')
+    parser.add_argument('--peer', action='store_true',
+                        help='then time PyTorch SGD and kfac-pytorch on '
+                        "torchvision's ResNet-50 in this run (needs --gpu; "
+                        'skipped where they cannot be imported)')
     args = parser.parse_args(argv)
+    if args.peer and (not args.gpu or args.inverse_only):
+        parser.error('--peer needs --gpu, and the step timing (not '
+                     '--inverse-only)')
     if args.interval < 2:
         parser.error('--interval must be >= 2 (1 is the every-step variant)')
     if args.variants:
@@ -696,6 +722,8 @@ def main(argv=None):
                     profile=args.profile, target=target,
                     kfac_options=kfac_options))
             text = tables(data)
+            if args.peer:
+                text += '\n\n' + run_peer(data, specs, args.interval)
     print(_common.describe_machine(data))
     print(text)
     for result in data.get('results', []):

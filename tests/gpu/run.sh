@@ -18,6 +18,9 @@
 # to $LOG ($OUT/gpu_test.log when $OUT is set, else result/gpu_test.log).
 # Environment: PY (python3), MPIEXEC (mpiexec), SITE (/tmp/site), LOG,
 # MPI_SIZES (1,2,3,4), MPI_TIMEOUT (seconds per mpiexec launch, 300).
+# CHAINERKFAC_CUDNN=1 runs the whole suite with chainerkfac.cudnn (cuDNN 9
+# for Chainer); without it, the cuDNN tests (tests/gpu/test_cudnn_gpu.py
+# and tests/chainerkfac/test_cudnn_library.py) still run with it, apart.
 # Exit status: 0 when every step passed; 3 when no GPU is usable (nothing
 # would run: every GPU test would be skipped).
 set -u -o pipefail
@@ -70,6 +73,7 @@ try:
     from chainerkfac import linalg_cuda
     print('cuSOLVER potri bound:', linalg_cuda._raw_potri() is not None,
           '| libcusolver:', linalg_cuda._loaded_cusolver())
+    print('cuDNN for Chainer:', chainerkfac.cudnn.describe())
 except Exception as error:
     print('CuPy / GPU problem: {}: {}'.format(type(error).__name__, error))
 EOF
@@ -84,13 +88,23 @@ EOF
 } 2>&1 | tee "$LOG" || exit $?
 
 single=skipped
+cudnn=skipped
 mpi=skipped
 if [ "$WHAT" != mpi ]; then
-    echo "== pytest -m 'gpu and not mpi' tests/gpu" | tee -a "$LOG"
+    echo "== pytest -m 'gpu and not mpi' tests/gpu" \
+         "(CHAINERKFAC_CUDNN=${CHAINERKFAC_CUDNN:-})" | tee -a "$LOG"
     "$PY" -m pytest -v -rfEs --durations=10 -p no:cacheprovider \
         -p chainerkfac._compat -m 'gpu and not mpi' tests/gpu 2>&1 \
         | tee -a "$LOG"
     single=$?
+    if [ "${CHAINERKFAC_CUDNN:-}" != 1 ]; then
+        echo "== CHAINERKFAC_CUDNN=1: the cuDNN tests" | tee -a "$LOG"
+        CHAINERKFAC_CUDNN=1 "$PY" -m pytest -v -rfEs --durations=10 \
+            -p no:cacheprovider -p chainerkfac._compat \
+            tests/gpu/test_cudnn_gpu.py \
+            tests/chainerkfac/test_cudnn_library.py 2>&1 | tee -a "$LOG"
+        cudnn=$?
+    fi
 fi
 if [ "$WHAT" != single ]; then
     echo "== mpiexec -n ${MPI_SIZES:-1,2,3,4}: pytest -m 'mpi and gpu'" \
@@ -101,9 +115,9 @@ if [ "$WHAT" != single ]; then
         2>&1 | tee -a "$LOG"
     mpi=$?
 fi
-echo "== GPU tests: single-process exit $single, mpiexec exit $mpi" \
-     "(log: $LOG)" | tee -a "$LOG"
-for rc in "$single" "$mpi"; do
+echo "== GPU tests: single-process exit $single, cuDNN exit $cudnn," \
+     "mpiexec exit $mpi (log: $LOG)" | tee -a "$LOG"
+for rc in "$single" "$cudnn" "$mpi"; do
     if [ "$rc" != skipped ] && [ "$rc" != 0 ]; then
         exit 1
     fi

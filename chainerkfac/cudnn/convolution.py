@@ -1,0 +1,255 @@
+"""Convolution forward, backward filter and backward data, as CuPy 13's
+``cupyx.cudnn`` and with its signatures (Chainer 7.8.1 calls them from
+``F.convolution_2d`` / ``_nd`` and ``F.deconvolution_2d`` / ``_nd``).
+
+**Math type.** Chainer passes ``chainer.config.use_cudnn_tensor_core``
+(``'auto'`` unless set) as ``tensor_core``; the convolution descriptor's
+math type follows from it and the data type:
+
+* float32, ``'auto'`` / ``'always'``: ``CUDNN_DEFAULT_MATH``, which lets
+  cuDNN use TF32 tensor cores on Ampere and later GPUs (PyTorch's default,
+  ``torch.backends.cudnn.allow_tf32 = True``): inputs rounded to a 10-bit
+  mantissa, accumulation in float32;
+* float32, ``'never'``: ``CUDNN_FMA_MATH``, exact float32 arithmetic
+  (PyTorch's ``allow_tf32 = False``); only algorithms cuDNN reports in
+  FMA math are taken;
+* float16 with tensor cores available (compute capability 7.0 or later;
+  CuPy 13 tested for exactly 7.0, the V100) and not ``'never'``:
+  ``CUDNN_TENSOR_OP_MATH``;
+* otherwise (float64, float16 with ``'never'``): ``CUDNN_DEFAULT_MATH``.
+
+After the algorithm is chosen the descriptor takes the algorithm's own math
+type, as CuPy 13 did (cuDNN needs the pair to match).
+"""
+import contextlib
+
+from chainerkfac.cudnn import algorithms
+from chainerkfac.cudnn import constants as C
+from chainerkfac.cudnn import not_served
+from chainerkfac.cudnn import runtime
+from chainerkfac.cudnn.algorithms import AlgorithmKey
+from chainerkfac.cudnn.descriptors import Descriptors, scalars
+from chainerkfac.cudnn.library import CuDNNError
+
+_TENSOR_CORE_MODES = ('always', 'auto', 'never')
+
+
+def is_tensor_core_available(dtype) -> bool:
+    """Whether convolutions of ``dtype`` may use tensor cores in
+    ``'auto'`` mode (float16 on compute capability 7.0 or later)."""
+    return (dtype.char == 'e' and
+            runtime.current().arrays.compute_capability() >= 70)
+
+
+def math_type(dtype, tensor_core: str) -> int:
+    """The convolution descriptor's math type (module docstring)."""
+    if tensor_core not in _TENSOR_CORE_MODES:
+        raise ValueError('tensor_core must be either of "always", "auto", or '
+                         '"never" (got {!r})'.format(tensor_core))
+    if tensor_core == 'never':
+        return C.CUDNN_FMA_MATH if dtype.char == 'f' else C.CUDNN_DEFAULT_MATH
+    if is_tensor_core_available(dtype):
+        return C.CUDNN_TENSOR_OP_MATH
+    return C.CUDNN_DEFAULT_MATH
+
+
+def _check_layouts(what, d_layout, w_layout):
+    if d_layout != C.CUDNN_TENSOR_NCHW or w_layout != C.CUDNN_TENSOR_NCHW:
+        raise not_served.layout(what)
+
+
+def _check_output(what, array):
+    if not array.flags.c_contiguous:
+        raise ValueError('{} supports c-contiguous output arrays only'.format(
+            what))
+
+
+@contextlib.contextmanager
+def _context(what, **arrays_and_parameters):
+    """Add the call's shapes and parameters to a cuDNN error."""
+    try:
+        yield
+    except CuDNNError as error:
+        error.add_info('in {}: {}'.format(what, ', '.join(
+            '{}={}'.format(k, _describe(v))
+            for k, v in arrays_and_parameters.items())))
+        raise
+
+
+def _describe(value):
+    if hasattr(value, 'shape') and hasattr(value, 'dtype'):
+        return 'shape {} {}'.format(tuple(value.shape), value.dtype)
+    return repr(value)
+
+
+def _key(direction, timed, rt, x, W, y, pad, stride, dilation, groups,
+         math, deterministic):
+    return AlgorithmKey(
+        direction, bool(timed), rt.arrays.device_id(), tuple(x.shape),
+        tuple(W.shape), tuple(y.shape), x.dtype.name, tuple(pad),
+        tuple(stride), tuple(dilation), int(groups), math,
+        bool(deterministic), rt.max_workspace_size)
+
+
+def _add_bias(rt, d, handle, b, y, y_desc, one):
+    """``y += b`` broadcast over every axis but the channels (axis 1)."""
+    b = rt.arrays.contiguous(b)
+    b_desc = d.tensor((1, b.size) + (1,) * (y.ndim - 2), b.dtype)
+    rt.lib.call('cudnnAddTensor', handle, one, b_desc, rt.arrays.pointer(b),
+                one, y_desc, rt.arrays.pointer(y))
+
+
+def convolution_forward(x, W, b, y, pad, stride, dilation, groups, *,
+                        auto_tune, tensor_core,
+                        d_layout=C.CUDNN_TENSOR_NCHW,
+                        w_layout=C.CUDNN_TENSOR_NCHW):
+    """``y = conv(x, W) (+ b)`` into the preallocated ``y``.
+
+    Parameters
+    ----------
+    x, W, b, y : cupy.ndarray
+        Input ``(N, C, ...)``, weights ``(K, C / groups, k...)``, bias
+        ``(K,)`` or None, output ``(N, K, ...)`` (C-contiguous).
+    pad, stride, dilation : tuple of int
+    groups : int
+    auto_tune : bool
+        Time the algorithms on these arrays (``chainer.config.autotune``).
+    tensor_core : str
+        ``chainer.config.use_cudnn_tensor_core``: the math type.
+    """
+    _check_layouts('convolution_forward', d_layout, w_layout)
+    _check_output('convolution_forward', y)
+    rt = runtime.current()
+    lib, arrays = rt.lib, rt.arrays
+    x, W = arrays.contiguous(x), arrays.contiguous(W)
+    math = math_type(x.dtype, tensor_core)
+    one, zero = scalars(x.dtype)
+    handle = rt.handle()
+    with _context('convolution_forward', x=x, W=W, b=b, y=y, pad=pad,
+                  stride=stride, dilation=dilation, groups=groups,
+                  auto_tune=auto_tune, tensor_core=tensor_core), \
+            Descriptors(lib) as d:
+        x_desc, y_desc = d.tensor(x.shape, x.dtype), d.tensor(y.shape, y.dtype)
+        w_desc = d.filter(W.shape, W.dtype)
+        conv_desc = d.convolution(pad, stride, dilation, groups, x.dtype, math)
+        xp, wp, yp = arrays.pointer(x), arrays.pointer(W), arrays.pointer(y)
+
+        def ask():
+            if auto_tune:
+                workspace = arrays.alloc(rt.max_workspace_size)
+                return algorithms.query(
+                    lib, 'cudnnFindConvolutionForwardAlgorithmEx',
+                    (handle, x_desc, xp, w_desc, wp, conv_desc, y_desc, yp),
+                    (workspace.ptr, workspace.nbytes))
+            return algorithms.query(
+                lib, 'cudnnGetConvolutionForwardAlgorithm_v7',
+                (handle, x_desc, w_desc, conv_desc, y_desc))
+
+        algo = algorithms.cached(rt.algorithms, _key(
+            'forward', auto_tune, rt, x, W, y, pad, stride, dilation, groups,
+            math, False), ask)
+        lib.call('cudnnSetConvolutionMathType', conv_desc, algo.math_type)
+        workspace = arrays.alloc(algo.memory)
+        lib.call('cudnnConvolutionForward', handle, one, x_desc, xp, w_desc,
+                 wp, conv_desc, algo.algo, workspace.ptr, workspace.nbytes,
+                 zero, y_desc, yp)
+        if b is not None:
+            _add_bias(rt, d, handle, b, y, y_desc, one)
+
+
+def convolution_backward_filter(x, gy, gW, pad, stride, dilation, groups, *,
+                                deterministic, auto_tune, tensor_core,
+                                d_layout=C.CUDNN_TENSOR_NCHW,
+                                w_layout=C.CUDNN_TENSOR_NCHW):
+    """``gW`` = the gradient of the weights from ``x`` and ``gy``.
+
+    ``deterministic`` (``chainer.config.cudnn_deterministic``) takes only
+    deterministic algorithms, from the heuristics (never timed), as CuPy 13.
+    """
+    _check_layouts('convolution_backward_filter', d_layout, w_layout)
+    _check_output('convolution_backward_filter', gW)
+    rt = runtime.current()
+    lib, arrays = rt.lib, rt.arrays
+    x, gy = arrays.contiguous(x), arrays.contiguous(gy)
+    math = math_type(x.dtype, tensor_core)
+    timed = auto_tune and not deterministic
+    one, zero = scalars(x.dtype)
+    handle = rt.handle()
+    with _context('convolution_backward_filter', x=x, gy=gy, gW=gW, pad=pad,
+                  stride=stride, dilation=dilation, groups=groups,
+                  deterministic=deterministic, auto_tune=auto_tune,
+                  tensor_core=tensor_core), Descriptors(lib) as d:
+        x_desc = d.tensor(x.shape, x.dtype)
+        gy_desc = d.tensor(gy.shape, gy.dtype)
+        w_desc = d.filter(gW.shape, gW.dtype)
+        conv_desc = d.convolution(pad, stride, dilation, groups, x.dtype, math)
+        xp, gyp, gwp = (arrays.pointer(x), arrays.pointer(gy),
+                        arrays.pointer(gW))
+
+        def ask():
+            if timed:
+                workspace = arrays.alloc(rt.max_workspace_size)
+                return algorithms.query(
+                    lib, 'cudnnFindConvolutionBackwardFilterAlgorithmEx',
+                    (handle, x_desc, xp, gy_desc, gyp, conv_desc, w_desc,
+                     gwp), (workspace.ptr, workspace.nbytes))
+            return algorithms.query(
+                lib, 'cudnnGetConvolutionBackwardFilterAlgorithm_v7',
+                (handle, x_desc, gy_desc, conv_desc, w_desc))
+
+        algo = algorithms.cached(rt.algorithms, _key(
+            'backward_filter', timed, rt, x, gW, gy, pad, stride, dilation,
+            groups, math, deterministic), ask)
+        lib.call('cudnnSetConvolutionMathType', conv_desc, algo.math_type)
+        workspace = arrays.alloc(algo.memory)
+        lib.call('cudnnConvolutionBackwardFilter', handle, one, x_desc, xp,
+                 gy_desc, gyp, conv_desc, algo.algo, workspace.ptr,
+                 workspace.nbytes, zero, w_desc, gwp)
+
+
+def convolution_backward_data(W, x, b, y, pad, stride, dilation, groups, *,
+                              deterministic, auto_tune, tensor_core,
+                              d_layout=C.CUDNN_TENSOR_NCHW,
+                              w_layout=C.CUDNN_TENSOR_NCHW):
+    """``y = deconv(x, W) (+ b)``: the transposed convolution, i.e. the
+    gradient of a convolution's input (``x`` has the convolution output's
+    shape, ``y`` its input's)."""
+    _check_layouts('convolution_backward_data', d_layout, w_layout)
+    _check_output('convolution_backward_data', y)
+    rt = runtime.current()
+    lib, arrays = rt.lib, rt.arrays
+    x, W = arrays.contiguous(x), arrays.contiguous(W)
+    math = math_type(x.dtype, tensor_core)
+    timed = auto_tune and not deterministic
+    one, zero = scalars(x.dtype)
+    handle = rt.handle()
+    with _context('convolution_backward_data', W=W, x=x, b=b, y=y, pad=pad,
+                  stride=stride, dilation=dilation, groups=groups,
+                  deterministic=deterministic, auto_tune=auto_tune,
+                  tensor_core=tensor_core), Descriptors(lib) as d:
+        x_desc, y_desc = d.tensor(x.shape, x.dtype), d.tensor(y.shape, y.dtype)
+        w_desc = d.filter(W.shape, W.dtype)
+        conv_desc = d.convolution(pad, stride, dilation, groups, x.dtype, math)
+        wp, xp, yp = arrays.pointer(W), arrays.pointer(x), arrays.pointer(y)
+
+        def ask():
+            if timed:
+                workspace = arrays.alloc(rt.max_workspace_size)
+                return algorithms.query(
+                    lib, 'cudnnFindConvolutionBackwardDataAlgorithmEx',
+                    (handle, w_desc, wp, x_desc, xp, conv_desc, y_desc, yp),
+                    (workspace.ptr, workspace.nbytes))
+            return algorithms.query(
+                lib, 'cudnnGetConvolutionBackwardDataAlgorithm_v7',
+                (handle, w_desc, x_desc, conv_desc, y_desc))
+
+        algo = algorithms.cached(rt.algorithms, _key(
+            'backward_data', timed, rt, y, W, x, pad, stride, dilation,
+            groups, math, deterministic), ask)
+        lib.call('cudnnSetConvolutionMathType', conv_desc, algo.math_type)
+        workspace = arrays.alloc(algo.memory)
+        lib.call('cudnnConvolutionBackwardData', handle, one, w_desc, wp,
+                 x_desc, xp, conv_desc, algo.algo, workspace.ptr,
+                 workspace.nbytes, zero, y_desc, yp)
+        if b is not None:
+            _add_bias(rt, d, handle, b, y, y_desc, one)
