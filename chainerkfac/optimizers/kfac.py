@@ -514,7 +514,7 @@ class KFAC(optimizer.GradientMethod):
             for name in counts[block]:
                 block.mark_refreshed(name, step)
                 refreshed.add(block.factor_kinds[name].interval)
-        self._report(refreshed, retries)
+        self._report(refreshed, retries, step)
         if self._damping_rate is not None:
             self.damping = equations.damping_step(
                 self.damping, self.damping_target, self._damping_rate)
@@ -695,7 +695,9 @@ class KFAC(optimizer.GradientMethod):
                            block.kind, 's' if len(missing) > 1 else '',
                            ', '.join(missing), why, state_text)
 
-    def _report(self, refreshed, retries):
+    def _report(self, refreshed, retries, step: int):
+        """The step's observation; ``step`` numbers it as the warnings of
+        its inversions do (the value of ``t`` the step began with)."""
         preconditioned = sum(
             1 for b in self.blocks if b.factor_names and
             all(b.last_refresh[n] >= 0 for n in b.factor_names))
@@ -715,7 +717,7 @@ class KFAC(optimizer.GradientMethod):
         if self.guard.skipped:
             logger.warning('K-FAC step %d: non-finite preconditioned '
                            'gradient, update skipped (weights and running '
-                           'statistics unchanged)', self.t)
+                           'statistics unchanged)', step)
 
     @property
     def last_refresh(self) -> Dict[str, int]:
