@@ -48,15 +48,16 @@ def build_optimizer(name, cfg, comm, acc_iters, args):
     # linear warm-up then polynomial (power 2) decay to the last epoch.
     scale = cfg.global_batch_size / 256.0
     if name == 'sgd':
-        lr = args.baseline_lr or 0.1 * scale
-        momentum = args.baseline_momentum or 0.9
+        lr = _given(args.baseline_lr, 0.1 * scale)
+        momentum = _given(args.baseline_momentum, 0.9)
         warmup_start = 0.1
     else:
         # MLPerf-0.6 LARS at 32K: base LR 29 with trust coefficient 1e-3
         # (Chainer's GradientLARS has none), momentum 0.929, 18 warm-up
         # epochs; scaled linearly to other batch sizes by default.
-        lr = args.baseline_lr or 29.0e-3 * cfg.global_batch_size / 32768
-        momentum = args.baseline_momentum or 0.929
+        lr = _given(args.baseline_lr,
+                    29.0e-3 * cfg.global_batch_size / 32768)
+        momentum = _given(args.baseline_momentum, 0.929)
         warmup_start = lr / 100.0
     optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=momentum)
     schedule = kfac_training.LinearWarmupLR(
@@ -64,6 +65,12 @@ def build_optimizer(name, cfg, comm, acc_iters, args):
         decay=kfac_training.polynomial_decay(
             lr, 2.0, args.warmup_epochs, cfg.epochs + 1e-6))
     return optimizer, schedule
+
+
+def _given(value, default):
+    """An option's value, or ``default`` if it was not given (0 is a value:
+    ``--baseline-momentum 0`` is plain SGD)."""
+    return default if value is None else value
 
 
 def attach_hooks(name, optimizer, args):
@@ -217,7 +224,7 @@ def train(args, comm, optimizer_name, out, cfg):
             data.mean, args.skip_bad_images, drop_bad=True), device),
         trigger=(1, 'epoch'))
     target = None
-    if args.target_acc:
+    if args.target_acc is not None:
         target = TimeToAccuracy(args.target_acc, write=comm.rank == 0)
         trainer.extend(target)
     if kfac and args.fisher_diff:
@@ -272,7 +279,7 @@ def resolve_config(args, comm):
     cfg, error = None, None
     try:
         cfg = config_module.load(args.config)
-        if args.epochs:
+        if args.epochs is not None:
             cfg = config_module.from_dict(
                 dict(config_module.to_dict(cfg), epochs=args.epochs),
                 source=args.config)
