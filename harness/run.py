@@ -241,9 +241,10 @@ def train(args, comm, optimizer_name, out, cfg):
         comm, totals=lambda: {'bad_images_skipped': converter.skipped}))
     label = args.label or run_dir.label_of(optimizer_name, cfg)
     if comm.rank == 0:
-        trainer.extend(extensions.PrintReport(
+        trainer.extend(evaluation.print_report(
             ['epoch', 'iteration', 'main/loss', 'main/accuracy',
-             'validation/main/accuracy', 'lr', 'elapsed_time']))
+             'validation/main/accuracy', 'lr', 'elapsed_time'],
+            progress_bar=not args.no_progress))
         if not args.no_progress:
             trainer.extend(extensions.ProgressBar(update_interval=10))
         run_dir.write_run_config(cfg, out, run_dir.run_facts(
