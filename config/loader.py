@@ -4,9 +4,9 @@
 missing key, wrong type or impossible value raises :class:`ConfigError`
 naming the key and the file. The keys that are arguments of
 :class:`chainerkfac.optimizers.KFAC` are checked by the optimizer's own
-rules and choices (:mod:`chainerkfac.optimizers.options`). ``save(config, path)`` writes the resolved
-config back as JSON that ``load`` reads unchanged (the training script keeps
-it next to its logs).
+rules and choices (:mod:`chainerkfac.optimizers.options`).
+``save(config, path)`` writes the resolved config back as JSON that
+``load`` reads unchanged (the training script keeps it next to its logs).
 
 The learning rate and damping values carry the magnitudes of the authors'
 published configs, 1000 times the values printed in Table 3 of the paper's
