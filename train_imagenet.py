@@ -115,11 +115,23 @@ def parse_args(argv=None):
     parser.add_argument('--mean', help='mean image (.npy); computed from '
                         'the training list (by all processes in parallel) '
                         'and saved here if missing (default: OUT/mean.npy)')
-    parser.add_argument('--out', default='result')
+    parser.add_argument('--out', default='result',
+                        help='the run directory (one run at a time: locked '
+                             'by run.lock while the run lasts)')
     parser.add_argument('--resume', help='snapshot prefix, e.g. '
                         'result/snapshot_epoch_3 (files .rank0, .rank1, ... '
                         'of any number of processes), or "latest" for the '
-                        'newest complete snapshot in --out')
+                        'newest complete, undamaged snapshot in --out; it '
+                        'must fit the model and --optimizer')
+    parser.add_argument('--overwrite', action='store_true',
+                        help="start over in an --out that holds an earlier "
+                             "run's files: they are removed first (without "
+                             'it such a run is refused)')
+    parser.add_argument('--init-weights-from', metavar='SNAPSHOT',
+                        help='start a new run (fresh optimizer, epoch 0) '
+                             "from the weights of a snapshot (prefix or "
+                             'file, of any --optimizer) or of a '
+                             'model_final.npz')
     parser.add_argument('--snapshot-every', type=integer(1), default=1,
                         help='epochs between snapshots (taken at the end '
                              'of the optimizer step in progress; the end '
@@ -178,6 +190,15 @@ def parse_args(argv=None):
         if missing:
             parser.error('missing {} (or use --demo)'.format(
                 ', '.join(missing)))
+    if args.resume and args.init_weights_from:
+        parser.error('--resume continues a run, --init-weights-from starts '
+                     'a new one: give one of them')
+    if args.resume == 'latest' and args.overwrite:
+        parser.error('--resume latest continues the run of --out, '
+                     '--overwrite removes it: give one of them')
+    if args.demo and (args.resume or args.init_weights_from):
+        parser.error('--demo trains two new runs: no --resume or '
+                     '--init-weights-from')
     if args.crop_size > args.resize:
         parser.error('--crop-size {} is larger than --resize {}: the crop is '
                      'cut from the resized image'.format(args.crop_size,

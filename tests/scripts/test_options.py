@@ -55,6 +55,15 @@ def test_crop_larger_than_the_resized_image_refused(capsys):
     assert '--crop-size 32' in err and '--resize 30' in err
 
 
+def test_exclusive_options_refused(capsys):
+    err = refused(capsys, '--resume', 'latest', '--init-weights-from', 'x')
+    assert '--init-weights-from' in err and '--resume' in err
+    err = refused(capsys, '--resume', 'latest', '--overwrite')
+    assert '--overwrite' in err and '--resume latest' in err
+    err = refused(capsys, '--demo', '--resume', 'latest')
+    assert '--demo' in err
+
+
 def test_values_at_the_edges_are_kept():
     args = train_imagenet.parse_args(LISTS + [
         '--snapshot-every', '1', '--epochs', '1', '--keep-snapshots', '0',
