@@ -197,13 +197,13 @@ def _refuse_or_clear(out, overwrite, mean_is_output, source, continues):
     def inside(path):
         return os.path.samefile(os.path.dirname(os.path.abspath(path)), out)
 
+    if overwrite and source and inside(source):
+        raise OSError('--overwrite would remove {} before it is read: '
+                      'choose another --out'.format(source))
     if continues and inside(source):
         return                  # the run continues its own directory
     files, temporary = earlier_run_files(out, mean_is_output)
     if overwrite:
-        if source and inside(source):
-            raise OSError('--overwrite would remove {} before it is read: '
-                          'choose another --out'.format(source))
         if files or temporary:
             clear(out, files + temporary)
             print('--overwrite: cleared the earlier run of {} ({} files)'
