@@ -155,15 +155,11 @@ def test_converter_normalises_and_refuses_unreadable_images():
     assert len(x) == 3 and dropping.skipped == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'library (issue 20, item 9): chainerkfac/optimizers/kfac.py logs the '
-    'factor warnings of _refresh with self.t before KFAC._step increments '
-    'it and the skip warning of _report after; numbering both by the '
-    'step taken (step = self.t before the increment) is a one-line change '
-    'there'))
 def test_warnings_of_one_kfac_step_number_it_alike(caplog):
     """A NaN micro-batch: its factors cannot be inverted and the step is
-    skipped; every warning of that step names the same step."""
+    skipped; every warning of that step names the same step (issue 20,
+    item 9: the skip warning numbered it one higher; fixed in
+    chainerkfac/optimizers/kfac.py on main, 9722644)."""
     import re
     import chainerkfac
     np.random.seed(0)
