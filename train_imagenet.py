@@ -15,7 +15,13 @@ processes after every epoch. The output directory gets ``config.json``
 final one included), ``model_final.npz`` (the network's weights),
 ``fisher_diff.jsonl`` (with ``--fisher-diff``) and
 ``time_to_accuracy.json`` (with ``--target-acc``). ``--resume`` continues
-from a snapshot, on the same or another number of processes.
+from a snapshot, on the same or another number of processes, once every
+file of it has been read whole and found to fit the model and the
+optimizer; ``--init-weights-from`` starts a new run from a snapshot's
+weights. One run at a time holds the directory (``run.lock``), and a
+fresh run refuses an earlier run's files there unless ``--overwrite``
+removes them first. A snapshot that cannot be written stops the run at
+once; ``model_final.npz`` is written anyway.
 
 ``--demo`` runs the embedded default: an ImageNet-format dataset built from
 scikit-learn's handwritten digits, a small ResNet trained with K-FAC and
