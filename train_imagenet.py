@@ -15,7 +15,13 @@ processes after every epoch. The output directory gets ``config.json``
 final one included), ``model_final.npz`` (the network's weights),
 ``fisher_diff.jsonl`` (with ``--fisher-diff``) and
 ``time_to_accuracy.json`` (with ``--target-acc``). ``--resume`` continues
-from a snapshot, on the same or another number of processes.
+from a snapshot, on the same or another number of processes, once every
+file of it has been read whole and found to fit the model and the
+optimizer; ``--init-weights-from`` starts a new run from a snapshot's
+weights. One run at a time holds the directory (``run.lock``), and a
+fresh run refuses an earlier run's files there unless ``--overwrite``
+removes them first. A snapshot that cannot be written stops the run at
+once; ``model_final.npz`` is written anyway.
 
 ``--demo`` runs the embedded default: an ImageNet-format dataset built from
 scikit-learn's handwritten digits, a small ResNet trained with K-FAC and
@@ -23,13 +29,66 @@ with momentum SGD side by side, a summary table and the figures.
 """
 import argparse
 import json
+import math
 import sys
 
 import chainerkfac  # before chainer: applies the NumPy-2 compatibility shims
 
 import models
+from models.small_resnet import check_size
 from harness import mpi as harness_mpi
 from harness.run import OPTIMIZERS, resolve_config, train
+
+
+#: Largest ``--seed``: ``seed + rank`` seeds NumPy's 32-bit generators.
+MAX_SEED = 2 ** 31 - 1
+
+
+def integer(low, high=None):
+    """An ``argparse`` type: an integer in ``[low, high]`` (no upper bound
+    if ``high`` is None); the error names the range and the value."""
+    what = 'an integer >= {}'.format(low) if high is None else \
+        'an integer in [{}, {}]'.format(low, high)
+
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and
+                                            value > high):
+            raise argparse.ArgumentTypeError('must be {}, got {!r}'.format(
+                what, text))
+        return value
+    return parse
+
+
+def number(what, accept):
+    """An ``argparse`` type: a finite float for which ``accept(value)``
+    holds; ``what`` describes the range in the error."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and accept(value)):
+            raise argparse.ArgumentTypeError('must be {}, got {!r}'.format(
+                what, text))
+        return value
+    return parse
+
+
+def small_resnet_depth(text):
+    """An ``argparse`` type: a depth of ``--arch small`` (``6 n + 2``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = text            # check_size says what a depth must be
+    try:
+        check_size(value, 1)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return value
 
 
 def parse_args(argv=None):
@@ -47,43 +106,58 @@ def parse_args(argv=None):
     parser.add_argument('--gpu', action='store_true',
                         help='one GPU per process (intra-node rank)')
     parser.add_argument('--arch', choices=models.ARCHS, default='resnet50')
-    parser.add_argument('--depth', type=int, default=8,
-                        help='depth of --arch small')
-    parser.add_argument('--width', type=int, default=16,
+    parser.add_argument('--depth', type=small_resnet_depth, default=8,
+                        help='depth of --arch small (6n+2: 8, 14, 20, ...)')
+    parser.add_argument('--width', type=integer(1), default=16,
                         help='width of --arch small')
-    parser.add_argument('--n-class', type=int,
+    parser.add_argument('--n-class', type=integer(1),
                         help="number of classes (default: the config's "
                              'n_class, 1000 for ImageNet); every label of '
                              'the lists is checked against it')
-    parser.add_argument('--crop-size', type=int, default=224)
-    parser.add_argument('--resize', type=int, default=256)
+    parser.add_argument('--crop-size', type=integer(1), default=224,
+                        help='side of the random crop (at most --resize)')
+    parser.add_argument('--resize', type=integer(1), default=256,
+                        help='side every image is resized to')
     parser.add_argument('--mean', help='mean image (.npy); computed from '
                         'the training list (by all processes in parallel) '
                         'and saved here if missing (default: OUT/mean.npy)')
-    parser.add_argument('--out', default='result')
+    parser.add_argument('--out', default='result',
+                        help='the run directory (one run at a time: locked '
+                             'by run.lock while the run lasts)')
     parser.add_argument('--resume', help='snapshot prefix, e.g. '
                         'result/snapshot_epoch_3 (files .rank0, .rank1, ... '
                         'of any number of processes), or "latest" for the '
-                        'newest complete snapshot in --out')
-    parser.add_argument('--snapshot-every', type=int, default=1,
+                        'newest complete, undamaged snapshot in --out; it '
+                        'must fit the model and --optimizer')
+    parser.add_argument('--overwrite', action='store_true',
+                        help="start over in an --out that holds an earlier "
+                             "run's files: they are removed first (without "
+                             'it such a run is refused)')
+    parser.add_argument('--init-weights-from', metavar='SNAPSHOT',
+                        help='start a new run (fresh optimizer, epoch 0) '
+                             "from the weights of a snapshot (prefix or "
+                             'file, of any --optimizer) or of a '
+                             'model_final.npz')
+    parser.add_argument('--snapshot-every', type=integer(1), default=1,
                         help='epochs between snapshots (taken at the end '
                              'of the optimizer step in progress; the end '
                              'of the run is always saved)')
-    parser.add_argument('--keep-snapshots', type=int, default=2,
+    parser.add_argument('--keep-snapshots', type=integer(0), default=2,
                         help='snapshots kept per process, older ones are '
                              'removed (0: keep all)')
     parser.add_argument('--compress-snapshots', action='store_true',
                         help='zlib-compress the snapshots (smaller files, '
                              'many more CPU-seconds of the writer thread)')
-    parser.add_argument('--epochs', type=int,
+    parser.add_argument('--epochs', type=integer(1),
                         help='override the config\'s epochs (K-FAC: at most '
                              'e_end, where its learning rate reaches 0)')
-    parser.add_argument('--target-acc', type=float,
+    parser.add_argument('--target-acc', type=number(
+                            'a number in (0, 1]', lambda v: 0 < v <= 1),
                         help='report time/epoch when val top-1 first '
                              'reaches this (e.g. 0.75)')
     parser.add_argument('--fisher-diff', action='store_true',
                         help='log Diff(t) of eq. 21 (Figure 5)')
-    parser.add_argument('--loaderjob', type=int,
+    parser.add_argument('--loaderjob', type=integer(0),
                         help='loader processes per process (default: the '
                              "node's cores shared among its ranks, minus "
                              'one; 0: decode in the training process)')
@@ -94,14 +168,21 @@ def parse_args(argv=None):
                         help='leave unreadable images out (counted in the '
                              'log) instead of stopping with their file and '
                              'line')
-    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--seed', type=integer(0, MAX_SEED), default=0,
+                        help='of the initial weights and of every random '
+                             'draw of the data stream')
     parser.add_argument('--label', help='name of the run in the figures')
-    parser.add_argument('--baseline-lr', type=float,
+    parser.add_argument('--baseline-lr', type=number(
+                            'a number > 0', lambda v: v > 0),
                         help='peak LR of sgd/lars (default: scaled rule)')
-    parser.add_argument('--baseline-momentum', type=float)
-    parser.add_argument('--warmup-epochs', type=float, default=5.0,
+    parser.add_argument('--baseline-momentum', type=number(
+                            'a number in [0, 1)', lambda v: 0 <= v < 1),
+                        help='momentum of sgd/lars (default: 0.9 / 0.929)')
+    parser.add_argument('--warmup-epochs', type=number(
+                            'a number >= 0', lambda v: v >= 0), default=5.0,
                         help='LR warm-up of sgd/lars')
-    parser.add_argument('--weight-decay', type=float, default=1e-4,
+    parser.add_argument('--weight-decay', type=number(
+                            'a number >= 0', lambda v: v >= 0), default=1e-4,
                         help='weight decay of sgd/lars')
     parser.add_argument('--no-augment', action='store_true',
                         help='no mixup / random erasing')
@@ -115,10 +196,19 @@ def parse_args(argv=None):
         if missing:
             parser.error('missing {} (or use --demo)'.format(
                 ', '.join(missing)))
-    if args.loaderjob is not None and args.loaderjob < 0:
-        parser.error('--loaderjob must be >= 0')
-    if args.n_class is not None and args.n_class < 1:
-        parser.error('--n-class must be >= 1')
+    if args.resume and args.init_weights_from:
+        parser.error('--resume continues a run, --init-weights-from starts '
+                     'a new one: give one of them')
+    if args.resume == 'latest' and args.overwrite:
+        parser.error('--resume latest continues the run of --out, '
+                     '--overwrite removes it: give one of them')
+    if args.demo and (args.resume or args.init_weights_from):
+        parser.error('--demo trains two new runs: no --resume or '
+                     '--init-weights-from')
+    if args.crop_size > args.resize:
+        parser.error('--crop-size {} is larger than --resize {}: the crop is '
+                     'cut from the resized image'.format(args.crop_size,
+                                                         args.resize))
     return args
 
 

@@ -150,8 +150,52 @@ def read_image_list(list_path, root='.', check_files=True, n_class=None):
     return images
 
 
+#: Unsigned 16-bit grey, as PIL opens 16-bit PNG, TIFF and PGM files.
+GREY16_MODES = ('I;16', 'I;16L', 'I;16B', 'I;16N')
+#: Modes with an alpha band (besides a ``transparency`` entry of the info).
+ALPHA_MODES = ('LA', 'La', 'PA', 'RGBA', 'RGBa')
+
+
+def to_rgb(image):
+    """The RGB image a PIL image shows, whatever its mode.
+
+    * 16-bit grey (:data:`GREY16_MODES`, and ``'I'`` from a PGM, which PIL
+      scales to 0..65535 from any maxval) is scaled to 8 bits, ``v · 255 /
+      65535`` rounded: PIL's ``convert('RGB')`` clips it at 255, so a 16-bit
+      scan would train as a white image.
+    * Transparency (an alpha band, or a transparent palette index / colour)
+      is composited over black: the colour under a transparent pixel is
+      arbitrary (often the palette's first entry).
+    * ``'1'``, ``'L'``, ``'P'``, ``'CMYK'``, ``'YCbCr'``, ``'LAB'``, ``'HSV'``:
+      PIL's conversion.
+
+    Raises
+    ------
+    ValueError
+        Samples with no defined white level (32-bit integers, floats,
+        signed 16-bit): a guessed scale would silently change the image.
+    """
+    mode = image.mode
+    if mode in GREY16_MODES or (mode == 'I' and image.format == 'PPM'):
+        grey = np.asarray(image).astype(np.uint32)
+        grey = ((grey * 255 + 32767) // 65535).astype(np.uint8)
+        return Image.fromarray(grey, 'L').convert('RGB')
+    if mode.startswith(('I', 'F')):
+        raise ValueError(
+            "mode '{}' ({} samples) has no defined white level; convert the "
+            'file to 8 or 16 bits per sample'.format(
+                mode, 'floating-point' if mode.startswith('F') else
+                'signed or 32-bit integer'))
+    if mode in ALPHA_MODES or 'transparency' in image.info:
+        rgba = np.asarray(image.convert('RGBA'), np.float32)
+        shown = np.round(rgba[..., :3] * rgba[..., 3:] / 255.0)
+        return Image.fromarray(shown.astype(np.uint8), 'RGB')
+    return image.convert('RGB')
+
+
 def load_image(path, size=None):
-    """Read an image as RGB, optionally resized to ``size x size``.
+    """Read an image as RGB (:func:`to_rgb`), optionally resized to ``size x
+    size``.
 
     The aspect ratio is ignored (paper section 4.1); resampling is bilinear.
 
@@ -170,11 +214,11 @@ def load_image(path, size=None):
     ------
     OSError
         The file cannot be read as an image (missing, truncated, not an
-        image); names the file.
+        image, a mode :func:`to_rgb` refuses); names the file.
     """
     try:
         with Image.open(path) as image:
-            image = image.convert('RGB')
+            image = to_rgb(image)
             if size is not None:
                 image = image.resize((size, size), Image.BILINEAR)
             array = np.asarray(image, dtype=np.uint8)

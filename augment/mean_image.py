@@ -40,9 +40,16 @@ def compute_mean(dataset, crop_size):
 
 def save_mean(path, mean):
     """Write the mean image as ``.npy`` (whole or not at all: a temporary
-    file in the same directory, renamed when complete)."""
+    file in the same directory, renamed when complete).
+
+    The file gets the mode of any new file (``0666`` less the umask), like
+    the run's other outputs: ``tempfile.mkstemp`` would leave it ``0600``.
+    """
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix='.mean.', suffix='.tmp', dir=directory)
+    # One writer per process: a name of an earlier process with this pid is
+    # a leftover of a killed run.
+    tmp = os.path.join(directory, '.mean.{}.tmp'.format(os.getpid()))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
         with os.fdopen(fd, 'wb') as f:
             np.save(f, np.asarray(mean, dtype=np.float32))

@@ -96,13 +96,17 @@ def measure(spec, batch, directory) -> Dict:
     before_parts = state_bytes(before)
     os.remove(before)
 
-    extension = snapshots.snapshot_extension(rank=0, keep=2)
+    writer = snapshots.AtomicThreadWriter()
+    extension = snapshots.snapshot_extension(rank=0, keep=2, writer=writer)
     extension.initialize(trainer)
     start = time.perf_counter()
     extension(trainer)
     blocked_s = time.perf_counter() - start
     extension.finalize()
     write_s = time.perf_counter() - start
+    failure = writer.take_failure()
+    if failure is not None:
+        raise failure
     [after] = [os.path.join(directory, n) for n in os.listdir(directory)
                if n.startswith('snapshot_epoch_')]
     after_bytes = os.path.getsize(after)
@@ -112,7 +116,7 @@ def measure(spec, batch, directory) -> Dict:
         'before': {'seconds': before_s, 'bytes': before_bytes,
                    'compressed': True, 'array_bytes': before_parts},
         'after': {'blocked_s': blocked_s, 'write_s': write_s,
-                  'writer_copy_s': extension.writer.last_blocked_seconds,
+                  'writer_copy_s': writer.last_blocked_seconds,
                   'bytes': after_bytes, 'compressed': False,
                   'array_bytes': state_bytes(after)},
         'blocked_fraction_of_before': blocked_s / before_s,

@@ -2,9 +2,11 @@
 
 ``load(path)`` returns a frozen :class:`TrainConfig`; any unknown key,
 missing key, wrong type or impossible value raises :class:`ConfigError`
-naming the key and the file. ``save(config, path)`` writes the resolved
-config back as JSON that ``load`` reads unchanged (the training script keeps
-it next to its logs).
+naming the key and the file. The keys that are arguments of
+:class:`chainerkfac.optimizers.KFAC` are checked by the optimizer's own
+rules and choices (:mod:`chainerkfac.optimizers.options`).
+``save(config, path)`` writes the resolved config back as JSON that
+``load`` reads unchanged (the training script keeps it next to its logs).
 
 The learning rate and damping values carry the magnitudes of the authors'
 published configs, 1000 times the values printed in Table 3 of the paper's
@@ -17,14 +19,7 @@ import os
 import typing
 from typing import Union
 
-from chainerkfac import equations
-
-#: Values of the string-valued choices.
-BN_FISHER_CHOICES = ('full', 'diag')
-FISHER_CHOICES = ('emp', 'mc')
-FACTOR_DTYPE_CHOICES = ('float32', 'float16')
-#: The string value of ``weight_rescale`` (besides true / false).
-WEIGHT_RESCALE_CHOICES = ('auto',)
+from chainerkfac.optimizers import options
 
 _CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -83,11 +78,15 @@ class TrainConfig:
     batch_size_per_process : int
         Samples per process per micro-batch (32 per GPU in the paper).
     bn_fisher : str
+        One of :data:`chainerkfac.optimizers.options.BN_FISHER_MODES`:
         ``'full'`` (2C x 2C Fisher of a BN layer) or ``'diag'`` (section 5.4).
     fisher : str
-        ``'emp'`` (empirical Fisher, the paper) or ``'mc'`` (sampled labels).
+        One of :data:`chainerkfac.optimizers.options.FISHER_TYPES`:
+        ``'emp'`` (empirical Fisher, the paper), ``'mc'`` (sampled labels),
+        ``'exact'`` (the loss Hessian's root, KFLR).
     factor_dtype : str
-        ``'float32'`` or ``'float16'``: precision of factor construction.
+        One of :data:`chainerkfac.optimizers.options.FACTOR_DTYPES`
+        (``'float32'``, ``'float16'``): precision of factor construction.
     refresh_interval_a, refresh_interval_g, refresh_interval_f : int or str
         Steps between refreshes of the Kronecker factors A and G and of the
         BN Fisher F: a positive int, or a preset of
@@ -170,23 +169,32 @@ def _check_type(key, value, expected):
 
 
 def _check_values(config):
+    """The optimizer's arguments by the optimizer's own checks
+    (:mod:`chainerkfac.optimizers.options`), then what a training run
+    needs beyond them."""
+    try:
+        options.check_options(**kfac_options(config))
+    except options.OptionError as error:
+        # The config's keys are the names of KFAC's arguments.
+        raise ConfigError(error.name, '{}, got {!r}'.format(
+            error.why, error.value)) from None
+
     def require(condition, key, message):
         if not condition:
             raise ConfigError(key, '{}, got {!r}'.format(
                 message, getattr(config, key)))
 
-    for key in ('global_batch_size', 'epochs', 'damping_warmup_steps',
-                'batch_size_per_process', 'n_class'):
+    for key in ('global_batch_size', 'epochs', 'batch_size_per_process',
+                'n_class'):
         require(getattr(config, key) >= 1, key, 'must be at least 1')
-    for key in ('lr', 'damping', 'damping_target', 'rho_bn'):
-        require(getattr(config, key) > 0, key, 'must be positive')
+    require(config.lr > 0, 'lr', 'must be positive (with η(0) = 0 the run '
+            'would never change the weights)')
     require(config.alpha_mixup >= 0, 'alpha_mixup',
             'must be non-negative (0 disables mixup)')
     require(config.p_decay >= 0, 'p_decay', 'must be non-negative')
     require(config.e_start >= 0, 'e_start', 'must be non-negative')
     require(config.e_end > config.e_start, 'e_end',
             'must be larger than e_start ({})'.format(config.e_start))
-    require(0 <= config.momentum < 1, 'momentum', 'must lie in [0, 1)')
     require(config.damping >= config.damping_target, 'damping',
             'γ(0) must be at least damping_target ({}): the warm-up of '
             'eqs. (15)-(16) decreases the damping'
@@ -195,24 +203,6 @@ def _check_values(config):
             'global_batch_size', 'must be a multiple of '
             'batch_size_per_process ({})'.format(
                 config.batch_size_per_process))
-    require(config.bn_fisher in BN_FISHER_CHOICES, 'bn_fisher',
-            'must be one of {}'.format(BN_FISHER_CHOICES))
-    require(config.fisher in FISHER_CHOICES, 'fisher',
-            'must be one of {}'.format(FISHER_CHOICES))
-    require(config.factor_dtype in FACTOR_DTYPE_CHOICES, 'factor_dtype',
-            'must be one of {}'.format(FACTOR_DTYPE_CHOICES))
-    if isinstance(config.weight_rescale, str):
-        require(config.weight_rescale in WEIGHT_RESCALE_CHOICES,
-                'weight_rescale', 'must be true, false or "auto"')
-    for key in ('refresh_interval_a', 'refresh_interval_g',
-                'refresh_interval_f'):
-        value = getattr(config, key)
-        if isinstance(value, str):
-            require(value in equations.REFRESH_PRESETS, key,
-                    'must be a preset of {}'.format(
-                        sorted(equations.REFRESH_PRESETS)))
-        else:
-            require(value >= 1, key, 'must be at least 1')
 
 
 def from_dict(data, source='<dict>'):

@@ -28,8 +28,7 @@ import numpy
 
 import augment
 from harness.mpi import raise_together
-
-BAD_IMAGES_FILE = 'bad_images.txt'
+from harness.run_dir import BAD_IMAGES_FILE, MEAN_FILE
 
 
 class Data:
@@ -179,7 +178,7 @@ def prepare(args, comm, out, n_class, loaderjob):
     """
     train, val = read_lists(args.train, args.val, args.root, n_class, comm)
     crop, resize = args.crop_size, args.resize
-    mean_path = args.mean or os.path.join(out, 'mean.npy')
+    mean_path = args.mean or os.path.join(out, MEAN_FILE)
     mean, train_bad = mean_image(train, mean_path, resize, crop, loaderjob,
                                  comm, args.skip_bad_images, out)
     if args.check_images:

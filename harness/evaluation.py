@@ -2,6 +2,9 @@
 process's share weighted by samples, and training values of the log
 averaged over processes.
 """
+import re
+import sys
+
 import chainer
 import numpy
 from chainer import function
@@ -91,6 +94,33 @@ def log_report(comm, trigger=(1, 'epoch'), totals=None):
                                     filename='log')
     return extensions.LogReport(trigger=trigger, postprocess=postprocess,
                                 log_name=None)
+
+
+def print_report(entries, progress_bar):
+    """Chainer's ``PrintReport`` of ``entries`` on stdout.
+
+    Without a progress bar (``--no-progress``) its output is plain lines:
+    ``PrintReport`` erases the bar's lines with a terminal escape code
+    before each row, bar or not, which would land in a log file.
+    """
+    out = sys.stdout if progress_bar else PlainText(sys.stdout)
+    return extensions.PrintReport(entries, out=out)
+
+
+class PlainText:
+    """A text stream that drops terminal escape codes (``\\x1b[J``, ...)
+    from what is written through it to ``stream``."""
+
+    _ESCAPE = re.compile(r'\x1b\[[0-9;]*[A-Za-z]')
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        return self.stream.write(self._ESCAPE.sub('', text))
+
+    def flush(self):
+        self.stream.flush()
 
 
 def _as_float(value):

@@ -25,7 +25,7 @@ import models
 from chainerkfac import training as kfac_training
 from chainerkfac.training import FisherDiffLog, TimeToAccuracy
 from harness import data as data_module
-from harness import evaluation, run_dir, snapshots, triggers
+from harness import evaluation, resume, run_dir, snapshots, triggers
 from harness.mpi import raise_together
 from harness.updater import AugmentedUpdater, BatchConverter
 
@@ -48,15 +48,16 @@ def build_optimizer(name, cfg, comm, acc_iters, args):
     # linear warm-up then polynomial (power 2) decay to the last epoch.
     scale = cfg.global_batch_size / 256.0
     if name == 'sgd':
-        lr = args.baseline_lr or 0.1 * scale
-        momentum = args.baseline_momentum or 0.9
+        lr = _given(args.baseline_lr, 0.1 * scale)
+        momentum = _given(args.baseline_momentum, 0.9)
         warmup_start = 0.1
     else:
         # MLPerf-0.6 LARS at 32K: base LR 29 with trust coefficient 1e-3
         # (Chainer's GradientLARS has none), momentum 0.929, 18 warm-up
         # epochs; scaled linearly to other batch sizes by default.
-        lr = args.baseline_lr or 29.0e-3 * cfg.global_batch_size / 32768
-        momentum = args.baseline_momentum or 0.929
+        lr = _given(args.baseline_lr,
+                    29.0e-3 * cfg.global_batch_size / 32768)
+        momentum = _given(args.baseline_momentum, 0.929)
         warmup_start = lr / 100.0
     optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=momentum)
     schedule = kfac_training.LinearWarmupLR(
@@ -64,6 +65,12 @@ def build_optimizer(name, cfg, comm, acc_iters, args):
         decay=kfac_training.polynomial_decay(
             lr, 2.0, args.warmup_epochs, cfg.epochs + 1e-6))
     return optimizer, schedule
+
+
+def _given(value, default):
+    """An option's value, or ``default`` if it was not given (0 is a value:
+    ``--baseline-momentum 0`` is plain SGD)."""
+    return default if value is None else value
 
 
 def attach_hooks(name, optimizer, args):
@@ -102,53 +109,32 @@ def observers(optimizer, name, images_per_iteration):
     return out
 
 
-def _resume_prefix(args, out):
-    if args.resume != 'latest':
-        return args.resume
-    prefix = snapshots.latest_snapshot(out)
-    if prefix is None:
-        raise FileNotFoundError('--resume latest: no complete snapshot in {}'
-                                .format(out))
-    return prefix
-
-
-def _resume(args, comm, trainer, optimizer, updater, out, kfac):
-    """Load the snapshot ``--resume`` names into the trainer."""
-    files, error = None, None
+def _save_final_model(out, network, stopped=None):
+    """``model_final.npz`` (rank 0), whole or not at all. ``stopped``: the
+    failure that ended the run early; the weights are saved anyway (the
+    file is small and may fit where a snapshot did not)."""
+    path = os.path.join(out, run_dir.MODEL_FINAL_FILE)
     try:
-        prefix = _resume_prefix(args, out)
-        files = snapshots.snapshot_files(prefix)
-    except (OSError, ValueError) as e:
-        error = e
-    raise_together(comm, error)
-    try:
-        snapshots.restore(trainer, files, comm.rank, comm.size,
-                          optimizer if kfac else None, updater.mixup)
-    except (OSError, ValueError, KeyError) as e:
-        error = e
-    raise_together(comm, error)
-    iterator = updater.get_iterator('main')
-    if comm.rank == 0:
-        reached = next((e.reached for e in _extensions_of(
-            trainer, TimeToAccuracy)), None)
-        run_dir.continue_run_files(
-            os.path.dirname(os.path.abspath(files[0])), out,
-            getattr(optimizer, 't', 0), reached)
-        print('resumed from {} ({} process(es)) on {} process(es) at epoch '
-              '{:.4f}{}'.format(
-                  prefix, len(files), comm.size, iterator.epoch_detail,
-                  '; {} chunks of the flushed last step skipped'.format(
-                      iterator.skipped_chunks)
-                  if iterator.skipped_chunks else ''), flush=True)
-
-
-def _extensions_of(trainer, kind):
-    return [entry.extension for entry in trainer._extensions.values()
-            if isinstance(entry.extension, kind)]
+        snapshots.save_npz_atomic(path, network)
+    except OSError as error:
+        if stopped is None:
+            raise
+        print('could not write {} either: {}'.format(path, error),
+              file=sys.stderr, flush=True)
+        return
+    print('wrote {}{}'.format(path, '' if stopped is None else (
+        ' (the weights where the run stopped: {})'.format(stopped))),
+        flush=True)
 
 
 def train(args, comm, optimizer_name, out, cfg):
     """Train one model; return a summary dict (on every process).
+
+    The model and the optimizer are built first, and a snapshot to resume
+    from (or weights to start from) is checked against them before
+    anything in ``out`` is written; then ``out`` is locked for the run
+    (see :mod:`harness.run_lock`) and an earlier run's files there are
+    refused or, with ``--overwrite``, removed.
 
     Parameters
     ----------
@@ -162,18 +148,10 @@ def train(args, comm, optimizer_name, out, cfg):
     cfg : config.TrainConfig
     """
     acc_iters = cfg.acc_iters(comm.size)
-    batch = cfg.batch_size_per_process
     n_class = args.n_class or cfg.n_class
     kfac = optimizer_name == 'kfac'
     if kfac:
         config_module.check_epochs(cfg, args.config)
-    loaderjob = args.loaderjob
-    if comm.rank == 0:
-        os.makedirs(out, exist_ok=True)
-    comm.mpi_comm.Barrier()
-    snapshots.remove_unfinished(out, comm.rank)
-    data = data_module.prepare(args, comm, out, n_class, loaderjob)
-
     numpy.random.seed(args.seed)   # same initial weights on every rank
     model = models.SoftLabelClassifier(models.build_model(
         args.arch, n_class, args.depth, args.width))
@@ -185,9 +163,32 @@ def train(args, comm, optimizer_name, out, cfg):
                                           acc_iters, args)
     optimizer.setup(model)
     attach_hooks(optimizer_name, optimizer, args)
+    resumed = resume.starting_point(
+        comm, out, model, optimizer, optimizer_name, args.resume,
+        args.init_weights_from)
     if not kfac:
         comm.bcast_data(model)
+    lock = run_dir.claim(
+        comm, out, args.overwrite, mean_is_output=args.mean is None,
+        source=resumed[1][0] if resumed else args.init_weights_from,
+        continues=bool(resumed))
+    try:
+        return _train(args, comm, optimizer_name, out, cfg, model, device,
+                      optimizer, schedule, resumed)
+    finally:
+        if lock is not None:
+            lock.release()
 
+
+def _train(args, comm, optimizer_name, out, cfg, model, device, optimizer,
+           schedule, resumed):
+    """The rest of :func:`train`, in the claimed run directory."""
+    acc_iters = cfg.acc_iters(comm.size)
+    batch = cfg.batch_size_per_process
+    n_class = args.n_class or cfg.n_class
+    kfac = optimizer_name == 'kfac'
+    loaderjob = args.loaderjob
+    data = data_module.prepare(args, comm, out, n_class, loaderjob)
     stream = augment.TrainStream(
         data.train, args.resize, args.crop_size, args.seed, comm.size,
         comm.rank, batch, skip_bad=args.skip_bad_images)
@@ -217,14 +218,16 @@ def train(args, comm, optimizer_name, out, cfg):
             data.mean, args.skip_bad_images, drop_bad=True), device),
         trigger=(1, 'epoch'))
     target = None
-    if args.target_acc:
+    if args.target_acc is not None:
         target = TimeToAccuracy(args.target_acc, write=comm.rank == 0)
         trainer.extend(target)
     if kfac and args.fisher_diff:
         trainer.extend(FisherDiffLog(optimizer, comm=comm))
-    trainer.extend(snapshots.snapshot_extension(
-        comm.rank, args.keep_snapshots, args.compress_snapshots),
-                   trigger=triggers.EpochAtStepBoundary(args.snapshot_every))
+    writer = snapshots.AtomicThreadWriter(
+        args.compress_snapshots, facts={'optimizer': optimizer_name})
+    snapshots.extend_trainer(
+        trainer, comm, writer, comm.rank, args.keep_snapshots,
+        trigger=triggers.EpochAtStepBoundary(args.snapshot_every))
     # Every process runs the observers and the LogReport (which averages
     # the training values over processes); rank 0 writes and prints.
     for observer, trigger in observers(optimizer, optimizer_name,
@@ -234,24 +237,31 @@ def train(args, comm, optimizer_name, out, cfg):
         comm, totals=lambda: {'bad_images_skipped': converter.skipped}))
     label = args.label or run_dir.label_of(optimizer_name, cfg)
     if comm.rank == 0:
-        trainer.extend(extensions.PrintReport(
+        trainer.extend(evaluation.print_report(
             ['epoch', 'iteration', 'main/loss', 'main/accuracy',
-             'validation/main/accuracy', 'lr', 'elapsed_time']))
+             'validation/main/accuracy', 'lr', 'elapsed_time'],
+            progress_bar=not args.no_progress))
         if not args.no_progress:
             trainer.extend(extensions.ProgressBar(update_interval=10))
         run_dir.write_run_config(cfg, out, run_dir.run_facts(
             optimizer_name, comm.size, acc_iters, batch, args.arch,
             args.depth, args.width, len(data.train), len(data.val), n_class,
             label))
-    if args.resume:
-        _resume(args, comm, trainer, optimizer, updater, out, kfac)
+    if resumed:
+        resume.load(comm, trainer, optimizer if kfac else None, updater,
+                    out, *resumed)
     start = time.time()
-    trainer.run()
+    try:
+        trainer.run()
+        snapshots.finish(comm, writer)
+    except snapshots.SnapshotWriteError:
+        # Rank 0 raises it (the others wait for the job's end).
+        _save_final_model(out, model.predictor, stopped='epoch {:.4f}, '
+                          'iteration {}'.format(updater.epoch_detail,
+                                                updater.iteration))
+        raise
     if comm.rank == 0:
-        snapshots.save_npz_atomic(os.path.join(out, run_dir.MODEL_FINAL_FILE),
-                                  model.predictor)
-        print('wrote {}'.format(os.path.join(out, run_dir.MODEL_FINAL_FILE)),
-              flush=True)
+        _save_final_model(out, model.predictor)
     comm.mpi_comm.Barrier()
     summary = {'optimizer': optimizer_name, 'epochs': updater.epoch,
                'elapsed_time': time.time() - start,
@@ -272,7 +282,7 @@ def resolve_config(args, comm):
     cfg, error = None, None
     try:
         cfg = config_module.load(args.config)
-        if args.epochs:
+        if args.epochs is not None:
             cfg = config_module.from_dict(
                 dict(config_module.to_dict(cfg), epochs=args.epochs),
                 source=args.config)

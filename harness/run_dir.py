@@ -1,22 +1,42 @@
-"""The files of a run directory besides the snapshots, written here only.
+"""The files of a run directory besides the snapshots, written here only;
+and which files of a directory an earlier run left.
 
 ``config.json`` (the resolved config plus the run's facts under ``"run"``),
 ``log`` (Chainer's ``LogReport``), ``fisher_diff.jsonl``
 (:class:`chainerkfac.training.FisherDiffLog`), ``time_to_accuracy.json``
 (:class:`chainerkfac.training.TimeToAccuracy`), ``model_final.npz``. The
 analysis scripts read them (:mod:`analysis`); their test fixtures write them
-through these functions.
+through these functions. A run also leaves ``mean.npy`` (unless ``--mean``
+names another file), ``bad_images.txt`` (:mod:`harness.data`) and its
+snapshots (:mod:`harness.snapshots`): :func:`earlier_run_files` finds them
+all, so that a fresh run never mixes its files with an earlier run's.
 """
 import json
 import os
+import re
 
 import config as config_module
+from harness.mpi import raise_together
+from harness.run_lock import RunLock
+from harness.snapshots import SNAPSHOT_RE, remove_unfinished
 
 CONFIG_FILE = 'config.json'
 LOG_FILE = 'log'
 FISHER_DIFF_FILE = 'fisher_diff.jsonl'
 TIME_TO_ACCURACY_FILE = 'time_to_accuracy.json'
 MODEL_FINAL_FILE = 'model_final.npz'
+#: The mean image computed by a run, when ``--mean`` is not given.
+MEAN_FILE = 'mean.npy'
+#: Every unreadable image a run found.
+BAD_IMAGES_FILE = 'bad_images.txt'
+#: The files of a run besides the snapshots and the mean image.
+RUN_FILES = (CONFIG_FILE, LOG_FILE, FISHER_DIFF_FILE, TIME_TO_ACCURACY_FILE,
+             MODEL_FINAL_FILE, BAD_IMAGES_FILE)
+#: Temporary files of the run's writers (left if a run was killed while
+#: writing).
+_TEMPORARY = re.compile(
+    r'\.(snapshot_epoch_\d+\.rank\d+|model_final\.npz|mean\.\d+)\.tmp|'
+    r'(config\.json|fisher_diff\.jsonl|time_to_accuracy\.json)\.tmp')
 
 
 def _write_atomic(path, text):
@@ -88,3 +108,109 @@ def continue_run_files(snapshot_dir, out, step, reached):
     path = os.path.join(out, TIME_TO_ACCURACY_FILE)
     if reached is None and os.path.exists(path):
         os.remove(path)
+
+
+def earlier_run_files(out, mean_is_output=True):
+    """The files in ``out`` that a run of ``train_imagenet.py`` writes,
+    sorted, and their temporary files.
+
+    Parameters
+    ----------
+    out : str
+        An existing directory.
+    mean_is_output : bool
+        Whether ``out/mean.npy`` is the run's own (``--mean`` not given) or
+        an input named by ``--mean``.
+
+    Returns
+    -------
+    (list of str, list of str)
+        The names of the files, and of the temporary files.
+    """
+    files, temporary = [], []
+    for name in sorted(os.listdir(out)):
+        if name in RUN_FILES or SNAPSHOT_RE.fullmatch(name) or (
+                mean_is_output and name == MEAN_FILE):
+            files.append(name)
+        elif _TEMPORARY.fullmatch(name):
+            temporary.append(name)
+    return files, temporary
+
+
+def clear(out, names):
+    """Remove the files ``names`` of ``out``."""
+    for name in names:
+        try:
+            os.remove(os.path.join(out, name))
+        except FileNotFoundError:
+            pass
+
+
+def claim(comm, out, overwrite, mean_is_output, source=None,
+          continues=False):
+    """Make ``out`` this run's: lock it (rank 0, :mod:`harness.run_lock`)
+    and, unless the run continues a snapshot of ``out`` itself, refuse the
+    files of an earlier run there or, with ``overwrite``, remove them.
+
+    Parameters
+    ----------
+    comm : ChainerMN communicator
+    out : str
+    overwrite : bool
+        ``--overwrite``.
+    mean_is_output : bool
+        ``out/mean.npy`` is the run's own (``--mean`` not given).
+    source : str or None
+        The snapshot file resumed, or the ``--init-weights-from`` source.
+    continues : bool
+        The run resumes from ``source``.
+
+    Returns
+    -------
+    RunLock or None
+        The lock (rank 0), to release at the end of the run.
+
+    Raises
+    ------
+    OSError
+        Once, on rank 0: the directory is in use, holds an earlier run,
+        or ``--overwrite`` would remove ``source``.
+    """
+    lock, error = None, None
+    if comm.rank == 0:
+        try:
+            os.makedirs(out, exist_ok=True)
+            lock = RunLock.acquire(out)
+            _refuse_or_clear(out, overwrite, mean_is_output, source,
+                             continues)
+        except OSError as e:
+            error = e
+            if lock is not None:
+                lock.release()
+                lock = None
+    raise_together(comm, error)
+    remove_unfinished(out, comm.rank)
+    return lock
+
+
+def _refuse_or_clear(out, overwrite, mean_is_output, source, continues):
+    def inside(path):
+        return os.path.samefile(os.path.dirname(os.path.abspath(path)), out)
+
+    if overwrite and source and inside(source):
+        raise OSError('--overwrite would remove {} before it is read: '
+                      'choose another --out'.format(source))
+    if continues and inside(source):
+        return                  # the run continues its own directory
+    files, temporary = earlier_run_files(out, mean_is_output)
+    if overwrite:
+        if files or temporary:
+            clear(out, files + temporary)
+            print('--overwrite: cleared the earlier run of {} ({} files)'
+                  .format(out, len(files)), flush=True)
+    elif files:
+        raise OSError(
+            '{} holds the files of an earlier run ({}{}): continue it with '
+            '--resume latest, start it over with --overwrite (removes them '
+            'first), or choose another --out'.format(
+                out, ', '.join(files[:6]), ', ...' if len(files) > 6 else ''))

@@ -1,8 +1,5 @@
-"""Snapshots written in the background, never half-written, a few kept; and
-resuming from them on the same or another number of processes.
+"""Snapshots written in the background, never half-written, a few kept.
 
-Writing
--------
 :func:`snapshot_extension` is Chainer's own ``extensions.snapshot`` (its
 ``n_retains`` removes older snapshots) with :class:`AtomicThreadWriter`, a
 ``ThreadWriter`` that
@@ -16,22 +13,12 @@ Writing
   snapshot file is either complete or absent;
 * re-raises a failed background write in the training loop.
 
-Resuming
---------
-:func:`snapshot_files` finds the files of one snapshot (one per process of
-the run that wrote it). :func:`restore` loads process ``r``'s file into
-its trainer (for another number of processes, file ``r mod P_old``), then,
-if the number of processes changed, the optimizer state and the running
-mixup streams of every other file: K-FAC's factors are per owner of a
-block, and ``load_npz(..., strict=False)`` merges them (keys absent from a
-file leave the optimizer's values alone); the optimizer re-assigns blocks
-to the new processes. The data stream's position is global
-(:class:`augment.GlobalBatchIterator`), so the run continues at the same
-sample with ``acc_iters`` re-derived for the new number of processes.
+Resuming from the files is :mod:`harness.resume`.
 """
 import functools
 import os
 import re
+import shutil
 import time
 
 import numpy
@@ -39,15 +26,49 @@ from chainer.serializers import npz
 from chainer.training import extensions
 from chainer.training.extensions import snapshot_writers
 
+from harness.mpi import raise_together
+
 #: File name of process ``rank``'s snapshot after epoch ``epoch``.
 SNAPSHOT_NAME = 'snapshot_epoch_{epoch}.rank{rank}'
-_SNAPSHOT_RE = re.compile(r'snapshot_epoch_(\d+)\.rank(\d+)')
+SNAPSHOT_RE = re.compile(r'snapshot_epoch_(\d+)\.rank(\d+)')
 #: Key of the number of processes that wrote a snapshot.
 N_PROCESSES_KEY = 'updater/n_processes'
 
 
+class SnapshotWriteError(OSError):
+    """A snapshot that could not be written; the message names the file,
+    the bytes it needed and the cause."""
+
+
+def npz_bytes(target):
+    """Bytes of the uncompressed ``.npz`` of ``target`` (``{key: array}``):
+    each array's data and ``.npy`` header, and the zip's two entries per
+    member (local header and central directory, with Zip64 extras)."""
+    total = 22                          # end of central directory record
+    for key, value in target.items():
+        array = numpy.asarray(value)
+        # A pickled None (what Chainer saves for an absent value) or an
+        # array's bytes, after a 128-byte .npy header.
+        data = 160 if array.dtype.hasobject else array.nbytes
+        name = len(key.encode('utf-8')) + len('.npy')
+        total += 128 + data + 2 * name + 100
+    return total
+
+
+def _free_bytes(directory):
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def _size(n):
+    return '{:,} bytes ({:.1f} MB)'.format(n, n / 1e6)
+
+
 class AtomicThreadWriter(snapshot_writers.ThreadWriter):
-    """Chainer's ``ThreadWriter``, writing a consistent copy atomically.
+    """Chainer's ``ThreadWriter``, writing a consistent copy atomically and
+    keeping a failure for the training loop to stop on.
 
     Parameters
     ----------
@@ -56,40 +77,77 @@ class AtomicThreadWriter(snapshot_writers.ThreadWriter):
     savefun : callable or None
         ``savefun(file, dict_of_arrays)`` writing to an open binary file
         (default: ``chainer.serializers.save_npz``).
+    facts : dict or None
+        ``{name: str or number}`` saved in every snapshot under ``run/``
+        (what wrote it: the ``--optimizer``).
 
     Attributes
     ----------
     last_blocked_seconds : float
         Time the last call kept the training loop (waiting for the
         previous write, copying the arrays).
+    failure : SnapshotWriteError or None
+        The last write's failure, until taken (:meth:`take_failure`).
+    unconfirmed : bool
+        A write was started and its end not yet seen by :func:`agree`.
     """
 
-    def __init__(self, compression=False, savefun=None):
+    def __init__(self, compression=False, savefun=None, facts=None):
         super().__init__(savefun=savefun or functools.partial(
             npz.save_npz, compression=compression))
+        self.compression = compression
+        self.facts = {'run/' + name: numpy.asarray(value)
+                      for name, value in (facts or {}).items()}
         self.last_blocked_seconds = 0.0
-        self._error = None
+        self.failure = None
+        self.unconfirmed = False
+        self._needed = 0
 
     def __call__(self, filename, outdir, target):
         start = time.perf_counter()
-        self._wait()
+        self.join()                 # never two writes at once
+        if self.failure is not None:
+            # Nothing stopped the loop on it (a trainer without
+            # :class:`WriteCheck`): stop it now.
+            raise self.take_failure()
         # A consistent copy, taken now: the arrays are references to the
         # live parameters and optimizer state (DictionarySerializer copies
         # only device arrays, to the host).
         target = {key: numpy.array(value, copy=True)
                   if isinstance(value, numpy.ndarray) else value
                   for key, value in target.items()}
-        super().__call__(filename, outdir, target)
+        target.update(self.facts)
+        self._needed = npz_bytes(target)
+        self.unconfirmed = True
+        free = _free_bytes(outdir)
+        # Compressed, the size is known only once written.
+        if not self.compression and free is not None and \
+                self._needed > free:
+            self.failure = SnapshotWriteError(
+                'not enough space for snapshot {}: it needs {}, {} are free '
+                'on {} (older snapshots are removed only after a new one is '
+                'whole)'.format(os.path.join(outdir, filename),
+                                _size(self._needed), '{:,} bytes'.format(free),
+                                os.path.abspath(outdir)))
+        else:
+            super().__call__(filename, outdir, target)
         self.last_blocked_seconds = time.perf_counter() - start
 
-    def _wait(self):
+    def join(self):
+        """Wait for the write in progress, if any."""
         if self._started:
             self._worker.join()
             self._started = False
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError('writing a snapshot failed: {}'.format(
-                error)) from error
+
+    @property
+    def busy(self):
+        """Whether a write is in progress."""
+        return self._started and self._worker.is_alive()
+
+    def take_failure(self):
+        """The failure not yet reported (and forget it), or ``None``."""
+        failure, self.failure = self.failure, None
+        return failure
 
     def save(self, filename, outdir, target, savefun, **kwds):
         """Runs in the writer thread: temporary file, fsync, rename."""
@@ -104,16 +162,64 @@ class AtomicThreadWriter(snapshot_writers.ThreadWriter):
             _fsync_directory(outdir)
             self._post_save()
         except BaseException as error:
-            self._error = error
             if os.path.exists(tmp):
                 os.unlink(tmp)
+            free = _free_bytes(outdir)
+            failure = SnapshotWriteError(
+                'writing snapshot {} failed: {} (it needed {}{})'.format(
+                    path, error, _size(self._needed), '' if free is None
+                    else '; {:,} bytes are free on {}'.format(
+                        free, os.path.abspath(outdir))))
+            failure.__cause__ = error
+            self.failure = failure
 
     def finalize(self):
-        super().finalize()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError('writing a snapshot failed: {}'.format(
-                error)) from error
+        """Wait for the last write; its failure is left to :func:`finish`
+        (all processes agree on it there)."""
+        self.join()
+
+
+class WriteCheck:
+    """A trainer extension (every iteration, after the snapshot): stop the
+    run on every process as soon as any process's snapshot write failed,
+    rather than at the next snapshot. Only while a write is unconfirmed
+    does it communicate (one small ``allgather`` per iteration).
+
+    Parameters
+    ----------
+    writer : AtomicThreadWriter
+    comm : ChainerMN communicator
+    """
+
+    #: After Chainer's snapshot extension (-100) in the same iteration.
+    priority = -200
+
+    def __init__(self, writer, comm):
+        self.writer = writer
+        self.comm = comm
+
+    def __call__(self, trainer):
+        if self.writer.unconfirmed:
+            agree(self.comm, self.writer)
+
+
+def agree(comm, writer):
+    """Raise :class:`SnapshotWriteError` on every process if any process's
+    write failed (once, on rank 0, see :func:`harness.mpi.raise_together`);
+    once every process's write has ended well, the writer is confirmed."""
+    busy = writer.busy      # before the failure: a write ended is final
+    states = comm.mpi_comm.allgather((busy, writer.failure is not None))
+    if any(failed for _, failed in states):
+        writer.unconfirmed = False
+        raise_together(comm, writer.take_failure())
+    if not any(b for b, _ in states):
+        writer.unconfirmed = False
+
+
+def finish(comm, writer):
+    """The end of a run: wait for the last write, then :func:`agree`."""
+    writer.join()
+    agree(comm, writer)
 
 
 def _fsync_directory(directory):
@@ -129,8 +235,8 @@ def _fsync_directory(directory):
         os.close(fd)
 
 
-def snapshot_extension(rank, keep, compression=False):
-    """Chainer's snapshot extension of this process's trainer.
+def snapshot_extension(rank, keep, writer):
+    """Chainer's snapshot extension of process ``rank``'s trainer.
 
     Parameters
     ----------
@@ -138,12 +244,32 @@ def snapshot_extension(rank, keep, compression=False):
     keep : int
         Snapshots kept per process (older ones are removed after each
         write); 0 keeps all.
-    compression : bool
+    writer : AtomicThreadWriter
     """
     filename = SNAPSHOT_NAME.format(epoch='{.updater.epoch}', rank=rank)
-    return extensions.snapshot(
-        filename=filename, writer=AtomicThreadWriter(compression),
-        n_retains=keep if keep > 0 else -1)
+    return extensions.snapshot(filename=filename, writer=writer,
+                               n_retains=keep if keep > 0 else -1)
+
+
+def extend_trainer(trainer, comm, writer, rank, keep, trigger):
+    """Add this process's snapshots to its trainer: the
+    :func:`snapshot_extension` at ``trigger``, and :class:`WriteCheck`.
+    (At the end of the run, call :func:`finish`.)
+
+    Parameters
+    ----------
+    trainer : chainer.training.Trainer
+    comm : ChainerMN communicator
+    writer : AtomicThreadWriter
+    rank, keep
+        As for :func:`snapshot_extension`.
+    trigger
+        When to snapshot.
+    """
+    trainer.extend(snapshot_extension(rank, keep, writer), trigger=trigger)
+    # A stateless trigger: nothing of the check is saved in snapshots.
+    trainer.extend(WriteCheck(writer, comm), name='snapshot_write_check',
+                   trigger=lambda trainer: True)
 
 
 def remove_unfinished(out, rank):
@@ -171,127 +297,3 @@ def save_npz_atomic(path, obj, compression=False):
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-
-
-# -- resuming --------------------------------------------------------------------------
-def _read_n_processes(path):
-    try:
-        with numpy.load(path) as data:
-            return int(data[N_PROCESSES_KEY])
-    except KeyError:
-        raise ValueError('{} holds no {!r}: not a snapshot of this version of '
-                         'train_imagenet.py'.format(path, N_PROCESSES_KEY)) \
-            from None
-
-
-def snapshot_files(prefix):
-    """The files of one snapshot, by rank of the run that wrote it.
-
-    Parameters
-    ----------
-    prefix : str
-        ``<out>/snapshot_epoch_<E>`` (files ``<prefix>.rank<r>``).
-
-    Returns
-    -------
-    list of str
-
-    Raises
-    ------
-    FileNotFoundError
-        No file, or some of the writing run's processes' files missing
-        (named).
-    """
-    directory, base = os.path.split(os.path.abspath(prefix))
-    pattern = re.compile(re.escape(base) + r'\.rank(\d+)')
-    found = {}
-    if os.path.isdir(directory):
-        for name in os.listdir(directory):
-            match = pattern.fullmatch(name)
-            if match:
-                found[int(match.group(1))] = os.path.join(directory, name)
-    if not found:
-        raise FileNotFoundError('no snapshot {}.rank0 (nor any .rankR)'.format(
-            prefix))
-    n = _read_n_processes(found[min(found)])
-    missing = [r for r in range(n) if r not in found]
-    if missing:
-        raise FileNotFoundError(
-            'snapshot {} was written by {} processes but the files of rank(s) '
-            '{} are missing'.format(prefix, n,
-                                    ', '.join(map(str, missing))))
-    return [found[r] for r in range(n)]
-
-
-def latest_snapshot(out):
-    """Prefix of the newest complete snapshot in ``out``, or ``None``."""
-    if not os.path.isdir(out):
-        return None
-    epochs = set()
-    for name in os.listdir(out):
-        match = _SNAPSHOT_RE.fullmatch(name)
-        if match:
-            epochs.add(int(match.group(1)))
-    for epoch in sorted(epochs, reverse=True):
-        prefix = os.path.join(out, 'snapshot_epoch_{}'.format(epoch))
-        try:
-            snapshot_files(prefix)
-        except (FileNotFoundError, ValueError):
-            continue
-        return prefix
-    return None
-
-
-def check_model_keys(path, model, key='updater/model:main'):
-    """Raise :class:`ValueError` naming the parameters of ``model`` absent
-    from the snapshot ``path`` (another model, or not a trainer snapshot):
-    the rest of the snapshot is loaded leniently."""
-    with numpy.load(path) as data:
-        keys = set(data.files)
-    missing = [name for name, _ in model.namedparams()
-               if key + name not in keys]
-    if missing:
-        raise ValueError('snapshot {} lacks {} of the model\'s {} parameters '
-                         '({}{}): a snapshot of another model?'.format(
-                             path, len(missing),
-                             len(list(model.namedparams())),
-                             ', '.join(missing[:3]),
-                             ', ...' if len(missing) > 3 else ''))
-
-
-def restore(trainer, files, rank, n_processes, optimizer=None, mixup=None):
-    """Load a snapshot into this process's trainer.
-
-    Parameters
-    ----------
-    trainer : chainer.training.Trainer
-    files : list of str
-        From :func:`snapshot_files`.
-    rank, n_processes : int
-        Of this run.
-    optimizer : chainer.Optimizer or None
-        Whose state is merged from every file when the number of processes
-        changed (K-FAC: factors are saved by their owners).
-    mixup : object with ``serialize`` or None
-        The updater's mixup streams, likewise merged.
-
-    Returns
-    -------
-    str
-        The file loaded whole.
-    """
-    own = files[rank % len(files)]
-    check_model_keys(own, trainer.updater.get_optimizer('main').target)
-    # Lenient: with the lean K-FAC state a file lacks the blocks its process
-    # did not own; the model's keys were checked above.
-    npz.load_npz(own, trainer, strict=False)
-    if len(files) != n_processes:
-        for path in files:
-            if path == own:
-                continue
-            if optimizer is not None:
-                npz.load_npz(path, optimizer, path='updater/optimizer:main/',
-                             strict=False)
-            if mixup is not None:
-                npz.load_npz(path, mixup, path='updater/mixup/', strict=False)
-    return own

@@ -15,6 +15,19 @@ import chainer.links as L
 from models.blocks import BasicBlock, Stage, conv_bn, global_average_pooling
 
 
+def check_size(depth, width):
+    """Raise :class:`ValueError` unless ``depth`` and ``width`` make a
+    :class:`SmallResNet` (``depth = 6 n + 2`` with ``n >= 1``, ``width >=
+    1``); the training script checks its options with it."""
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 8 \
+            or (depth - 2) % 6:
+        raise ValueError('SmallResNet depth must be 6n+2 with n >= 1 '
+                         '(8, 14, 20, ...), got {!r}'.format(depth))
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError('SmallResNet width must be an integer >= 1, got '
+                         '{!r}'.format(width))
+
+
 class SmallResNet(chainer.Chain):
     """CIFAR-style ResNet.
 
@@ -35,9 +48,7 @@ class SmallResNet(chainer.Chain):
 
     def __init__(self, depth=8, width=16, n_class=10):
         super().__init__()
-        if depth < 8 or (depth - 2) % 6:
-            raise ValueError('SmallResNet depth must be 6n+2 with n >= 1 '
-                             '(8, 14, 20, ...), got {}'.format(depth))
+        check_size(depth, width)
         n_blocks = (depth - 2) // 6
         with self.init_scope():
             self.conv1, self.bn1 = conv_bn(3, width, 3, 1, 1)

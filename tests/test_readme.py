@@ -71,7 +71,11 @@ def test_readme_block_is_the_diagonal_fisher_by_oracle(readme_block):
     expected = helpers.diagonal_fisher_step(model, model.embed.W, ids, t,
                                             damping)
     optimizer.update(helpers.loss_of(model), ids, t)
-    numpy.testing.assert_allclose(model.embed.W.array, expected, rtol=1e-10)
+    # Rows of ids absent from the batch become w - γw/γ, zero up to
+    # rounding: an absolute tolerance too. Measured over 200 initial
+    # weights: 1.0e-15 of the largest entry, 6.4e-13 relative elsewhere.
+    numpy.testing.assert_allclose(model.embed.W.array, expected, rtol=1e-11,
+                                  atol=1e-14 * abs(expected).max())
 
 
 def test_library_imports_from_a_script_in_another_directory(tmp_path):

@@ -146,8 +146,9 @@ def test_resnet50_layer_structure_and_paper_shape(benchmark, tmp_path):
                                      None, None)
     assert layers.n_layers == 107
     assert layers.at(64)['inverse_share'] == pytest.approx(0.12218, abs=1e-5)
-    assert layers.at(2048)['duplication'] == pytest.approx(
-        2048 / 107, rel=0.25)
+    # 2048 = 19 * 107 + 15: every block has 19 or 20 owners, so their mean
+    # weighted by wire size lies between (19.64 measured).
+    assert 19 < layers.at(2048)['duplication'] < 20
     rows = scaling.predict(scaling.load_benchmark(str(path)), layers,
                            [1, 4, 64, 256, 512, 1024, 2048],
                            scaling.DEFAULT_ALPHA, scaling.DEFAULT_BETA)

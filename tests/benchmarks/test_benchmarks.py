@@ -10,6 +10,7 @@ import sys
 import numpy
 import pytest
 
+from analysis import scaling
 from benchmarks import _common
 
 ROOT = _common.ROOT
@@ -164,8 +165,6 @@ def test_dist_scaling_smoke(tmp_path):
 
 
 def test_dist_scaling_output_feeds_analysis_scaling(tmp_path):
-    pytest.importorskip('analysis.scaling')
-    from analysis import scaling
     data, _ = run_benchmark('dist_scaling', tmp_path, '--processes', '1')
     path = str(tmp_path / 'dist_scaling.json')
     loaded = scaling.load_benchmark(path)

@@ -21,6 +21,13 @@ def weights(model):
     return {n: p.array.copy() for n, p in model.namedparams()}
 
 
+def assert_moved(after, before):
+    """Every parameter changed (runs compared with each other must not both
+    have done nothing): by 0.08 or more in these tests' steps."""
+    for name in before:
+        assert numpy.abs(after[name] - before[name]).max() > 1e-3, name
+
+
 class StockMLP(chainer.Chain):
     """Chainer's MNIST example network (examples/mnist/train_mnist.py)."""
 
@@ -394,6 +401,7 @@ def test_sum_reduction_steps_as_the_mean_loss(acc_iters):
     for name in results[0]:
         numpy.testing.assert_allclose(results[1][name], results[0][name],
                                       rtol=1e-10, atol=1e-13, err_msg=name)
+    assert_moved(results[0], weights(base))
 
 
 # -- a stock training script ------------------------------------------------------
@@ -498,3 +506,4 @@ def test_flush_accumulation_takes_the_partial_step():
         results.append(weights(model))
     for name in results[0]:
         numpy.testing.assert_array_equal(results[0][name], results[1][name])
+    assert_moved(results[0], weights(base))

@@ -4,6 +4,7 @@ import json
 import pytest
 
 import config
+from chainerkfac.optimizers import options
 from config import ConfigError, TrainConfig, derive_acc_iters
 
 
@@ -50,7 +51,7 @@ def test_defaults_and_int_widening(tmp_path):
 
 
 @pytest.mark.parametrize('key, value, message', [
-    ('lr', -0.1, 'must be positive'),
+    ('lr', -0.1, 'must be a number >= 0'),
     ('lr', 0, 'must be positive'),
     ('damping', 0.0, 'must be positive'),
     ('damping', 1e-5, 'at least damping_target'),
@@ -61,10 +62,10 @@ def test_defaults_and_int_widening(tmp_path):
     ('bn_fisher', 'kron', 'one of'),
     ('fisher', 'true', 'one of'),
     ('factor_dtype', 'float64', 'one of'),
-    ('refresh_interval_a', 0, 'at least 1'),
+    ('refresh_interval_a', 0, 'must be a refresh interval'),
     ('refresh_interval_g', 'eq99', 'preset'),
     ('epochs', 0, 'at least 1'),
-    ('damping_warmup_steps', 0, 'at least 1'),
+    ('damping_warmup_steps', 0, 'must be an int >= 1'),
     ('alpha_mixup', -0.5, 'non-negative'),
     ('global_batch_size', 1000, 'multiple of batch_size_per_process'),
     # wrong types
@@ -85,6 +86,32 @@ def test_bad_value_names_key_and_file(tmp_path, key, value, message):
     assert info.value.key == key
     assert "key '{}'".format(key) in str(info.value)
     assert path in str(info.value)
+
+
+@pytest.mark.parametrize('key', ['bn_fisher', 'fisher', 'factor_dtype',
+                                 'weight_rescale'])
+def test_choices_are_the_optimizers(tmp_path, key):
+    """The loader takes its choices and their checks from
+    ``chainerkfac.optimizers.options``: every value KFAC accepts is a valid
+    config value (``fisher: "exact"`` among them), and a refused one gets
+    the library's wording, attributed to the key and the file."""
+    choices = {'bn_fisher': options.BN_FISHER_MODES,
+               'fisher': options.FISHER_TYPES,
+               'factor_dtype': options.FACTOR_DTYPES,
+               'weight_rescale': options.WEIGHT_RESCALE_CHOICES}[key]
+    for value in choices:
+        data = base()
+        data[key] = value
+        assert getattr(config.load(write(tmp_path, data)), key) == value
+    data = base()
+    data[key] = 'none of them'
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError) as info:
+        config.load(path)
+    with pytest.raises(options.OptionError) as library:
+        options.check_option(key, 'none of them')
+    assert info.value.key == key and path in str(info.value)
+    assert library.value.why in str(info.value)
 
 
 def test_unknown_key_names_key_file_and_suggestion(tmp_path):

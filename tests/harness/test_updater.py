@@ -1,6 +1,8 @@
 """The updater of the first-order baselines: a non-finite step leaves the
 weights and BatchNormalization's running statistics as they were; the
 batch converter normalises uint8 batches and refuses unreadable images."""
+import logging
+
 import chainer
 import chainer.links as L
 import numpy as np
@@ -151,3 +153,39 @@ def test_converter_normalises_and_refuses_unreadable_images():
     dropping = BatchConverter(mean, skip_bad=True, drop_bad=True)
     x, t = dropping(bad, chainer.get_device('@numpy'))
     assert len(x) == 3 and dropping.skipped == 1
+
+
+def test_warnings_of_one_kfac_step_number_it_alike(caplog):
+    """A NaN micro-batch: its factors cannot be inverted and the step is
+    skipped; every warning of that step names the same step (issue 20,
+    item 9: the skip warning numbered it one higher; fixed in
+    chainerkfac/optimizers/kfac.py on main, 9722644)."""
+    import re
+    import chainerkfac
+    np.random.seed(0)
+    model = models.SoftLabelClassifier(models.SmallResNet(8, 4, 3))
+    optimizer = chainerkfac.optimizers.KFAC(verbose=False)
+    optimizer.setup(model)
+    updater = AugmentedUpdater(
+        Batches([batch(1), batch(2)], 16), optimizer, OneProcess(), 1, 100,
+        BatchConverter(None, labels_on_host=True), seed=0, alpha_mixup=0.0,
+        n_class=3, erasing=False, device=chainer.get_device('@numpy'))
+    with reporting(model, {}):
+        updater.update()
+    original = updater.converter
+
+    class Poisoned(BatchConverter):
+        def __call__(self, b, device):
+            x, t = original(b, device)
+            x[:] = np.nan
+            return x, t
+    updater.converter = Poisoned(None, labels_on_host=True)
+    with caplog.at_level(logging.WARNING, logger='chainerkfac'), \
+            reporting(model, {}):
+        updater.update()
+    messages = [r.getMessage() for r in caplog.records
+                if 'K-FAC step' in r.getMessage()]
+    assert any('could not be inverted' in m for m in messages)
+    assert any('update skipped' in m for m in messages)
+    assert len({re.search(r'K-FAC step (\d+)', m).group(1)
+                for m in messages}) == 1, messages

@@ -39,6 +39,11 @@ def test_trains_one_step():
     rng = np.random.RandomState(0)
     x = rng.randn(4, 3, 32, 32).astype(np.float32)
     t = np.array([0, 1, 2, 0], dtype=np.int32)
+    before = {n: p.array.copy() for n, p in model.namedparams()}
     optimizer.update(model, x, t)
     assert all(p.grad is not None and np.all(np.isfinite(p.grad))
                for p in model.params())
+    # The step changed every parameter (finite gradients of a step that did
+    # nothing would pass the line above).
+    for name, param in model.namedparams():
+        assert np.abs(param.array - before[name]).max() > 0, name

@@ -169,3 +169,30 @@ def test_open_mpi_help_found_without_mpiexec(dataset, tmp_path):
     assert '9 epochs exceed e_end' in result.stdout
     assert 'Sorry!' not in result.stdout
     assert 'MPI_ABORT was invoked' in result.stdout
+
+
+def test_check_images_reports_a_mode_without_white_level(dataset, tmp_path):
+    """A 16-bit PNG is read (scaled, tests/augment/test_image_modes.py); a
+    float TIFF is reported by --check-images with its line and mode."""
+    import numpy
+    from PIL import Image
+    root = dataset['root']
+    grey = (numpy.arange(24 * 20, dtype=numpy.uint16).reshape(20, 24) * 130)
+    Image.fromarray(grey).save(os.path.join(root, 'train', 'grey16.png'))
+    Image.fromarray(grey.astype(numpy.float32)).save(
+        os.path.join(root, 'train', 'float.tif'))
+    with open(dataset['train']) as f:
+        lines = f.readlines()
+    listed = os.path.join(root, 'train_modes.txt')
+    with open(listed, 'w') as f:
+        f.writelines(lines[:3] + ['train/grey16.png 1\n',
+                                  'train/float.tif 2\n'] + lines[3:])
+    mean = os.path.join(str(tmp_path), 'given_mean.npy')
+    numpy.save(mean, numpy.zeros((3, 16, 16), numpy.float32))
+    result = run(command(dataset, tmp_path / 'out', '--check-images',
+                         '--mean', mean, train=listed))
+    assert result.returncode != 0
+    assert "1 unreadable image(s) in {}".format(listed) in result.stdout
+    assert "train_modes.txt, line 5" in result.stdout
+    assert "mode 'F'" in result.stdout
+    assert 'grey16.png' not in result.stdout

@@ -3,6 +3,7 @@ uninterrupted one bit for bit (1 and 2 processes, augmentation on, epochs
 ending inside optimizer steps); resume on another number of processes and
 it continues to the tolerance of the distributed-equivalence tests."""
 import os
+import shutil
 import time
 
 import numpy
@@ -54,10 +55,13 @@ def test_killed_run_resumes_bit_for_bit(dataset, references, tmp_path,
         time.sleep(0.05)
     time.sleep(numpy.random.RandomState(nproc).uniform(0, 0.5))
     kill(process)
+    locked = os.path.exists(str(tmp_path / 'run.lock'))
     result = run(reference_command(dataset, tmp_path, '--resume', 'latest'),
                  nproc)
     assert result.returncode == 0, result.stdout[-3000:]
     assert 'resumed from' in result.stdout
+    # The killed run's lock (unless it had ended) is taken over.
+    assert ('taking over the stale lock' in result.stdout) == locked
     reference = references[nproc]
     expected, got = read_log(reference), read_log(tmp_path)
     assert len(got) == len(expected) == 3
@@ -134,3 +138,112 @@ def test_resume_from_three_processes_on_two(dataset, tmp_path):
         weights(str(two / 'model_final.npz')),
         weights(str(three / 'model_final.npz')),
         skip_statistics=True) < TOLERANCE
+
+
+def flip_bytes(path, n=64):
+    """Flip ``n`` bytes in the middle of a file (a failing disk)."""
+    size = os.path.getsize(path)
+    with open(path, 'r+b') as f:
+        f.seek(size // 2)
+        data = bytearray(f.read(n))
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0xff for b in data))
+
+
+@pytest.mark.slow
+def test_damaged_newest_snapshot_falls_back_to_the_one_before(
+        dataset, references, tmp_path):
+    """Rank 1's file of the newest snapshot has 64 flipped bytes: named
+    with the cause when asked for explicitly (and nothing is written);
+    ``latest`` says so and continues from the snapshot before, as the
+    uninterrupted run did, bit for bit."""
+    reference = references[2]
+    for name in os.listdir(reference):
+        if name.startswith('snapshot_epoch_'):
+            shutil.copy(os.path.join(reference, name), str(tmp_path))
+    before = sorted(os.listdir(str(tmp_path)))
+    damaged = str(tmp_path / 'snapshot_epoch_3.rank1')
+    flip_bytes(damaged)
+    result = run(reference_command(dataset, tmp_path, '--resume',
+                                   str(tmp_path / 'snapshot_epoch_3')), 2)
+    assert result.returncode != 0
+    assert damaged in result.stdout and 'Bad CRC-32' in result.stdout
+    assert sorted(os.listdir(str(tmp_path))) == before
+
+    result = run(reference_command(dataset, tmp_path, '--resume', 'latest'),
+                 2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert 'skipping snapshot_epoch_3' in result.stdout
+    assert damaged in result.stdout
+    assert 'resumed from {}'.format(tmp_path / 'snapshot_epoch_2') in \
+        result.stdout
+    assert max_relative_diff(
+        weights(os.path.join(str(tmp_path), 'model_final.npz')),
+        weights(os.path.join(reference, 'model_final.npz'))) == 0
+    # The continued run wrote epoch 3 again, whole.
+    from harness import snapshot_integrity
+    snapshot_integrity.verify_file(damaged)
+
+
+def copy_run(source, destination):
+    """The run directory ``source`` as a killed run would leave it."""
+    for name in os.listdir(source):
+        if name != 'model_final.npz':
+            shutil.copy(os.path.join(source, name), str(destination))
+    return {name: open(os.path.join(str(destination), name), 'rb').read()
+            for name in sorted(os.listdir(str(destination)))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('change, named', [
+    (('--width', '4'), ('predictor/conv1/W', 'snapshot (8, 3, 3, 3)',
+                        'this run (4, 3, 3, 3)')),
+    (('--n-class', '5'), ('predictor/fc/W', 'snapshot (4, 32)',
+                          'this run (5, 32)')),
+    (('--optimizer', 'sgd'), ('K-FAC optimizer (--optimizer kfac)',
+                              'this run is --optimizer sgd',
+                              '--init-weights-from')),
+])
+def test_snapshot_of_another_model_or_optimizer_refused_untouched(
+        dataset, references, tmp_path, change, named):
+    """Refused before anything of the run directory is written (its
+    config.json, log, mean.npy, ... are those of the run it holds)."""
+    before = copy_run(references[1], tmp_path)
+    result = run(reference_command(dataset, tmp_path, '--resume', 'latest',
+                                   *change))
+    assert result.returncode != 0
+    assert 'snapshot_epoch_3.rank0' in result.stdout
+    for text in named:
+        assert text in result.stdout
+    after = {name: open(os.path.join(str(tmp_path), name), 'rb').read()
+             for name in sorted(os.listdir(str(tmp_path)))}
+    assert after == before
+
+
+@pytest.mark.slow
+def test_new_optimizer_from_a_snapshots_weights(dataset, references,
+                                                tmp_path):
+    """--init-weights-from: SGD from K-FAC's epoch-2 weights, a new run
+    (epoch 1 on, no K-FAC state); at a negligible learning rate its final
+    weights are the snapshot's."""
+    prefix = os.path.join(references[1], 'snapshot_epoch_2')
+    result = run(command(dataset, tmp_path, '--optimizer', 'sgd',
+                         '--epochs', '1', '--baseline-lr', '1e-12',
+                         '--weight-decay', '0', '--warmup-epochs', '0',
+                         '--init-weights-from',
+                         prefix))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert 'initial weights from {}.rank0'.format(prefix) in result.stdout
+    assert [e['epoch'] for e in read_log(tmp_path)] == [1]
+    final = weights(os.path.join(str(tmp_path), 'model_final.npz'))
+    with numpy.load(prefix + '.rank0') as snapshot:
+        for name, value in final.items():
+            if name.rsplit('/', 1)[-1] in ('avg_mean', 'avg_var', 'N'):
+                continue
+            numpy.testing.assert_allclose(
+                value, snapshot['updater/model:main/predictor/' + name],
+                rtol=1e-6, atol=1e-9, err_msg=name)
+    with numpy.load(os.path.join(str(tmp_path),
+                                 'snapshot_epoch_1.rank0')) as snapshot:
+        assert str(snapshot['run/optimizer']) == 'sgd'
+        assert not [k for k in snapshot.files if '/kfac/' in k]

@@ -66,6 +66,13 @@ def test_run_leaves_log_snapshots_and_final_model(dataset, references,
         dataset['train'], dataset['root'], resize=18), 16)
     numpy.testing.assert_array_equal(
         numpy.load(os.path.join(out, 'mean.npy')), serial)
+    # Every output has the mode of a new file (the test runs under the
+    # umask it was started with).
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(out):
+        assert os.stat(os.path.join(out, name)).st_mode & 0o777 == \
+            0o666 & ~umask, name
 
 
 @pytest.mark.slow
@@ -89,6 +96,8 @@ def test_run_ending_inside_a_step_completes_it_and_saves_it(dataset,
                          '--epochs', '1', config=config))
     assert result.returncode == 0, result.stdout[-3000:]
     assert 'ends 2 micro-batches into a step of 4' in result.stdout
+    # --no-progress: plain lines for a log file, no terminal escape codes.
+    assert '\x1b' not in result.stdout
     [entry] = read_log(tmp_path)
     assert entry['trailing_micro_batches'] == 2
     assert os.path.exists(os.path.join(str(tmp_path),

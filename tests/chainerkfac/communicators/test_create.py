@@ -28,7 +28,8 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path):
             raise RuntimeError('deliberate failure on rank 1')
         comm.mpi_comm.Barrier()  # without the hook rank 0 waits forever
     '''))
-    proc, elapsed = launch.run_mpi([script], nproc=2)
+    # A hang fails by the launcher's timeout; how long the abort takes is
+    # a figure of benchmarks/failure_latency.py, not a limit here.
+    proc, _ = launch.run_mpi([script], nproc=2, timeout=60)
     assert proc.returncode != 0
     assert 'deliberate failure on rank 1' in proc.stderr
-    assert elapsed < 30

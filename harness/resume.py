@@ -1,0 +1,378 @@
+"""Starting from a snapshot: find it, check that it can be loaded, load it.
+
+Finding
+-------
+A snapshot is one file per process of the run that wrote it
+(:data:`harness.snapshots.SNAPSHOT_NAME`); :func:`snapshot_files` finds
+them all from the prefix ``<out>/snapshot_epoch_<E>``.
+
+Checking
+--------
+Before anything is loaded or written, every file of the snapshot is read
+whole (:func:`harness.snapshot_integrity.verify_file`: zip directory,
+CRC-32 of every member, array sizes). ``--resume latest``
+(:func:`latest_snapshot`) takes the newest snapshot whose files are all
+there and all whole, and says which newer ones it skipped and why; an
+explicitly named snapshot that is damaged is refused, naming the file and
+the cause. In a run of several processes each process reads its share of
+the files (:func:`find`). Then the files' keys and shapes are compared
+with the run's model and optimizer (:func:`check_fit`,
+:mod:`harness.snapshot_fit`).
+
+Loading
+-------
+:func:`restore` loads process ``r``'s file into its trainer (for another
+number of processes, file ``r mod P_old``), then, if the number of processes
+changed, the optimizer state and the running mixup streams of every other
+file: K-FAC's factors are per owner of a block, and ``load_npz(...,
+strict=False)`` merges them (keys absent from a file leave the optimizer's
+values alone); the optimizer re-assigns blocks to the new processes. The
+data stream's position is global (:class:`augment.GlobalBatchIterator`), so
+the run continues at the same sample with ``acc_iters`` re-derived for the
+new number of processes.
+"""
+import os
+import re
+import sys
+
+import numpy
+from chainer.serializers import npz
+
+from chainerkfac.training import TimeToAccuracy
+from harness import run_dir, snapshot_fit
+from harness.mpi import raise_together
+from harness.snapshot_integrity import (DAMAGE, DamagedSnapshotError,
+                                        verify_file, verify_files)
+from harness.snapshots import N_PROCESSES_KEY, SNAPSHOT_RE
+
+def _read_n_processes(path):
+    try:
+        with numpy.load(path) as data:
+            return int(data[N_PROCESSES_KEY])
+    except KeyError:
+        raise ValueError('{} holds no {!r}: not a snapshot of this version of '
+                         'train_imagenet.py'.format(path, N_PROCESSES_KEY)) \
+            from None
+    except DAMAGE as error:
+        raise DamagedSnapshotError(path, str(error)) from error
+
+
+def snapshot_files(prefix):
+    """The files of one snapshot, by rank of the run that wrote it.
+
+    Parameters
+    ----------
+    prefix : str
+        ``<out>/snapshot_epoch_<E>`` (files ``<prefix>.rank<r>``).
+
+    Returns
+    -------
+    list of str
+
+    Raises
+    ------
+    FileNotFoundError
+        No file, or some of the writing run's processes' files missing
+        (named).
+    DamagedSnapshotError
+        The lowest rank's file, which says how many processes wrote the
+        snapshot, cannot be read.
+    ValueError
+        That file is not a snapshot of this harness.
+    """
+    directory, base = os.path.split(os.path.abspath(prefix))
+    pattern = re.compile(re.escape(base) + r'\.rank(\d+)')
+    found = {}
+    if os.path.isdir(directory):
+        for name in os.listdir(directory):
+            match = pattern.fullmatch(name)
+            if match:
+                found[int(match.group(1))] = os.path.join(directory, name)
+    if not found:
+        raise FileNotFoundError('no snapshot {}.rank0 (nor any .rankR)'.format(
+            prefix))
+    n = _read_n_processes(found[min(found)])
+    missing = [r for r in range(n) if r not in found]
+    if missing:
+        raise FileNotFoundError(
+            'snapshot {} was written by {} processes but the files of rank(s) '
+            '{} are missing'.format(prefix, n,
+                                    ', '.join(map(str, missing))))
+    return [found[r] for r in range(n)]
+
+
+def candidates(out):
+    """The snapshots in ``out``, newest first: ``[(prefix, files or the
+    error of :func:`snapshot_files`)]``."""
+    if not os.path.isdir(out):
+        return []
+    epochs = set()
+    for name in os.listdir(out):
+        match = SNAPSHOT_RE.fullmatch(name)
+        if match:
+            epochs.add(int(match.group(1)))
+    out_list = []
+    for epoch in sorted(epochs, reverse=True):
+        prefix = os.path.join(out, 'snapshot_epoch_{}'.format(epoch))
+        try:
+            out_list.append((prefix, snapshot_files(prefix)))
+        except (OSError, ValueError) as error:
+            out_list.append((prefix, error))
+    return out_list
+
+
+def warn(message):
+    """Print a warning of the run (stderr, flushed)."""
+    print('warning: ' + message, file=sys.stderr, flush=True)
+
+
+def latest_snapshot(out, verify=verify_files, say=warn, found=None):
+    """The newest snapshot in ``out`` whose files are all there and whole.
+
+    Parameters
+    ----------
+    out : str
+    verify : callable
+        ``verify(files)`` → the :class:`DamagedSnapshotError` of the damaged
+        ones (default: :func:`verify_files`, every file here).
+    say : callable or None
+        Told about every newer snapshot skipped, naming its damaged or
+        missing files.
+    found : list or None
+        :func:`candidates` of ``out`` if already listed.
+
+    Returns
+    -------
+    (str, list of str) or None
+        Its prefix and files.
+    """
+    for prefix, files in (candidates(out) if found is None else found):
+        problems = [files] if isinstance(files, Exception) else verify(files)
+        if not problems:
+            return prefix, files
+        if say is not None:
+            say('--resume latest: skipping {}: {}'.format(
+                os.path.basename(prefix), '; '.join(map(str, problems))))
+    return None
+
+
+def find(comm, resume, out):
+    """The files of the snapshot ``--resume`` names (``'latest'``: the
+    newest whole one in ``out``), checked by all processes together.
+
+    Rank 0 lists the directory; every process verifies its share of each
+    candidate's files; rank 0 warns about skipped snapshots. Raises (once,
+    on rank 0) if there is none, or if the named one is incomplete or
+    damaged, naming the files and the causes.
+
+    Returns
+    -------
+    (str, list of str)
+        The prefix and the files.
+    """
+    def verify(files):
+        mine = verify_files(files[comm.rank::comm.size])
+        every = comm.mpi_comm.allgather(mine)
+        return sorted((e for share in every for e in share),
+                      key=lambda e: files.index(e.path))
+
+    listed = None
+    if comm.rank == 0:
+        if resume == 'latest':
+            listed = candidates(out)
+        else:
+            try:
+                listed = [(resume, snapshot_files(resume))]
+            except (OSError, ValueError) as error:
+                listed = [(resume, error)]
+    listed = comm.mpi_comm.bcast(listed, root=0)
+    if resume == 'latest':
+        chosen = latest_snapshot(out, verify, warn if comm.rank == 0 else None,
+                                 listed)
+        error = None if chosen else FileNotFoundError(
+            '--resume latest: no complete, undamaged snapshot in {}'.format(
+                out))
+        raise_together(comm, error)
+        return chosen
+    [(prefix, files)] = listed
+    error = files if isinstance(files, Exception) else None
+    if error is None:
+        damaged = verify(files)
+        if damaged:
+            error = OSError('--resume {}: {}; resume from an earlier snapshot '
+                            '(--resume latest takes the newest whole one)'
+                            .format(prefix, '; '.join(map(str, damaged))))
+    raise_together(comm, error)
+    return prefix, files
+
+
+def check_fit(comm, files, model, optimizer, optimizer_name):
+    """Refuse (once, on rank 0) a snapshot that does not fit the run's
+    model or optimizer (:func:`harness.snapshot_fit.check`); each process
+    reads the headers of its share of the files.
+
+    Parameters
+    ----------
+    comm : ChainerMN communicator
+    files : list of str
+    model, optimizer
+        The run's, freshly built and set up.
+    optimizer_name : str
+    """
+    error = None
+    try:
+        for path in files[comm.rank::comm.size]:
+            snapshot_fit.check(path, model, optimizer, optimizer_name)
+    except (OSError, ValueError) as e:
+        error = e
+    raise_together(comm, error)
+
+
+def init_weights(comm, source, network):
+    """Load the weights of ``source`` into ``network`` on every process
+    (``--init-weights-from``: a new optimizer from a run's weights).
+
+    Parameters
+    ----------
+    comm : ChainerMN communicator
+    source : str
+        A snapshot prefix (its rank 0 file is read), one file of a snapshot
+        or a ``model_final.npz``.
+    network : chainer.Link
+        The bare network.
+
+    Returns
+    -------
+    str
+        The file read.
+    """
+    path, error = None, None
+    if comm.rank == 0:
+        try:
+            path = source if os.path.isfile(source) else \
+                snapshot_files(source)[0]
+            verify_file(path)
+        except (OSError, ValueError) as e:
+            error = e
+    raise_together(comm, error)
+    path = comm.mpi_comm.bcast(path, root=0)
+    try:
+        snapshot_fit.load_weights(path, network)
+    except (OSError, ValueError) as e:
+        error = e
+    raise_together(comm, error)
+    return path
+
+
+def restore(trainer, files, rank, n_processes, optimizer=None, mixup=None):
+    """Load a snapshot into this process's trainer.
+
+    Parameters
+    ----------
+    trainer : chainer.training.Trainer
+    files : list of str
+        From :func:`snapshot_files`.
+    rank, n_processes : int
+        Of this run.
+    optimizer : chainer.Optimizer or None
+        Whose state is merged from every file when the number of processes
+        changed (K-FAC: factors are saved by their owners).
+    mixup : object with ``serialize`` or None
+        The updater's mixup streams, likewise merged.
+
+    Returns
+    -------
+    str
+        The file loaded whole.
+    """
+    own = files[rank % len(files)]
+    # Lenient: with the lean K-FAC state a file lacks the blocks its process
+    # did not own; that the snapshot fits the model was checked before.
+    npz.load_npz(own, trainer, strict=False)
+    if len(files) != n_processes:
+        for path in files:
+            if path == own:
+                continue
+            if optimizer is not None:
+                npz.load_npz(path, optimizer, path='updater/optimizer:main/',
+                             strict=False)
+            if mixup is not None:
+                npz.load_npz(path, mixup, path='updater/mixup/', strict=False)
+    return own
+
+
+def starting_point(comm, out, model, optimizer, optimizer_name, resume=None,
+                   init_weights_from=None):
+    """Where a run starts, settled before anything in ``out`` is written.
+
+    ``--resume``: the snapshot's files, found (:func:`find`), read whole
+    and checked against the run's model and optimizer (:func:`check_fit`).
+    ``--init-weights-from``: the weights, loaded into ``model.predictor``
+    (:func:`init_weights`).
+
+    Parameters
+    ----------
+    comm : ChainerMN communicator
+    out : str
+    model, optimizer
+        The run's, freshly built and set up.
+    optimizer_name : str
+    resume, init_weights_from : str or None
+        The options.
+
+    Returns
+    -------
+    (str, list of str) or None
+        The snapshot's prefix and files, if resuming.
+    """
+    if init_weights_from:
+        path = init_weights(comm, init_weights_from, model.predictor)
+        if comm.rank == 0:
+            print('initial weights from {}; the {} optimizer starts afresh'
+                  .format(path, optimizer_name), flush=True)
+        return None
+    if not resume:
+        return None
+    prefix, files = find(comm, resume, out)
+    check_fit(comm, files, model, optimizer, optimizer_name)
+    return prefix, files
+
+
+def load(comm, trainer, optimizer, updater, out, prefix, files):
+    """Load the snapshot into the trainer (:func:`restore`) and make the
+    run directory's line-per-step files those of the snapshot's point.
+
+    Parameters
+    ----------
+    comm : ChainerMN communicator
+    trainer : chainer.training.Trainer
+    optimizer : chainer.Optimizer or None
+        Whose state is merged from every file on another number of
+        processes (K-FAC's).
+    updater : harness.updater.AugmentedUpdater
+    out : str
+    prefix, files
+        From :func:`starting_point`.
+    """
+    error = None
+    try:
+        restore(trainer, files, comm.rank, comm.size, optimizer,
+                updater.mixup)
+    except (OSError, ValueError, KeyError) as e:
+        error = e
+    raise_together(comm, error)
+    iterator = updater.get_iterator('main')
+    if comm.rank == 0:
+        reached = next((entry.extension.reached
+                        for entry in trainer._extensions.values()
+                        if isinstance(entry.extension, TimeToAccuracy)),
+                       None)
+        run_dir.continue_run_files(
+            os.path.dirname(os.path.abspath(files[0])), out,
+            getattr(updater.get_optimizer('main'), 't', 0), reached)
+        print('resumed from {} ({} process(es)) on {} process(es) at epoch '
+              '{:.4f}{}'.format(
+                  prefix, len(files), comm.size, iterator.epoch_detail,
+                  '; {} chunks of the flushed last step skipped'.format(
+                      iterator.skipped_chunks)
+                  if iterator.skipped_chunks else ''), flush=True)

@@ -1,0 +1,126 @@
+"""Finding the snapshot to resume from: the files of a snapshot written by
+any number of processes, each read whole before it is trusted; ``latest``
+skips an incomplete or damaged snapshot naming the file and the cause."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from harness import resume, snapshot_integrity, snapshots
+
+
+def write_snapshot(path, n_processes, seed=0):
+    """A snapshot-like npz: the number of processes and some arrays."""
+    rng = np.random.RandomState(seed)
+    arrays = {snapshots.N_PROCESSES_KEY: np.asarray(n_processes),
+              'updater/model:main/predictor/fc/W':
+                  rng.rand(64, 256).astype(np.float32),
+              'updater/model:main/predictor/fc/b': np.zeros(64, np.float32)}
+    with open(path, 'wb') as f:
+        np.savez(f, **arrays)
+
+
+def snapshot_set(directory, epoch, n_processes, ranks=None):
+    prefix = os.path.join(str(directory), 'snapshot_epoch_{}'.format(epoch))
+    for rank in range(n_processes) if ranks is None else ranks:
+        write_snapshot('{}.rank{}'.format(prefix, rank), n_processes, rank)
+    return prefix
+
+
+def truncate(path):
+    size = os.path.getsize(path)
+    with open(path, 'r+b') as f:
+        f.truncate(size * 2 // 3)
+
+
+def flip(path, n=64):
+    """Flip ``n`` bytes in the middle of the file (inside an array)."""
+    size = os.path.getsize(path)
+    with open(path, 'r+b') as f:
+        f.seek(size // 2)
+        data = bytearray(f.read(n))
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0xff for b in data))
+
+
+def test_snapshot_files_of_any_number_of_processes(tmp_path):
+    prefix = snapshot_set(tmp_path, 4, 3)
+    # Rank 1 was killed before its file of epoch 5 was whole.
+    snapshot_set(tmp_path, 5, 3, ranks=(0, 2))
+    assert resume.snapshot_files(prefix) == [
+        prefix + '.rank{}'.format(r) for r in range(3)]
+    with pytest.raises(FileNotFoundError, match='rank.s. 1 are missing'):
+        resume.snapshot_files(str(tmp_path / 'snapshot_epoch_5'))
+    with pytest.raises(FileNotFoundError, match='no snapshot'):
+        resume.snapshot_files(str(tmp_path / 'snapshot_epoch_9'))
+    warnings = []
+    assert resume.latest_snapshot(str(tmp_path), say=warnings.append) == (
+        prefix, resume.snapshot_files(prefix))
+    [warning] = warnings
+    assert 'skipping snapshot_epoch_5' in warning
+    assert 'rank(s) 1 are missing' in warning
+
+
+@pytest.mark.parametrize('damage, cause', [
+    (truncate, 'not a zip file'), (flip, 'Bad CRC-32 for file')])
+def test_damaged_file_named_with_its_cause(tmp_path, damage, cause):
+    path = str(tmp_path / 'snapshot_epoch_1.rank0')
+    write_snapshot(path, 1)
+    snapshot_integrity.verify_file(path)
+    damage(path)
+    with pytest.raises(snapshot_integrity.DamagedSnapshotError) as info:
+        snapshot_integrity.verify_file(path)
+    assert info.value.path == path
+    assert cause in info.value.cause
+    assert path in str(info.value) and cause in str(info.value)
+
+
+def test_member_shorter_than_its_header_is_damage(tmp_path):
+    """An .npy member whose data does not match its header (CRC intact:
+    written so) is refused too."""
+    import zipfile
+    path = str(tmp_path / 'snapshot_epoch_1.rank0')
+    header = tmp_path / 'x.npy'
+    np.save(str(header), np.zeros(100, np.float32))
+    with zipfile.ZipFile(path, 'w') as archive:
+        archive.writestr('x.npy', header.read_bytes()[:-40])
+    with pytest.raises(snapshot_integrity.DamagedSnapshotError,
+                       match='header says'):
+        snapshot_integrity.verify_file(path)
+
+
+@pytest.mark.parametrize('damage', [truncate, flip])
+@pytest.mark.parametrize('rank', [0, 1])
+def test_latest_skips_a_damaged_snapshot_naming_the_file(tmp_path, damage,
+                                                         rank):
+    """Any rank's file: the lowest one (read for the number of processes)
+    or another."""
+    older = snapshot_set(tmp_path, 2, 2)
+    newer = snapshot_set(tmp_path, 3, 2)
+    damage('{}.rank{}'.format(newer, rank))
+    warnings = []
+    prefix, files = resume.latest_snapshot(str(tmp_path),
+                                           say=warnings.append)
+    assert prefix == older and files == resume.snapshot_files(older)
+    [warning] = warnings
+    assert 'snapshot_epoch_3.rank{}'.format(rank) in warning
+    assert 'damaged' in warning
+
+
+def test_no_whole_snapshot_is_none(tmp_path):
+    prefix = snapshot_set(tmp_path, 1, 1)
+    flip(prefix + '.rank0')
+    assert resume.latest_snapshot(str(tmp_path), say=None) is None
+    shutil.rmtree(str(tmp_path))
+    assert resume.latest_snapshot(str(tmp_path), say=None) is None
+
+
+def test_damage_error_survives_pickling():
+    """Errors travel between processes (mpi4py pickles them)."""
+    import pickle
+    error = snapshot_integrity.DamagedSnapshotError(
+        '/x/snapshot_epoch_1.rank0', 'why')
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.path, copy.cause, str(copy)) == (error.path, error.cause,
+                                                  str(error))

@@ -1,0 +1,78 @@
+"""Claiming a run directory: an earlier run's files refused, or removed
+with ``--overwrite`` (only the run's files: a user's notes and a ``--mean``
+input stay); a run that continues its own snapshot keeps them; a snapshot
+``--overwrite`` would remove before reading it is refused."""
+import os
+
+import pytest
+
+from harness import run_dir
+
+
+class OneProcess:
+    rank, size = 0, 1
+
+    class mpi_comm:
+        @staticmethod
+        def allgather(value):
+            return [value]
+
+
+EARLIER = ['bad_images.txt', 'config.json', 'fisher_diff.jsonl', 'log',
+           'mean.npy', 'model_final.npz', 'snapshot_epoch_1.rank0',
+           'snapshot_epoch_2.rank0', 'time_to_accuracy.json']
+
+
+@pytest.fixture
+def out(tmp_path):
+    for name in EARLIER + ['notes.txt', '.snapshot_epoch_3.rank0.tmp',
+                           '.model_final.npz.tmp']:
+        (tmp_path / name).write_text('x')
+    return str(tmp_path)
+
+
+def claim(out, **kwargs):
+    options = dict(overwrite=False, mean_is_output=True)
+    options.update(kwargs)
+    lock = run_dir.claim(OneProcess, out, **options)
+    assert sorted(os.listdir(out)).count('run.lock') == 1
+    lock.release()
+
+
+def test_earlier_run_refused_naming_its_files(out):
+    with pytest.raises(OSError) as info:
+        claim(out)
+    message = str(info.value)
+    assert 'holds the files of an earlier run' in message
+    assert 'bad_images.txt, config.json, fisher_diff.jsonl' in message
+    assert '--resume latest' in message and '--overwrite' in message
+    assert sorted(os.listdir(out)) == sorted(
+        EARLIER + ['notes.txt', '.snapshot_epoch_3.rank0.tmp',
+                   '.model_final.npz.tmp'])
+
+
+def test_overwrite_removes_the_run_files_only(out):
+    claim(out, overwrite=True, mean_is_output=False)
+    assert sorted(os.listdir(out)) == ['mean.npy', 'notes.txt']
+
+
+def test_a_run_continuing_its_own_snapshot_keeps_the_files(out):
+    claim(out, source=os.path.join(out, 'snapshot_epoch_2.rank0'),
+          continues=True)
+    assert 'log' in os.listdir(out)
+
+
+def test_overwrite_would_remove_the_source_refused(out):
+    for continues in (True, False):
+        with pytest.raises(OSError, match='would remove'):
+            claim(out, overwrite=True, continues=continues,
+                  source=os.path.join(out, 'snapshot_epoch_2'))
+    assert 'log' in os.listdir(out)
+
+
+def test_source_elsewhere_with_overwrite_clears_here(out, tmp_path_factory):
+    elsewhere = tmp_path_factory.mktemp('other')
+    (elsewhere / 'snapshot_epoch_2.rank0').write_text('x')
+    claim(out, overwrite=True, continues=True,
+          source=str(elsewhere / 'snapshot_epoch_2.rank0'))
+    assert sorted(os.listdir(out)) == ['notes.txt']

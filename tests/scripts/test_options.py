@@ -1,0 +1,77 @@
+"""``train_imagenet.py``'s command line: every numeric option is checked
+when it is parsed, and the error names the option (no epoch trained before
+a ``ZeroDivisionError``, no value silently replaced by a default)."""
+import pytest
+
+import train_imagenet
+
+LISTS = ['train.txt', 'val.txt', '--config', 'run.json']
+
+
+def refused(capsys, *options):
+    with pytest.raises(SystemExit) as info:
+        train_imagenet.parse_args(LISTS + list(options))
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize('option, value, message', [
+    ('--snapshot-every', '0', 'an integer >= 1'),
+    ('--snapshot-every', '-2', 'an integer >= 1'),
+    ('--snapshot-every', '1.5', 'an integer >= 1'),
+    ('--epochs', '0', 'an integer >= 1'),
+    ('--keep-snapshots', '-1', 'an integer >= 0'),
+    ('--depth', '0', '6n+2'),
+    ('--depth', '9', '6n+2'),
+    ('--width', '0', 'width'),
+    ('--n-class', '0', 'an integer >= 1'),
+    ('--crop-size', '0', 'an integer >= 1'),
+    ('--resize', '0', 'an integer >= 1'),
+    ('--loaderjob', '-1', 'an integer >= 0'),
+    ('--seed', '-1', 'an integer in [0, 2147483647]'),
+    ('--seed', str(2 ** 32), 'an integer in [0, 2147483647]'),
+    ('--target-acc', '0', 'a number in (0, 1]'),
+    ('--target-acc', '1.5', 'a number in (0, 1]'),
+    ('--target-acc', 'nan', 'a number in (0, 1]'),
+    ('--baseline-lr', '0', 'a number > 0'),
+    ('--baseline-lr', 'inf', 'a number > 0'),
+    ('--baseline-momentum', '1', 'a number in [0, 1)'),
+    ('--baseline-momentum', '-0.1', 'a number in [0, 1)'),
+    ('--warmup-epochs', '-1', 'a number >= 0'),
+    ('--warmup-epochs', 'nan', 'a number >= 0'),
+    ('--weight-decay', '-0.0001', 'a number >= 0'),
+    ('--weight-decay', 'x', 'a number >= 0'),
+])
+def test_out_of_range_value_refused_naming_the_option(capsys, option, value,
+                                                      message):
+    err = refused(capsys, option, value)
+    assert 'argument {}'.format(option) in err
+    assert message in err
+    assert value in err
+
+
+def test_crop_larger_than_the_resized_image_refused(capsys):
+    err = refused(capsys, '--crop-size', '32', '--resize', '30')
+    assert '--crop-size 32' in err and '--resize 30' in err
+
+
+def test_exclusive_options_refused(capsys):
+    err = refused(capsys, '--resume', 'latest', '--init-weights-from', 'x')
+    assert '--init-weights-from' in err and '--resume' in err
+    err = refused(capsys, '--resume', 'latest', '--overwrite')
+    assert '--overwrite' in err and '--resume latest' in err
+    err = refused(capsys, '--demo', '--resume', 'latest')
+    assert '--demo' in err
+
+
+def test_values_at_the_edges_are_kept():
+    args = train_imagenet.parse_args(LISTS + [
+        '--snapshot-every', '1', '--epochs', '1', '--keep-snapshots', '0',
+        '--baseline-momentum', '0', '--warmup-epochs', '0',
+        '--weight-decay', '0', '--target-acc', '1', '--seed', '0',
+        '--depth', '14', '--width', '1', '--crop-size', '30', '--resize',
+        '30'])
+    assert (args.snapshot_every, args.epochs, args.keep_snapshots) == \
+        (1, 1, 0)
+    assert args.baseline_momentum == 0.0 and args.warmup_epochs == 0.0
+    assert args.target_acc == 1.0 and args.depth == 14
