@@ -39,8 +39,9 @@ import numpy as np
 from augment.image_list import load_image
 from augment.transforms import crop_flip
 
-#: Tags of the random streams derived from (seed, tag, position).
-PERMUTATION, CROP_FLIP, MIXUP, ERASING = 0, 1, 2, 3
+#: Tags of the random streams derived from (seed, tag, position);
+#: MC_LABELS: K-FAC's Monte-Carlo labels of a chunk.
+PERMUTATION, CROP_FLIP, MIXUP, ERASING, MC_LABELS = 0, 1, 2, 3, 4
 #: Length of the endless stream view (positions; nothing is allocated).
 STREAM_LENGTH = 2 ** 50
 
@@ -54,7 +55,8 @@ def stream_rng(seed, tag, position):
         The run's seed.
     tag : int
         :data:`PERMUTATION` (position = epoch), :data:`CROP_FLIP` (position
-        = sample), :data:`MIXUP` or :data:`ERASING` (position = chunk).
+        = sample), :data:`MIXUP`, :data:`ERASING` or :data:`MC_LABELS`
+        (position = chunk).
     position : int
 
     Returns

@@ -51,13 +51,18 @@ class LabelSampler:
     Attributes
     ----------
     rng : numpy.random.RandomState
-        The source of the draws; replace it to draw from another stream
-        (e.g. one derived from the position in the data, so that a run
-        resumed on another number of processes draws the same labels).
+        The sampler's own generator (seeded by ``seed``, saved in
+        snapshots).
+    source : numpy.random.Generator or RandomState, optional
+        Where the draws come from instead of :attr:`rng`, when set: a
+        training harness sets one derived from the position in the data
+        for each micro-batch, so that a run resumed on another number of
+        processes draws the same labels.
     """
 
     def __init__(self, seed: Optional[int] = None):
         self.rng = numpy.random.RandomState(seed)
+        self.source = None
 
     def sample(self, logits):
         """One label per row drawn from ``softmax(logits)`` (int32, on the
@@ -65,7 +70,8 @@ class LabelSampler:
         probs = chainer.backend.CpuDevice().send(
             F.softmax(logits.astype(numpy.float64)).array)
         cumulative = probs.cumsum(axis=1)
-        draws = self.rng.random_sample((probs.shape[0], 1))
+        rng = self.rng if self.source is None else self.source
+        draws = rng.random((probs.shape[0], 1))
         labels = (cumulative < draws * cumulative[:, -1:]).sum(axis=1)
         labels = numpy.minimum(labels, probs.shape[1] - 1).astype(numpy.int32)
         return chainer.backend.get_device_from_array(logits).send(labels)

@@ -50,7 +50,9 @@ def build_optimizer(name, cfg, comm, acc_iters, args):
     if name == 'sgd':
         lr = _given(args.baseline_lr, 0.1 * scale)
         momentum = _given(args.baseline_momentum, 0.9)
-        warmup_start = 0.1
+        # Goyal et al.: from the learning rate of a batch of 256 (0.1 for
+        # the default) up to the scaled one; never down.
+        warmup_start = lr / max(scale, 1.0)
     else:
         # MLPerf-0.6 LARS at 32K: base LR 29 with trust coefficient 1e-3
         # (Chainer's GradientLARS has none), momentum 0.929, 18 warm-up
@@ -59,7 +61,11 @@ def build_optimizer(name, cfg, comm, acc_iters, args):
                     29.0e-3 * cfg.global_batch_size / 32768)
         momentum = _given(args.baseline_momentum, 0.929)
         warmup_start = lr / 100.0
-    optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=momentum)
+    # Driven like K-FAC: accumulation, averaging over processes and the
+    # skipped-step guard are the optimizer's.
+    optimizer = chainerkfac.optimizers.GuardedOptimizer(
+        chainer.optimizers.MomentumSGD(lr=lr, momentum=momentum), acc_iters,
+        comm)
     schedule = kfac_training.LinearWarmupLR(
         lr, warmup_start, warmup_epochs=args.warmup_epochs,
         decay=kfac_training.polynomial_decay(
@@ -166,6 +172,8 @@ def train(args, comm, optimizer_name, out, cfg):
     resumed = resume.starting_point(
         comm, out, model, optimizer, optimizer_name, args.resume,
         args.init_weights_from)
+    if comm.rank == 0:
+        print('cuDNN: {}'.format(chainerkfac.cudnn.describe()), flush=True)
     if not kfac:
         comm.bcast_data(model)
     lock = run_dir.claim(
@@ -173,17 +181,16 @@ def train(args, comm, optimizer_name, out, cfg):
         source=resumed[1][0] if resumed else args.init_weights_from,
         continues=bool(resumed))
     try:
-        return _train(args, comm, optimizer_name, out, cfg, model, device,
-                      optimizer, schedule, resumed)
+        return _train(args, comm, optimizer_name, out, cfg, acc_iters, model,
+                      device, optimizer, schedule, resumed)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(args, comm, optimizer_name, out, cfg, model, device, optimizer,
-           schedule, resumed):
+def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
+           optimizer, schedule, resumed):
     """The rest of :func:`train`, in the claimed run directory."""
-    acc_iters = cfg.acc_iters(comm.size)
     batch = cfg.batch_size_per_process
     n_class = args.n_class or cfg.n_class
     kfac = optimizer_name == 'kfac'

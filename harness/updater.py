@@ -3,18 +3,22 @@ mixup and random erasing drawn from the data stream's positions,
 accumulation, and the end of the run.
 
 One iteration is one micro-batch per process; an optimizer step takes
-``acc_iters`` iterations and begins at iterations ``k · acc_iters``. K-FAC
-accumulates inside the optimizer; for the first-order baselines this
-updater accumulates ``acc_iters`` backward passes, averages the gradients
-over micro-batches and processes, and updates.
+``acc_iters`` iterations and begins at iterations ``k · acc_iters``. Every
+optimizer is driven through one path: ``optimizer.update(model, x, t)`` per
+micro-batch, the optimizer accumulating, averaging over micro-batches and
+processes, and skipping a non-finite step itself (K-FAC, and the
+first-order baselines through :class:`chainerkfac.optimizers.
+GuardedOptimizer`); the updater reads ``acc_iters``,
+``pending_micro_batches`` and ``last_step_skipped`` from it.
 
 Augmentation streams
 --------------------
 Running mixup (eqs. 9-10) keeps one stream per global micro-batch slot of a
 step: chunk ``j`` of the global sample stream (:mod:`augment.stream`) mixes
 with chunk ``j − P·a`` (the same slot of the previous step), on any number
-of processes ``P`` with ``P·a`` chunks per step. λ of chunk ``j`` and the
-erasing rectangles of chunk ``j`` come from generators derived from ``(seed,
+of processes ``P`` with ``P·a`` chunks per step. λ of chunk ``j``, the
+erasing rectangles of chunk ``j`` and, for K-FAC's Monte-Carlo Fisher, the
+labels drawn for chunk ``j`` come from generators derived from ``(seed,
 j)``, so the only augmentation state is the previous virtual batch of each
 slot; it is saved with the process that owns the slot (``mixup/stream<g>``)
 and, on a resume on another number of processes, read from whichever old
@@ -36,8 +40,7 @@ from chainer import training
 from chainer.backend import get_array_module
 
 import augment
-from augment.stream import ERASING, MIXUP, stream_rng
-from chainerkfac.optimizers import KFAC
+from augment.stream import ERASING, MC_LABELS, MIXUP, stream_rng
 
 
 class BatchConverter(chainer.dataset.Converter):
@@ -99,22 +102,26 @@ class BatchConverter(chainer.dataset.Converter):
 
 
 class AugmentedUpdater(training.updaters.StandardUpdater):
-    """StandardUpdater with the paper's augmentation, accumulation for the
-    first-order baselines, and a complete last step.
+    """StandardUpdater with the paper's augmentation and a complete last
+    step.
 
     Parameters
     ----------
     iterator : augment.GlobalBatchIterator
-    optimizer : chainerkfac.optimizers.KFAC or a Chainer optimizer
+    optimizer : chainerkfac.optimizers.KFAC or GuardedOptimizer
+        Anything with ``update(lossfun, *args)``, ``acc_iters``,
+        ``pending_micro_batches``, ``last_step_skipped`` and
+        ``flush_accumulation()``.
     comm : ChainerMN communicator
     acc_iters : int
-        Micro-batches per step and process.
+        Micro-batches per step and process, as the run derived them; must
+        be the optimizer's.
     stop_epoch : float
         The run ends at the iteration that reaches it (see
         :class:`harness.triggers.EpochLimit`).
     converter : BatchConverter
     seed : int
-        Of the mixup and erasing draws.
+        Of the mixup, erasing and Monte-Carlo label draws.
     alpha_mixup : float
         0 disables running mixup.
     n_class : int
@@ -125,13 +132,20 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
 
     def __init__(self, iterator, optimizer, comm, acc_iters, stop_epoch,
                  converter, seed, alpha_mixup, n_class, erasing, device):
+        if optimizer.acc_iters != acc_iters:
+            raise ValueError(
+                'the optimizer accumulates {} micro-batches per step, the '
+                'run {}: build it with acc_iters={}'.format(
+                    optimizer.acc_iters, acc_iters, acc_iters))
         super().__init__(iterator, optimizer, converter=converter,
                          device=device)
         self.comm = comm
         self.acc_iters = acc_iters
         self.stop_epoch = stop_epoch
         self.seed = seed
-        self.kfac = isinstance(optimizer, KFAC)
+        #: K-FAC's Monte-Carlo label sampler (draws from the stream), if
+        #: the optimizer has one.
+        self.labels = getattr(optimizer, 'label_sampler', None)
         n_slots = comm.size * acc_iters
         #: Running mixup of the slots this process feeds, by global slot.
         self.mixup = MixupStreams(
@@ -141,7 +155,6 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
         self.erasing = augment.RandomErasing() if erasing else None
         #: True once the run has reached ``stop_epoch`` (last step complete).
         self.finished = False
-        self._bn_state = None
 
     @property
     def at_step_boundary(self):
@@ -162,68 +175,38 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
         t = self.device.send(t)
         if self.erasing is not None:
             x = self.erasing(x, rng=stream_rng(self.seed, ERASING, chunk))
+        if self.labels is not None:
+            self.labels.source = stream_rng(self.seed, MC_LABELS, chunk)
         optimizer = self.get_optimizer('main')
         if iterator.is_new_epoch:
             optimizer.new_epoch(auto=True)
-        if self.kfac:
-            optimizer.update(optimizer.target, x, t)
-            if _reported('kfac/skipped_step'):
-                self.mixup.restore()
-        else:
-            self._accumulate(optimizer, x, t)
+        optimizer.update(optimizer.target, x, t)
+        self._after_step(optimizer)
         self.finished = iterator.epoch_detail >= self.stop_epoch
-        if self.finished and (self.iteration + 1) % self.acc_iters:
-            self._flush(optimizer, (self.iteration + 1) % self.acc_iters)
+        if self.finished and optimizer.pending_micro_batches:
+            self._flush(optimizer)
 
-    # -- the end ---------------------------------------------------------------
-    def _flush(self, optimizer, pending):
-        if self.kfac:
-            done = optimizer.flush_accumulation()
-        else:
-            done = self._step(optimizer, pending)
-        chainer.reporter.report({'trailing_micro_batches': float(done)})
-        if self.comm.rank == 0:
-            print('the run ends {} micro-batches into a step of {}: they '
-                  'make a final step of their own'.format(
-                      done, self.acc_iters), flush=True)
-
-    # -- first-order baselines -------------------------------------------------
-    def _accumulate(self, optimizer, x, t):
-        model = optimizer.target
-        if self.at_step_boundary:
-            model.cleargrads()
-            self._bn_state = _copy_persistents(model)
-        model(x, t).backward()
-        micro = self.iteration % self.acc_iters + 1
-        if micro == self.acc_iters:
-            self._step(optimizer, micro)
-
-    def _step(self, optimizer, n_micro):
-        """Average the gradients of ``n_micro`` micro-batches over them and
-        the processes; update unless a gradient is not finite (then the
-        weights and BatchNormalization's running statistics stay as they
-        were before the step). Returns ``n_micro``."""
-        model = optimizer.target
-        if n_micro > 1:
-            for param in model.params():
-                if param.grad is not None:
-                    param.grad /= n_micro
-        self.comm.multi_node_mean_grad(model)
-        finite = _grads_finite(model)
-        if all(self.comm.mpi_comm.allgather(finite)):
-            optimizer.update()
-            skipped = 0.0
-        else:
-            _restore_persistents(model, self._bn_state)
+    def _after_step(self, optimizer):
+        """A skipped step must not leave its virtual batches as the next
+        step's mixup partners."""
+        if optimizer.pending_micro_batches == 0 and \
+                optimizer.last_step_skipped:
             self.mixup.restore()
-            skipped = 1.0
             if self.comm.rank == 0:
                 print('step at iteration {}: non-finite gradient, update '
                       'skipped (weights and BatchNormalization statistics '
                       'unchanged)'.format(self.iteration + 1),
                       file=sys.stderr, flush=True)
-        chainer.reporter.report({'skipped_step': skipped})
-        return n_micro
+
+    # -- the end ---------------------------------------------------------------
+    def _flush(self, optimizer):
+        done = optimizer.flush_accumulation()
+        self._after_step(optimizer)
+        chainer.reporter.report({'trailing_micro_batches': float(done)})
+        if self.comm.rank == 0:
+            print('the run ends {} micro-batches into a step of {}: they '
+                  'make a final step of their own'.format(
+                      done, self.acc_iters), flush=True)
 
     def serialize(self, serializer):
         """Chainer's (iterator, optimizer, model, iteration), the number of
@@ -262,53 +245,3 @@ class MixupStreams:
     def serialize(self, serializer):
         for slot, stream in sorted(self.streams.items()):
             stream.serialize(serializer['stream{}'.format(slot)])
-
-
-def _reported(key):
-    """Whether ``key`` was reported as true in the current observation
-    (e.g. K-FAC's ``kfac/skipped_step``)."""
-    try:
-        observation = chainer.reporter.get_current_reporter().observation
-    except IndexError:              # no reporter (outside a Trainer)
-        return False
-    value = observation.get(key)
-    return value is not None and bool(chainer.as_array(value))
-
-
-def _grads_finite(model):
-    flags = []
-    for param in model.params():
-        if param.grad is not None:
-            xp = get_array_module(param.grad)
-            flags.append(xp.isfinite(param.grad).all())
-    return bool(all(bool(f) for f in flags))
-
-
-#: Running statistics of BatchNormalization-like links.
-_RUNNING_STATISTICS = ('avg_mean', 'avg_var', 'N')
-
-
-def _copy_persistents(model):
-    """Copies of the running statistics of every BatchNormalization-like
-    link (any link with ``avg_mean`` and ``avg_var``)."""
-    saved = {}
-    for path, link in model.namedlinks():
-        if hasattr(link, 'avg_mean') and hasattr(link, 'avg_var'):
-            for name in _RUNNING_STATISTICS:
-                value = getattr(link, name, None)
-                if value is not None:
-                    saved[(path, name)] = value.copy() \
-                        if hasattr(value, 'copy') else value
-    return saved
-
-
-def _restore_persistents(model, saved):
-    if not saved:
-        return
-    links = dict(model.namedlinks())
-    for (path, name), value in saved.items():
-        current = getattr(links[path], name)
-        if hasattr(current, 'shape'):
-            current[...] = value
-        else:
-            setattr(links[path], name, value)

@@ -1,6 +1,9 @@
-"""The updater of the first-order baselines: a non-finite step leaves the
-weights and BatchNormalization's running statistics as they were; the
-batch converter normalises uint8 batches and refuses unreadable images."""
+"""The updater drives every optimizer through one path (K-FAC, and the
+first-order baselines as GuardedOptimizer): a non-finite step leaves the
+weights and BatchNormalization's running statistics as they were, its
+mixup partners are not kept, K-FAC's Monte-Carlo labels come from the data
+stream; the batch converter normalises uint8 batches and refuses
+unreadable images."""
 import logging
 
 import chainer
@@ -9,7 +12,9 @@ import numpy as np
 import pytest
 
 import augment
+import chainerkfac
 import models
+from augment.stream import MC_LABELS, stream_rng
 from harness.updater import AugmentedUpdater, BatchConverter
 
 
@@ -81,7 +86,8 @@ def statistics(model):
 def make_updater(batches, acc_iters=2, stop_epoch=100):
     np.random.seed(0)
     model = models.SoftLabelClassifier(models.SmallResNet(8, 4, 3))
-    optimizer = chainer.optimizers.MomentumSGD(lr=0.1)
+    optimizer = chainerkfac.optimizers.GuardedOptimizer(
+        chainer.optimizers.MomentumSGD(lr=0.1), acc_iters, OneProcess())
     optimizer.setup(model)
     updater = AugmentedUpdater(
         Batches(batches, 16), optimizer, OneProcess(), acc_iters, stop_epoch,
@@ -161,7 +167,6 @@ def test_warnings_of_one_kfac_step_number_it_alike(caplog):
     item 9: the skip warning numbered it one higher; fixed in
     chainerkfac/optimizers/kfac.py on main, 9722644)."""
     import re
-    import chainerkfac
     np.random.seed(0)
     model = models.SoftLabelClassifier(models.SmallResNet(8, 4, 3))
     optimizer = chainerkfac.optimizers.KFAC(verbose=False)
@@ -189,3 +194,53 @@ def test_warnings_of_one_kfac_step_number_it_alike(caplog):
     assert any('update skipped' in m for m in messages)
     assert len({re.search(r'K-FAC step (\d+)', m).group(1)
                 for m in messages}) == 1, messages
+
+
+def test_the_run_and_the_optimizer_must_agree_on_acc_iters():
+    model = models.SoftLabelClassifier(models.SmallResNet(8, 4, 3))
+    optimizer = chainerkfac.optimizers.KFAC(acc_iters=2, verbose=False)
+    optimizer.setup(model)
+    with pytest.raises(ValueError, match='accumulates 2 .* run 3'):
+        AugmentedUpdater(
+            Batches([batch(1)], 16), optimizer, OneProcess(), 3, 100,
+            BatchConverter(None, labels_on_host=True), seed=0,
+            alpha_mixup=0.0, n_class=3, erasing=False,
+            device=chainer.get_device('@numpy'))
+
+
+def test_monte_carlo_labels_come_from_the_data_stream(monkeypatch):
+    """K-FAC's MC Fisher draws chunk j's labels from (seed, MC_LABELS, j),
+    as the augmentation does: any number of processes draws alike."""
+    np.random.seed(0)
+    model = models.SoftLabelClassifier(models.SmallResNet(8, 4, 3))
+    optimizer = chainerkfac.optimizers.KFAC(fisher='mc', verbose=False,
+                                            seed=123)
+    optimizer.setup(model)
+    updater = AugmentedUpdater(
+        Batches([batch(1), batch(2)], 16), optimizer, OneProcess(), 1, 100,
+        BatchConverter(None, labels_on_host=True), seed=7, alpha_mixup=0.0,
+        n_class=3, erasing=False, device=chainer.get_device('@numpy'))
+    drawn = []
+    sample = optimizer.label_sampler.sample
+
+    def recording(logits):
+        labels = sample(logits)
+        drawn.append((np.array(logits), labels))
+        return labels
+    monkeypatch.setattr(optimizer.label_sampler, 'sample', recording)
+    own = optimizer.label_sampler.rng.get_state()[2]
+    with reporting(model, {}):
+        for _ in range(3):
+            updater.update()
+    assert len(drawn) == 3
+    # The sampler's own generator was not used ...
+    assert optimizer.label_sampler.rng.get_state()[2] == own
+    # ... but chunk j's generator of the stream.
+    for j, (logits, labels) in enumerate(drawn):
+        again = chainerkfac.estimator.LabelSampler(seed=123)
+        again.source = stream_rng(7, MC_LABELS, j)
+        np.testing.assert_array_equal(again.sample(logits), labels)
+        other = chainerkfac.estimator.LabelSampler(seed=123)
+        other.source = stream_rng(7, MC_LABELS, j + 10)
+        assert not np.array_equal(other.sample(
+            np.zeros((200, 3))), again.sample(np.zeros((200, 3))))

@@ -140,6 +140,30 @@ def test_resume_from_three_processes_on_two(dataset, tmp_path):
         skip_statistics=True) < TOLERANCE
 
 
+@pytest.mark.slow
+def test_elastic_resume_with_the_monte_carlo_fisher(dataset, tmp_path):
+    """fisher 'mc': the labels of chunk j are drawn from (seed, j) of the
+    data stream, so 2 processes resumed on 1 continue the uninterrupted
+    run (the sampler was seeded with seed + rank: 0.14 apart after one
+    epoch, issue 20 item 4)."""
+    config = imagenet_like.write_config(
+        dataset['root'], 'mc.json', fisher='mc', global_batch_size=32,
+        epochs=3)
+    two = tmp_path / 'two'
+    result = run(command(dataset, two, '--keep-snapshots', '0',
+                         config=config), 2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    one = tmp_path / 'one'
+    result = run(command(dataset, one, '--resume',
+                         str(two / 'snapshot_epoch_2'), config=config), 1)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert 'on 1 process(es)' in result.stdout
+    assert max_relative_diff(
+        weights(str(one / 'model_final.npz')),
+        weights(str(two / 'model_final.npz')),
+        skip_statistics=True) < TOLERANCE
+
+
 def flip_bytes(path, n=64):
     """Flip ``n`` bytes in the middle of a file (a failing disk)."""
     size = os.path.getsize(path)
