@@ -166,6 +166,17 @@ class ModelGraph:
                     uses.setdefault(path, []).append(Use(call, role))
         return uses, sampled
 
+    def require_slots(self, quantity: str) -> None:
+        """Raise unless every parameter takes its quantities from adapted
+        calls: ``quantity`` needs their structure."""
+        if self.sampled:
+            raise UnsupportedGraph(
+                '{} needs every parameter in a Linear, Convolution2D or '
+                'BatchNormalization call; not so for {}'.format(
+                    quantity, '; '.join('{} ({})'.format(path, reason)
+                                        for path, reason in
+                                        self.sampled.items())))
+
     @property
     def slot(self) -> Dict[str, Slot]:
         return {slot.path: slot for slot in self.slots}

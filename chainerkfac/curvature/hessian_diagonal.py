@@ -148,12 +148,7 @@ def _residual(output, u, adjoint):
 def _curved_functions(graph):
     """The elementwise curved functions between the parameters and the
     logits; raise for a function whose curvature is not handled."""
-    if graph.sampled:
-        path, reason = next(iter(graph.sampled.items()))
-        raise UnsupportedGraph(
-            'diag_hessian: {} is not the parameter of a Linear, '
-            'Convolution2D or BatchNormalization call ({})'.format(
-                path, reason))
+    graph.require_slots('diag_hessian')
     shared = [slot.path for slot in graph.slots if len(slot.uses) > 1]
     if shared:
         raise UnsupportedGraph(

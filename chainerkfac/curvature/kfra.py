@@ -74,11 +74,7 @@ def output_factors(graph, root, batch) -> Dict[str, object]:
 def _chain(graph) -> List[Tuple[object, Optional[int]]]:
     """``[(function, index of its chain input)]`` from the logits down (the
     last function's index is None: its inputs need no gradient)."""
-    if graph.sampled:
-        path, reason = next(iter(graph.sampled.items()))
-        raise UnsupportedGraph(
-            'kfra: {} is not the parameter of a Linear, Convolution2D or '
-            'BatchNormalization call ({})'.format(path, reason))
+    graph.require_slots('kfra')
     shared = [slot.path for slot in graph.slots if len(slot.uses) > 1]
     if shared:
         raise UnsupportedGraph(
@@ -142,11 +138,11 @@ def _propagate(function, index, curvature, batch):
     columns = vectors[:, keep] * xp.sqrt(values[keep])
     total = xp.zeros((features, features), dtype=curvature.dtype)
     y, x = output.get_variable(), node.get_variable()
-    n = y.shape[0]
+    shape, n = output.shape, output.shape[0]
     with capture_module.unobserved():
         for column in columns.T:
-            grad = xp.broadcast_to(column.reshape(y.shape[1:]),
-                                   y.shape).astype(y.dtype)
+            grad = xp.broadcast_to(column.reshape(shape[1:]), shape).astype(
+                output.dtype)
             gx, = chainer.grad([y], [x], grad_outputs=[
                 chainer.Variable(xp.ascontiguousarray(grad))])
             if gx is not None:
