@@ -6,6 +6,7 @@ import pytest
 import chainer
 
 from chainerkfac import curvature
+from chainerkfac.curvature import adapters
 from tests.chainerkfac.curvature import nets, oracles
 
 FIRST = ('batch_grad', 'batch_l2', 'sum_grad_squared', 'variance')
@@ -72,3 +73,9 @@ def test_only_the_quantities_asked_for():
     assert all(set(q) == {'variance'} for q in got.values())
     with pytest.raises(ValueError, match="'batch_gradient'"):
         curvature.extract(model, x, t, quantities=('batch_gradient',))
+
+
+def test_convolution_sums_a_few_samples_at_a_time(monkeypatch):
+    monkeypatch.setattr(adapters, 'CHUNK_ELEMENTS', 60)   # 2 of 5 samples
+    model, x, t = nets.build('grouped_conv')
+    check_first_order(model, x, t)
