@@ -6,11 +6,13 @@ classes (CIFAR-10) and All-CNN-C with 100 classes (CIFAR-100),
 float32, on the CPU (``--gpu`` on a CUDA device). "Gradient alone" is the
 forward pass and ``loss.backward()`` of plain Chainer; each quantity is one
 :func:`chainerkfac.curvature.extract` call (its own forward and gradient
-pass included). The measurements are interleaved, a round of every
-configuration per repetition, and each ratio is the median over
-repetitions of the quantity's time over the gradient's time of the same
-round (quartiles beside it), so that a machine shared with other jobs
-drifts out of the ratios.
+pass included). Each quantity is timed right after a gradient alone, in
+rounds over all quantities, and its ratio is the median over rounds of the
+two times (quartiles beside it). Both the process's CPU time and the wall
+clock are recorded; with one BLAS thread the CPU time is what the
+computation costs, and it is the primary figure here because the CPU is
+shared with other jobs (the load average is recorded), which stretches the
+wall clock at random.
 
 The exact quantities (``kflr``, ``diag_ggn``, ``diag_hessian``) take one
 extra backward pass per class: on All-CNN-C (100 classes) they are timed
@@ -72,7 +74,8 @@ def quartiles(values):
 
 
 def measure(name, args, xp, sync):
-    """``{configuration: [seconds per round]}`` on one network."""
+    """``{clock: {configuration: [seconds per round]}}`` on one network;
+    every quantity paired with a gradient timed just before it."""
     build, classes = NETWORKS[name]
     numpy.random.seed(0)
     model = build(classes)
@@ -86,41 +89,58 @@ def measure(name, args, xp, sync):
         model.cleargrads()
         F.softmax_cross_entropy(model(x), t).backward()
 
-    runs = {'gradient': gradient}
-    for quantity in CHEAP + EXACT:
-        runs[quantity] = (lambda q=quantity: curvature.extract(
-            model, x, t, quantities=(q,), seed=0))
-    rounds = args.repetitions
-    exact_rounds = rounds if classes <= 10 else args.exact_repetitions
-    times = {key: [] for key in runs}
-    for round_ in range(-1, rounds):          # round -1: warm-up
-        for key, run in runs.items():
-            if key in EXACT and round_ >= exact_rounds:
+    def timed(run):
+        sync()
+        wall, cpu = time.perf_counter(), time.process_time()
+        run()
+        sync()
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    exact_rounds = args.repetitions if classes <= 10 else \
+        args.exact_repetitions
+    times = {'wall': {}, 'cpu': {}}
+    gradient()
+    for round_ in range(-1, args.repetitions):       # round -1: warm-up
+        for quantity in CHEAP + EXACT:
+            if quantity in EXACT and (round_ >= exact_rounds or (
+                    round_ < 0 and classes > 10)):
                 continue
-            sync()
-            start = time.perf_counter()
-            run()
-            sync()
-            seconds = time.perf_counter() - start
+            base = timed(gradient)
+            cost = timed(lambda: curvature.extract(
+                model, x, t, quantities=(quantity,), seed=0))
             if round_ >= 0:
-                times[key].append(seconds)
-            print('  {} round {}/{}: {:<16} {:7.3f} s'.format(
-                name, round_ + 1, rounds, key, seconds), flush=True)
+                for clock, b, c in zip(('wall', 'cpu'), base, cost):
+                    times[clock].setdefault('gradient ' + quantity,
+                                            []).append(b)
+                    times[clock].setdefault(quantity, []).append(c)
+            print('  {} round {}/{}: {:<16} {:7.3f} s CPU ({:.2f}x), '
+                  'wall {:7.3f} s ({:.2f}x), load {:.1f}'.format(
+                      name, round_ + 1, args.repetitions, quantity, cost[1],
+                      cost[1] / base[1], cost[0], cost[0] / base[0],
+                      os.getloadavg()[0]), flush=True)
     return model, times
 
 
 def summarize(model, classes, times):
-    gradient = numpy.array(times['gradient'])
     out = {'parameters': networks.parameter_count(model), 'classes': classes,
-           'gradient_seconds': quartiles(gradient), 'quantities': {}}
-    for key, seconds in times.items():
-        if key == 'gradient' or not seconds:
+           'quantities': {}}
+    gradients = {clock: numpy.concatenate([
+        v for k, v in times[clock].items() if k.startswith('gradient ')])
+        for clock in times}
+    out['gradient_seconds'] = {clock: quartiles(v)
+                               for clock, v in gradients.items()}
+    for quantity in CHEAP + EXACT:
+        if quantity not in times['cpu']:
             continue
-        ratios = numpy.array(seconds) / gradient[:len(seconds)]
-        out['quantities'][key] = dict(
-            seconds=[round(s, 4) for s in seconds],
-            ratio=quartiles(ratios), rounds=len(seconds),
-            goal=GOALS.get(key) if classes == 10 else None)
+        entry = {'rounds': len(times['cpu'][quantity]),
+                 'goal': GOALS.get(quantity) if classes == 10 else None}
+        for clock in times:
+            seconds = numpy.array(times[clock][quantity])
+            base = numpy.array(times[clock]['gradient ' + quantity])
+            entry[clock] = {'seconds': [round(v, 4) for v in seconds],
+                            'gradient_seconds': [round(v, 4) for v in base],
+                            'ratio': quartiles(seconds / base)}
+        out['quantities'][quantity] = entry
     return out
 
 
@@ -135,7 +155,7 @@ def plot(data, path):
     for ax, name in zip(axes[0], names):
         result = data['networks'][name]
         shown = [q for q in quantities if q in result['quantities']]
-        ratios = [result['quantities'][q]['ratio'] for q in shown]
+        ratios = [result['quantities'][q]['cpu']['ratio'] for q in shown]
         median = [r['median'] for r in ratios]
         errors = [[r['median'] - r['q1'] for r in ratios],
                   [r['q3'] - r['median'] for r in ratios]]
@@ -147,16 +167,17 @@ def plot(data, path):
         ax.set_yscale('log')
         ax.set_xticks(range(len(shown)))
         ax.set_xticklabels(shown, rotation=40, ha='right')
-        ax.set_ylabel('time / gradient alone')
+        ax.set_ylabel('CPU time / gradient alone')
         ax.set_title('{} ({} classes), batch {}: gradient {:.2f} s'.format(
             name, result['classes'], data['batch'],
-            result['gradient_seconds']['median']))
+            result['gradient_seconds']['cpu']['median']))
         for i, value in enumerate(median):
             ax.text(i, value * 1.05, '{:.2f}'.format(value), ha='center',
                     fontsize=8)
-    fig.suptitle('Overhead of chainerkfac.curvature ({}; blue: first '
-                 'order, orange: sampled, red: exact)'.format(
-                     'GPU' if data['gpu'] else 'CPU, {} BLAS thread(s), '
+    fig.suptitle('Overhead of chainerkfac.curvature ({}; medians and '
+                 'quartiles over rounds; blue: first order, orange: '
+                 'sampled, red: exact)'.format(
+                     'GPU' if data['gpu'] else 'CPU, {} BLAS thread, '
                      'shared machine'.format(data['blas_threads'])))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -172,7 +193,8 @@ def main(argv=None):
     data['command'] = ' '.join(['python', '-m',
                                 'experiments.curvature.overhead'] + argv)
     data.update(batch=args.batch, repetitions=args.repetitions,
-                gpu=args.gpu, blas_threads=args.threads, networks={})
+                gpu=args.gpu, blas_threads=args.threads,
+                load_average_start=os.getloadavg(), networks={})
     print(_common.describe_machine(data), flush=True)
     with _common.limit_blas_threads(args.threads), \
             chainer.using_config('train', True):
@@ -183,14 +205,15 @@ def main(argv=None):
             model, times = measure(name, args, xp, sync)
             data['networks'][name] = summarize(model, NETWORKS[name][1],
                                                times)
+    data['load_average_end'] = os.getloadavg()
     rows = []
     for name, result in data['networks'].items():
         for quantity, entry in result['quantities'].items():
-            ratio = entry['ratio']
-            rows.append([name, quantity, ratio['median'], ratio['q1'],
-                         ratio['q3'], entry['rounds'], entry['goal']])
-    print(_common.format_table(['network', 'quantity', 'ratio', 'q1', 'q3',
-                                'rounds', 'goal'], rows))
+            cpu, wall = entry['cpu']['ratio'], entry['wall']['ratio']
+            rows.append([name, quantity, cpu['median'], cpu['q1'], cpu['q3'],
+                         wall['median'], entry['rounds'], entry['goal']])
+    print(_common.format_table(['network', 'quantity', 'CPU ratio', 'q1',
+                                'q3', 'wall ratio', 'rounds', 'goal'], rows))
     os.makedirs(args.out, exist_ok=True)
     _common.write_json(os.path.join(args.out, 'overhead.json'), data)
     plot(data, os.path.join(args.out, 'overhead.png'))
