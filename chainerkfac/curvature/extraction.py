@@ -38,6 +38,7 @@ from chainerkfac.curvature import loss_hessian
 from chainerkfac.curvature import quantities as q
 from chainerkfac.curvature import reduction
 from chainerkfac.curvature import sample_passes
+from chainerkfac.curvature import slots
 from chainerkfac.curvature.graph import ModelGraph
 from chainerkfac.curvature.recorder import CallRecorder
 
@@ -209,35 +210,34 @@ class _Extraction:
         if not wanted:
             return
         squares = bool(wanted & {'sum_grad_squared', 'variance'})
+        grads = self.out_grads
         for slot in self.graph.slots:
-            grads = self.out_grads
-            per_sample = None
-            if 'batch_grad' in wanted or (len(slot.uses) > 1 and (
-                    squares or 'batch_l2' in wanted)):
-                per_sample = slot.per_sample(grads)
-            self._first_order_of(slot.path, per_sample, lambda: (
-                slot.sample_norms(grads, per_sample)), lambda: (
-                slot.square_sum(grads)))
+            per_sample = slot.per_sample(grads) if 'batch_grad' in wanted \
+                else None
+            self._store_first_order(
+                slot.path, per_sample,
+                slot.sample_norms(grads, per_sample)
+                if 'batch_l2' in wanted else None,
+                slot.square_sum(grads, per_sample=per_sample)
+                if squares else None)
         if self.graph.sampled:
             with capture_module.unobserved():
                 rows, = chainer.grad([self.loss], [self.logits])
-            grads = sample_passes.per_sample_gradients(
-                self.logits, rows.array, self.sampled_params)
-            for path, per_sample in zip(self.graph.sampled, grads):
-                self._first_order_of(path, per_sample, None, None)
+            for path, per_sample in zip(
+                    self.graph.sampled, sample_passes.per_sample_gradients(
+                        self.logits, rows.array, self.sampled_params)):
+                self._store_first_order(path, per_sample,
+                                        slots.sample_norms(per_sample),
+                                        (per_sample * per_sample).sum(0))
 
-    def _first_order_of(self, path, per_sample, norms, squares) -> None:
+    def _store_first_order(self, path, per_sample, norms, squares) -> None:
         wanted = self.request.first_order
         if 'batch_grad' in wanted:
             self.rows[(path, 'batch_grad')] = per_sample
         if 'batch_l2' in wanted:
-            self.rows[(path, 'batch_l2')] = norms() if per_sample is None \
-                else (per_sample * per_sample).reshape(
-                    len(per_sample), -1).sum(axis=1)
+            self.rows[(path, 'batch_l2')] = norms
         if wanted & {'sum_grad_squared', 'variance'}:
-            self._add(path, 'sum_grad_squared', squares()
-                      if per_sample is None
-                      else (per_sample * per_sample).sum(axis=0))
+            self._add(path, 'sum_grad_squared', squares)
 
     # -- 4: extra passes from the logits ---------------------------------
     def loss_hessian(self) -> loss_hessian.LossHessian:

@@ -59,17 +59,18 @@ class Slot:
             total = value if total is None else total + value
         return total
 
-    def square_sum(self, grads: Dict, weights=None):
-        """``Σ_n w_n g_n²`` of the per-sample gradients ``g_n`` of a pass,
-        or None."""
+    def square_sum(self, grads: Dict, weights=None, per_sample=None):
+        """``Σ_n w_n g_n²`` of the per-sample gradients ``g_n`` of a pass
+        (from ``per_sample`` when at hand), or None."""
         reached = self.reached(grads)
-        if len(self.uses) == 1 and reached:
+        if per_sample is None and len(self.uses) == 1 and reached:
             call, role = reached[0]
             return call.adapter.square_sum(call, grads[call], role, weights)
-        total = self.per_sample(grads)
-        if total is None:
+        if per_sample is None:
+            per_sample = self.per_sample(grads)
+        if per_sample is None:
             return None
-        squares = total * total
+        squares = per_sample * per_sample
         if weights is not None:
             squares *= weights.reshape((-1,) + (1,) * (squares.ndim - 1))
         return squares.sum(axis=0)
@@ -81,7 +82,7 @@ class Slot:
             return call.adapter.sample_norms(call, grads[call], role)
         if per_sample is None:
             per_sample = self.per_sample(grads)
-        return (per_sample * per_sample).reshape(len(per_sample), -1).sum(1)
+        return sample_norms(per_sample)
 
     # -- Kronecker factors ------------------------------------------------
     def output_vectors(self, grads: Dict):
@@ -111,3 +112,8 @@ class Slot:
         for call, _ in self.uses:
             total = total + call.adapter.input_factor(call, scale)
         return total
+
+
+def sample_norms(per_sample):
+    """``‖g_n‖²`` of per-sample gradients ``[N, ...]``."""
+    return (per_sample * per_sample).reshape(len(per_sample), -1).sum(axis=1)

@@ -26,6 +26,7 @@ Writes ``overhead.json`` and ``overhead.png`` into ``--out``::
     python -m experiments.curvature.overhead
 """
 import argparse
+import json
 import os
 import sys
 import time
@@ -65,6 +66,8 @@ def parse_args(argv):
     parser.add_argument('--gpu', action='store_true')
     parser.add_argument('--out', default=os.path.join(
         'experiments', 'results', 'curvature'))
+    parser.add_argument('--replot', action='store_true',
+                        help='only draw the PNG again from the JSON in --out')
     return parser.parse_args(argv)
 
 
@@ -148,6 +151,7 @@ def plot(data, path):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
     names = list(data['networks'])
     quantities = CHEAP + EXACT
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4),
@@ -165,6 +169,9 @@ def plot(data, path):
                capsize=3)
         ax.axhline(1.0, color='black', linewidth=0.8)
         ax.set_yscale('log')
+        ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1, 2, 5)))
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter('%g'))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xticks(range(len(shown)))
         ax.set_xticklabels(shown, rotation=40, ha='right')
         ax.set_ylabel('CPU time / gradient alone')
@@ -174,10 +181,10 @@ def plot(data, path):
         for i, value in enumerate(median):
             ax.text(i, value * 1.05, '{:.2f}'.format(value), ha='center',
                     fontsize=8)
-    fig.suptitle('Overhead of chainerkfac.curvature ({}; medians and '
-                 'quartiles over rounds; blue: first order, orange: '
-                 'sampled, red: exact)'.format(
-                     'GPU' if data['gpu'] else 'CPU, {} BLAS thread, '
+    fig.suptitle('chainerkfac.curvature: gradient and one quantity over '
+                 'the gradient alone ({})\nmedians and quartiles over rounds; '
+                 'blue: first order, orange: sampled, red: exact'.format(
+                     'GPU' if data['gpu'] else 'CPU time, {} BLAS thread, '
                      'shared machine'.format(data['blas_threads'])))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -187,6 +194,10 @@ def plot(data, path):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.replot:
+        with open(os.path.join(args.out, 'overhead.json')) as f:
+            plot(json.load(f), os.path.join(args.out, 'overhead.png'))
+        return
     xp = _common.array_module(args.gpu)
     sync = _common.synchronizer(xp)
     data = _common.header('overhead', argv, gpu=args.gpu)
