@@ -11,8 +11,8 @@ validation and 300 test images. The network is a small 2C2D-like CNN
 The seed's protocol (appendix C) at this scale: every optimizer's
 hyperparameters are searched on the seed's grid (``α ∈ {1e-4, …, 1}``,
 ``λ ∈ {1e-4, …, 10}``; momentum SGD with momentum 0.9 and Adam over the
-same ``α``) with one seed, the setting with the best final validation
-accuracy is kept, and it is run again with ``--seeds`` seeds (initial
+same ``α``) with one seed and ``--search-epochs`` epochs, the setting with
+the best final validation accuracy is kept, and it is run again with ``--seeds`` seeds (initial
 weights, batch order, Monte-Carlo draws); the figure shows the median and
 the quartiles over seeds of the training loss, training accuracy and test
 accuracy per epoch.
@@ -103,7 +103,7 @@ def make_step(name, model, lr, damping, seed):
 def train(name, lr, damping, seed, data, epochs, batch):
     """Curves of one run: per epoch (0 = initial weights) training loss and
     accuracy, validation and test accuracy; stops when the loss is no
-    longer finite."""
+    longer finite or a damped curvature matrix is singular (diverged)."""
     numpy.random.seed(seed)
     model = SmallCNN()
     step = make_step(name, model, lr, damping, seed)
@@ -123,9 +123,12 @@ def train(name, lr, damping, seed, data, epochs, batch):
     record()
     for _ in range(epochs):
         perm = order.permutation(len(x))
-        for start in range(0, len(x) - batch + 1, batch):
-            rows = perm[start:start + batch]
-            step(x[rows], t[rows])
+        try:
+            for start in range(0, len(x) - batch + 1, batch):
+                rows = perm[start:start + batch]
+                step(x[rows], t[rows])
+        except numpy.linalg.LinAlgError:
+            break                      # a damped curvature went singular
         if not record():
             break
     return curves
@@ -147,6 +150,8 @@ def final_score(curves, epochs):
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--epochs', type=int, default=20)
+    parser.add_argument('--search-epochs', type=int, default=10,
+                        help='epochs of each run of the grid search')
     parser.add_argument('--batch', type=int, default=128)
     parser.add_argument('--seeds', type=int, default=5)
     parser.add_argument('--threads', type=int, default=1)
@@ -200,7 +205,8 @@ def main(argv=None):
     data = _common.header('optimisation', argv)
     data['command'] = ' '.join(['python', '-m',
                                 'experiments.curvature.optimisation'] + argv)
-    data.update(epochs=args.epochs, batch=args.batch, seeds=args.seeds,
+    data.update(epochs=args.epochs, search_epochs=args.search_epochs,
+                batch=args.batch, seeds=args.seeds,
                 dataset='sklearn.datasets.load_digits: 1197 train / 300 '
                         'valid / 300 test', optimizers={})
     print(_common.describe_machine(data), flush=True)
@@ -210,9 +216,9 @@ def main(argv=None):
             grid = []
             for lr, damping in settings(name):
                 start = time.perf_counter()
-                curves = train(name, lr, damping, 0, splits, args.epochs,
-                               args.batch)
-                score = final_score(curves, args.epochs)
+                curves = train(name, lr, damping, 0, splits,
+                               args.search_epochs, args.batch)
+                score = final_score(curves, args.search_epochs)
                 grid.append({'lr': lr, 'damping': damping,
                              'valid_accuracy': score,
                              'train_loss': curves['train_loss'][-1]})
