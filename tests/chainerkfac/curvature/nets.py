@@ -202,3 +202,53 @@ def build(name, n=5, seed=0):
     cls, shape = GRAPHS[name]
     x, t = data(n, shape, seed)
     return cls(), x, t
+
+
+class Embedding(chainer.Chain):
+    """EmbedID (no adapter) → a Linear over two batch axes (its function
+    sees N·T rows: no adapter either) → average → linear."""
+
+    def __init__(self):
+        super().__init__()
+
+        def build():
+            with self.init_scope():
+                self.embed = L.EmbedID(7, 4)
+                self.mix = L.Linear(4, 3)
+                self.fc = L.Linear(3, N_CLASS)
+        seeded(build)
+
+    def forward(self, ids):
+        h = F.tanh(self.mix(self.embed(ids), n_batch_axes=2))
+        return self.fc(F.mean(h, axis=1))
+
+
+def ids(n=5, length=3, seed=0):
+    rng = numpy.random.RandomState(seed)
+    return (rng.randint(0, 7, size=(n, length)).astype(numpy.int32),
+            rng.randint(0, N_CLASS, size=n).astype(numpy.int32))
+
+
+class BNChain(chainer.Chain):
+    """A chain through BatchNormalization (test mode) for KFRA: conv →
+    BN → relu → linear, with :attr:`steps`."""
+
+    def __init__(self):
+        super().__init__()
+
+        def build():
+            with self.init_scope():
+                self.conv = L.Convolution2D(2, 3, 3, 1, 1)
+                self.bn = L.BatchNormalization(3)
+                self.fc = L.Linear(48, N_CLASS)
+        seeded(build)
+        rng = numpy.random.RandomState(6)
+        self.bn.gamma.array[...] = 1 + 0.2 * rng.randn(3)
+        self.bn.avg_mean[...] = 0.1 * rng.randn(3)
+        self.bn.avg_var[...] = 1 + 0.3 * rng.rand(3)
+        self.steps = [self.conv, self.bn, F.relu, self.fc]
+
+    def forward(self, x):
+        for step in self.steps:
+            x = step(x)
+        return x

@@ -79,3 +79,9 @@ def test_convolution_sums_a_few_samples_at_a_time(monkeypatch):
     monkeypatch.setattr(adapters, 'CHUNK_ELEMENTS', 60)   # 2 of 5 samples
     model, x, t = nets.build('grouped_conv')
     check_first_order(model, x, t)
+
+
+def test_embedding_and_several_batch_axes_by_per_sample_passes():
+    model = nets.Embedding()
+    x, t = nets.ids()
+    check_first_order(model, x, t)

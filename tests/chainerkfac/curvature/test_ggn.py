@@ -144,3 +144,22 @@ def test_indefinite_loss_hessian_is_refused():
     with pytest.raises(ValueError, match='convex'):
         curvature.extract(model, x, None, lossfun=concave,
                           quantities=('diag_ggn',))
+
+
+def test_embedding_and_several_batch_axes_by_per_sample_passes():
+    model = nets.Embedding()
+    x, t = nets.ids()
+    diag, blocks = exact_ggn(model, x, t)
+    got = curvature.extract(model, x, t, quantities=('diag_ggn', 'kflr'))
+    for path in diag:
+        close(got[path]['diag_ggn'], diag[path], path)
+    assert sorted(p for p in got if 'kflr_B' in got[p]) == ['/fc/W', '/fc/b']
+
+
+def test_shared_weight_input_factor_sums_over_calls():
+    model, x, t = nets.build('shared_weights')
+    got = curvature.extract(model, x, t, quantities=('kflr',))['/shared/W']
+    h = F.tanh(model.embed(x)).array
+    inputs = [h, F.tanh(model.shared(h)).array, h * 0.5]
+    expected = sum(a.T.dot(a) for a in inputs) / len(x)
+    close(got['kflr_A'], expected)

@@ -4,6 +4,7 @@ import numpy
 import pytest
 
 import chainer
+import chainer.links as L
 
 from chainerkfac import curvature
 from chainerkfac.curvature import kfra
@@ -26,24 +27,29 @@ def step_jacobian(step, z):
     return numpy.array(out)
 
 
-def test_kfra_equals_the_written_out_recursion():
-    model = nets.Chain()
+@pytest.mark.parametrize('net', [nets.Chain, nets.BNChain])
+def test_kfra_equals_the_written_out_recursion(net):
+    model = net()
     x, t = nets.data()
     activations = [x]
-    for step in model.steps:
-        activations.append(step(activations[-1]).array)
+    with chainer.using_config('train', False):
+        for step in model.steps:
+            activations.append(step(activations[-1]).array)
     curvature_ = oracles.softmax_hessians(activations[-1]).mean(axis=0)
     factors = {}
     for k in reversed(range(len(model.steps))):
         step = model.steps[k]
         if step is model.conv:
             factors['conv'] = curvature_.reshape(3, 16, 3, 16).sum((1, 3))
-        elif step in (model.fc1, model.fc2):
+        elif isinstance(step, L.Linear):
             factors[step.name] = curvature_
-        jac = step_jacobian(step, activations[k])
+        with chainer.using_config('train', False):
+            jac = step_jacobian(step, activations[k])
         curvature_ = numpy.einsum('nji,jk,nkl->il', jac, curvature_,
                                   jac) / len(x)
-    got = curvature.extract(model, x, t, quantities=('kfra', 'kflr'))
+    with chainer.using_config('train', False):
+        got = curvature.extract(model, x, t, quantities=('kfra', 'kflr'))
+    last = model.steps[-1].name
     for name, factor in factors.items():
         for param in ('W', 'b'):
             numpy.testing.assert_allclose(
@@ -52,10 +58,11 @@ def test_kfra_equals_the_written_out_recursion():
         numpy.testing.assert_array_equal(got['/' + name + '/W']['kfra_A'],
                                          got['/' + name + '/W']['kflr_A'])
     # At the last layer KFRA and KFLR agree: both are the mean Hessian.
-    numpy.testing.assert_allclose(got['/fc2/W']['kfra_B'],
-                                  got['/fc2/W']['kflr_B'], rtol=1e-12)
-    assert not numpy.allclose(got['/fc1/W']['kfra_B'],
-                              got['/fc1/W']['kflr_B'])
+    numpy.testing.assert_allclose(got['/{}/W'.format(last)]['kfra_B'],
+                                  got['/{}/W'.format(last)]['kflr_B'],
+                                  rtol=1e-12)
+    assert not numpy.allclose(got['/conv/W']['kfra_B'],
+                              got['/conv/W']['kflr_B'])
 
 
 @pytest.mark.parametrize('graph,match', [
