@@ -73,7 +73,8 @@ ZERO_CURVATURE = (
     identity.Identity, basic_math.Add, basic_math.AddConstant,
     basic_math.Sub, basic_math.SubFromConstant, basic_math.Neg,
     basic_math.MulConstant, sum_module.Sum, average.Mean,
-    dropout.Dropout, max_pooling_nd.MaxPoolingND, average_pooling_2d.AveragePooling2D)
+    dropout.Dropout, max_pooling_nd.MaxPoolingND,
+    average_pooling_2d.AveragePooling2D)
 #: Elementwise functions of one input with a second derivative.
 ELEMENTWISE = (
     sigmoid.Sigmoid, tanh.Tanh, softplus.Softplus, elu.ELU,

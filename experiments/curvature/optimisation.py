@@ -12,10 +12,10 @@ The seed's protocol (appendix C) at this scale: every optimizer's
 hyperparameters are searched on the seed's grid (``α ∈ {1e-4, …, 1}``,
 ``λ ∈ {1e-4, …, 10}``; momentum SGD with momentum 0.9 and Adam over the
 same ``α``) with one seed and ``--search-epochs`` epochs, the setting with
-the best final validation accuracy is kept, and it is run again with ``--seeds`` seeds (initial
-weights, batch order, Monte-Carlo draws); the figure shows the median and
-the quartiles over seeds of the training loss, training accuracy and test
-accuracy per epoch.
+the best final validation accuracy is kept, and it is run again with
+``--seeds`` seeds (initial weights, batch order, Monte-Carlo draws); the
+figure shows the median and the quartiles over seeds of the training loss,
+training accuracy and test accuracy per epoch.
 
 Writes ``optimisation.json`` and ``optimisation.png`` into ``--out``::
 
