@@ -127,6 +127,7 @@ class Adapter:
         raise NotImplementedError
 
     def output_positions(self, call: Call) -> int:
+        """Output positions per sample (1 for a Linear)."""
         raise NotImplementedError
 
     def position_gram(self, call: Call, gy):
@@ -279,8 +280,7 @@ class ConvolutionAdapter(Adapter):
         return gy.reshape(gy.shape[0], gy.shape[1], -1).sum(axis=2)
 
     def output_positions(self, call):
-        columns = self.columns(call)
-        return columns.shape[3]
+        return int(numpy.prod(call.output.shape[2:]))
 
     def position_gram(self, call, gy):
         return patches.channel_gram(gy, 1.0, gy.dtype)

@@ -136,7 +136,7 @@ class ModelGraph:
         self.sampled: Dict[str, str] = {p: sampled[p] for p in reached
                                         if p in sampled}
         self.slots: List[Slot] = [
-            Slot(path, params[path], uses[path]) for path in reached
+            Slot(path, uses[path]) for path in reached
             if path not in self.sampled and path in uses]
         # Calls that serve some slot (the extra passes need no others).
         served = {use.call for slot in self.slots for use in slot.uses}

@@ -19,13 +19,11 @@ class Slot:
     ----------
     path : str
         ``namedparams()`` path of the parameter.
-    param : chainer.Parameter
     uses : list of Use
     """
 
-    def __init__(self, path: str, param, uses: List[Use]):
+    def __init__(self, path: str, uses: List[Use]):
         self.path = path
-        self.param = param
         self.uses = uses
 
     @property

@@ -85,3 +85,14 @@ def test_embedding_and_several_batch_axes_by_per_sample_passes():
     model = nets.Embedding()
     x, t = nets.ids()
     check_first_order(model, x, t)
+
+
+def test_a_loss_that_uses_parameters_itself_is_refused():
+    model, x, t = nets.build('conv_pool_linear')
+
+    def regularised(logits, t):
+        return chainer.functions.softmax_cross_entropy(logits, t) + \
+            1e-3 * chainer.functions.sum(model.fc.W ** 2)
+    with pytest.raises(curvature.UnsupportedGraph,
+                       match='/fc/W outside the predictor'):
+        curvature.extract(model, x, t, lossfun=regularised)
