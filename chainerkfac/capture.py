@@ -34,9 +34,15 @@ The hook also keeps, on request, the functions of the backward passes (the
 graph for eq. 20's scale-invariance analysis) and the logits of the last
 call of a registered logits function in the forward pass (for the
 Monte-Carlo and exact Fisher).
+
+Passes run inside :func:`unobserved` are seen by no capture: a listener's
+auxiliary passes (the curvature module's extra passes from the logits) must
+not enter another listener's statistics, e.g. the factors of a K-FAC
+optimizer set up on the same model.
 """
 import contextlib
 import itertools
+import threading
 import weakref
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
@@ -68,6 +74,21 @@ class GraphNode(NamedTuple):
 
 
 _serial = itertools.count()
+# Depth of unobserved() blocks in this thread (Chainer's function hooks are
+# per thread too).
+_unobserved = threading.local()
+
+
+@contextlib.contextmanager
+def unobserved():
+    """Hide the backward passes run inside from every
+    :class:`BackwardCapture` of this thread."""
+    depth = getattr(_unobserved, 'depth', 0)
+    _unobserved.depth = depth + 1
+    try:
+        yield
+    finally:
+        _unobserved.depth = depth
 
 
 class BackwardCapture(chainer.FunctionHook):
@@ -173,7 +194,7 @@ class BackwardCapture(chainer.FunctionHook):
             self._logit_function = function
 
     def backward_preprocess(self, function, in_data, out_grad):
-        if self._dead[0]:
+        if self._dead[0] or getattr(_unobserved, 'depth', 0):
             return
         listener = self._listener()
         if listener is None:

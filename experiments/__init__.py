@@ -1,0 +1,1 @@
+"""The seeds' experiments: scripts that write PNG + JSON."""

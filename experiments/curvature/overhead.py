@@ -1,0 +1,235 @@
+"""The seed's Figure 6: the time of the gradient *and* each quantity over the
+gradient alone.
+
+One step of batch 64 on synthetic inputs of CIFAR shapes: 3C3D with 10
+classes (CIFAR-10) and All-CNN-C with 100 classes (CIFAR-100),
+float32, on the CPU (``--gpu`` on a CUDA device). "Gradient alone" is the
+forward pass and ``loss.backward()`` of plain Chainer; each quantity is one
+:func:`chainerkfac.curvature.extract` call (its own forward and gradient
+pass included). Each quantity is timed right after a gradient alone, in
+rounds over all quantities, and its ratio is the median over rounds of the
+two times (quartiles beside it). Both the process's CPU time and the wall
+clock are recorded; with one BLAS thread the CPU time is what the
+computation costs, and it is the primary figure here because the CPU is
+shared with other jobs (the load average is recorded), which stretches the
+wall clock at random.
+
+The exact quantities (``kflr``, ``diag_ggn``, ``diag_hessian``) take one
+extra backward pass per class: on All-CNN-C (100 classes) they are timed
+in ``--exact-repetitions`` rounds only (the seed too reports them apart,
+in its Figure 8). KFRA propagates dense ``h × h`` matrices
+(``h = 64·28·28`` after 3C3D's first convolution): not defined at these
+sizes (:data:`chainerkfac.curvature.kfra.MAX_FEATURES`).
+
+Writes ``overhead.json`` and ``overhead.png`` into ``--out``::
+
+    python -m experiments.curvature.overhead
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import chainerkfac  # NOQA  (before chainer: NumPy-2 compatibility shims)
+import numpy
+
+import chainer
+import chainer.functions as F
+
+from benchmarks import _common
+from chainerkfac import curvature
+from experiments.curvature import networks
+
+CHEAP = ('batch_grad', 'batch_l2', 'sum_grad_squared', 'variance',
+         'diag_ggn_mc', 'kfac')
+EXACT = ('kflr', 'diag_ggn', 'diag_hessian')
+NETWORKS = {
+    '3c3d': (networks.ThreeCThreeD, 10),
+    'allcnnc': (networks.AllCNNC, 100),
+}
+#: The seed's goals for 3C3D (ratio to the gradient alone).
+GOALS = {'batch_l2': 1.5, 'sum_grad_squared': 1.5, 'variance': 1.5,
+         'kfac': 2.0, 'diag_ggn_mc': 2.0}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--batch', type=int, default=64)
+    parser.add_argument('--repetitions', type=int, default=7)
+    parser.add_argument('--exact-repetitions', type=int, default=1,
+                        help='rounds of the exact quantities on networks '
+                             'with more than 10 classes')
+    parser.add_argument('--networks', default='3c3d,allcnnc')
+    parser.add_argument('--threads', type=int, default=1,
+                        help='BLAS threads (one: steadier on a shared CPU)')
+    parser.add_argument('--gpu', action='store_true')
+    parser.add_argument('--out', default=os.path.join(
+        'experiments', 'results', 'curvature'))
+    parser.add_argument('--replot', action='store_true',
+                        help='only draw the PNG again from the JSON in --out')
+    return parser.parse_args(argv)
+
+
+def quartiles(values):
+    q1, q2, q3 = numpy.percentile(values, [25, 50, 75])
+    return {'median': float(q2), 'q1': float(q1), 'q3': float(q3)}
+
+
+def measure(name, args, xp, sync):
+    """``{clock: {configuration: [seconds per round]}}`` on one network;
+    every quantity paired with a gradient timed just before it."""
+    build, classes = NETWORKS[name]
+    numpy.random.seed(0)
+    model = build(classes)
+    if xp is not numpy:
+        model.to_gpu()
+    rng = numpy.random.RandomState(1)
+    x = xp.asarray(rng.randn(args.batch, 3, 32, 32).astype(numpy.float32))
+    t = xp.asarray(rng.randint(0, classes, args.batch).astype(numpy.int32))
+
+    def gradient():
+        model.cleargrads()
+        F.softmax_cross_entropy(model(x), t).backward()
+
+    def timed(run):
+        sync()
+        wall, cpu = time.perf_counter(), time.process_time()
+        run()
+        sync()
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    exact_rounds = args.repetitions if classes <= 10 else \
+        args.exact_repetitions
+    times = {'wall': {}, 'cpu': {}}
+    gradient()
+    for round_ in range(-1, args.repetitions):       # round -1: warm-up
+        for quantity in CHEAP + EXACT:
+            if quantity in EXACT and (round_ >= exact_rounds or (
+                    round_ < 0 and classes > 10)):
+                continue
+            base = timed(gradient)
+            cost = timed(lambda: curvature.extract(
+                model, x, t, quantities=(quantity,), seed=0))
+            if round_ >= 0:
+                for clock, b, c in zip(('wall', 'cpu'), base, cost):
+                    times[clock].setdefault('gradient ' + quantity,
+                                            []).append(b)
+                    times[clock].setdefault(quantity, []).append(c)
+            print('  {} round {}/{}: {:<16} {:7.3f} s CPU ({:.2f}x), '
+                  'wall {:7.3f} s ({:.2f}x), load {:.1f}'.format(
+                      name, round_ + 1, args.repetitions, quantity, cost[1],
+                      cost[1] / base[1], cost[0], cost[0] / base[0],
+                      os.getloadavg()[0]), flush=True)
+    return model, times
+
+
+def summarize(model, classes, times):
+    out = {'parameters': networks.parameter_count(model), 'classes': classes,
+           'quantities': {}}
+    gradients = {clock: numpy.concatenate([
+        v for k, v in times[clock].items() if k.startswith('gradient ')])
+        for clock in times}
+    out['gradient_seconds'] = {clock: quartiles(v)
+                               for clock, v in gradients.items()}
+    for quantity in CHEAP + EXACT:
+        if quantity not in times['cpu']:
+            continue
+        entry = {'rounds': len(times['cpu'][quantity]),
+                 'goal': GOALS.get(quantity) if classes == 10 else None}
+        for clock in times:
+            seconds = numpy.array(times[clock][quantity])
+            base = numpy.array(times[clock]['gradient ' + quantity])
+            entry[clock] = {'seconds': [round(v, 4) for v in seconds],
+                            'gradient_seconds': [round(v, 4) for v in base],
+                            'ratio': quartiles(seconds / base)}
+        out['quantities'][quantity] = entry
+    return out
+
+
+def plot(data, path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+    names = list(data['networks'])
+    quantities = CHEAP + EXACT
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4),
+                             squeeze=False)
+    for ax, name in zip(axes[0], names):
+        result = data['networks'][name]
+        shown = [q for q in quantities if q in result['quantities']]
+        ratios = [result['quantities'][q]['cpu']['ratio'] for q in shown]
+        median = [r['median'] for r in ratios]
+        errors = [[r['median'] - r['q1'] for r in ratios],
+                  [r['q3'] - r['median'] for r in ratios]]
+        colors = ['tab:blue' if q in CHEAP[:4] else
+                  'tab:orange' if q in CHEAP else 'tab:red' for q in shown]
+        ax.bar(range(len(shown)), median, yerr=errors, color=colors,
+               capsize=3)
+        ax.axhline(1.0, color='black', linewidth=0.8)
+        ax.set_yscale('log')
+        ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1, 2, 5)))
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter('%g'))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.set_xticks(range(len(shown)))
+        ax.set_xticklabels(shown, rotation=40, ha='right')
+        ax.set_ylabel('CPU time / gradient alone')
+        ax.set_title('{} ({} classes), batch {}: gradient {:.2f} s'.format(
+            name, result['classes'], data['batch'],
+            result['gradient_seconds']['cpu']['median']))
+        for i, value in enumerate(median):
+            ax.text(i, value * 1.05, '{:.2f}'.format(value), ha='center',
+                    fontsize=8)
+    fig.suptitle('chainerkfac.curvature: gradient and one quantity over '
+                 'the gradient alone ({})\nmedians and quartiles over rounds; '
+                 'blue: first order, orange: sampled, red: exact'.format(
+                     'GPU' if data['gpu'] else 'CPU time, {} BLAS thread, '
+                     'shared machine'.format(data['blas_threads'])))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.replot:
+        with open(os.path.join(args.out, 'overhead.json')) as f:
+            plot(json.load(f), os.path.join(args.out, 'overhead.png'))
+        return
+    xp = _common.array_module(args.gpu)
+    sync = _common.synchronizer(xp)
+    data = _common.header('overhead', argv, gpu=args.gpu)
+    data['command'] = ' '.join(['python', '-m',
+                                'experiments.curvature.overhead'] + argv)
+    data.update(batch=args.batch, repetitions=args.repetitions,
+                gpu=args.gpu, blas_threads=args.threads,
+                load_average_start=os.getloadavg(), networks={})
+    print(_common.describe_machine(data), flush=True)
+    with _common.limit_blas_threads(args.threads), \
+            chainer.using_config('train', True):
+        for name in args.networks.split(','):
+            print('{}: batch {}, {} rounds'.format(name, args.batch,
+                                                   args.repetitions),
+                  flush=True)
+            model, times = measure(name, args, xp, sync)
+            data['networks'][name] = summarize(model, NETWORKS[name][1],
+                                               times)
+    data['load_average_end'] = os.getloadavg()
+    rows = []
+    for name, result in data['networks'].items():
+        for quantity, entry in result['quantities'].items():
+            cpu, wall = entry['cpu']['ratio'], entry['wall']['ratio']
+            rows.append([name, quantity, cpu['median'], cpu['q1'], cpu['q3'],
+                         wall['median'], entry['rounds'], entry['goal']])
+    print(_common.format_table(['network', 'quantity', 'CPU ratio', 'q1',
+                                'q3', 'wall ratio', 'rounds', 'goal'], rows))
+    os.makedirs(args.out, exist_ok=True)
+    _common.write_json(os.path.join(args.out, 'overhead.json'), data)
+    plot(data, os.path.join(args.out, 'overhead.png'))
+    print('wrote {}'.format(os.path.join(args.out, 'overhead.{json,png}')))
+
+
+if __name__ == '__main__':
+    main()

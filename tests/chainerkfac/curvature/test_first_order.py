@@ -1,0 +1,98 @@
+"""First-order quantities against per-sample gradients by one backward pass
+of each sample's loss, on every kind of graph."""
+import numpy
+import pytest
+
+import chainer
+
+from chainerkfac import curvature
+from chainerkfac.curvature import adapters
+from tests.chainerkfac.curvature import nets, oracles
+
+FIRST = ('batch_grad', 'batch_l2', 'sum_grad_squared', 'variance')
+
+
+def check_first_order(model, x, t, train=False):
+    with chainer.using_config('train', train):
+        expected = oracles.per_sample_gradients(model, x, t)
+        got = curvature.extract(model, x, t, quantities=FIRST)
+    assert set(got) == set(expected)
+    n = len(x)
+    for path, rows in expected.items():
+        q = got[path]
+        numpy.testing.assert_allclose(q['batch_grad'], rows, rtol=1e-9,
+                                      atol=1e-13, err_msg=path)
+        numpy.testing.assert_allclose(
+            q['batch_l2'], (rows ** 2).reshape(n, -1).sum(1), rtol=1e-9,
+            atol=1e-15, err_msg=path)
+        numpy.testing.assert_allclose(q['sum_grad_squared'],
+                                      (rows ** 2).sum(0), rtol=1e-9,
+                                      atol=1e-15, err_msg=path)
+        numpy.testing.assert_allclose(
+            q['variance'], (rows ** 2).mean(0) - rows.mean(0) ** 2,
+            rtol=1e-8, atol=1e-14, err_msg=path)
+        numpy.testing.assert_allclose(dict(model.namedparams())[path].grad,
+                                      rows.sum(0), rtol=1e-9, atol=1e-13,
+                                      err_msg=path)
+
+
+@pytest.mark.parametrize('graph', sorted(nets.GRAPHS))
+def test_first_order_equals_per_sample_oracle(graph):
+    model, x, t = nets.build(graph)
+    check_first_order(model, x, t)
+
+
+@pytest.mark.parametrize('stride,pad,dilate', [(2, 1, 1), (1, 2, 2)])
+def test_convolution_geometry(stride, pad, dilate):
+    model = nets.ConvPool(stride=stride, pad=pad, dilate=dilate)
+    x, t = nets.data()
+    check_first_order(model, x, t)
+
+
+def test_batch_normalization_in_training_mode_by_per_sample_passes():
+    model = nets.WithBN()
+    x, t = nets.data(n=4)
+    check_first_order(model, x, t, train=True)
+
+
+def test_gradient_left_in_param_grad_equals_plain_backward():
+    model, x, t = nets.build('residual')
+    model.cleargrads()
+    chainer.functions.softmax_cross_entropy(model(x), t).backward()
+    plain = {path: p.grad.copy() for path, p in model.namedparams()}
+    for p in model.params():
+        p.grad[...] = 7.0            # extract starts from cleared gradients
+    curvature.extract(model, x, t, quantities=('variance',))
+    for path, p in model.namedparams():
+        numpy.testing.assert_allclose(p.grad, plain[path], rtol=1e-12)
+
+
+def test_only_the_quantities_asked_for():
+    model, x, t = nets.build('conv_pool_linear')
+    got = curvature.extract(model, x, t, quantities=('variance',))
+    assert all(set(q) == {'variance'} for q in got.values())
+    with pytest.raises(ValueError, match="'batch_gradient'"):
+        curvature.extract(model, x, t, quantities=('batch_gradient',))
+
+
+def test_convolution_sums_a_few_samples_at_a_time(monkeypatch):
+    monkeypatch.setattr(adapters, 'CHUNK_ELEMENTS', 60)   # 2 of 5 samples
+    model, x, t = nets.build('grouped_conv')
+    check_first_order(model, x, t)
+
+
+def test_embedding_and_several_batch_axes_by_per_sample_passes():
+    model = nets.Embedding()
+    x, t = nets.ids()
+    check_first_order(model, x, t)
+
+
+def test_a_loss_that_uses_parameters_itself_is_refused():
+    model, x, t = nets.build('conv_pool_linear')
+
+    def regularised(logits, t):
+        return chainer.functions.softmax_cross_entropy(logits, t) + \
+            1e-3 * chainer.functions.sum(model.fc.W ** 2)
+    with pytest.raises(curvature.UnsupportedGraph,
+                       match='/fc/W outside the predictor'):
+        curvature.extract(model, x, t, lossfun=regularised)

@@ -1,0 +1,70 @@
+"""The Hessian diagonal against double backprop, one pass per parameter
+entry."""
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+from chainerkfac import curvature
+from tests.chainerkfac.curvature import nets, oracles
+
+
+def close(actual, desired, msg=''):
+    numpy.testing.assert_allclose(actual, desired, rtol=1e-8, atol=1e-13,
+                                  err_msg=msg)
+
+
+@pytest.mark.parametrize('graph,act', [
+    ('conv_pool_linear', F.sigmoid),
+    ('residual', None),
+    ('bn_test_mode', None),
+    ('grouped_conv', None),
+])
+def test_hessian_diagonal_equals_double_backprop(graph, act):
+    model, x, t = nets.build(graph)
+    if act is not None:
+        model.act = act
+    with chainer.using_config('train', False):
+        expected = oracles.hessian_diagonal(model, x, t)
+        got = curvature.extract(model, x, t,
+                                quantities=('diag_hessian', 'diag_ggn'))
+    differs = False
+    for path, diagonal in expected.items():
+        close(got[path]['diag_hessian'], diagonal, path)
+        differs |= not numpy.allclose(got[path]['diag_ggn'], diagonal)
+    # The curved activations make the Hessian differ from the GGN.
+    assert differs == (graph in ('conv_pool_linear', 'residual'))
+
+
+def test_piecewise_linear_network_hessian_is_its_ggn():
+    model, x, t = nets.build('conv_pool_linear')
+    got = curvature.extract(model, x, t,
+                            quantities=('diag_hessian', 'diag_ggn'))
+    for path, q in got.items():
+        numpy.testing.assert_array_equal(q['diag_hessian'], q['diag_ggn'])
+
+
+class Softmaxed(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with chainer.using_config('dtype', numpy.float64), self.init_scope():
+            self.l1 = L.Linear(32, 5)
+            self.l2 = L.Linear(5, nets.N_CLASS)
+
+    def forward(self, x):
+        return self.l2(F.softmax(self.l1(x)))
+
+
+def test_unsupported_graphs_are_clear_errors():
+    x, t = nets.data(shape=(32,))
+    with pytest.raises(curvature.UnsupportedGraph, match='Softmax'):
+        curvature.extract(Softmaxed(), x, t, quantities=('diag_hessian',))
+    model, x, t = nets.build('shared_weights')
+    with pytest.raises(curvature.UnsupportedGraph,
+                       match='/shared/W is used by 3 calls'):
+        curvature.extract(model, x, t, quantities=('diag_hessian',))
+    model, x, t = nets.build('unmodelled_params')
+    with pytest.raises(curvature.UnsupportedGraph, match='/act/W'):
+        curvature.extract(model, x, t, quantities=('diag_hessian',))
