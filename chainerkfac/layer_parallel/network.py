@@ -1,0 +1,161 @@
+"""The residual network as forward Euler: :class:`ResidualODE`.
+
+u_0 = σ(L_in y), u_{n+1} = u_n + h σ(K_n u_n + b_n) for n < N, logits
+W u_N + μ, with h = T / N (seed eqs. 2.2-2.5, 2.13). ``net(x)`` runs the
+layers in order with Chainer's autodiff (the layer-serial reference); MGRIT
+(:mod:`.mgrit`) calls the per-layer methods below on plain arrays.
+"""
+from typing import Optional, Tuple, Union
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import backend
+
+from chainerkfac.layer_parallel import activations
+
+LAYER_KINDS = ('dense', 'conv')
+
+
+class ResidualODE(chainer.Chain):
+    """A ResNet u_{n+1} = u_n + h σ(K_n u_n + b_n) of ``n_layers`` layers.
+
+    Parameters
+    ----------
+    n_in : int
+        Input features (``'dense'``) or input channels (``'conv'``).
+    width : int
+        Width q of the state u_n: features, or channels for ``'conv'``.
+    n_layers : int
+        Number N of residual layers (time steps).
+    n_out : int
+        Number of classes.
+    t_final : float
+        Final time T; every layer's step is h = T / N.
+    activation : str
+        ``'smooth_relu'`` (the seed's eq. 5.34), ``'tanh'`` or ``'relu'``.
+    layer : str
+        ``'dense'``: K_n is a q×q matrix and states are (batch, q);
+        ``'conv'``: K_n is a ``ksize``×``ksize`` convolution of q channels
+        (stride 1, same padding) and states are (batch, q, H, W).
+    ksize : int
+        Odd kernel size of the convolutions (``'conv'`` only).
+    image_size : int or (int, int)
+        Input height and width (``'conv'`` only; sizes the classifier).
+
+    Notes
+    -----
+    The opening layer L_in (a linear map or a convolution, followed by σ,
+    as in the seed's Peaks network) and the classifier (W, μ) are ordinary
+    links; parameters take Chainer's default dtype
+    (``chainer.using_config('dtype', numpy.float64)`` for float64).
+    """
+
+    def __init__(self, n_in: int, width: int, n_layers: int, n_out: int,
+                 t_final: float = 5.0, activation: str = 'smooth_relu',
+                 layer: str = 'dense', ksize: int = 3,
+                 image_size: Optional[Union[int, Tuple[int, int]]] = None):
+        super().__init__()
+        if layer not in LAYER_KINDS:
+            raise ValueError('layer must be one of {}, not {!r}'.format(
+                LAYER_KINDS, layer))
+        if n_layers < 1:
+            raise ValueError('n_layers must be positive, not {}'.format(
+                n_layers))
+        if layer == 'conv':
+            if image_size is None:
+                raise ValueError("layer='conv' needs image_size (H or (H, W))")
+            if ksize % 2 != 1:
+                raise ValueError('ksize must be odd (same padding), not {}'
+                                 .format(ksize))
+        self.n_layers = n_layers
+        self.t_final = float(t_final)
+        self.h = self.t_final / n_layers
+        self.layer = layer
+        self._activation = activations.get(activation)
+        self.activation = activation
+        with self.init_scope():
+            if layer == 'dense':
+                self.opening = L.Linear(n_in, width)
+                self.layers = chainer.ChainList(
+                    *[L.Linear(width, width) for _ in range(n_layers)])
+                self.classifier = L.Linear(width, n_out)
+            else:
+                h, w = ((image_size, image_size)
+                        if isinstance(image_size, int) else image_size)
+                pad = ksize // 2
+                self.opening = L.Convolution2D(n_in, width, ksize, pad=pad)
+                self.layers = chainer.ChainList(
+                    *[L.Convolution2D(width, width, ksize, pad=pad)
+                      for _ in range(n_layers)])
+                self.classifier = L.Linear(width * h * w, n_out)
+
+    # -- the serial network ------------------------------------------------
+
+    def forward(self, x) -> chainer.Variable:
+        """Logits of ``x``, layer-serial, with Chainer's graph."""
+        u = self.open(x)
+        for n in range(self.n_layers):
+            u = u + self.h * self.residual(n, u)
+        return self.classifier(u)
+
+    def open(self, x) -> chainer.Variable:
+        """u_0 = σ(L_in x)."""
+        return self._activation.function(self.opening(x))
+
+    def residual(self, n: int, u) -> chainer.Variable:
+        """F(u, θ_n) = σ(K_n u + b_n), with Chainer's graph."""
+        return self._activation.function(self.layers[n](u))
+
+    # -- one layer on arrays (MGRIT's propagators) -------------------------
+
+    def step(self, n: int, u, dt: float):
+        """u + dt σ(K_n u + b_n): layer ``n`` with step ``dt`` (h on the
+        finest level, c^l h on level l)."""
+        with chainer.no_backprop_mode():
+            return u + dt * self.residual(n, u).array
+
+    def slope(self, n: int, u):
+        """σ'(K_n u + b_n), the linearisation of layer ``n`` at ``u``."""
+        with chainer.no_backprop_mode():
+            return self._activation.slope(self.layers[n](u).array)
+
+    def step_adjoint(self, n: int, slope, ubar, dt: float):
+        """(∂_u [u + dt σ(K_n u + b_n)])^T ubar at the state whose
+        :meth:`slope` is ``slope``: ubar + K_n^T (σ' ⊙ dt ubar).
+
+        The operations are the ones Chainer's backward of :meth:`forward`
+        performs, in the same order.
+        """
+        gz = (dt * ubar) * slope
+        link = self.layers[n]
+        if self.layer == 'dense':
+            gx = gz.dot(link.W.array)
+        else:
+            with chainer.no_backprop_mode():
+                gx = F.deconvolution_2d(
+                    gz, link.W.array, stride=link.stride, pad=link.pad,
+                    outsize=ubar.shape[2:]).array
+        return ubar + gx
+
+    def accumulate_layer_grad(self, n: int, u, ubar_next, dt: float) -> None:
+        """Add dt (∂_θ σ(K_n u + b_n))^T ubar_next to the grads of layer
+        ``n`` (the design equation 2.19 for one layer), by Chainer's
+        backward of that one layer."""
+        r = self.residual(n, chainer.Variable(u, requires_grad=False))
+        r.grad = dt * ubar_next
+        r.backward()
+
+    def layer_params(self, n: int):
+        """The parameters of residual layer ``n``, in a fixed order."""
+        return [param for _, param in sorted(self.layers[n].namedparams())]
+
+    def state_shape(self, x_shape) -> tuple:
+        """Shape of every state u_n for an input batch of ``x_shape``."""
+        opening = self.opening
+        if self.layer == 'dense':
+            return (x_shape[0], opening.out_size)
+        return (x_shape[0], opening.out_channels) + tuple(x_shape[2:])
+
+    def array_module(self):
+        return backend.get_array_module(self.opening.W.array)
