@@ -1,11 +1,14 @@
-"""Activations of the residual layers and their slopes σ'(z).
+"""Activations of the residual layers: σ as a Chainer function, and σ(z)
+and σ'(z) as array functions.
 
-The adjoint MGRIT applies a layer's transposed Jacobian many times at the
-same forward state (on every level and iteration), so each activation comes
-with its slope as a plain array function: the adjoint computes σ'(K u + b)
-once per layer and reuses it. The slopes are computed exactly as Chainer's
-own backward computes them, so a converged adjoint reproduces Chainer's
-backprop to rounding.
+MGRIT applies each layer many times on plain arrays, and its adjoint
+applies a layer's transposed Jacobian many times at the same forward state,
+so every activation also comes as array functions that may write in place
+(no temporaries the size of the state beyond what they need) and as its
+slope σ'(z), which the adjoint computes once per layer. The array
+functions are the very code of the Chainer function's forward and
+backward, so MGRIT reproduces Chainer's serial forward and backprop to the
+last bit where it performs the same operations.
 """
 from typing import Callable, Dict, NamedTuple
 
@@ -19,22 +22,36 @@ from chainer import function_node
 SMOOTH_RELU_ETA = 0.1
 
 
-def _smooth_relu_arrays(x, eta):
-    """σ(x) and σ'(x) of the smoothed ReLU as arrays of ``x``'s type."""
+def _smooth_relu_values(x, out=None, eta=SMOOTH_RELU_ETA):
+    """σ(x) = x²/(4η) + x/2 + η/4 = (x + η)²/(4η) on |x| < η, else
+    max(x, 0); computed as s²/(4η) + max(x - η, 0) with
+    s = clip(x + η, 0, 2η), without branches. ``out`` may be ``x``."""
     xp = backend.get_array_module(x)
-    band = xp.abs(x) < eta
-    y = xp.where(band, x * x / (4 * eta) + x / 2 + eta / 4,
-                 xp.maximum(x, 0)).astype(x.dtype, copy=False)
-    slope = xp.where(band, x / (2 * eta) + 0.5,
-                     (x > 0)).astype(x.dtype, copy=False)
-    return y, slope
+    s = x + eta
+    xp.clip(s, 0, 2 * eta, out=s)
+    s *= s
+    s /= 4 * eta
+    out = xp.subtract(x, eta, out=out)
+    xp.maximum(out, 0, out=out)
+    out += s
+    return out
+
+
+def _smooth_relu_slope(x, out=None, eta=SMOOTH_RELU_ETA):
+    """σ'(x) = clip((x + η) / (2η), 0, 1). ``out`` may be ``x``."""
+    xp = backend.get_array_module(x)
+    out = xp.add(x, eta, out=out)
+    out /= 2 * eta
+    xp.clip(out, 0, 1, out=out)
+    return out
 
 
 class SmoothReLU(function_node.FunctionNode):
-    """σ(x) = x²/(4η) + x/2 + η/4 for |x| < η, else max(x, 0).
+    """The seed's smoothed ReLU (eq. 5.34): σ(x) = x²/(4η) + x/2 + η/4 for
+    |x| < η, else max(x, 0).
 
     Continuously differentiable (σ' runs linearly from 0 to 1 across the
-    band). Differentiable once: the backward is a product with a constant
+    band). Differentiable once: the backward multiplies by a constant
     slope array, enough for gradients, not for double backprop.
     """
 
@@ -42,13 +59,14 @@ class SmoothReLU(function_node.FunctionNode):
         self.eta = eta
 
     def forward(self, inputs):
+        self.retain_inputs((0,))
         x, = inputs
-        y, self._slope = _smooth_relu_arrays(x, self.eta)
-        return y,
+        return _smooth_relu_values(x, eta=self.eta),
 
     def backward(self, indexes, grad_outputs):
+        x, = self.get_retained_inputs()
         gy, = grad_outputs
-        return gy * self._slope,
+        return gy * _smooth_relu_slope(x.array, eta=self.eta),
 
 
 def smooth_relu(x, eta: float = SMOOTH_RELU_ETA) -> chainer.Variable:
@@ -56,32 +74,46 @@ def smooth_relu(x, eta: float = SMOOTH_RELU_ETA) -> chainer.Variable:
     return SmoothReLU(eta).apply((x,))[0]
 
 
-def _smooth_relu_slope(z):
-    return _smooth_relu_arrays(z, SMOOTH_RELU_ETA)[1]
+def _tanh_values(x, out=None):
+    # Chainer's tanh forward on the CPU: numpy.tanh.
+    return backend.get_array_module(x).tanh(x, out=out)
 
 
-def _tanh_slope(z):
-    # Chainer's tanh backward: gy * (1 - y * y) with y = tanh(z).
-    y = backend.get_array_module(z).tanh(z)
-    return 1 - y * y
+def _tanh_slope(x, out=None):
+    # Chainer's tanh backward: gy * (1 - y * y), y = tanh(x).
+    xp = backend.get_array_module(x)
+    y = xp.tanh(x, out=out)
+    one = y.dtype.type(1)
+    return xp.subtract(one, y * y, out=y)
 
 
-def _relu_slope(z):
-    # Chainer's ReLU backward multiplies by (y > 0).
-    return (z > 0).astype(z.dtype)
+def _relu_values(x, out=None):
+    return backend.get_array_module(x).maximum(x, 0, out=out)
+
+
+def _relu_slope(x, out=None):
+    # Chainer's ReLU backward multiplies by (y > 0), y = max(x, 0).
+    positive = x > 0
+    if out is None:
+        return positive.astype(x.dtype)
+    out[...] = positive
+    return out
 
 
 class Activation(NamedTuple):
-    """σ as a Chainer function and σ' as an array function of z."""
+    """σ as a Chainer function; σ(z) and σ'(z) as array functions
+    ``(z, out=None)`` whose ``out`` may be ``z`` itself."""
 
     function: Callable
+    values: Callable
     slope: Callable
 
 
 ACTIVATIONS: Dict[str, Activation] = {
-    'smooth_relu': Activation(smooth_relu, _smooth_relu_slope),
-    'tanh': Activation(F.tanh, _tanh_slope),
-    'relu': Activation(F.relu, _relu_slope),
+    'smooth_relu': Activation(smooth_relu, _smooth_relu_values,
+                              _smooth_relu_slope),
+    'tanh': Activation(F.tanh, _tanh_values, _tanh_slope),
+    'relu': Activation(F.relu, _relu_values, _relu_slope),
 }
 
 

@@ -37,9 +37,9 @@ _TAGS_PER_LEVEL = 5
 
 
 class Propagator(Protocol):
-    def step(self, start: int, stop: int, u):
+    def step(self, start: int, stop: int, u, out=None):
         """The value at fine point ``stop`` propagated from ``u`` at
-        ``start`` (a new array)."""
+        ``start``, into ``out`` (never ``u``) or a new array."""
 
 
 class FASSolver:
@@ -87,6 +87,7 @@ class FASSolver:
             for level, steps in enumerate(sizes)]
         self.u: List = []
         self.g: List = []
+        self.xp = None
         self.steps = [0] * len(sizes)
 
     @property
@@ -142,11 +143,17 @@ class FASSolver:
         return history
 
     def _allocate(self, shape, dtype, xp, warm_start: bool) -> None:
+        """Arrays for every level, reused while the state's shape stays:
+        fresh memory costs a page fault per page on first touch, more than
+        the layers on small states. A cold start zeroes the finest level
+        (the coarse levels are overwritten by every restriction)."""
         shape = tuple(shape)
-        keep = (warm_start and self.u and self.u[0].shape[1:] == shape
-                and self.u[0].dtype == dtype)
-        if keep:
+        if self.u and self.u[0].shape[1:] == shape and \
+                self.u[0].dtype == dtype:
+            if not warm_start:
+                self.u[0].fill(0)
             return
+        self.xp = xp
         self.u = [xp.zeros((layout.count + 1,) + shape, dtype)
                   for layout in self.layouts]
         # The finest level's right-hand side is zero but for u_0 = g_0.
@@ -165,20 +172,20 @@ class FASSolver:
 
     # -- Φ -----------------------------------------------------------------
 
-    def _phi(self, level: int, j: int, value):
+    def _phi(self, level: int, j: int, value, out=None):
         """Φ on ``level`` from point j - 1 (holding ``value``) to j."""
         layout = self.layouts[level]
         self.steps[level] += 1
         return self.propagator.step(layout.fine(j - 1), layout.fine(j),
-                                    value)
+                                    value, out)
 
     def _update(self, level: int, j: int) -> None:
         """u_j ← Φ(u_{j-1}) + g_j."""
         slot = self.index(level, j)
-        new = self._phi(level, j, self.u[level][slot - 1])
+        u = self.u[level]
+        self._phi(level, j, u[slot - 1], out=u[slot])
         if self.g[level] is not None:
-            new += self.g[level][slot]
-        self.u[level][slot] = new
+            u[slot] += self.g[level][slot]
 
     # -- relaxation and the coarsest solve ---------------------------------
 
@@ -276,11 +283,13 @@ class FASSolver:
                 u_coarse[coarse.count], coarse.right, tag))
         if coarse.left is not None:
             self.transport.recv(u_coarse[0], coarse.left, tag)
+        xp = self.xp
         for jc in coarse.points():
             if jc > 0:
                 slot = self.index(level + 1, jc)
-                g_coarse[slot] = values[jc * c] - self._phi(
-                    level + 1, jc, u_coarse[slot - 1])
+                xp.subtract(values[jc * c],
+                            self._phi(level + 1, jc, u_coarse[slot - 1]),
+                            out=g_coarse[slot])
         self.transport.waitall(requests)
 
     def _correct(self, level: int) -> None:

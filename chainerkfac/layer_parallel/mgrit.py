@@ -14,7 +14,10 @@ Layers are distributed over the processes in contiguous blocks
 the layers it owns. The opening layer lives on rank 0, the classifier on
 the owner of the last layer.
 """
+import collections
+import contextlib
 import logging
+import time
 from typing import List, Optional, Tuple
 
 import chainer
@@ -39,8 +42,8 @@ class _ForwardPropagator:
     def __init__(self, net: ResidualODE):
         self.net = net
 
-    def step(self, start: int, stop: int, u):
-        return self.net.step(start, u, (stop - start) * self.net.h)
+    def step(self, start: int, stop: int, u, out=None):
+        return self.net.step(start, u, (stop - start) * self.net.h, out)
 
 
 class _AdjointPropagator:
@@ -57,10 +60,10 @@ class _AdjointPropagator:
         self.net = net
         self.slopes = {}
 
-    def step(self, start: int, stop: int, ubar):
+    def step(self, start: int, stop: int, ubar, out=None):
         n = self.net.n_layers - stop
         return self.net.step_adjoint(n, self.slopes[n], ubar,
-                                     (stop - start) * self.net.h)
+                                     (stop - start) * self.net.h, out)
 
 
 class MGRIT:
@@ -127,7 +130,9 @@ class MGRIT:
         self.adjoint_solver = cycle.FASSolver(
             self._adjoint, partition.adjoint_point_owners(self.owners),
             self.transport, coarsening, levels, relax)
-        self._routes = self._coarse_weight_routes()
+        self._routes = partition.coarse_weight_routes(
+            self.owners, coarsening,
+            [layout.steps for layout in self.forward_solver.layouts])
         # Kept from forward for backward: the opening layer's output and
         # the classifier's input, with their graphs.
         self._opening_out = None
@@ -135,6 +140,9 @@ class MGRIT:
         self._logits = None
         self._state_shape = None
         self._xp = None
+        #: Seconds spent in each phase on this process, summed over calls
+        #: (the unit costs of the performance model come from these).
+        self.timings = collections.Counter()
         if self.rank == 0:
             logger.info(
                 'MGRIT: %d layers on %d processes (%s layers each), '
@@ -196,25 +204,30 @@ class MGRIT:
             Residual norm of every iteration.
         """
         net = self.net
-        self._fetch_coarse_weights()
+        with self._timed('weights'):
+            self._fetch_coarse_weights()
         xp = backend.get_array_module(x)
         dtype = net.opening.W.dtype
         g0 = None
-        if self.rank == self.opening_owner:
-            self._opening_out = net.open(x)
-            g0 = self._opening_out.array
-        history = self.forward_solver.solve(
-            g0, net.state_shape(x.shape), dtype, xp,
-            max_iter or self.max_iter, self.tol, self.rtol, self.warm_start)
-        n_out = net.classifier.out_size
-        if self.rank == self.classifier_owner:
-            self._final_state = chainer.Variable(
-                self.forward_solver.value(net.n_layers).copy())
-            self._logits = net.classifier(self._final_state)
-            logits = self._logits.array
-        else:
-            logits = xp.empty((x.shape[0], n_out), dtype)
-        self.transport.bcast_array(logits, root=self.classifier_owner)
+        with self._timed('ends'):
+            if self.rank == self.opening_owner:
+                self._opening_out = net.open(x)
+                g0 = self._opening_out.array
+        with self._timed('forward_solve'):
+            history = self.forward_solver.solve(
+                g0, net.state_shape(x.shape), dtype, xp,
+                max_iter or self.max_iter, self.tol, self.rtol,
+                self.warm_start)
+        with self._timed('ends'):
+            n_out = net.classifier.out_size
+            if self.rank == self.classifier_owner:
+                self._final_state = chainer.Variable(
+                    self.forward_solver.value(net.n_layers).copy())
+                self._logits = net.classifier(self._final_state)
+                logits = self._logits.array
+            else:
+                logits = xp.empty((x.shape[0], n_out), dtype)
+            self.transport.bcast_array(logits, root=self.classifier_owner)
         self._state_shape = net.state_shape(x.shape)
         self._xp = xp
         return logits, history
@@ -242,45 +255,42 @@ class MGRIT:
         n_layers, h = net.n_layers, net.h
         forward = self.forward_solver
         g0, loss = None, None
-        if self.rank == self.classifier_owner:
-            loss_var = F.softmax_cross_entropy(self._logits, t)
-            loss_var.backward()
-            loss = float(loss_var.array)
-            g0 = self._final_state.grad
-        loss = self.transport.bcast(loss, root=self.classifier_owner)
-        self._adjoint.slopes = {n: net.slope(n, forward.value(n))
-                                for n in self.owned_layers}
-        history = self.adjoint_solver.solve(
-            g0, self._state_shape, net.opening.W.dtype, self._xp,
-            max_iter or self.max_iter, self.tol, self.rtol, self.warm_start)
+        with self._timed('ends'):
+            if self.rank == self.classifier_owner:
+                loss_var = F.softmax_cross_entropy(self._logits, t)
+                loss_var.backward()
+                loss = float(loss_var.array)
+                g0 = self._final_state.grad
+            loss = self.transport.bcast(loss, root=self.classifier_owner)
+        with self._timed('linearise'):
+            slopes = {n: net.slope(n, forward.value(n))
+                      for n in self.owned_layers}
+        self._adjoint.slopes = slopes
+        with self._timed('adjoint_solve'):
+            history = self.adjoint_solver.solve(
+                g0, self._state_shape, net.opening.W.dtype, self._xp,
+                max_iter or self.max_iter, self.tol, self.rtol,
+                self.warm_start)
         adjoint = self.adjoint_solver
-        for n in self.owned_layers:
-            net.accumulate_layer_grad(n, forward.value(n),
-                                      adjoint.value(n_layers - n - 1), h)
-        if self.rank == self.opening_owner:
-            self._opening_out.grad = adjoint.value(n_layers).copy()
-            self._opening_out.backward()
+        with self._timed('layer_grads'):
+            for n in self.owned_layers:
+                net.accumulate_layer_grad(n, forward.value(n), slopes[n],
+                                          adjoint.value(n_layers - n - 1), h)
+        with self._timed('ends'):
+            if self.rank == self.opening_owner:
+                self._opening_out.grad = adjoint.value(n_layers).copy()
+                self._opening_out.backward()
         return loss, history
 
-    # -- the weights coarse levels need ------------------------------------
-
-    def _coarse_weight_routes(self) -> List[Tuple[int, int, int]]:
-        """(layer, owner, process) for every layer a process needs on a
-        coarse level of the forward solve but does not own: the step into
-        coarse point J on level l uses layer (J - 1) c^l."""
-        size = self.transport.size
-        owners = partition.forward_point_owners(self.owners)
-        routes = set()
-        for layout in self.forward_solver.layouts[1:]:
-            for j in range(1, layout.steps + 1):
-                layer = (j - 1) * layout.stride
-                computer = owners[j * layout.stride]
-                if self.owners[layer] != computer:
-                    routes.add((layer, self.owners[layer], computer))
-        assert all(dst < size for _, _, dst in routes)
-        return sorted(routes)
+    @contextlib.contextmanager
+    def _timed(self, phase: str):
+        begin = time.perf_counter()
+        yield
+        self.timings[phase] += time.perf_counter() - begin
 
     def _fetch_coarse_weights(self) -> None:
+        """Receive the weights of the layers this process's coarse levels
+        use but others own (they change at every optimizer step)."""
         requests, buffers = [], []
         for layer, src, dst in self._routes:
             if src == self.rank:

@@ -109,25 +109,30 @@ class ResidualODE(chainer.Chain):
 
     # -- one layer on arrays (MGRIT's propagators) -------------------------
 
-    def step(self, n: int, u, dt: float):
+    def step(self, n: int, u, dt: float, out=None):
         """u + dt σ(K_n u + b_n): layer ``n`` with step ``dt`` (h on the
-        finest level, c^l h on level l)."""
-        with chainer.no_backprop_mode():
-            return u + dt * self.residual(n, u).array
+        finest level, c^l h on level l), into ``out`` (not ``u``) or a new
+        array."""
+        z = self._affine(n, u)
+        self._activation.values(z, out=z)
+        z *= dt
+        return self.xp.add(u, z, out=out)
 
     def slope(self, n: int, u):
         """σ'(K_n u + b_n), the linearisation of layer ``n`` at ``u``."""
-        with chainer.no_backprop_mode():
-            return self._activation.slope(self.layers[n](u).array)
+        z = self._affine(n, u)
+        return self._activation.slope(z, out=z)
 
-    def step_adjoint(self, n: int, slope, ubar, dt: float):
+    def step_adjoint(self, n: int, slope, ubar, dt: float, out=None):
         """(∂_u [u + dt σ(K_n u + b_n)])^T ubar at the state whose
-        :meth:`slope` is ``slope``: ubar + K_n^T (σ' ⊙ dt ubar).
+        :meth:`slope` is ``slope``: ubar + K_n^T (σ' ⊙ dt ubar), into
+        ``out`` (not ``ubar``) or a new array.
 
         The operations are the ones Chainer's backward of :meth:`forward`
         performs, in the same order.
         """
-        gz = (dt * ubar) * slope
+        gz = ubar * dt
+        gz *= slope
         link = self.layers[n]
         if self.layer == 'dense':
             gx = gz.dot(link.W.array)
@@ -136,15 +141,39 @@ class ResidualODE(chainer.Chain):
                 gx = F.deconvolution_2d(
                     gz, link.W.array, stride=link.stride, pad=link.pad,
                     outsize=ubar.shape[2:]).array
-        return ubar + gx
+        return self.xp.add(ubar, gx, out=out)
 
-    def accumulate_layer_grad(self, n: int, u, ubar_next, dt: float) -> None:
+    def _affine(self, n: int, u):
+        """K_n u + b_n as a new array, computed as ``F.linear`` /
+        ``F.convolution_2d`` compute it."""
+        link = self.layers[n]
+        if self.layer == 'dense':
+            z = u.dot(link.W.array.T)
+            z += link.b.array
+            return z
+        with chainer.no_backprop_mode():
+            return link(u).array
+
+    def accumulate_layer_grad(self, n: int, u, slope, ubar_next,
+                              dt: float) -> None:
         """Add dt (∂_θ σ(K_n u + b_n))^T ubar_next to the grads of layer
-        ``n`` (the design equation 2.19 for one layer), by Chainer's
-        backward of that one layer."""
-        r = self.residual(n, chainer.Variable(u, requires_grad=False))
-        r.grad = dt * ubar_next
-        r.backward()
+        ``n`` (the design equation 2.19 for one layer), at the state ``u``
+        whose :meth:`slope` is ``slope``.
+
+        Like Chainer's backward: grads that are ``None`` are set, others
+        accumulated into. The products are Chainer's own (dense: as its
+        ``linear`` backward; conv: its ``convolution_2d`` backward).
+        """
+        gz = ubar_next * dt
+        gz *= slope
+        link = self.layers[n]
+        if self.layer == 'dense':
+            _accumulate(link.W, gz.T.dot(u))
+            _accumulate(link.b, gz.sum(axis=0))
+        else:
+            z = link(chainer.Variable(u, requires_grad=False))
+            z.grad = gz
+            z.backward()
 
     def layer_params(self, n: int):
         """The parameters of residual layer ``n``, in a fixed order."""
@@ -157,5 +186,14 @@ class ResidualODE(chainer.Chain):
             return (x_shape[0], opening.out_size)
         return (x_shape[0], opening.out_channels) + tuple(x_shape[2:])
 
-    def array_module(self):
+    @property
+    def xp(self):
+        """NumPy or CuPy: where the parameters live."""
         return backend.get_array_module(self.opening.W.array)
+
+
+def _accumulate(param: chainer.Parameter, grad) -> None:
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad

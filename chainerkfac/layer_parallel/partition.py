@@ -139,3 +139,26 @@ class LevelLayout:
 
     def owned_f_points(self) -> List[int]:
         return [j for j in self.points() if not self.is_c(j)]
+
+
+def coarse_weight_routes(owners: Sequence[int], coarsening: int,
+                         sizes: Sequence[int]) -> List[tuple]:
+    """(layer, owner, process) for every layer that a process needs on a
+    coarse level of the forward solve but does not own, sorted.
+
+    The forward step into coarse point J of level l is computed by the
+    owner of fine point J c^l and uses the weights of layer (J - 1) c^l
+    (injection), which another process owns when a block holds fewer than
+    c^l layers. (The adjoint's coarse steps use the layer at their end,
+    which their process owns.)
+    """
+    points = forward_point_owners(owners)
+    routes = set()
+    for level, steps in enumerate(sizes[1:], start=1):
+        stride = coarsening ** level
+        for j in range(1, steps + 1):
+            layer = (j - 1) * stride
+            computer = points[j * stride]
+            if owners[layer] != computer:
+                routes.add((layer, owners[layer], computer))
+    return sorted(routes)

@@ -83,8 +83,8 @@ class MPITransport:
         from mpi4py import MPI
         self.comm.Allreduce(MPI.IN_PLACE, _contiguous(array), op=MPI.SUM)
 
-    def split(self, color: int, key: int) -> 'MPITransport':
-        return MPITransport(self.comm.Split(color, key))
+    def split(self, color: int, key: int):
+        return transport_for(self.comm.Split(color, key))
 
 
 def _contiguous(array):
