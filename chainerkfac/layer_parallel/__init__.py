@@ -11,7 +11,7 @@ gives simultaneous ("one-shot") training.
   convolutional layers);
 * :class:`MGRIT` — layer-parallel ``forward`` / ``backward``;
 * :class:`ProcessGrid` — layers × data on a 2-D grid of processes;
-* :func:`simultaneous_step` — one step of the seed's Algorithm 2;
+* :class:`SimultaneousTraining` — the seed's Algorithm 2;
 * :mod:`.perf_model` — the critical-path performance model;
 * :mod:`.data` — the Peaks level sets and the digits.
 """
@@ -20,3 +20,6 @@ import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
 from chainerkfac.layer_parallel.activations import smooth_relu  # NOQA
 from chainerkfac.layer_parallel.mgrit import MGRIT  # NOQA
 from chainerkfac.layer_parallel.network import ResidualODE  # NOQA
+from chainerkfac.layer_parallel.grid import ProcessGrid  # NOQA
+from chainerkfac.layer_parallel.simultaneous import SimultaneousTraining  # NOQA
+from chainerkfac.layer_parallel.simultaneous import StepResult  # NOQA
