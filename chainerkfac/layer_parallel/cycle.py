@@ -199,46 +199,39 @@ class FASSolver:
         layout = self.layouts[level]
         if not layout.count:
             return
-        tag = self._tag(level, _TAG_F)
-        last = self.u[level][layout.count]
         right_needs = (layout.right is not None
                        and not layout.is_c(layout.last + 1))
-        requests = []
-        # A C-point is not changed by F-relaxation: send it at once; an
+        # A C-point is not changed by F-relaxation: it goes at once; an
         # F-point (an interval split between processes) once it is final.
-        if right_needs and layout.is_c(layout.last):
-            requests.append(self.transport.isend(last, layout.right, tag))
-        if layout.left is not None and not layout.is_c(layout.first):
-            self.transport.recv(self.u[level][0], layout.left, tag)
+        early = right_needs and layout.is_c(layout.last)
+        self._exchange(level, _TAG_F, send=early,
+                       receive=layout.left is not None
+                       and not layout.is_c(layout.first))
         for j in layout.owned_f_points():
             self._update(level, j)
-        if right_needs and not layout.is_c(layout.last):
-            requests.append(self.transport.isend(last, layout.right, tag))
-        self.transport.waitall(requests)
+        if right_needs and not early:
+            self._exchange(level, _TAG_F, send=True, receive=False)
 
     def _c_relax(self, level: int) -> None:
         layout = self.layouts[level]
         if not layout.count:
             return
-        requests = self._exchange_for_c_points(level, _TAG_C)
+        self._exchange_for_c_points(level, _TAG_C)
         for j in layout.owned_c_points():
             self._update(level, j)
-        self.transport.waitall(requests)
 
     def _serial(self, level: int) -> None:
         """Forward substitution, handed from process to process."""
         layout = self.layouts[level]
         if not layout.count:
             return
-        tag = self._tag(level, _TAG_SERIAL)
-        if layout.left is not None:
-            self.transport.recv(self.u[level][0], layout.left, tag)
+        self._exchange(level, _TAG_SERIAL, send=False,
+                       receive=layout.left is not None)
         for j in layout.points():
             if j > 0:
                 self._update(level, j)
-        if layout.right is not None:
-            self.transport.waitall([self.transport.isend(
-                self.u[level][layout.count], layout.right, tag)])
+        self._exchange(level, _TAG_SERIAL, send=layout.right is not None,
+                       receive=False)
 
     # -- restriction, residual, correction ---------------------------------
 
@@ -247,7 +240,7 @@ class FASSolver:
         layout = self.layouts[level]
         if not layout.count:
             return {}
-        requests = self._exchange_for_c_points(level, _TAG_RESTRICT)
+        self._exchange_for_c_points(level, _TAG_RESTRICT)
         values = {}
         for j in layout.owned_c_points():
             slot = self.index(level, j)
@@ -255,7 +248,6 @@ class FASSolver:
             if self.g[level] is not None:
                 value += self.g[level][slot]
             values[j] = value
-        self.transport.waitall(requests)
         return values
 
     def _residual_norm(self, level: int, values: dict) -> float:
@@ -276,13 +268,9 @@ class FASSolver:
         for jc in coarse.points():
             u_coarse[self.index(level + 1, jc)] = \
                 self.u[level][self.index(level, jc * c)]
-        tag = self._tag(level + 1, _TAG_RESTRICT)
-        requests = []
-        if coarse.right is not None:
-            requests.append(self.transport.isend(
-                u_coarse[coarse.count], coarse.right, tag))
-        if coarse.left is not None:
-            self.transport.recv(u_coarse[0], coarse.left, tag)
+        self._exchange(level + 1, _TAG_RESTRICT,
+                       send=coarse.right is not None,
+                       receive=coarse.left is not None)
         xp = self.xp
         for jc in coarse.points():
             if jc > 0:
@@ -290,7 +278,6 @@ class FASSolver:
                 xp.subtract(values[jc * c],
                             self._phi(level + 1, jc, u_coarse[slot - 1]),
                             out=g_coarse[slot])
-        self.transport.waitall(requests)
 
     def _correct(self, level: int) -> None:
         """u_{Jc} ← v_J: FAS's u + (v - u_Δ) with u_Δ = u at the C-points."""
@@ -302,33 +289,44 @@ class FASSolver:
 
     # -- messages ----------------------------------------------------------
 
-    def _exchange_for_c_points(self, level: int, kind: int) -> list:
-        """Give the right neighbour the F-point left of its first C-point;
-        receive ours. Returns the pending sends."""
+    def _exchange(self, level: int, kind: int, send: bool,
+                  receive: bool) -> None:
+        """Send the last owned point to the right neighbour and/or receive
+        the ghost from the left one; return when both are done.
+
+        The receive is posted before the send starts: a large message
+        needs both ends in MPI to progress (without a single-copy
+        transport a send started and left alone does not complete while
+        its process computes), and this way neither end waits for the
+        other to reach a later call.
+        """
         layout = self.layouts[level]
         tag = self._tag(level, kind)
         requests = []
-        if layout.right is not None and layout.is_c(layout.last + 1):
+        if receive:
+            requests.append(self.transport.irecv(
+                self.u[level][0], layout.left, tag))
+        if send:
             requests.append(self.transport.isend(
                 self.u[level][layout.count], layout.right, tag))
-        if layout.left is not None and layout.is_c(layout.first):
-            self.transport.recv(self.u[level][0], layout.left, tag)
-        return requests
+        self.transport.waitall(requests)
+
+    def _exchange_for_c_points(self, level: int, kind: int) -> None:
+        """Give the right neighbour the F-point left of its first C-point;
+        receive ours."""
+        layout = self.layouts[level]
+        self._exchange(
+            level, kind,
+            send=layout.right is not None and layout.is_c(layout.last + 1),
+            receive=layout.left is not None and layout.is_c(layout.first))
 
     def _refresh_ghost(self, level: int) -> None:
         """Make every ghost the final value of its point (the weight
         gradient of a block's first layer needs its input state)."""
         layout = self.layouts[level]
-        if not layout.count:
-            return
-        tag = self._tag(level, _TAG_GHOST)
-        requests = []
-        if layout.right is not None:
-            requests.append(self.transport.isend(
-                self.u[level][layout.count], layout.right, tag))
-        if layout.left is not None:
-            self.transport.recv(self.u[level][0], layout.left, tag)
-        self.transport.waitall(requests)
+        if layout.count:
+            self._exchange(level, _TAG_GHOST, send=layout.right is not None,
+                           receive=layout.left is not None)
 
     @staticmethod
     def _tag(level: int, kind: int) -> int:

@@ -291,19 +291,24 @@ class MGRIT:
     def _fetch_coarse_weights(self) -> None:
         """Receive the weights of the layers this process's coarse levels
         use but others own (they change at every optimizer step)."""
-        requests, buffers = [], []
-        for layer, src, dst in self._routes:
-            if src == self.rank:
-                buf = _pack(self.net.layer_params(layer))
-                buffers.append(buf)
-                requests.append(self.transport.isend(buf, dst, _TAG_WEIGHTS))
+        requests, received = [], []
         for layer, src, dst in self._routes:
             if dst == self.rank:
                 params = self.net.layer_params(layer)
                 buf = _pack(params)
-                self.transport.recv(buf, src, _TAG_WEIGHTS)
-                _unpack(buf, params)
+                requests.append(self.transport.irecv(buf, src, _TAG_WEIGHTS
+                                                     + layer))
+                received.append((buf, params))
+        sent = []
+        for layer, src, dst in self._routes:
+            if src == self.rank:
+                buf = _pack(self.net.layer_params(layer))
+                sent.append(buf)
+                requests.append(self.transport.isend(buf, dst, _TAG_WEIGHTS
+                                                     + layer))
         self.transport.waitall(requests)
+        for buf, params in received:
+            _unpack(buf, params)
 
 
 def _pack(params):

@@ -24,6 +24,9 @@ class LocalTransport:
         raise RuntimeError('a single process has no rank {} to receive from'
                            .format(source))
 
+    def irecv(self, array, source: int, tag: int):
+        self.recv(array, source, tag)
+
     def waitall(self, requests: List[Any]) -> None:
         assert not requests
 
@@ -65,6 +68,9 @@ class MPITransport:
 
     def recv(self, array, source: int, tag: int) -> None:
         self.comm.Recv(_contiguous(array), source=source, tag=tag)
+
+    def irecv(self, array, source: int, tag: int):
+        return self.comm.Irecv(_contiguous(array), source=source, tag=tag)
 
     def waitall(self, requests) -> None:
         from mpi4py import MPI
