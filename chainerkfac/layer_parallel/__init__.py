@@ -12,6 +12,8 @@ gives simultaneous ("one-shot") training.
 * :class:`MGRIT` — layer-parallel ``forward`` / ``backward``;
 * :class:`ProcessGrid` — layers × data on a 2-D grid of processes;
 * :class:`SimultaneousTraining` — the seed's Algorithm 2;
+* :func:`time_smoothness`, :func:`accumulate_time_smoothness` — the seed's
+  time-derivative regularisation, layer-serial and layer-parallel;
 * :mod:`.perf_model` — the critical-path performance model;
 * :mod:`.data` — the Peaks level sets and the digits.
 """
@@ -21,5 +23,9 @@ from chainerkfac.layer_parallel.activations import smooth_relu  # NOQA
 from chainerkfac.layer_parallel.mgrit import MGRIT  # NOQA
 from chainerkfac.layer_parallel.network import ResidualODE  # NOQA
 from chainerkfac.layer_parallel.grid import ProcessGrid  # NOQA
-from chainerkfac.layer_parallel.simultaneous import SimultaneousTraining  # NOQA
+from chainerkfac.layer_parallel.simultaneous import (  # NOQA
+    SimultaneousTraining)
 from chainerkfac.layer_parallel.simultaneous import StepResult  # NOQA
+from chainerkfac.layer_parallel.regularization import time_smoothness  # NOQA
+from chainerkfac.layer_parallel.regularization import (  # NOQA
+    accumulate_time_smoothness)

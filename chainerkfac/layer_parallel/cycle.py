@@ -280,7 +280,7 @@ class FASSolver:
                             out=g_coarse[slot])
 
     def _correct(self, level: int) -> None:
-        """u_{Jc} ← v_J: FAS's u + (v - u_Δ) with u_Δ = u at the C-points."""
+        """u_{Jc} ← v_J: FAS's u + (v - u_Δ), u_Δ = u at the C-points."""
         c = self.coarsening
         for jc in self.layouts[level + 1].points():
             if jc > 0:

@@ -291,35 +291,18 @@ class MGRIT:
     def _fetch_coarse_weights(self) -> None:
         """Receive the weights of the layers this process's coarse levels
         use but others own (they change at every optimizer step)."""
-        requests, received = [], []
+        net, requests, received, sent = self.net, [], [], []
         for layer, src, dst in self._routes:
             if dst == self.rank:
-                params = self.net.layer_params(layer)
-                buf = _pack(params)
-                requests.append(self.transport.irecv(buf, src, _TAG_WEIGHTS
-                                                     + layer))
-                received.append((buf, params))
-        sent = []
+                flat = net.pack_layer(layer)
+                requests.append(self.transport.irecv(
+                    flat, src, _TAG_WEIGHTS + layer))
+                received.append((layer, flat))
         for layer, src, dst in self._routes:
             if src == self.rank:
-                buf = _pack(self.net.layer_params(layer))
-                sent.append(buf)
-                requests.append(self.transport.isend(buf, dst, _TAG_WEIGHTS
-                                                     + layer))
+                sent.append(net.pack_layer(layer))
+                requests.append(self.transport.isend(
+                    sent[-1], dst, _TAG_WEIGHTS + layer))
         self.transport.waitall(requests)
-        for buf, params in received:
-            _unpack(buf, params)
-
-
-def _pack(params):
-    xp = backend.get_array_module(params[0].array)
-    return xp.concatenate([p.array.ravel() for p in params])
-
-
-def _unpack(buf, params) -> None:
-    offset = 0
-    for param in params:
-        size = param.array.size
-        param.array[...] = buf[offset:offset + size].reshape(
-            param.array.shape)
-        offset += size
+        for layer, flat in received:
+            net.unpack_layer(layer, flat)

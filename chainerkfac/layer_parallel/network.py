@@ -15,6 +15,7 @@ from chainer import backend
 from chainerkfac.layer_parallel import activations
 
 LAYER_KINDS = ('dense', 'conv')
+WEIGHTS = ('independent', 'smooth')
 
 
 class ResidualODE(chainer.Chain):
@@ -42,6 +43,13 @@ class ResidualODE(chainer.Chain):
         Odd kernel size of the convolutions (``'conv'`` only).
     image_size : int or (int, int)
         Input height and width (``'conv'`` only; sizes the classifier).
+    weights : str
+        Initial K_n: ``'independent'`` — every layer its own draw of
+        Chainer's default initializer (θ(t) is white noise in t);
+        ``'smooth'`` — K_n = (1 - s_n) A + s_n B with s_n = n / (N - 1)
+        for two such draws A, B, linear in t, the regime the seed's
+        time-derivative regularisation keeps training in
+        (:mod:`.regularization`). Biases start at zero either way.
 
     Notes
     -----
@@ -54,8 +62,12 @@ class ResidualODE(chainer.Chain):
     def __init__(self, n_in: int, width: int, n_layers: int, n_out: int,
                  t_final: float = 5.0, activation: str = 'smooth_relu',
                  layer: str = 'dense', ksize: int = 3,
-                 image_size: Optional[Union[int, Tuple[int, int]]] = None):
+                 image_size: Optional[Union[int, Tuple[int, int]]] = None,
+                 weights: str = 'independent'):
         super().__init__()
+        if weights not in WEIGHTS:
+            raise ValueError('weights must be one of {}, not {!r}'.format(
+                WEIGHTS, weights))
         if layer not in LAYER_KINDS:
             raise ValueError('layer must be one of {}, not {!r}'.format(
                 LAYER_KINDS, layer))
@@ -89,6 +101,17 @@ class ResidualODE(chainer.Chain):
                     *[L.Convolution2D(width, width, ksize, pad=pad)
                       for _ in range(n_layers)])
                 self.classifier = L.Linear(width * h * w, n_out)
+        if weights == 'smooth':
+            self._interpolate_weights()
+
+    def _interpolate_weights(self) -> None:
+        """K_n from the first and the last layer's draws, linearly."""
+        first = self.layers[0].W.array.copy()
+        last = self.layers[-1].W.array.copy()
+        span = max(self.n_layers - 1, 1)
+        for n, link in enumerate(self.layers):
+            s = n / span
+            link.W.array[...] = (1 - s) * first + s * last
 
     # -- the serial network ------------------------------------------------
 
@@ -178,6 +201,20 @@ class ResidualODE(chainer.Chain):
     def layer_params(self, n: int):
         """The parameters of residual layer ``n``, in a fixed order."""
         return [param for _, param in sorted(self.layers[n].namedparams())]
+
+    def pack_layer(self, n: int):
+        """Layer ``n``'s parameters as one new flat array (to send)."""
+        return self.xp.concatenate(
+            [param.array.ravel() for param in self.layer_params(n)])
+
+    def unpack_layer(self, n: int, flat) -> None:
+        """Set layer ``n``'s parameters from :meth:`pack_layer`'s layout."""
+        offset = 0
+        for param in self.layer_params(n):
+            size = param.array.size
+            param.array[...] = flat[offset:offset + size].reshape(
+                param.array.shape)
+            offset += size
 
     def state_shape(self, x_shape) -> tuple:
         """Shape of every state u_n for an input batch of ``x_shape``."""

@@ -15,15 +15,18 @@ from typing import NamedTuple, Optional
 
 from chainerkfac.layer_parallel.grid import ProcessGrid
 from chainerkfac.layer_parallel.mgrit import MGRIT
+from chainerkfac.layer_parallel.regularization import \
+    accumulate_time_smoothness
 
 
 class StepResult(NamedTuple):
-    """One optimizer step: the mean loss and training accuracy of the
-    batch (from the inexact states), and the last state and adjoint
-    residual norms."""
+    """One optimizer step: the mean cross-entropy and training accuracy of
+    the batch (from the inexact states), the regularisation R(θ), and the
+    last state and adjoint residual norms."""
 
     loss: float
     accuracy: float
+    regularization: float
     state_residual: float
     adjoint_residual: float
 
@@ -44,13 +47,18 @@ class SimultaneousTraining:
     grid : ProcessGrid or None
         Layers × data: gradients are averaged over ``grid.data_comm``
         and the caller passes each replica its share of the batch.
+    smoothness : float
+        β of the seed's time-derivative regularisation
+        (:func:`.regularization.accumulate_time_smoothness`; 0: none).
     """
 
     def __init__(self, mgrit: MGRIT, optimizer, m1: int = 2, m2: int = 2,
-                 grid: Optional[ProcessGrid] = None):
+                 grid: Optional[ProcessGrid] = None,
+                 smoothness: float = 0.0):
         self.mgrit = mgrit
         self.m1, self.m2 = m1, m2
         self.grid = grid
+        self.smoothness = smoothness
         if optimizer.target is None:
             optimizer.setup(mgrit.net)
         owned = {id(param) for _, param in mgrit.owned_params()}
@@ -70,5 +78,11 @@ class SimultaneousTraining:
             self.grid.allreduce_grads(mgrit)
             loss = self.grid.mean(loss)
             accuracy = self.grid.mean(accuracy)
+        regularization = 0.0
+        if self.smoothness:
+            # Not data: added once, after the replicas' average.
+            regularization = accumulate_time_smoothness(mgrit,
+                                                        self.smoothness)
         self.optimizer.update()
-        return StepResult(loss, accuracy, states[-1], adjoints[-1])
+        return StepResult(loss, accuracy, regularization, states[-1],
+                          adjoints[-1])

@@ -123,6 +123,9 @@ def launch(n_procs: int, module: str, args: List[str],
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1',
                PRTE_MCA_rmaps_default_mapping_policy=':oversubscribe',
                OMPI_MCA_btl_vader_single_copy_mechanism='none',
+               # A waiting rank gives its core away instead of spinning:
+               # the cores here are shared with more processes than them.
+               OMPI_MCA_mpi_yield_when_idle='1',
                PYTHONUNBUFFERED='1')
     env.setdefault('OPAL_PREFIX',
                    os.path.dirname(os.path.dirname(os.path.realpath(mpiexec))))

@@ -206,6 +206,7 @@ def main(argv=None):
         worker(args)
         return
     n_scale, cores_scale = (int(v) for v in args.at_scale.split(':'))
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, 'parallel.json')
         common.launch(args.processes, 'experiments.layer_parallel.training',
@@ -218,9 +219,11 @@ def main(argv=None):
                       timeout=args.timeout)
         with open(result) as f:
             parallel = json.load(f)
+    load.append(os.getloadavg()[0])
     serial = serial_run(args)
     here = step_times(args.layers)
     scale = step_times(n_scale)
+    load.append(os.getloadavg()[0])
     costs = perf_model.Costs(**scale['costs'], **parallel['messages'])
     modelled = perf_model.gradient_time(n_scale, cores_scale, costs,
                                         args.m1, args.m2, converged=False)
@@ -239,6 +242,7 @@ def main(argv=None):
             'serial_step': serial[-1]['seconds'] / steps,
             'parallel_step': parallel['history'][-1]['seconds'] / steps,
             'kernels_serial_step': here['kernels'],
+            'load_average': load,
         },
         'at_scale': {
             'layers': n_scale, 'cores': cores_scale,

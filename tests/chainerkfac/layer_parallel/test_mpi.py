@@ -103,9 +103,10 @@ def test_layers_times_data_equals_one_process_on_the_global_batch(
     x, t = common.batch(net, size=12)
     training = lp.SimultaneousTraining(
         lp.MGRIT(net, comm=grid.layer_comm), chainer.optimizers.Adam(1e-2),
-        grid=grid)
+        grid=grid, smoothness=0.05)
     reference = lp.SimultaneousTraining(
-        lp.MGRIT(reference_net), chainer.optimizers.Adam(1e-2))
+        lp.MGRIT(reference_net), chainer.optimizers.Adam(1e-2),
+        smoothness=0.05)
     failures = []
     for _ in range(3):
         result = training.step(*grid.local_batch(x, t))
@@ -118,6 +119,28 @@ def test_layers_times_data_equals_one_process_on_the_global_batch(
         if not numpy.allclose(param.array, reference_params[name].array,
                               rtol=1e-11, atol=1e-13):
             failures.append('{} differs'.format(name))
+    _agree(failures)
+
+
+@pytest.mark.parametrize('name', ['dense30', 'dense3'])
+def test_time_smoothness_on_any_number_of_processes(name):
+    net, reference_net = NETS[name](), NETS[name]()
+    rng = numpy.random.RandomState(2)
+    for param, reference in zip(net.params(), reference_net.params()):
+        reference.array += 0.1 * rng.standard_normal(param.shape)
+        param.array[...] = reference.array
+    reference_net.cleargrads()
+    expected = lp.accumulate_time_smoothness(lp.MGRIT(reference_net), 0.3)
+    mgrit = lp.MGRIT(net, comm=world)
+    net.cleargrads()
+    value = lp.accumulate_time_smoothness(mgrit, 0.3)
+    reference_grads = dict(reference_net.namedparams())
+    failures = [] if value == expected else ['R {} != {}'.format(
+        value, expected)]
+    for param_name, param in mgrit.owned_params():
+        if '/layers/' in param_name and not numpy.array_equal(
+                param.grad, reference_grads[param_name].grad):
+            failures.append('grad of {} differs'.format(param_name))
     _agree(failures)
 
 

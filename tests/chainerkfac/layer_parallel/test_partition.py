@@ -40,7 +40,8 @@ def test_level_layout():
         partition.layer_owners(partition.layer_blocks(16, 2, 4)))
     first, second = (partition.LevelLayout(4, 4, owners, rank, 4)
                      for rank in (0, 1))
-    assert (first.first, first.last, first.left, first.right) == (0, 2, None, 1)
+    assert (first.first, first.last, first.left, first.right) == \
+        (0, 2, None, 1)
     assert (second.first, second.last, second.left, second.right) == \
         (3, 4, 0, None)
     assert first.owned_c_points() == [] and second.owned_c_points() == [4]
