@@ -41,11 +41,15 @@ CASES = {
 logger = logging.getLogger('experiments.layer_parallel')
 
 
-def make_net(case: str, n_layers: int, seed: int = 0) -> lp.ResidualODE:
-    """The case's network, float64, weights drawn from ``seed``."""
+def make_net(case: str, n_layers: int, weights: str = 'smooth',
+             seed: int = 0) -> lp.ResidualODE:
+    """The case's network, float64, weights drawn from ``seed``:
+    ``'smooth'`` in the layer index (the seed's regularised regime) or
+    ``'independent'`` per layer (see :class:`ResidualODE`)."""
     numpy.random.seed(seed)
     with chainer.using_config('dtype', numpy.float64):
-        return lp.ResidualODE(n_layers=n_layers, **CASES[case]['net'])
+        return lp.ResidualODE(n_layers=n_layers, weights=weights,
+                              **CASES[case]['net'])
 
 
 def make_batch(case: str, size: int = None, seed: int = 0):

@@ -3,15 +3,20 @@ the number of layers, on Peaks and on the digits.
 
     python -m experiments.layer_parallel.convergence
         [--layers 64,128,256,512,1024,2048] [--cases peaks,digits]
-        [--iterations 15] [--coarsening 4] [--relax FCF] [--out DIR]
+        [--weights smooth,independent] [--iterations 15] [--coarsening 4]
+        [--relax FCF] [--batch B] [--out DIR]
 
-For every case and depth N: the seed's network with its initial weights
-(fixed, as in the seed's section 5.2), one batch (Peaks: s = 5000; digits:
-50 images), one forward and one adjoint MGRIT solve from zero states with
-c = 4, FCF-relaxation and as many levels as leave at least 2 coarse steps,
-``--iterations`` iterations each. The histories do not depend on the
-number of processes (the tests check them bitwise on 1-4), so one process
-computes them.
+For every case, initial weights and depth N: the seed's network with fixed
+weights (as in the seed's section 5.2), one batch (Peaks: s = 5000;
+digits: 50 images), one forward and one adjoint MGRIT solve from zero
+states with c = 4, FCF-relaxation and as many levels as leave at least 2
+coarse steps, ``--iterations`` iterations each. Two kinds of weights:
+``smooth`` in the layer index (the regime the seed's time-derivative
+regularisation keeps training in) and ``independent`` draws per layer
+(white noise in t: the coarse levels' injected weights then stand for
+their layers worst). The histories do not depend on the number of
+processes (the tests check them bitwise on 1-4), so one process computes
+them.
 
 Writes ``fig4_convergence.png`` (relative residual against iteration,
 N = 256 and 2048 bold) and ``fig4_convergence.json`` (every history, and
@@ -30,9 +35,9 @@ DROP = 1e-5
 HIGHLIGHT = (256, 2048)
 
 
-def run(case: str, n_layers: int, iterations: int, coarsening: int,
-        relax: str, batch: int = None) -> dict:
-    net = common.make_net(case, n_layers)
+def run(case: str, weights: str, n_layers: int, iterations: int,
+        coarsening: int, relax: str, batch: int = None) -> dict:
+    net = common.make_net(case, n_layers, weights)
     x, t = common.make_batch(case, batch)
     mgrit = lp.MGRIT(net, coarsening=coarsening, relax=relax, tol=0.0,
                      max_iter=iterations, warm_start=False)
@@ -54,13 +59,14 @@ def plot(results: dict, path: str) -> None:
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    cases = list(results)
-    fig, axes = plt.subplots(len(cases), 2, figsize=(10, 3.6 * len(cases)),
+    panels = [(case, weights) for case in results
+              for weights in results[case]]
+    fig, axes = plt.subplots(len(panels), 2, figsize=(10, 3.3 * len(panels)),
                              squeeze=False)
-    for row, case in enumerate(cases):
+    for row, (case, weights) in enumerate(panels):
         for col, kind in enumerate(('state', 'adjoint')):
             ax = axes[row][col]
-            for entry in results[case]:
+            for entry in results[case][weights]:
                 history = entry[kind]
                 relative = [value / history[0] for value in history]
                 bold = entry['layers'] in HIGHLIGHT
@@ -69,7 +75,8 @@ def plot(results: dict, path: str) -> None:
                             lw=2 if bold else 0.8, alpha=1 if bold else 0.5,
                             label='N = {}'.format(entry['layers']))
             ax.axhline(DROP, color='grey', ls=':', lw=1)
-            ax.set_title('{}: {} residual'.format(case, kind))
+            ax.set_title('{}, {} weights: {} residual'.format(
+                case, weights, kind))
             ax.set_xlabel('MGRIT iteration')
             ax.set_ylabel('residual / first residual')
             ax.grid(True, which='major', alpha=0.3)
@@ -83,6 +90,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--layers', default='64,128,256,512,1024,2048')
     parser.add_argument('--cases', default='peaks,digits')
+    parser.add_argument('--weights', default='smooth,independent')
     parser.add_argument('--iterations', type=int, default=15)
     parser.add_argument('--coarsening', type=int, default=4)
     parser.add_argument('--relax', default='FCF', choices=('F', 'FCF'))
@@ -93,19 +101,21 @@ def main(argv=None):
     common.setup_logging()
     layers = [int(n) for n in args.layers.split(',')]
     cases = args.cases.split(',')
-    results = {case: [] for case in cases}
+    results = {case: {weights: [] for weights in args.weights.split(',')}
+               for case in cases}
     for case in cases:
-        for n_layers in layers:
-            entry = run(case, n_layers, args.iterations, args.coarsening,
-                        args.relax, args.batch)
-            results[case].append(entry)
-            common.logger.info(
-                '%-6s N=%5d levels %-28s state %s, adjoint %s V-cycles to '
-                '1e-5  (%.1f s)', case, n_layers, entry['levels'],
-                entry['state_iterations'], entry['adjoint_iterations'],
-                entry['seconds'])
-    worst = max((entry[kind] for entries in results.values()
-                 for entry in entries
+        for weights in results[case]:
+            for n_layers in layers:
+                entry = run(case, weights, n_layers, args.iterations,
+                            args.coarsening, args.relax, args.batch)
+                results[case][weights].append(entry)
+                common.logger.info(
+                    '%-6s %-11s N=%5d levels %-28s state %s, adjoint %s '
+                    'V-cycles to 1e-5  (%.1f s)', case, weights, n_layers,
+                    entry['levels'], entry['state_iterations'],
+                    entry['adjoint_iterations'], entry['seconds'])
+    worst = max((entry[kind] for by_weights in results.values()
+                 for entries in by_weights.values() for entry in entries
                  for kind in ('state_iterations', 'adjoint_iterations')),
                 key=lambda k: float('inf') if k is None else k)
     payload = common.header('convergence', sys.argv[1:] if argv is None

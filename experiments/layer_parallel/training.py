@@ -3,12 +3,16 @@ layer-parallel training on Peaks.
 
     python -m experiments.layer_parallel.training [--layers 128]
         [--iterations 400] [--processes 2] [--lr 0.01] [--m1 2] [--m2 2]
-        [--eval-every 10] [--at-scale 1024:256] [--out DIR] [--timeout S]
+        [--smoothness 1e-3] [--weights smooth] [--eval-every 10]
+        [--at-scale 1024:256] [--out DIR] [--timeout S]
 
 Both runs start from the same weights (the seed's Peaks network: width 8,
-smoothed ReLU, T = 5) and take full-batch steps on the same 5000 training
-points with the same optimizer, Adam (the seed preconditions with L-BFGS
-and a line search, which Chainer does not have):
+smoothed ReLU, T = 5; initial weights smooth in the layer index) and take
+full-batch steps on the same 5000 training points, minimising the same
+objective — the mean cross-entropy plus the seed's time-derivative
+regularisation with β = ``--smoothness`` — with the same optimizer, Adam
+(the seed preconditions with L-BFGS and a line search, which Chainer does
+not have):
 
 * **layer-serial**: Chainer's forward and backward of ``net(x)`` (exact
   gradients), in this process;
@@ -29,6 +33,7 @@ Writes ``table2_training.json`` and ``fig7_training.png``.
 """
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -61,11 +66,19 @@ def _progress(label, record, iterations):
                        record['seconds'])
 
 
+def _objective(net, x, t, smoothness):
+    def loss():
+        return (F.softmax_cross_entropy(net(x), t)
+                + lp.time_smoothness(net, smoothness))
+    return loss
+
+
 def serial_run(args) -> list:
     """Layer-serial training with Chainer's autodiff."""
     (x, t), (x_val, t_val) = _data()
-    net = common.make_net('peaks', args.layers)
+    net = common.make_net('peaks', args.layers, args.weights)
     optimizer = chainer.optimizers.Adam(alpha=args.lr).setup(net)
+    objective = _objective(net, x, t, args.smoothness)
     history, seconds = [], 0.0
     for step in range(args.iterations + 1):
         if step % args.eval_every == 0 or step == args.iterations:
@@ -79,7 +92,7 @@ def serial_run(args) -> list:
         if step == args.iterations:
             break
         begin = time.perf_counter()
-        optimizer.update(lambda: F.softmax_cross_entropy(net(x), t))
+        optimizer.update(objective)
         seconds += time.perf_counter() - begin
     return history
 
@@ -90,11 +103,11 @@ def worker(args) -> None:
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     (x, t), (x_val, t_val) = _data()
-    net = common.make_net('peaks', args.layers)
+    net = common.make_net('peaks', args.layers, args.weights)
     mgrit = lp.MGRIT(net, comm=world)
     training = lp.SimultaneousTraining(
         mgrit, chainer.optimizers.Adam(alpha=args.lr), m1=args.m1,
-        m2=args.m2)
+        m2=args.m2, smoothness=args.smoothness)
     history, seconds = [], 0.0
     for step in range(args.iterations + 1):
         if step % args.eval_every == 0 or step == args.iterations:
@@ -128,20 +141,22 @@ def worker(args) -> None:
                                         'messages': messages})
 
 
-def step_times(n_layers, repeats=3) -> dict:
+def step_times(n_layers, smoothness, repeats=3) -> dict:
     """Seconds per training step at ``n_layers``, one process: Chainer's
     layer-serial step, and the same layer kernels run serially."""
     (x, t), _ = _data()
     net = common.make_net('peaks', n_layers)
     optimizer = chainer.optimizers.Adam().setup(net)
+    objective = _objective(net, x, t, smoothness)
     times = []
     for _ in range(repeats + 1):
         begin = time.perf_counter()
-        optimizer.update(lambda: F.softmax_cross_entropy(net(x), t))
+        optimizer.update(objective)
         times.append(time.perf_counter() - begin)
     chainer_step = sorted(times[1:])[len(times[1:]) // 2]
     serial = lp.SimultaneousTraining(lp.MGRIT(net, levels=1),
-                                     chainer.optimizers.Adam())
+                                     chainer.optimizers.Adam(),
+                                     smoothness=smoothness)
     times = []
     for _ in range(repeats + 1):
         begin = time.perf_counter()
@@ -191,6 +206,10 @@ def main(argv=None):
     parser.add_argument('--lr', type=float, default=0.01)
     parser.add_argument('--m1', type=int, default=2)
     parser.add_argument('--m2', type=int, default=2)
+    parser.add_argument('--smoothness', type=float, default=1e-3,
+                        help='β of the time-derivative regularisation')
+    parser.add_argument('--weights', default='smooth',
+                        choices=('smooth', 'independent'))
     parser.add_argument('--eval-every', type=int, default=10)
     parser.add_argument('--at-scale', default='1024:256',
                         help='layers:cores of the modelled configuration')
@@ -215,21 +234,26 @@ def main(argv=None):
                        '--iterations', str(args.iterations),
                        '--lr', str(args.lr), '--m1', str(args.m1),
                        '--m2', str(args.m2),
+                       '--smoothness', str(args.smoothness),
+                       '--weights', args.weights,
                        '--eval-every', str(args.eval_every)],
                       timeout=args.timeout)
         with open(result) as f:
             parallel = json.load(f)
     load.append(os.getloadavg()[0])
     serial = serial_run(args)
-    here = step_times(args.layers)
-    scale = step_times(n_scale)
+    here = step_times(args.layers, args.smoothness)
+    scale = step_times(n_scale, args.smoothness)
     load.append(os.getloadavg()[0])
     costs = perf_model.Costs(**scale['costs'], **parallel['messages'])
     modelled = perf_model.gradient_time(n_scale, cores_scale, costs,
                                         args.m1, args.m2, converged=False)
-    # Each process updates its own layers (4 at the seed's scale).
-    modelled['time'] += (scale['update_per_layer']
-                         * -(-n_scale // cores_scale))
+    # Each process updates its own layers (4 at the seed's scale), and
+    # trades a layer with each neighbour and a few floats with everyone
+    # for the regularisation.
+    modelled['time'] += (
+        scale['update_per_layer'] * -(-n_scale // cores_scale)
+        + (2 + math.ceil(math.log2(cores_scale))) * costs.latency)
     final = {'serial': serial[-1]['validation'],
              'parallel': parallel['history'][-1]['validation']}
     steps = args.iterations
@@ -258,6 +282,7 @@ def main(argv=None):
     payload = common.header('training', raw)
     payload.update(layers=args.layers, iterations=steps, lr=args.lr,
                    optimizer='Adam', m1=args.m1, m2=args.m2,
+                   smoothness=args.smoothness, weights=args.weights,
                    serial=serial, parallel=parallel['history'], table=table,
                    goal='simultaneous within 1 point of serial validation')
     stem = os.path.join(args.out, 'table2_training')
