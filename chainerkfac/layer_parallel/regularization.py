@@ -22,12 +22,13 @@ _TAG_NEIGHBOURS = 1 << 20
 
 def time_smoothness(net: ResidualODE, weight: float) -> chainer.Variable:
     """R(θ) as a Chainer function of ``net``'s parameters (layer-serial
-    training adds it to the loss)."""
+    training adds it to the loss): a few operations on every parameter
+    stacked over the layers, not a graph per layer."""
     total = 0
-    for n in range(net.n_layers - 1):
-        for param, following in zip(net.layer_params(n),
-                                    net.layer_params(n + 1)):
-            total = total + F.sum(F.square(following - param))
+    per_layer = [net.layer_params(n) for n in range(net.n_layers)]
+    for params in zip(*per_layer):
+        stacked = F.stack(params)
+        total = total + F.sum(F.square(stacked[1:] - stacked[:-1]))
     return (weight / (2 * net.h)) * total
 
 

@@ -235,7 +235,7 @@ def predictions(launches, convergence, at_scale, weights='smooth',
     return rows
 
 
-def plot(launches, predicted, path) -> None:
+def plot(launches, checks, predicted, path) -> None:
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -255,6 +255,11 @@ def plot(launches, predicted, path) -> None:
                   [launches[p]['cases'][case]['time'] for p in sizes],
                   'C0-s', ms=6, label='layer-parallel, measured '
                   '(P = {})'.format(', '.join(map(str, sizes))))
+        mine = [r for r in checks if r['case'] == case]
+        ax.loglog([r['layers'] for r in mine],
+                  [r['model_in_situ'] for r in mine], 'C0', ls='none',
+                  marker='s', mfc='none', ms=11,
+                  label="model of those runs (each round's unit costs)")
         rows = [r for r in predicted if r['case'] == case]
         ax.loglog([r['layers'] for r in rows],
                   [r['parallel_model'] for r in rows], 'C1--^', ms=6,
@@ -342,7 +347,8 @@ def main(argv=None):
         goals={'model_within': 0.2, 'speedup_at_2048_on_512': 10.0})
     stem = os.path.join(args.out, 'table1_scaling')
     common.write_json(stem + '.json', payload)
-    plot(launches, predicted, os.path.join(args.out, 'fig5_scaling.png'))
+    plot(launches, checks, predicted,
+         os.path.join(args.out, 'fig5_scaling.png'))
     common.logger.info('\nmodel check (time per gradient, s):')
     for row in checks:
         common.logger.info(
