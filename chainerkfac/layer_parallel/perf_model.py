@@ -293,11 +293,6 @@ def gradient_time(n_layers: int, n_procs: int, costs: Costs,
     }
 
 
-def serial_time(n_layers: int, layer_time: float, ends: float = 0.0) -> float:
-    """Layer-serial forward + backward: linear in the layers."""
-    return n_layers * layer_time + ends
-
-
 def measure_layer_costs(net, x, t, repeats: int = 3) -> dict:
     """Seconds of each operation of :class:`Costs` that involves no
     messages, measured as the solver performs it: a one-level (serial)
