@@ -75,8 +75,20 @@ def iterations_to(history: Sequence[float], drop: float):
 
 
 def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format='%(message)s',
-                        stream=sys.stdout)
+    """Progress lines of the experiments on stdout (their own logger only:
+    a script imported by a test leaves the root logger alone)."""
+    if not logger.handlers:
+        handler = _StdoutHandler()
+        handler.setFormatter(logging.Formatter('%(message)s'))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` is when a line is logged."""
+
+    stream = property(lambda self: sys.stdout, lambda self, value: None)
 
 
 def header(script: str, argv: Sequence[str]) -> Dict:
