@@ -1,0 +1,76 @@
+"""Layers × data: a 2-D grid of processes.
+
+The communicator is split into *layer groups* of ``layer_procs``
+processes, each holding one replica of the network with its layers
+distributed (MGRIT runs on the group), and *data groups*: the processes
+that own the same layers in every replica, over which the gradients of
+those layers are averaged. Rank r is layer rank r mod ``layer_procs`` of
+replica r div ``layer_procs``.
+"""
+from chainerkfac.layer_parallel.transport import transport_for
+
+
+class ProcessGrid:
+    """``layer_procs`` × (size / ``layer_procs``) processes.
+
+    Parameters
+    ----------
+    comm : None, mpi4py or ChainerMN communicator
+        All processes.
+    layer_procs : int
+        Processes per layer group (a divisor of the communicator's size).
+
+    Attributes
+    ----------
+    layer_comm, data_comm : transport
+        Pass ``layer_comm`` to :class:`.MGRIT`; ``data_comm`` averages the
+        gradients (:meth:`allreduce_grads`).
+    replica : int
+        Which data replica (layer group) this process belongs to.
+    n_replicas : int
+    """
+
+    def __init__(self, comm, layer_procs: int):
+        world = transport_for(comm)
+        if layer_procs < 1 or world.size % layer_procs:
+            raise ValueError('layer_procs={} does not divide the {} '
+                             'processes'.format(layer_procs, world.size))
+        self.replica = world.rank // layer_procs
+        self.n_replicas = world.size // layer_procs
+        layer_rank = world.rank % layer_procs
+        self.layer_comm = world.split(color=self.replica, key=layer_rank)
+        self.data_comm = world.split(color=layer_rank, key=self.replica)
+
+    def local_batch(self, *arrays):
+        """This replica's equal share of every array of the global batch."""
+        size = len(arrays[0])
+        if size % self.n_replicas:
+            raise ValueError('a global batch of {} does not split into {} '
+                             'equal replicas'.format(size, self.n_replicas))
+        share = size // self.n_replicas
+        part = slice(self.replica * share, (self.replica + 1) * share)
+        return tuple(array[part] for array in arrays)
+
+    def allreduce_grads(self, mgrit) -> None:
+        """Average the gradients of ``mgrit``'s owned parameters over the
+        replicas: each replica's loss is the mean over its equal share, so
+        the average is the gradient of the global batch's mean loss."""
+        if self.n_replicas == 1:
+            return
+        params = [param for _, param in mgrit.owned_params()]
+        if not params:
+            return
+        xp = mgrit.net.xp
+        flat = xp.concatenate([param.grad.ravel() for param in params])
+        self.data_comm.allreduce_sum(flat)
+        flat /= self.n_replicas
+        offset = 0
+        for param in params:
+            size = param.grad.size
+            param.grad[...] = flat[offset:offset + size].reshape(
+                param.grad.shape)
+            offset += size
+
+    def mean(self, value: float) -> float:
+        """The mean of ``value`` over the replicas."""
+        return sum(self.data_comm.allgather(value)) / self.n_replicas

@@ -1,0 +1,308 @@
+"""Layer-parallel forward and backward propagation: :class:`MGRIT`.
+
+The forward solve is nonlinear MGRIT (:mod:`.cycle`) on the state
+equations u_{n+1} = Φ_n(u_n) (seed section 3.1); the backward solve is
+MGRIT on the adjoint equations ū_n = (∂_u Φ_n)^T ū_{n+1} in reversed layer
+order (section 3.2), every transposed layer applied at the stored fine-grid
+forward state u_n — on coarse levels too, at the coarse points. A coarse
+level is the same layers with step c^l h and the weights of the layer at
+the start of each coarse step (injection). Weight gradients (eq. 2.19) are
+accumulated once, on the finest level, after the adjoint solve.
+
+Layers are distributed over the processes in contiguous blocks
+(:func:`.partition.layer_blocks`); each process computes the gradient of
+the layers it owns. The opening layer lives on rank 0, the classifier on
+the owner of the last layer.
+"""
+import collections
+import contextlib
+import logging
+import time
+from typing import List, Optional, Tuple
+
+import chainer
+import chainer.functions as F
+from chainer import backend
+
+from chainerkfac.layer_parallel import cycle
+from chainerkfac.layer_parallel import partition
+from chainerkfac.layer_parallel.network import ResidualODE
+from chainerkfac.layer_parallel.transport import transport_for
+
+logger = logging.getLogger(__name__)
+
+# Above every tag the cycle uses (levels × kinds of exchange).
+_TAG_WEIGHTS = 10000
+
+
+class _ForwardPropagator:
+    """Φ from fine point ``start`` to ``stop``: layer ``start`` with step
+    (stop - start) h (dt = t_stop - t_start, as the authors' code)."""
+
+    def __init__(self, net: ResidualODE):
+        self.net = net
+
+    def step(self, start: int, stop: int, u, out=None):
+        return self.net.step(start, u, (stop - start) * self.net.h, out)
+
+
+class _AdjointPropagator:
+    """The adjoint in reversed layer order: point k is ū_{N-k}; the step
+    from k = ``start`` to ``stop`` applies layer N - stop transposed, at
+    the fine-grid state u_{N-stop}, with step (stop - start) h — on a coarse
+    level the transpose of the forward coarse step over the same layers.
+
+    ``slopes[n]`` is σ'(K_n u_n + b_n) of every owned layer ``n``, set by
+    :meth:`MGRIT.backward` before the solve.
+    """
+
+    def __init__(self, net: ResidualODE):
+        self.net = net
+        self.slopes = {}
+
+    def step(self, start: int, stop: int, ubar, out=None):
+        n = self.net.n_layers - stop
+        return self.net.step_adjoint(n, self.slopes[n], ubar,
+                                     (stop - start) * self.net.h, out)
+
+
+class MGRIT:
+    """Layer-parallel forward and backward propagation through a
+    :class:`ResidualODE` by nonlinear multigrid over the layers.
+
+    Parameters
+    ----------
+    net : ResidualODE
+        The network, built identically (same seed) on every process; each
+        process reads and writes only the layers it owns (and receives the
+        weights its coarse levels need at every :meth:`forward`).
+    comm : None, mpi4py communicator or ChainerMN communicator
+        The processes the layers are distributed over (``None``: one).
+    coarsening : int
+        Coarsening factor c between levels.
+    levels : int or None
+        Number of levels; ``None`` coarsens while a level has at least 2
+        steps. ``levels=1`` is layer-serial forward and back propagation.
+    relax : str
+        ``'FCF'`` or ``'F'`` relaxation.
+    tol : float
+        Stop a solve once the residual norm (2-norm over the C-points of
+        the batch's states) is at most ``tol``.
+    max_iter : int
+        Iteration cap of a solve (overridable per call: simultaneous
+        training runs a fixed m1 / m2).
+    rtol : float
+        Also stop once the residual is at most ``rtol`` times the first
+        iteration's.
+    warm_start : bool
+        Start every solve from the last solve's states (forward) or
+        adjoints (backward) when the batch shape is unchanged.
+
+    Attributes
+    ----------
+    blocks : list of range
+        The layers each rank owns.
+    """
+
+    def __init__(self, net: ResidualODE, comm=None, coarsening: int = 4,
+                 levels: Optional[int] = None, relax: str = 'FCF',
+                 tol: float = 1e-10, max_iter: int = 50, rtol: float = 0.0,
+                 warm_start: bool = True):
+        self.net = net
+        self.transport = transport_for(comm)
+        self.rank = self.transport.rank
+        self.coarsening = coarsening
+        self.tol = tol
+        self.max_iter = max_iter
+        self.rtol = rtol
+        self.warm_start = warm_start
+        n_layers = net.n_layers
+        self.blocks = partition.layer_blocks(n_layers, self.transport.size,
+                                             coarsening)
+        self.owners = partition.layer_owners(self.blocks)
+        self.opening_owner = self.owners[0]
+        self.classifier_owner = self.owners[-1]
+        self.forward_solver = cycle.FASSolver(
+            _ForwardPropagator(net),
+            partition.forward_point_owners(self.owners), self.transport,
+            coarsening, levels, relax)
+        self._adjoint = _AdjointPropagator(net)
+        self.adjoint_solver = cycle.FASSolver(
+            self._adjoint, partition.adjoint_point_owners(self.owners),
+            self.transport, coarsening, levels, relax)
+        self._routes = partition.coarse_weight_routes(
+            self.owners, coarsening,
+            [layout.steps for layout in self.forward_solver.layouts])
+        # Kept from forward for backward: the opening layer's output and
+        # the classifier's input, with their graphs.
+        self._opening_out = None
+        self._final_state = None
+        self._logits = None
+        self._state_shape = None
+        self._xp = None
+        #: Seconds spent in each phase on this process, summed over calls
+        #: (the unit costs of the performance model come from these).
+        self.timings = collections.Counter()
+        if self.rank == 0:
+            logger.info(
+                'MGRIT: %d layers on %d processes (%s layers each), '
+                '%d levels %s, c=%d, %s-relaxation',
+                n_layers, self.transport.size,
+                '/'.join(str(len(b)) for b in self.blocks),
+                self.forward_solver.n_levels,
+                [layout.steps for layout in self.forward_solver.layouts],
+                coarsening, relax)
+
+    # -- ownership ---------------------------------------------------------
+
+    @property
+    def owned_layers(self) -> range:
+        """The residual layers whose gradients this process computes."""
+        return self.blocks[self.rank]
+
+    def owned_params(self) -> List[Tuple[str, chainer.Parameter]]:
+        """(name, parameter) of everything this process owns, in a fixed
+        order: the opening layer, its layers, the classifier."""
+        links = []
+        if self.rank == self.opening_owner:
+            links.append(('/opening', self.net.opening))
+        links += [('/layers/{}'.format(n), self.net.layers[n])
+                  for n in self.owned_layers]
+        if self.rank == self.classifier_owner:
+            links.append(('/classifier', self.net.classifier))
+        return [(prefix + name, param) for prefix, link in links
+                for name, param in sorted(link.namedparams())]
+
+    def share_weights(self) -> None:
+        """Copy every parameter from its owner to every process (e.g. to
+        evaluate or save the whole network on one process)."""
+        mine = {name: backend.CpuDevice().send(param.array)
+                for name, param in self.owned_params()}
+        params = dict(self.net.namedparams())
+        for part in self.transport.allgather(mine):
+            for name, array in part.items():
+                target = params[name].array
+                target[...] = backend.get_array_module(target).asarray(array)
+
+    # -- forward -----------------------------------------------------------
+
+    def forward(self, x, max_iter: Optional[int] = None):
+        """Logits of the batch ``x`` by the forward MGRIT solve.
+
+        Parameters
+        ----------
+        x : array
+            The input batch (the same on every process).
+        max_iter : int or None
+            Iteration cap of this solve (default: the constructor's).
+
+        Returns
+        -------
+        logits : array, (batch, n_out)
+            On every process.
+        history : list of float
+            Residual norm of every iteration.
+        """
+        net = self.net
+        with self._timed('weights'):
+            self._fetch_coarse_weights()
+        xp = backend.get_array_module(x)
+        dtype = net.opening.W.dtype
+        g0 = None
+        with self._timed('ends'):
+            if self.rank == self.opening_owner:
+                self._opening_out = net.open(x)
+                g0 = self._opening_out.array
+        with self._timed('forward_solve'):
+            history = self.forward_solver.solve(
+                g0, net.state_shape(x.shape), dtype, xp,
+                max_iter or self.max_iter, self.tol, self.rtol,
+                self.warm_start)
+        with self._timed('ends'):
+            n_out = net.classifier.out_size
+            if self.rank == self.classifier_owner:
+                self._final_state = chainer.Variable(
+                    self.forward_solver.value(net.n_layers).copy())
+                self._logits = net.classifier(self._final_state)
+                logits = self._logits.array
+            else:
+                logits = xp.empty((x.shape[0], n_out), dtype)
+            self.transport.bcast_array(logits, root=self.classifier_owner)
+        self._state_shape = net.state_shape(x.shape)
+        self._xp = xp
+        return logits, history
+
+    # -- backward ----------------------------------------------------------
+
+    def backward(self, t, max_iter: Optional[int] = None):
+        """Mean cross-entropy of the last :meth:`forward` against labels
+        ``t``, and the gradients by the adjoint MGRIT solve.
+
+        Accumulates into the ``grad`` of the parameters this process owns
+        (:meth:`owned_params`), like ``loss.backward()``; others are left
+        untouched.
+
+        Returns
+        -------
+        loss : float
+            On every process.
+        history : list of float
+            Residual norm of every adjoint iteration.
+        """
+        if self._state_shape is None:
+            raise RuntimeError('MGRIT.backward needs a forward first')
+        net = self.net
+        n_layers, h = net.n_layers, net.h
+        forward = self.forward_solver
+        g0, loss = None, None
+        with self._timed('ends'):
+            if self.rank == self.classifier_owner:
+                loss_var = F.softmax_cross_entropy(self._logits, t)
+                loss_var.backward()
+                loss = float(loss_var.array)
+                g0 = self._final_state.grad
+            loss = self.transport.bcast(loss, root=self.classifier_owner)
+        with self._timed('linearise'):
+            slopes = {n: net.slope(n, forward.value(n))
+                      for n in self.owned_layers}
+        self._adjoint.slopes = slopes
+        with self._timed('adjoint_solve'):
+            history = self.adjoint_solver.solve(
+                g0, self._state_shape, net.opening.W.dtype, self._xp,
+                max_iter or self.max_iter, self.tol, self.rtol,
+                self.warm_start)
+        adjoint = self.adjoint_solver
+        with self._timed('layer_grads'):
+            for n in self.owned_layers:
+                net.accumulate_layer_grad(n, forward.value(n), slopes[n],
+                                          adjoint.value(n_layers - n - 1), h)
+        with self._timed('ends'):
+            if self.rank == self.opening_owner:
+                self._opening_out.grad = adjoint.value(n_layers).copy()
+                self._opening_out.backward()
+        return loss, history
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str):
+        begin = time.perf_counter()
+        yield
+        self.timings[phase] += time.perf_counter() - begin
+
+    def _fetch_coarse_weights(self) -> None:
+        """Receive the weights of the layers this process's coarse levels
+        use but others own (they change at every optimizer step)."""
+        net, requests, received, sent = self.net, [], [], []
+        for layer, src, dst in self._routes:
+            if dst == self.rank:
+                flat = net.pack_layer(layer)
+                requests.append(self.transport.irecv(
+                    flat, src, _TAG_WEIGHTS + layer))
+                received.append((layer, flat))
+        for layer, src, dst in self._routes:
+            if src == self.rank:
+                sent.append(net.pack_layer(layer))
+                requests.append(self.transport.isend(
+                    sent[-1], dst, _TAG_WEIGHTS + layer))
+        self.transport.waitall(requests)
+        for layer, flat in received:
+            net.unpack_layer(layer, flat)

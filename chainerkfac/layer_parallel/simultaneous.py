@@ -1,0 +1,88 @@
+"""Simultaneous layer-parallel training, the seed's Algorithm 2.
+
+Every optimizer step runs only m1 forward and m2 adjoint MGRIT iterations
+(m1 = m2 = 2 in the seed), each warm-started from the previous step's
+states and adjoints, and updates the weights with the resulting inexact
+gradient (the One-shot method, section 4). With m1, m2 large it is
+layer-serial training with exact gradients, distributed over the layers.
+
+The seed preconditions with L-BFGS and a line search; here any Chainer
+optimizer updates the weights (the experiments use Adam): each process
+updates the parameters it owns, which the next forward sends to the
+processes whose coarse levels need them.
+"""
+from typing import NamedTuple, Optional
+
+from chainerkfac.layer_parallel.grid import ProcessGrid
+from chainerkfac.layer_parallel.mgrit import MGRIT
+from chainerkfac.layer_parallel.regularization import \
+    accumulate_time_smoothness
+
+
+class StepResult(NamedTuple):
+    """One optimizer step: the mean cross-entropy and training accuracy of
+    the batch (from the inexact states), the regularisation R(θ), and the
+    last state and adjoint residual norms."""
+
+    loss: float
+    accuracy: float
+    regularization: float
+    state_residual: float
+    adjoint_residual: float
+
+
+class SimultaneousTraining:
+    """Algorithm 2 with a Chainer optimizer.
+
+    Parameters
+    ----------
+    mgrit : MGRIT
+        With ``warm_start=True`` (the point of the method).
+    optimizer : chainer.Optimizer
+        Set up here on ``mgrit.net`` if it has no target yet; the update
+        rules of the parameters other processes own are disabled, so no
+        optimizer state is kept for them.
+    m1, m2 : int
+        Forward and adjoint MGRIT iterations per step.
+    grid : ProcessGrid or None
+        Layers × data: gradients are averaged over ``grid.data_comm``
+        and the caller passes each replica its share of the batch.
+    smoothness : float
+        β of the seed's time-derivative regularisation
+        (:func:`.regularization.accumulate_time_smoothness`; 0: none).
+    """
+
+    def __init__(self, mgrit: MGRIT, optimizer, m1: int = 2, m2: int = 2,
+                 grid: Optional[ProcessGrid] = None,
+                 smoothness: float = 0.0):
+        self.mgrit = mgrit
+        self.m1, self.m2 = m1, m2
+        self.grid = grid
+        self.smoothness = smoothness
+        if optimizer.target is None:
+            optimizer.setup(mgrit.net)
+        owned = {id(param) for _, param in mgrit.owned_params()}
+        for param in mgrit.net.params():
+            if id(param) not in owned:
+                param.update_rule.enabled = False
+        self.optimizer = optimizer
+
+    def step(self, x, t) -> StepResult:
+        """One optimizer step on the (local) batch ``x``, ``t``."""
+        mgrit = self.mgrit
+        mgrit.net.cleargrads()
+        logits, states = mgrit.forward(x, max_iter=self.m1)
+        loss, adjoints = mgrit.backward(t, max_iter=self.m2)
+        accuracy = float((logits.argmax(axis=1) == t).mean())
+        if self.grid is not None:
+            self.grid.allreduce_grads(mgrit)
+            loss = self.grid.mean(loss)
+            accuracy = self.grid.mean(accuracy)
+        regularization = 0.0
+        if self.smoothness:
+            # Not data: added once, after the replicas' average.
+            regularization = accumulate_time_smoothness(mgrit,
+                                                        self.smoothness)
+        self.optimizer.update()
+        return StepResult(loss, accuracy, regularization, states[-1],
+                          adjoints[-1])

@@ -1,0 +1,175 @@
+"""What the layer-parallel experiments share: the seed's two networks and
+their data, the results folder, the run header, JSON output, progress
+logging and ``mpiexec`` launches of a script's worker."""
+import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
+
+import datetime
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from typing import Dict, List, Sequence
+
+import numpy
+
+import chainer
+
+from chainerkfac import layer_parallel as lp
+from chainerkfac.layer_parallel import data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+RESULTS = os.path.join(ROOT, 'experiments', 'results', 'layer_parallel')
+
+#: The seed's test cases that exist here. Peaks: its network (width 8,
+#: smoothed ReLU, dense K_n, T = 5) and its s = 5000 points. Digits stand
+#: in for MNIST (no download here): its network (8 channels, 3 × 3
+#: convolutions, tanh, T = 5) on 8 × 8 images; 100 images, not 500, so
+#: that 2048 layers of states fit in memory here.
+CASES = {
+    'peaks': dict(net=dict(n_in=2, width=8, n_out=5, t_final=5.0,
+                           activation='smooth_relu', layer='dense'),
+                  batch=5000),
+    'digits': dict(net=dict(n_in=1, width=8, n_out=10, t_final=5.0,
+                            activation='tanh', layer='conv', image_size=8),
+                   batch=50),
+}
+
+logger = logging.getLogger('experiments.layer_parallel')
+
+
+def make_net(case: str, n_layers: int, weights: str = 'smooth',
+             seed: int = 0) -> lp.ResidualODE:
+    """The case's network, float64, weights drawn from ``seed``:
+    ``'smooth'`` in the layer index (the seed's regularised regime) or
+    ``'independent'`` per layer (see :class:`ResidualODE`)."""
+    numpy.random.seed(seed)
+    with chainer.using_config('dtype', numpy.float64):
+        return lp.ResidualODE(n_layers=n_layers, weights=weights,
+                              **CASES[case]['net'])
+
+
+def make_batch(case: str, size: int = None, seed: int = 0):
+    """``size`` (default: the case's) training inputs and labels."""
+    size = size or CASES[case]['batch']
+    if case == 'peaks':
+        if size % data.PEAKS_CLASSES:
+            raise ValueError('a Peaks batch is 5 equal classes, not {}'
+                             .format(size))
+        return data.peaks_dataset(size // data.PEAKS_CLASSES, seed=seed)
+    (x, t), _ = data.digits_dataset(seed=seed)
+    return x[:size], t[:size]
+
+
+def iterations_to(history: Sequence[float], drop: float):
+    """V-cycles after which the residual is at most ``drop`` times the
+    first one (``history[k]`` is measured in iteration k + 1, after its
+    relaxation), or None if never."""
+    for k, value in enumerate(history):
+        if value <= drop * history[0]:
+            return k
+    return None
+
+
+def setup_logging() -> None:
+    """Progress lines of the experiments on stdout (their own logger only:
+    a script imported by a test leaves the root logger alone)."""
+    if not logger.handlers:
+        handler = _StdoutHandler()
+        handler.setFormatter(logging.Formatter('%(message)s'))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` is when a line is logged."""
+
+    stream = property(lambda self: sys.stdout, lambda self, value: None)
+
+
+def header(script: str, argv: Sequence[str]) -> Dict:
+    """Command, date, versions, machine and commit of a run."""
+    import mpi4py
+    return {
+        'experiment': script,
+        'command': ' '.join(['python', '-m', 'experiments.layer_parallel.'
+                             + script] + list(argv)),
+        'date': datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec='seconds'),
+        'versions': {'python': platform.python_version(),
+                     'chainer': chainer.__version__,
+                     'numpy': numpy.__version__,
+                     'mpi4py': mpi4py.__version__},
+        'machine': {'cpu': _cpu_model(), 'cores': usable_cores()},
+        'git_commit': _git_commit(),
+    }
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def write_json(path: str, payload: Dict) -> None:
+    """Write atomically (a temporary file renamed)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+        json.dump(payload, f, indent=1)
+        f.write('\n')
+    os.replace(tmp, path)
+
+
+def launch(n_procs: int, module: str, args: List[str],
+           timeout: float) -> None:
+    """Run ``python -m module args`` under ``mpiexec -n n_procs`` (one BLAS
+    thread per process; Open MPI's container switches, as the Makefile),
+    its output passed through; raise if it fails or times out."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+    if not os.path.exists(mpiexec):
+        mpiexec = shutil.which('mpiexec')
+    if mpiexec is None:
+        raise RuntimeError('no mpiexec next to {} nor on PATH'.format(
+            sys.executable))
+    env = dict(os.environ, OMP_NUM_THREADS='1', OPENBLAS_NUM_THREADS='1',
+               MKL_NUM_THREADS='1', OMPI_ALLOW_RUN_AS_ROOT='1',
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1',
+               PRTE_MCA_rmaps_default_mapping_policy=':oversubscribe',
+               OMPI_MCA_btl_vader_single_copy_mechanism='none',
+               # A waiting rank gives its core away instead of spinning:
+               # the cores here are shared with more processes than them.
+               OMPI_MCA_mpi_yield_when_idle='1',
+               PYTHONUNBUFFERED='1')
+    env.setdefault('OPAL_PREFIX',
+                   os.path.dirname(os.path.dirname(os.path.realpath(mpiexec))))
+    env['PYTHONPATH'] = ROOT + (os.pathsep + env['PYTHONPATH']
+                                if env.get('PYTHONPATH') else '')
+    command = [mpiexec, '-n', str(n_procs), sys.executable, '-m', module]
+    command += args
+    logger.info('$ mpiexec -n %d python -m %s %s', n_procs, module,
+                ' '.join(args))
+    subprocess.run(command, env=env, cwd=ROOT, check=True, timeout=timeout)
+
+
+def _cpu_model() -> str:
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.lower().startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def _git_commit():
+    try:
+        out = subprocess.run(['git', '-C', ROOT, 'rev-parse', '--short',
+                              'HEAD'], capture_output=True, text=True,
+                             timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None

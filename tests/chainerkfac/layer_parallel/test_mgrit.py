@@ -1,0 +1,130 @@
+"""MGRIT against the layer-serial network, on one process: the converged
+solves reproduce Chainer's forward and backprop; one level *is* serial; the
+two-level exactness property; warm starts; the stopping rules."""
+import numpy
+import pytest
+
+from chainerkfac import layer_parallel as lp
+from tests.chainerkfac.layer_parallel import common
+
+CASES = [
+    # (net, coarsening, levels, relax)
+    ('dense', 4, None, 'FCF'),
+    ('dense', 4, None, 'F'),
+    ('dense', 2, 4, 'FCF'),
+    ('dense', 3, 2, 'F'),         # 24 layers: 8 coarse steps, serial solve
+    ('conv', 2, None, 'FCF'),     # 9 layers: a trailing F-point
+]
+
+
+def _net(kind, **kwargs):
+    if kind == 'dense':
+        return common.dense_net(n_layers=kwargs.pop('n_layers', 26), **kwargs)
+    return common.conv_net(**kwargs)
+
+
+@pytest.mark.parametrize('kind,coarsening,levels,relax', CASES)
+def test_converged_mgrit_is_serial_forward_and_backprop(kind, coarsening,
+                                                        levels, relax):
+    net = _net(kind)
+    x, t = common.batch(net)
+    logits_ref, loss_ref, grads_ref = common.serial_gradients(net, x, t)
+    mgrit = lp.MGRIT(net, coarsening=coarsening, levels=levels, relax=relax,
+                     tol=1e-14, max_iter=60)
+    logits, loss, history, adjoint_history, grads = \
+        common.mgrit_gradients(mgrit, x, t)
+    assert mgrit.forward_solver.n_levels > 1
+    assert len(history) > 2 and len(adjoint_history) > 2   # it iterated
+    assert history[-1] <= 1e-14 and adjoint_history[-1] <= 1e-14
+    numpy.testing.assert_allclose(logits, logits_ref, rtol=0, atol=1e-12)
+    assert abs(loss - loss_ref) <= 1e-12
+    assert set(grads) == set(grads_ref)          # every parameter
+    assert common.max_relative_error(grads, grads_ref) <= 1e-12
+
+
+def test_one_level_is_serial_exactly():
+    for net in (_net('dense'), _net('conv')):
+        x, t = common.batch(net)
+        logits_ref, loss_ref, grads_ref = common.serial_gradients(net, x, t)
+        mgrit = lp.MGRIT(net, levels=1)
+        logits, loss, history, adjoint_history, grads = \
+            common.mgrit_gradients(mgrit, x, t)
+        assert history == [0.0] and adjoint_history == [0.0]
+        assert numpy.array_equal(logits, logits_ref)
+        assert loss == loss_ref
+        for name, grad in grads.items():
+            assert numpy.array_equal(grad, grads_ref[name]), name
+
+
+@pytest.mark.parametrize('relax,reach', [('FCF', lambda k, c: (2 * k + 1) * c),
+                                         ('F', lambda k, c: (k + 1) * c)])
+def test_two_level_exactness_property(relax, reach):
+    """After k two-level iterations the states u_1 .. u_{(2k+1)c-1} (FCF;
+    (k+1)c - 1 for F) are exact — and the next one is not."""
+    c, n_layers = 3, 36
+    net = common.dense_net(n_layers=n_layers)
+    x, _ = common.batch(net)
+    serial = lp.MGRIT(net, levels=1)
+    serial.forward(x)
+    exact = serial.forward_solver.u[0][1:].copy()    # u_0 .. u_N
+    for k in (1, 2, 3):
+        mgrit = lp.MGRIT(net, coarsening=c, levels=2, relax=relax, tol=0,
+                         max_iter=k, warm_start=False)
+        mgrit.forward(x)
+        states = mgrit.forward_solver.u[0][1:]
+        errors = abs(states - exact).reshape(n_layers + 1, -1).max(axis=1)
+        first_inexact = reach(k, c)
+        assert first_inexact < n_layers
+        assert errors[:first_inexact].max() <= 1e-13, (k, errors)
+        assert errors[first_inexact] > 1e-8, (k, errors)
+
+
+def test_warm_start_lowers_the_first_residual():
+    net = common.dense_net(n_layers=64, width=6)
+    x, t = common.batch(net, size=20)
+    warm = lp.MGRIT(net, tol=1e-12, warm_start=True)
+    cold = lp.MGRIT(net, tol=1e-12, warm_start=False)
+    for mgrit in (warm, cold):
+        common.mgrit_gradients(mgrit, x, t)
+    # A small optimizer-like step changes every weight a little.
+    rng = numpy.random.RandomState(3)
+    for param in net.params():
+        param.array += 1e-3 * rng.standard_normal(param.shape)
+    first = {}
+    for name, mgrit in (('warm', warm), ('cold', cold)):
+        _, _, history, adjoint_history, _ = common.mgrit_gradients(
+            mgrit, x, t)
+        first[name] = (history[0], adjoint_history[0])
+    # The cold start is the same solver from zero states / adjoints.
+    assert first['warm'][0] < 0.1 * first['cold'][0]
+    assert first['warm'][1] < 0.1 * first['cold'][1]
+
+
+def test_stopping_rules():
+    net = common.dense_net(n_layers=64)
+    x, t = common.batch(net)
+    mgrit = lp.MGRIT(net, tol=0, max_iter=3, warm_start=False)
+    _, history = mgrit.forward(x)
+    assert len(history) == 3
+    _, history = mgrit.forward(x, max_iter=5)
+    assert len(history) == 5
+    relative = lp.MGRIT(net, tol=0, rtol=1e-3, max_iter=50, warm_start=False)
+    _, history = relative.forward(x)
+    assert history[-1] <= 1e-3 * history[0] < min(history[:-1])
+    absolute = lp.MGRIT(net, tol=1e-6, max_iter=50, warm_start=False)
+    _, history = absolute.forward(x)
+    assert history[-1] <= 1e-6 < min(history[:-1])
+
+
+def test_errors_name_the_problem():
+    net = common.dense_net(n_layers=8)
+    with pytest.raises(RuntimeError, match='forward first'):
+        lp.MGRIT(net).backward(numpy.zeros(2, numpy.int32))
+    with pytest.raises(ValueError, match='relax'):
+        lp.MGRIT(net, relax='FF')
+    with pytest.raises(ValueError, match='coarsening'):
+        lp.MGRIT(net, coarsening=1)
+    with pytest.raises(ValueError, match='3 levels with coarsening 4'):
+        lp.MGRIT(net, levels=3)
+    with pytest.raises(TypeError, match='comm'):
+        lp.MGRIT(net, comm=object())
