@@ -59,8 +59,9 @@ def train(trainee, caplog, steps=STEPS):
     """Run ``steps`` iterations of the stock loop; return the K-FAC
     reports (one per optimizer step, in order) and the uncaptured-factor
     warnings."""
-    before = [{n: p.array.copy() for n, p in t.namedparams()}
-              for t in trainee.targets]
+    # (Lazily sized links get their initial values at the first step.)
+    before = [{n: p.array.copy() for n, p in t.namedparams()
+               if p.array is not None} for t in trainee.targets]
     reporter = RecordingReporter()
     for k, target in enumerate(trainee.targets):
         reporter.add_observer('main{}'.format(k), target)
