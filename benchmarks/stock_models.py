@@ -64,8 +64,9 @@ error (√(s₁²/n + s₂²/n)).
 accuracy on both digits nets and the step-time ratios of the MNIST MLP
 and the CIFAR VGG, the two nets of the issue's goals (≤ 3× the stock
 optimizer; accuracy no worse than MomentumSGD beyond seed noise).
-``--merge`` reads the parts of an earlier run's JSON that this run does
-not redo.
+``--merge`` reads an earlier run's JSON: the parts, and the timing of the
+models, that this run does not redo are kept (each timing entry is a
+ratio within its own run).
 
 Timings are only comparable within one run; the machine is shared, so
 the JSON records the load average before and after. BLAS threads:
@@ -647,8 +648,8 @@ def parse_args(argv):
     parser.add_argument('--intervals', default=','.join(INTERVALS))
     parser.add_argument('--threads', type=int, default=1)
     parser.add_argument('--merge', default=None,
-                        help='JSON of an earlier run: its parts not redone '
-                             'here are kept')
+                        help='JSON of an earlier run: its parts and model '
+                             'timings not redone here are kept')
     parser.add_argument('--out', default='result/stock_models.json')
     return parser.parse_args(argv)
 
@@ -678,10 +679,13 @@ def main(argv=None):
             cycles = 1 if args.smoke else args.cycles
             data['cycles'] = cycles
             data['limits'] = [_fmt_limit(v) for v in limits]
-            data['timing'] = []
+            # An earlier run's entries of other models are kept (--merge).
+            data['timing'] = [e for e in data.get('timing', [])
+                              if e['model'] not in names]
             for name in names:
-                data['timing'] += time_model(name, timed[name], limits,
-                                             cycles)
+                for entry in time_model(name, timed[name], limits, cycles):
+                    entry['measured'] = data['date']
+                    data['timing'].append(entry)
         if 'accuracy' in parts:
             seeds = list(range(1 if args.smoke else args.seeds))
             epochs = 1 if args.smoke else args.epochs
