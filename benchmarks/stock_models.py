@@ -64,9 +64,10 @@ error (√(s₁²/n + s₂²/n)).
 accuracy on both digits nets and the step-time ratios of the MNIST MLP
 and the CIFAR VGG, the two nets of the issue's goals (≤ 3× the stock
 optimizer; accuracy no worse than MomentumSGD beyond seed noise).
-``--merge`` reads an earlier run's JSON: the parts, and the timing of the
-models, that this run does not redo are kept (each timing entry is a
-ratio within its own run).
+``--merge`` reads an earlier run's JSON: the parts, the timing of the
+models and the accuracy settings that this run does not redo are kept
+(each timing entry is a ratio within its own run; the seeds, epochs and
+batch must be the same).
 
 Timings are only comparable within one run; the machine is shared, so
 the JSON records the load average before and after. BLAS threads:
@@ -459,6 +460,11 @@ def accuracy_grid(digits_nets, dampings, intervals, limits, seeds,
     return results
 
 
+def _accuracy_key(entry) -> tuple:
+    return (entry['net'], entry['optimizer'], entry.get('damping'),
+            entry.get('intervals'), entry.get('limit'))
+
+
 def _kfac_maker(damping, a, g, limit):
     def make():
         return KFAC(lr=LR, momentum=MOMENTUM, damping=damping,
@@ -693,11 +699,21 @@ def main(argv=None):
             intervals = args.intervals.split(',')
             if args.smoke:
                 dampings, intervals = dampings[:1], intervals[:2]
+            if data.get('accuracy') and (
+                    data['epochs'], data['batch'], data['seeds']) != (
+                    epochs, args.batch, seeds):
+                raise SystemExit('--merge: the earlier accuracy runs used '
+                                 'other epochs, batch or seeds')
             data.update(epochs=epochs, batch=args.batch, seeds=seeds)
-            data['accuracy'] = accuracy_grid(
+            fresh = accuracy_grid(
                 SMOKE_DIGITS_NETS if args.smoke else DIGITS_NETS, dampings,
                 intervals, limits, seeds, epochs, args.batch,
                 limit_samples=200 if args.smoke else None)
+            # An earlier run's settings not redone here are kept (--merge).
+            redone = {_accuracy_key(e) for e in fresh}
+            data['accuracy'] = [e for e in data.get('accuracy', [])
+                                if _accuracy_key(e) not in redone] + fresh
+            _compare_to_sgd(data['accuracy'])
     data['load_after'] = list(os.getloadavg())
     if data.get('timing') and data.get('accuracy'):
         data['candidates'] = candidates(data['timing'], data['accuracy'])
