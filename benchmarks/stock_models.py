@@ -692,6 +692,7 @@ def main(argv=None):
                 for entry in time_model(name, timed[name], limits, cycles):
                     entry['measured'] = data['date']
                     data['timing'].append(entry)
+                _common.write_json(args.out, data)   # so far (long runs)
         if 'accuracy' in parts:
             seeds = list(range(1 if args.smoke else args.seeds))
             epochs = 1 if args.smoke else args.epochs
