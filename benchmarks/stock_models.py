@@ -2,7 +2,8 @@
 over the stock optimizer's, and accuracy against MomentumSGD at equal
 epochs on the digits — the measurements behind KFAC's defaults (issue 16).
 
-    python -m benchmarks.stock_models [--smoke] [--part timing,accuracy]
+    python -m benchmarks.stock_models [--smoke]
+        [--part timing,accuracy,stability]
         [--models ptb,mnist_mlp,...] [--limits None,4096,2048,1024,512]
         [--cycles 3] [--seeds 5] [--epochs 5] [--batch 64] [--threads 1]
         [--merge EARLIER.json] [--out FILE.json]
@@ -59,6 +60,12 @@ seeds (initial weights and shuffling; the split is fixed). Reported: the
 validation accuracy after the last epoch, mean ± standard deviation over
 seeds, min and max, and the difference to MomentumSGD with its standard
 error (√(s₁²/n + s₂²/n)).
+
+**Stability** (``--part stability``). Why the damping must grow with the
+refresh interval: for the digits MLP at each damping of the grid, with
+intervals 1 and 5, the step's squared length in the metric of the
+curvature that preconditions it, ``Σ_blocks ⟨∇E, (F + γI)⁻¹ ∇E⟩``, at
+each step of the first epoch (:func:`metric_step_sizes`).
 
 **Candidates.** The last table joins both parts for every setting:
 accuracy on both digits nets and the step-time ratios of the MNIST MLP
@@ -497,6 +504,64 @@ def _accuracy_line(entry) -> str:
         entry['accuracy_std'], entry['seconds_mean'])
 
 
+# -- the step size in the Fisher metric -------------------------------------------
+def metric_step_sizes(damping: float, intervals, steps: int, batch: int,
+                      seed: int = 0, n_units: int = 1000) -> List[float]:
+    """``Σ_blocks ⟨∇E, (F + γI)⁻¹ ∇E⟩`` at each of the first ``steps``
+    K-FAC steps of the digits MLP: the squared length of the step in the
+    metric of the curvature that preconditions it.
+
+    With the empirical Fisher refreshed from the very batch whose gradient
+    it preconditions, ``F ⪰ ḡ ḡᵀ`` (the mean of the per-sample outer
+    products bounds that of the mean), so this stays bounded whatever γ
+    (for one exact block it is below 1); a stale F has no such bound, and
+    only γ limits it.
+    """
+    a, g = intervals
+    x_train, t_train, _, _ = digits()
+    numpy.random.seed(seed)
+    model = L.Classifier(nets.MLP(n_units, 10))
+    optimizer = _kfac_maker(damping, a, g, None)()
+    optimizer.setup(model)
+    order = numpy.random.RandomState(seed).permutation(len(x_train))
+    sizes = []
+    for s in range(steps):
+        chunk = order[(s * batch) % len(order):][:batch]
+        optimizer.update(model, x_train[chunk], t_train[chunk])
+        total = 0.0
+        for block in optimizer.blocks:
+            grads = [p.grad for p in block.params]
+            # The damping of the block as the optimizer applies it.
+            directions = block.precondition(
+                grads, optimizer.damping * block.damping_scale(
+                    optimizer.rho_bn))
+            total += sum(float((gr * d).sum())
+                         for gr, d in zip(grads, directions))
+        sizes.append(total)
+    return sizes
+
+
+def stability(dampings, interval_names, steps, batch, n_units=1000
+              ) -> List[Dict]:
+    out = []
+    for damping in dampings:
+        for name in interval_names:
+            sizes = metric_step_sizes(damping, INTERVALS[name], steps, batch,
+                                      n_units=n_units)
+            finite = [v for v in sizes if math.isfinite(v)]
+            entry = {'damping': damping, 'intervals': name, 'steps': steps,
+                     'sizes': sizes,
+                     'median': _common.median(finite) if finite else None,
+                     'max': max(finite) if finite else None,
+                     'non_finite': len(sizes) - len(finite)}
+            print('digits_mlp damping={} intervals={}: step in the Fisher '
+                  'metric median {:.3g}, max {:.3g}'.format(
+                      damping, name, entry['median'] or float('nan'),
+                      entry['max'] or float('nan')), flush=True)
+            out.append(entry)
+    return out
+
+
 # -- tables ---------------------------------------------------------------------------
 def _fmt_limit(limit) -> str:
     return 'None' if limit is None else str(limit)
@@ -623,6 +688,14 @@ def print_tables(data: Dict) -> None:
               '{} seeds'.format(data['epochs'], data['batch'],
                                 len(data['seeds'])))
         print(accuracy_table(data['accuracy']))
+    if data.get('stability'):
+        print('\nThe step in the Fisher metric, Σ ⟨∇E, (F + γI)⁻¹ ∇E⟩, '
+              'digits MLP, first {} steps'.format(
+                  data['stability'][0]['steps']))
+        print(_common.format_table(
+            ['damping', 'intervals', 'median', 'max', 'non-finite'],
+            [[e['damping'], e['intervals'], e['median'], e['max'],
+              e['non_finite']] for e in data['stability']]))
     if data.get('candidates'):
         print('\nCandidates: digits accuracy (mean ± std; difference to '
               'MomentumSGD ± SE) and step-time ratio of the goal models')
@@ -641,7 +714,7 @@ def parse_args(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--smoke', action='store_true',
                         help='tiny models, one seed, seconds')
-    parser.add_argument('--part', default='timing,accuracy')
+    parser.add_argument('--part', default='timing,accuracy,stability')
     parser.add_argument('--models', default=None,
                         help='comma-separated; default all ({})'.format(
                             ','.join(TIMED)))
@@ -715,6 +788,11 @@ def main(argv=None):
             data['accuracy'] = [e for e in data.get('accuracy', [])
                                 if _accuracy_key(e) not in redone] + fresh
             _compare_to_sgd(data['accuracy'])
+        if 'stability' in parts:
+            data['stability'] = stability(
+                [float(v) for v in args.dampings.split(',')],
+                ['1', '5'], 3 if args.smoke else 22, args.batch,
+                n_units=16 if args.smoke else 1000)
     data['load_after'] = list(os.getloadavg())
     if data.get('timing') and data.get('accuracy'):
         data['candidates'] = candidates(data['timing'], data['accuracy'])

@@ -22,7 +22,7 @@ def test_stock_models_smoke(tmp_path):
     assert data['smoke'] is True and data['blas_threads'] in (1, None)
     for text in ('K-FAC step time / stock optimizer step time',
                  'K-FAC stage seconds', 'Validation accuracy on the digits',
-                 'Candidates'):
+                 'The step in the Fisher metric', 'Candidates'):
         assert text in stdout
     timing = data['timing']
     assert {e['model'] for e in timing} == {'ptb', 'mnist_mlp', 'dcgan'}
@@ -56,6 +56,11 @@ def test_stock_models_smoke(tmp_path):
         assert 0 <= entry['accuracy_mean'] <= 1
         assert len(entry['runs']) == len(data['seeds']) == 1
         assert math.isfinite(entry['vs_sgd'])
+    stability = data['stability']
+    assert [(e['damping'], e['intervals']) for e in stability] == [
+        (d, i) for d in (1e-3, 1e-2, 3e-2) for i in ('1', '5')]
+    assert all(len(e['sizes']) == e['steps'] and positive(e['median'])
+               for e in stability)
     assert data['candidates'] and all(
         'mnist_mlp' in row for row in data['candidates'])
 
