@@ -6,7 +6,7 @@ epochs on the digits — the measurements behind KFAC's defaults (issue 16).
         [--part timing,accuracy,stability]
         [--models ptb,mnist_mlp,...] [--limits None,4096,2048,1024,512]
         [--cycles 3] [--seeds 5] [--epochs 5] [--batch 64] [--threads 1]
-        [--merge EARLIER.json] [--out FILE.json]
+        [--merge EARLIER.json ...] [--out FILE.json]
 
 **Timing** (``--part timing``). The architectures are those of the stock
 tests (:mod:`tests.chainerkfac.stock.nets`, one entry per stock example,
@@ -703,6 +703,35 @@ def print_tables(data: Dict) -> None:
 
 
 # -- main -----------------------------------------------------------------------------
+def merge_into(data: Dict, path: str) -> None:
+    """The parts of an earlier run's JSON into ``data``: its timing
+    entries of models that ``data`` lacks replace nothing; its accuracy
+    settings and stability rows are added unless ``data`` has them."""
+    with open(path) as f:
+        earlier = json.load(f)
+    for key in ('epochs', 'batch', 'seeds', 'cycles', 'limits'):
+        if key in earlier and key not in data:
+            data[key] = earlier[key]
+    if earlier.get('accuracy') and data.get('accuracy') and (
+            data['epochs'], data['batch'], data['seeds']) != (
+            earlier['epochs'], earlier['batch'], earlier['seeds']):
+        raise SystemExit('--merge {}: other epochs, batch or seeds'.format(
+            path))
+    mine = {e['model'] for e in data.get('timing', [])}
+    data['timing'] = data.get('timing', []) + [
+        e for e in earlier.get('timing', []) if e['model'] not in mine]
+    keys = {_accuracy_key(e) for e in data.get('accuracy', [])}
+    data['accuracy'] = data.get('accuracy', []) + [
+        e for e in earlier.get('accuracy', [])
+        if _accuracy_key(e) not in keys]
+    rows = {(e['damping'], e['intervals']) for e in data.get('stability', [])}
+    data['stability'] = data.get('stability', []) + [
+        e for e in earlier.get('stability', [])
+        if (e['damping'], e['intervals']) not in rows]
+    data['merged_from'].append({'file': path, 'date': earlier.get('date'),
+                                'git_commit': earlier.get('git_commit')})
+
+
 def _limits(text: str):
     return tuple(None if v.strip() in ('None', 'none') else int(v)
                  for v in text.split(','))
@@ -726,9 +755,10 @@ def parse_args(argv):
     parser.add_argument('--dampings', default=','.join(map(str, DAMPINGS)))
     parser.add_argument('--intervals', default=','.join(INTERVALS))
     parser.add_argument('--threads', type=int, default=1)
-    parser.add_argument('--merge', default=None,
-                        help='JSON of an earlier run: its parts and model '
-                             'timings not redone here are kept')
+    parser.add_argument('--merge', action='append', default=[],
+                        help='JSON of an earlier run (repeatable): its '
+                             'model timings, accuracy settings and '
+                             'stability rows not redone here are kept')
     parser.add_argument('--out', default='result/stock_models.json')
     return parser.parse_args(argv)
 
@@ -739,15 +769,9 @@ def main(argv=None):
     parts = set(args.part.split(','))
     limits = _limits(args.limits)
     data = _common.header('stock_models', argv)
-    if args.merge:
-        with open(args.merge) as f:
-            earlier = json.load(f)
-        for key in ('timing', 'accuracy', 'epochs', 'batch', 'seeds'):
-            if key in earlier:
-                data[key] = earlier[key]
-        data['merged_from'] = {'file': args.merge,
-                               'date': earlier.get('date'),
-                               'git_commit': earlier.get('git_commit')}
+    data['merged_from'] = []
+    for path in args.merge:
+        merge_into(data, path)
     data['load_before'] = list(os.getloadavg())
     data['smoke'] = args.smoke
     timed = SMOKE_TIMED if args.smoke else TIMED
@@ -789,10 +813,14 @@ def main(argv=None):
                                 if _accuracy_key(e) not in redone] + fresh
             _compare_to_sgd(data['accuracy'])
         if 'stability' in parts:
-            data['stability'] = stability(
+            fresh = stability(
                 [float(v) for v in args.dampings.split(',')],
                 ['1', '5'], 3 if args.smoke else 22, args.batch,
                 n_units=16 if args.smoke else 1000)
+            redone = {(e['damping'], e['intervals']) for e in fresh}
+            data['stability'] = [
+                e for e in data.get('stability', [])
+                if (e['damping'], e['intervals']) not in redone] + fresh
     data['load_after'] = list(os.getloadavg())
     if data.get('timing') and data.get('accuracy'):
         data['candidates'] = candidates(data['timing'], data['accuracy'])

@@ -2,6 +2,7 @@
 JSON holds every figure, finite and positive; and the pieces the figures
 rest on (the step-kind cycle, the amortised interval cost, the block
 signature of a limit). Nothing here asserts a speed or an accuracy."""
+import json
 import math
 
 import pytest
@@ -63,6 +64,29 @@ def test_stock_models_smoke(tmp_path):
                for e in stability)
     assert data['candidates'] and all(
         'mnist_mlp' in row for row in data['candidates'])
+
+
+def test_merge_keeps_what_is_not_redone(tmp_path):
+    from benchmarks import stock_models
+    timing = tmp_path / 'timing.json'
+    accuracy = tmp_path / 'accuracy.json'
+    out = tmp_path / 'all.json'
+    stock_models.main(['--smoke', '--part', 'timing', '--models',
+                       'mnist_mlp', '--limits', 'None', '--out',
+                       str(timing)])
+    stock_models.main(['--smoke', '--part', 'accuracy', '--limits', 'None',
+                       '--out', str(accuracy)])
+    stock_models.main(['--smoke', '--part', 'stability', '--merge',
+                       str(timing), '--merge', str(accuracy), '--out',
+                       str(out)])
+    with open(out) as f:
+        data = json.load(f)
+    assert [e['model'] for e in data['timing']] == ['mnist_mlp']
+    assert len(data['accuracy']) == 7 and len(data['stability']) == 6
+    assert [m['file'] for m in data['merged_from']] == [str(timing),
+                                                        str(accuracy)]
+    assert data['candidates'] and all('mnist_mlp' in row
+                                      for row in data['candidates'])
 
 
 def test_amortised_step_time_of_intervals():
