@@ -13,9 +13,11 @@ tests (:mod:`tests.chainerkfac.stock.nets`, one entry per stock example,
 at the sizes listed in the table), each trained by its example's loop
 with its stock optimizer (Adam for the MLP, the VAE, PTB and DCGAN,
 ``MomentumSGD(lr=0.01, momentum=0.9)`` for the CNNs) and, on its own copy
-of the same initial model, with the README's line
-``KFAC(lr=0.01, momentum=0.9, damping=1e-2)`` at each ``max_factor_dim``
-of ``--limits``. A limit whose blocks are the same as an earlier one's
+of the same initial model, with ``KFAC(momentum=0.9, damping=1e-2)`` at
+each ``max_factor_dim`` of ``--limits``, at ``lr = 0`` (a step's cost does
+not depend on the learning rate; at the README's lr = 0.01 some of these
+models diverge within a few steps, whose steps are then skipped: see
+:func:`time_limit`). A limit whose blocks are the same as an earlier one's
 (same factor shapes, full or diagonal) is not timed again; one that keeps
 a factor larger than :data:`MAX_TIMED_FULL` full is not run (its n³
 inverse and n² memory are what the guard is for).
@@ -211,18 +213,47 @@ def describe_blocks(signature) -> Dict:
 
 # -- timing ---------------------------------------------------------------------------
 def _kfac_for_cycle(limit):
+    """K-FAC taking the cycle's step kinds, at ``lr = 0`` (see
+    :func:`time_limit`)."""
     def make():
-        return KFAC(lr=LR, momentum=MOMENTUM, damping=README_DAMPING,
+        return KFAC(lr=0.0, momentum=MOMENTUM, damping=README_DAMPING,
                     max_factor_dim=limit, refresh_interval_a=_interval_a,
                     refresh_interval_g=_interval_gf,
                     refresh_interval_f=_interval_gf, verbose=False)
     return make
 
 
-def _timed_step(trainee) -> float:
-    start = time.perf_counter()
-    trainee.step()
-    return time.perf_counter() - start
+class _Counts(chainer.Reporter):
+    """Sums K-FAC's reports of inverse retries and skipped steps over
+    every optimizer of a step."""
+
+    def __init__(self):
+        super().__init__()
+        self.retries = 0
+        self.skipped = 0
+
+    def report(self, values, observer=None):
+        if observer is None:
+            self.retries += int(values.get('kfac/inverse_retries', 0))
+            self.skipped += int(values.get('kfac/skipped_step', 0))
+        super().report(values, observer)
+
+
+def _reporter_for(trainee, reporter=None):
+    """A reporter that knows the trainee's models (the VAE and GoogLeNet
+    report their losses as observers)."""
+    reporter = reporter if reporter is not None else chainer.Reporter()
+    for k, target in enumerate(trainee.targets):
+        reporter.add_observer('main{}'.format(k), target)
+    return reporter
+
+
+def _timed_step(trainee, reporter=None) -> float:
+    reporter = reporter or _reporter_for(trainee)
+    with reporter.scope({}):
+        start = time.perf_counter()
+        trainee.step()
+        return time.perf_counter() - start
 
 
 def _stages(trainee, wall: float) -> Dict[str, float]:
@@ -241,11 +272,21 @@ def _spread(values: Sequence[float]) -> Dict[str, float]:
 
 def time_limit(stock, base, limit, cycles: int) -> Dict:
     """One K-FAC copy at ``limit`` against the stock trainee ``base``
-    (see the module docstring)."""
+    (see the module docstring).
+
+    K-FAC runs at ``lr = 0``: a step costs the same whatever the learning
+    rate (every stage runs, the update applies a zero step), and the model
+    stays where it is. With the README's lr some of these models diverge
+    within the cycle (NiN at batch 2 does even refreshing every step), and
+    a diverged model's steps are skipped and its inverses retried, which is
+    not the cost of training. Inverse retries and skipped steps of the
+    timed steps are recorded all the same.
+    """
     kfac = stock.build().setup(_kfac_for_cycle(limit))
     for _ in range(3):                       # warm-up cycle
-        kfac.step()
-        base.step()
+        _timed_step(kfac)
+        _timed_step(base)
+    counts = _reporter_for(kfac, _Counts())
     stock_times: List[List[float]] = []
     kfac_times = {p: [] for p in PHASES}
     stages = {p: [] for p in PHASES}
@@ -261,7 +302,7 @@ def time_limit(stock, base, limit, cycles: int) -> Dict:
                 if who == 'stock':
                     cycle_stock.append(_timed_step(base))
                 else:
-                    wall = _timed_step(kfac)
+                    wall = _timed_step(kfac, counts)
                     kfac_times[phase].append(wall)
                     stages[phase].append(_stages(kfac, wall))
         stock_times.append(cycle_stock)
@@ -280,6 +321,8 @@ def time_limit(stock, base, limit, cycles: int) -> Dict:
         'stages_s': {p: {s: _common.median([st[s] for st in stages[p]])
                          for s in stages[p][0]} for p in PHASES},
         'samples': {'stock_s': stock_times, 'kfac_s': kfac_times},
+        'inverse_retries': counts.retries,
+        'skipped_steps': counts.skipped,
     }
     del kfac
     gc.collect()
@@ -302,7 +345,7 @@ def time_model(name: str, stock, limits, cycles: int) -> List[Dict]:
         if signature in seen:
             entry['same_as'] = seen[signature]['limit']
             for key in ('stock_s', 'kfac_s', 'ratio', 'stages_s',
-                        'skipped'):
+                        'skipped', 'inverse_retries', 'skipped_steps'):
                 if key in seen[signature]:
                     entry[key] = seen[signature][key]
         elif entry['largest_full_factor'] > MAX_TIMED_FULL:
@@ -570,7 +613,7 @@ def _fmt_limit(limit) -> str:
 def timing_table(timing: List[Dict]) -> str:
     headers = ['model', 'stock', 'max_factor_dim', 'stock s', 'every',
                '5', '10', '20', 'A20/G5', 'stale', 'diag', 'largest full',
-               'precond GFLOP']
+               'precond GFLOP', 'retries', 'skipped']
     rows = []
     for e in timing:
         r = e.get('ratio')
@@ -582,7 +625,8 @@ def timing_table(timing: List[Dict]) -> str:
                      ratio('every'), ratio('5'), ratio('10'), ratio('20'),
                      ratio('A20/G5'), ratio('stale'),
                      e['diagonal_factors'], e['largest_full_factor'],
-                     e['precondition_gflop']])
+                     e['precondition_gflop'], e.get('inverse_retries'),
+                     e.get('skipped_steps')])
     return _common.format_table(headers, rows)
 
 

@@ -34,6 +34,7 @@ def test_stock_models_smoke(tmp_path):
         assert entry['kfac_blocks'] > 0 and positive(
             entry['precondition_gflop'])
         assert positive(entry['stock_s']['median'])
+        assert entry['inverse_retries'] >= 0 and entry['skipped_steps'] == 0
         assert set(entry['ratio']) == set(INTERVALS)
         for spread in entry['ratio'].values():
             assert positive(spread['median'])

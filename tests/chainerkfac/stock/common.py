@@ -27,7 +27,7 @@ DAMPING = 1e-2
 STEPS = 3
 #: The cost guard of the tests of large models (the recommended default;
 #: benchmarks/stock_models.py).
-MAX_FACTOR_DIM = 2048
+MAX_FACTOR_DIM = 1024
 
 
 def kfac(max_factor_dim=None, **kwargs):
