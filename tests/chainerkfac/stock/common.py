@@ -27,7 +27,10 @@ DAMPING = 1e-2
 STEPS = 3
 #: The cost guard of the tests of large models (the recommended default;
 #: benchmarks/stock_models.py).
-MAX_FACTOR_DIM = 1024
+MAX_FACTOR_DIM = 2048
+#: A tighter guard for the deepest ones on a CPU (ResNet-101: 104
+#: convolutions and 104 BN layers, factors up to 2048 at the default).
+CPU_MAX_FACTOR_DIM = 1024
 
 
 def kfac(max_factor_dim=None, **kwargs):

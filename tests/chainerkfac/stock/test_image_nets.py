@@ -3,8 +3,10 @@ script does (``update(model, x, t)`` from a ``StandardUpdater``) with
 only the optimizer line changed: 3 updates at the cost guard
 ``max_factor_dim`` = :data:`common.MAX_FACTOR_DIM`.
 
-The ImageNet-sized ones at their input size (224² / 227², batch 2) or at
-32² (ResNet-101, ResNeXt-50, batch 4) are slow on a CPU and marked so.
+The ImageNet-sized ones at their input size (224² / 227², batch 2; VGG16
+batch 1) or at 32² (ResNet-101, ResNeXt-50, batch 4, with the tighter
+guard :data:`common.CPU_MAX_FACTOR_DIM`) are slow on a CPU and marked
+so.
 """
 import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
 
@@ -14,8 +16,7 @@ from tests.chainerkfac.stock import common
 from tests.chainerkfac.stock import nets
 
 
-def _train(build, caplog):
-    limit = common.MAX_FACTOR_DIM
+def _train(build, caplog, limit=common.MAX_FACTOR_DIM):
     trainee = build().setup(lambda: common.kfac(max_factor_dim=limit))
     before, reports, warnings = common.train(trainee, caplog)
     [table] = common.check_trained(trainee, before, reports, warnings,
@@ -74,7 +75,7 @@ def test_googlenet_with_auxiliary_heads(caplog):
 @pytest.mark.slow
 def test_vgg16_layers_at_224(caplog):
     optimizer, rows = _train(
-        nets.image_classifier(nets.vgg16_layers, 2, 224), caplog)
+        nets.image_classifier(nets.vgg16_layers, 1, 224), caplog)
     # fc6's A would be 25089² (2.5 GB in float32).
     assert 'A 25089 (diag), G 4096 (diag)' in rows['/predictor/net/fc6']
     assert 'A diagonal (25089 > max_factor_dim=' in rows['/predictor/net/fc6']
@@ -83,7 +84,8 @@ def test_vgg16_layers_at_224(caplog):
 @pytest.mark.slow
 def test_resnet101_layers(caplog):
     optimizer, rows = _train(
-        nets.image_classifier(nets.resnet101_layers, 4, 32), caplog)
+        nets.image_classifier(nets.resnet101_layers, 4, 32), caplog,
+        limit=common.CPU_MAX_FACTOR_DIM)
     assert sum('Conv2D (K-FAC)' in r for r in rows.values()) == 104
     assert 'BN (diagonal Fisher)' in rows['/predictor/net/res5/a/bn3']
 
@@ -91,7 +93,7 @@ def test_resnet101_layers(caplog):
 @pytest.mark.slow
 def test_resnext50(caplog):
     optimizer, rows = _train(nets.image_classifier(nets.ResNeXt50, 4, 32),
-                             caplog)
+                             caplog, limit=common.CPU_MAX_FACTOR_DIM)
     grouped = [r for r in rows.values() if 'grouped convolution' in r]
     assert len(grouped) == 16       # one 3×3 per bottleneck: plain
     assert sum('Conv2D (K-FAC)' in r for r in rows.values()) == 1 + 16 * 2 + 4
