@@ -28,8 +28,9 @@ STEPS = 3
 #: The cost guard of the tests of large models (the recommended default;
 #: benchmarks/stock_models.py).
 MAX_FACTOR_DIM = 2048
-#: A tighter guard for the deepest ones on a CPU (ResNet-101: 104
-#: convolutions and 104 BN layers, factors up to 2048 at the default).
+#: A tighter guard for the largest ones on a CPU (ResNet-101: 104
+#: convolutions and 104 BN layers with factors up to 2048 at the default;
+#: VGG16's convolutions at 224²).
 CPU_MAX_FACTOR_DIM = 1024
 
 
