@@ -787,7 +787,9 @@ def parse_args(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--smoke', action='store_true',
                         help='tiny models, one seed, seconds')
-    parser.add_argument('--part', default='timing,accuracy,stability')
+    parser.add_argument('--part', default='timing,accuracy,stability',
+                        help="comma-separated; 'none' runs nothing: with "
+                             '--merge, joins earlier runs and prints')
     parser.add_argument('--models', default=None,
                         help='comma-separated; default all ({})'.format(
                             ','.join(TIMED)))
@@ -811,6 +813,10 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     parts = set(args.part.split(','))
+    unknown = parts - {'timing', 'accuracy', 'stability', 'none'}
+    if unknown:
+        raise SystemExit('--part: unknown {}'.format(', '.join(sorted(
+            unknown))))
     limits = _limits(args.limits)
     data = _common.header('stock_models', argv)
     data['merged_from'] = []

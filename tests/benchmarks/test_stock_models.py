@@ -131,3 +131,9 @@ def test_block_signature_follows_the_limit():
     assert guarded['diagonal_factors'] == 1
     assert guarded['precondition_gflop'] == pytest.approx(
         2 * 20 * 3001 * (20 + 1) / 1e9)
+
+
+def test_unknown_part_is_refused():
+    from benchmarks import stock_models
+    with pytest.raises(SystemExit, match='unknown timings'):
+        stock_models.main(['--part', 'timings'])
