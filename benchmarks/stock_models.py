@@ -89,7 +89,6 @@ import gc
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from typing import Dict, List, Optional, Sequence
@@ -144,7 +143,7 @@ SMOKE_TIMED = {
 }
 
 
-# -- which step kind K-FAC takes ----------------------------------------------------
+# -- which step kind K-FAC takes ----------------------------------------------
 def _interval_a(iteration, epoch):
     """A refreshed at steps 0, 3, 6, ... (the *every* steps)."""
     return 1 if iteration % 3 == 0 else NEVER
@@ -168,7 +167,7 @@ def amortised(times: Dict[str, float], intervals) -> float:
             stale * times['stale']) / a
 
 
-# -- what a limit does to a model's blocks --------------------------------------------
+# -- what a limit does to a model's blocks ------------------------------------
 def block_signature(targets, limit) -> tuple:
     """The factor shapes of every block under ``max_factor_dim=limit``
     (lazily sized links must have their parameters)."""
@@ -211,7 +210,7 @@ def describe_blocks(signature) -> Dict:
             'precondition_gflop': flops / 1e9}
 
 
-# -- timing ---------------------------------------------------------------------------
+# -- timing -------------------------------------------------------------------
 def _kfac_for_cycle(limit):
     """K-FAC taking the cycle's step kinds, at ``lr = 0`` (see
     :func:`time_limit`)."""
@@ -382,7 +381,7 @@ def _timing_line(entry) -> str:
                        if 'same_as' in entry else ''))
 
 
-# -- accuracy on the digits ---------------------------------------------------------
+# -- accuracy on the digits ---------------------------------------------------
 class DigitsConvBN(chainer.Chain):
     """conv 16 → BN → relu → conv 32 → BN → relu → max pool 2 → Linear
     10, for 1×8×8 digits."""
@@ -547,7 +546,7 @@ def _accuracy_line(entry) -> str:
         entry['accuracy_std'], entry['seconds_mean'])
 
 
-# -- the step size in the Fisher metric -------------------------------------------
+# -- the step size in the Fisher metric ---------------------------------------
 def metric_step_sizes(damping: float, intervals, steps: int, batch: int,
                       seed: int = 0, n_units: int = 1000) -> List[float]:
     """``Σ_blocks ⟨∇E, (F + γI)⁻¹ ∇E⟩`` at each of the first ``steps``
@@ -605,7 +604,7 @@ def stability(dampings, interval_names, steps, batch, n_units=1000
     return out
 
 
-# -- tables ---------------------------------------------------------------------------
+# -- tables -------------------------------------------------------------------
 def _fmt_limit(limit) -> str:
     return 'None' if limit is None else str(limit)
 
@@ -746,7 +745,7 @@ def print_tables(data: Dict) -> None:
         print(candidates_table(data['candidates']))
 
 
-# -- main -----------------------------------------------------------------------------
+# -- main ---------------------------------------------------------------------
 def merge_into(data: Dict, path: str) -> None:
     """The parts of an earlier run's JSON into ``data``: its timing
     entries of models that ``data`` lacks replace nothing; its accuracy

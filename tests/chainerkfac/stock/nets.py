@@ -14,7 +14,7 @@ All models are float32 (Chainer's default), as the stock scripts.
 """
 import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
 
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple
 
 import numpy
 
@@ -23,7 +23,7 @@ import chainer.functions as F
 import chainer.links as L
 
 
-# -- PTB language model (examples/ptb) -----------------------------------------------
+# -- PTB language model (examples/ptb) ----------------------------------------
 class RNNLM(chainer.Chain):
     """EmbedID → dropout → LSTM → dropout → LSTM → dropout → Linear."""
 
@@ -84,7 +84,7 @@ def bptt_iteration(model, optimizer, corpus, bprop_len):
     return loss
 
 
-# -- DCGAN (examples/dcgan) --------------------------------------------------------------
+# -- DCGAN (examples/dcgan) ---------------------------------------------------
 class Generator(chainer.Chain):
     """Linear → BN → (Deconvolution2D → BN → relu) × 3 → Deconvolution2D
     → sigmoid; a 32² image from ``n_hidden`` uniform noise."""
@@ -186,7 +186,7 @@ def dcgan_iteration(gen, dis, opt_gen, opt_dis, x_real, rng):
     opt_gen.update(loss_gen, y_fake)
 
 
-# -- Chainer's MNIST MLP (examples/mnist) -----------------------------------------------
+# -- Chainer's MNIST MLP (examples/mnist) -------------------------------------
 class MLP(chainer.Chain):
     """Linear(None, n_units) → relu → Linear → relu → Linear(n_out)."""
 
@@ -203,7 +203,7 @@ class MLP(chainer.Chain):
         return self.l3(h2)
 
 
-# -- CIFAR VGG with BN (examples/cifar) ------------------------------------------------
+# -- CIFAR VGG with BN (examples/cifar) ---------------------------------------
 class VGGBlock(chainer.Chain):
     """Convolution (no bias) → BN → relu."""
 
@@ -254,7 +254,7 @@ class CifarVGG(chainer.Chain):
         return self.fc2(h)
 
 
-# -- VAE (examples/vae) ----------------------------------------------------------------------
+# -- VAE (examples/vae) -------------------------------------------------------
 class VAE(chainer.Chain):
     """Encoder 784 → 500 → (μ, ln σ²) of 20 latents, decoder 20 → 500 →
     784 Bernoulli logits; the loss is the negative ELBO per sample:
@@ -292,7 +292,7 @@ class VAE(chainer.Chain):
         return loss
 
 
-# -- ImageNet example networks (examples/imagenet) -----------------------------------
+# -- ImageNet example networks (examples/imagenet) ----------------------------
 class AlexNet(chainer.Chain):
     """Five convolutions with LRN and max pooling, fc 4096-4096-1000 with
     dropout; 227² input."""
@@ -527,7 +527,7 @@ class VisionHead(chainer.Chain):
         return self.net(x, layers=[self.layer])[self.layer]
 
 
-# -- the registry of stock architectures ---------------------------------------------
+# -- the registry of stock architectures --------------------------------------
 class Stock(NamedTuple):
     """One stock architecture as its example script trains it.
 

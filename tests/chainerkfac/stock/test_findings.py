@@ -52,7 +52,8 @@ def _one_epoch(damping, interval, seed=0):
         for block in optimizer.blocks:
             grads = [p.grad for p in block.params]
             directions = block.precondition(grads, damping)
-            step += sum(float((g * d).sum()) for g, d in zip(grads, directions))
+            step += sum(float((g * d).sum())
+                        for g, d in zip(grads, directions))
         largest = max(largest, step)
     with chainer.using_config('train', False), chainer.no_backprop_mode():
         accuracy = float(F.accuracy(model.predictor(xv), tv).array)
