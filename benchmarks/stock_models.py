@@ -125,11 +125,17 @@ GOAL_RATIO = 3.0
 GOAL_MODELS = ('mnist_mlp', 'cifar_vgg')
 
 #: The timing's architectures at the sizes of :data:`nets.STOCK`, but
-#: PTB with the example's 10000 words.
+#: PTB with the example's 10000 words, and ResNet-101 at 224² too.
 TIMED = dict(nets.STOCK)
 TIMED['ptb'] = nets.Stock('ptb', nets.adam, nets.ptb(n_vocab=10000),
                           'PTB RNNLM: EmbedID(10000) + 2 LSTM(650) + '
                           'Linear, BPTT 35, batch 20, clip 5')
+# ResNet-101 at the ImageNet input size: how the ratio falls with the work
+# per step (the 32² entry is the stock test's size).
+TIMED['resnet101_224'] = nets.Stock(
+    'resnet101_224', nets.momentum_sgd,
+    nets.image_classifier(nets.resnet101_layers, 8, 224),
+    'L.ResNet101Layers, 224², batch 8')
 SMOKE_TIMED = {
     'ptb': nets.Stock('ptb', nets.adam,
                       nets.ptb(n_vocab=30, n_units=8, batch=2, bprop_len=3),
