@@ -618,7 +618,7 @@ def _fmt_limit(limit) -> str:
 def timing_table(timing: List[Dict]) -> str:
     headers = ['model', 'stock', 'max_factor_dim', 'stock s', 'every',
                '5', '10', '20', 'A20/G5', 'stale', 'diag', 'largest full',
-               'precond GFLOP', 'retries', 'skipped']
+               'precond GFLOP', 'retries', 'skipped', 'cycles']
     rows = []
     for e in timing:
         r = e.get('ratio')
@@ -631,7 +631,9 @@ def timing_table(timing: List[Dict]) -> str:
                      ratio('A20/G5'), ratio('stale'),
                      e['diagonal_factors'], e['largest_full_factor'],
                      e['precondition_gflop'], e.get('inverse_retries'),
-                     e.get('skipped_steps')])
+                     e.get('skipped_steps'),
+                     len(e['samples']['stock_s']) if 'samples' in e
+                     else None])
     return _common.format_table(headers, rows)
 
 
@@ -725,6 +727,10 @@ def print_tables(data: Dict) -> None:
     print(_common.describe_machine(data))
     print('load average before / after: {} / {}'.format(
         data.get('load_before'), data.get('load_after')))
+    for source in data.get('merged_from', []):
+        print('merged: {} ({}; load {} / {})'.format(
+            source['file'], source['date'], source.get('load_before'),
+            source.get('load_after')))
     if data.get('timing'):
         print('\nK-FAC step time / stock optimizer step time (median over '
               'cycles), by refresh interval')
@@ -777,8 +783,12 @@ def merge_into(data: Dict, path: str) -> None:
     data['stability'] = data.get('stability', []) + [
         e for e in earlier.get('stability', [])
         if (e['damping'], e['intervals']) not in rows]
-    data['merged_from'].append({'file': path, 'date': earlier.get('date'),
-                                'git_commit': earlier.get('git_commit')})
+    data['merged_from'].append({
+        'file': path, 'date': earlier.get('date'),
+        'git_commit': earlier.get('git_commit'),
+        'command': earlier.get('command'),
+        'load_before': earlier.get('load_before'),
+        'load_after': earlier.get('load_after')})
 
 
 def _limits(text: str):
@@ -877,6 +887,9 @@ def main(argv=None):
                 e for e in data.get('stability', [])
                 if (e['damping'], e['intervals']) not in redone] + fresh
     data['load_after'] = list(os.getloadavg())
+    order = list(TIMED) + list(SMOKE_TIMED)
+    data['timing'] = sorted(data.get('timing', []), key=lambda e: (
+        order.index(e['model']) if e['model'] in order else len(order)))
     if data.get('timing') and data.get('accuracy'):
         data['candidates'] = candidates(data['timing'], data['accuracy'])
     _common.write_json(args.out, data)
