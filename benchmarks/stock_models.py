@@ -1,0 +1,902 @@
+"""The one-line swap on Chainer's stock architectures: K-FAC's step time
+over the stock optimizer's, and accuracy against MomentumSGD at equal
+epochs on the digits — the measurements behind KFAC's defaults (issue 16).
+
+    python -m benchmarks.stock_models [--smoke]
+        [--part timing,accuracy,stability]
+        [--models ptb,mnist_mlp,...] [--limits None,4096,2048,1024,512]
+        [--cycles 3] [--seeds 5] [--epochs 5] [--batch 64] [--threads 1]
+        [--merge EARLIER.json ...] [--out FILE.json]
+
+**Timing** (``--part timing``). The architectures are those of the stock
+tests (:mod:`tests.chainerkfac.stock.nets`, one entry per stock example,
+at the sizes listed in the table), each trained by its example's loop
+with its stock optimizer (Adam for the MLP, the VAE, PTB and DCGAN,
+``MomentumSGD(lr=0.01, momentum=0.9)`` for the CNNs) and, on its own copy
+of the same initial model, with ``KFAC(momentum=0.9, damping=1e-2)`` at
+each ``max_factor_dim`` of ``--limits``, at ``lr = 0`` (a step's cost does
+not depend on the learning rate; at the README's lr = 0.01 some of these
+models diverge within a few steps, whose steps are then skipped: see
+:func:`time_limit`). A limit whose blocks are the same as an earlier one's
+(same factor shapes, full or diagonal) is not timed again; one that keeps
+a factor larger than :data:`MAX_TIMED_FULL` full is not run (its n³
+inverse and n² memory are what the guard is for).
+
+K-FAC's step cost depends only on which factors a step refreshes, not on
+the interval that made it do so: a step refreshes everything (*every*),
+only the output-gradient factors G and the BN Fisher F (*G only*, the
+input factors A stale), or nothing (*stale*: the stored inverses
+precondition). So the K-FAC optimizer here runs a cycle of three steps,
+every / G only / stale (refresh-interval callables of the step), and the
+cost of any refresh interval is the amortised mix: intervals (a, g) with
+a a multiple of g make, every a steps, 1 *every* step, a/g − 1 *G only*
+steps and a − a/g *stale* steps. Intervals 1 are the *every* step alone.
+
+The stock step and the K-FAC step alternate, in an order swapped every
+round (one round = one step of each); a cycle is three rounds, one of
+each K-FAC step kind. Per cycle, the ratio of each interval setting is
+its amortised K-FAC time over the median of the cycle's three stock steps;
+the figure is the median over cycles, with the spread (min-max). One
+warm-up cycle is not timed (lazy initialisation, the first update's
+graph analysis). Stage times (:attr:`KFAC.stage_times`, summed over
+DCGAN's two optimizers) are medians over the timed steps of each kind;
+``loop`` is the step's wall time minus K-FAC's stages: the user's forward
+and backward in a hand-written loop (PTB, DCGAN's forward), with the
+factor capture that runs inside that backward. ``precondition_gflop``
+counts the products of stage 5 per step, whatever the interval:
+``2·d_out·d_in·(d_out + d_in)`` for a Kronecker block with both factors
+full (a diagonal factor contributes 1 instead of its size), ``2·(2C)²``
+for a full BN Fisher.
+
+**Accuracy** (``--part accuracy``). Two nets on scikit-learn's digits
+(8×8 images, 1797 samples; a fixed split of 1437 to train and 360 to
+validate): a small conv + BN net (conv 16 → BN → relu → conv 32 → BN →
+relu → 2×2 max pooling → Linear 10) and Chainer's MNIST MLP with the 784
+inputs replaced by the 64 pixels (64-1000-1000-10). Each trains
+``--epochs`` epochs (5) at batch ``--batch`` (64) with
+``MomentumSGD(lr=0.01, momentum=0.9)``, with Adam (the MLP's stock
+optimizer, for reference), and with ``KFAC(lr=0.01, momentum=0.9, ...)``
+over the grid damping × refresh intervals × ``max_factor_dim`` (limits
+that give the same blocks on a net are run once), each for ``--seeds``
+seeds (initial weights and shuffling; the split is fixed). Reported: the
+validation accuracy after the last epoch, mean ± standard deviation over
+seeds, min and max, and the difference to MomentumSGD with its standard
+error (√(s₁²/n + s₂²/n)).
+
+**Stability** (``--part stability``). Why the damping must grow with the
+refresh interval: for the digits MLP at each damping of the grid, with
+intervals 1 and 5, the step's squared length in the metric of the
+curvature that preconditions it, ``Σ_blocks ⟨∇E, (F + γI)⁻¹ ∇E⟩``, at
+each step of the first epoch (:func:`metric_step_sizes`).
+
+**Candidates.** The last table joins both parts for every setting:
+accuracy on both digits nets and the step-time ratios of the MNIST MLP
+and the CIFAR VGG, the two nets of the issue's goals (≤ 3× the stock
+optimizer; accuracy no worse than MomentumSGD beyond seed noise).
+``--merge`` reads an earlier run's JSON: the parts, the timing of the
+models and the accuracy settings that this run does not redo are kept
+(each timing entry is a ratio within its own run; the seeds, epochs and
+batch must be the same).
+
+Timings are only comparable within one run; the machine is shared, so
+the JSON records the load average before and after. BLAS threads:
+``--threads`` (default 1, through threadpoolctl).
+"""
+import chainerkfac  # NOQA  (before chainer: NumPy-2 compatibility shims)
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+import numpy
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+from benchmarks import _common
+from chainerkfac import fisher_blocks
+from chainerkfac.optimizers import KFAC
+from tests.chainerkfac.stock import nets
+
+LR = 0.01
+MOMENTUM = 0.9
+#: The README's line.
+README_DAMPING = 1e-2
+LIMITS = (None, 4096, 2048, 1024, 512)
+DAMPINGS = (1e-3, 1e-2, 3e-2)
+#: Refresh intervals (A, G = F) by name.
+INTERVALS = {'1': (1, 1), '5': (5, 5), '10': (10, 10), '20': (20, 20),
+             'A20/G5': (20, 5)}
+#: Today's defaults.
+OLD_DEFAULTS = {'damping': 1e-3, 'intervals': '1', 'limit': None}
+#: Full factors larger than this are not timed.
+MAX_TIMED_FULL = 8192
+STAGES = ('forward_backward', 'factors', 'reduce_scatter', 'inverse',
+          'precondition', 'all_gather', 'update')
+PHASES = ('every', 'g_only', 'stale')
+NEVER = 10 ** 9
+GOAL_RATIO = 3.0
+GOAL_MODELS = ('mnist_mlp', 'cifar_vgg')
+
+#: The timing's architectures at the sizes of :data:`nets.STOCK`, but
+#: PTB with the example's 10000 words, and ResNet-101 at 224² too.
+TIMED = dict(nets.STOCK)
+TIMED['ptb'] = nets.Stock('ptb', nets.adam, nets.ptb(n_vocab=10000),
+                          'PTB RNNLM: EmbedID(10000) + 2 LSTM(650) + '
+                          'Linear, BPTT 35, batch 20, clip 5')
+# ResNet-101 at the ImageNet input size: how the ratio falls with the work
+# per step (the 32² entry is the stock test's size).
+TIMED['resnet101_224'] = nets.Stock(
+    'resnet101_224', nets.momentum_sgd,
+    nets.image_classifier(nets.resnet101_layers, 8, 224),
+    'L.ResNet101Layers, 224², batch 8')
+SMOKE_TIMED = {
+    'ptb': nets.Stock('ptb', nets.adam,
+                      nets.ptb(n_vocab=30, n_units=8, batch=2, bprop_len=3),
+                      'PTB RNNLM, tiny'),
+    'mnist_mlp': nets.Stock('mnist_mlp', nets.adam,
+                            nets.mnist_mlp(batch=8, n_in=20, n_units=16),
+                            'MNIST MLP, tiny'),
+    'dcgan': nets.Stock('dcgan', nets.adam, nets.dcgan(batch=2, ch=16,
+                                                       n_hidden=4),
+                        'DCGAN, tiny'),
+}
+
+
+# -- which step kind K-FAC takes ----------------------------------------------
+def _interval_a(iteration, epoch):
+    """A refreshed at steps 0, 3, 6, ... (the *every* steps)."""
+    return 1 if iteration % 3 == 0 else NEVER
+
+
+def _interval_gf(iteration, epoch):
+    """G and F refreshed at every step but 2, 5, 8, ... (*stale*)."""
+    return 1 if iteration % 3 != 2 else NEVER
+
+
+def amortised(times: Dict[str, float], intervals) -> float:
+    """Mean step time of refresh intervals (a, g) from the step times of
+    the three kinds (a a multiple of g)."""
+    a, g = intervals
+    if a % g:
+        raise ValueError('A refreshed every {} steps, G every {}: A must be '
+                         'a multiple of G'.format(a, g))
+    g_only = a // g - 1
+    stale = a - a // g
+    return (times['every'] + g_only * times['g_only'] +
+            stale * times['stale']) / a
+
+
+# -- what a limit does to a model's blocks ------------------------------------
+def block_signature(targets, limit) -> tuple:
+    """The factor shapes of every block under ``max_factor_dim=limit``
+    (lazily sized links must have their parameters)."""
+    options = fisher_blocks.BlockOptions(max_factor_dim=limit)
+    out = []
+    for target in targets:
+        for block in fisher_blocks.build_blocks(target, options):
+            shapes = block.factor_shapes()
+            out.append((block.name, block.kind,
+                        tuple(sorted(shapes.items()))))
+    return tuple(out)
+
+
+def describe_blocks(signature) -> Dict:
+    """Counts, the largest full factor and the preconditioning products
+    per step (GFLOP, see the module docstring)."""
+    kfac = plain = diagonal = 0
+    largest = 0
+    flops = 0.0
+    for _, kind, shapes in signature:
+        shapes = dict(shapes)
+        if not shapes:
+            plain += 1
+            continue
+        kfac += 1
+        for shape in shapes.values():
+            if len(shape) == 1:
+                diagonal += 1
+            else:
+                largest = max(largest, shape[0])
+        if 'A' in shapes:
+            d_in, d_out = shapes['A'][0], shapes['G'][0]
+            flops += 2.0 * d_out * d_in * (
+                (d_out if len(shapes['G']) == 2 else 1) +
+                (d_in if len(shapes['A']) == 2 else 1))
+        elif len(shapes['F']) == 2:
+            flops += 2.0 * shapes['F'][0] ** 2
+    return {'kfac_blocks': kfac, 'plain_blocks': plain,
+            'diagonal_factors': diagonal, 'largest_full_factor': largest,
+            'precondition_gflop': flops / 1e9}
+
+
+# -- timing -------------------------------------------------------------------
+def _kfac_for_cycle(limit):
+    """K-FAC taking the cycle's step kinds, at ``lr = 0`` (see
+    :func:`time_limit`)."""
+    def make():
+        return KFAC(lr=0.0, momentum=MOMENTUM, damping=README_DAMPING,
+                    max_factor_dim=limit, refresh_interval_a=_interval_a,
+                    refresh_interval_g=_interval_gf,
+                    refresh_interval_f=_interval_gf, verbose=False)
+    return make
+
+
+class _Counts(chainer.Reporter):
+    """Sums K-FAC's reports of inverse retries and skipped steps over
+    every optimizer of a step."""
+
+    def __init__(self):
+        super().__init__()
+        self.retries = 0
+        self.skipped = 0
+
+    def report(self, values, observer=None):
+        if observer is None:
+            self.retries += int(values.get('kfac/inverse_retries', 0))
+            self.skipped += int(values.get('kfac/skipped_step', 0))
+        super().report(values, observer)
+
+
+def _reporter_for(trainee, reporter=None):
+    """A reporter that knows the trainee's models (the VAE and GoogLeNet
+    report their losses as observers)."""
+    reporter = reporter if reporter is not None else chainer.Reporter()
+    for k, target in enumerate(trainee.targets):
+        reporter.add_observer('main{}'.format(k), target)
+    return reporter
+
+
+def _timed_step(trainee, reporter=None) -> float:
+    reporter = reporter or _reporter_for(trainee)
+    with reporter.scope({}):
+        start = time.perf_counter()
+        trainee.step()
+        return time.perf_counter() - start
+
+
+def _stages(trainee, wall: float) -> Dict[str, float]:
+    total = {s: 0.0 for s in STAGES}
+    for optimizer in trainee.optimizers:
+        for stage, seconds in optimizer.stage_times.items():
+            total[stage] = total.get(stage, 0.0) + seconds
+    total['loop'] = max(0.0, wall - sum(total.values()))
+    return total
+
+
+def _spread(values: Sequence[float]) -> Dict[str, float]:
+    return {'median': _common.median(values), 'min': float(min(values)),
+            'max': float(max(values))}
+
+
+def time_limit(stock, base, limit, cycles: int) -> Dict:
+    """One K-FAC copy at ``limit`` against the stock trainee ``base``
+    (see the module docstring).
+
+    K-FAC runs at ``lr = 0``: a step costs the same whatever the learning
+    rate (every stage runs, the update applies a zero step), and the model
+    stays where it is. With the README's lr some of these models diverge
+    within the cycle (NiN at batch 2 does even refreshing every step), and
+    a diverged model's steps are skipped and its inverses retried, which is
+    not the cost of training. Inverse retries and skipped steps of the
+    timed steps are recorded all the same.
+    """
+    kfac = stock.build().setup(_kfac_for_cycle(limit))
+    for _ in range(3):                       # warm-up cycle
+        _timed_step(kfac)
+        _timed_step(base)
+    counts = _reporter_for(kfac, _Counts())
+    stock_times: List[List[float]] = []
+    kfac_times = {p: [] for p in PHASES}
+    stages = {p: [] for p in PHASES}
+    round_index = 0
+    for _ in range(cycles):
+        cycle_stock = []
+        for phase in PHASES:
+            assert kfac.optimizers[0].t % 3 == PHASES.index(phase)
+            order = ('stock', 'kfac') if round_index % 2 == 0 else \
+                ('kfac', 'stock')
+            round_index += 1
+            for who in order:
+                if who == 'stock':
+                    cycle_stock.append(_timed_step(base))
+                else:
+                    wall = _timed_step(kfac, counts)
+                    kfac_times[phase].append(wall)
+                    stages[phase].append(_stages(kfac, wall))
+        stock_times.append(cycle_stock)
+    ratios = {name: [] for name in ('every', 'stale') + tuple(INTERVALS)}
+    for c in range(cycles):
+        reference = _common.median(stock_times[c])
+        times = {p: kfac_times[p][c] for p in PHASES}
+        ratios['every'].append(times['every'] / reference)
+        ratios['stale'].append(times['stale'] / reference)
+        for name, intervals in INTERVALS.items():
+            ratios[name].append(amortised(times, intervals) / reference)
+    result = {
+        'stock_s': _spread([t for c in stock_times for t in c]),
+        'kfac_s': {p: _spread(kfac_times[p]) for p in PHASES},
+        'ratio': {name: _spread(values) for name, values in ratios.items()},
+        'stages_s': {p: {s: _common.median([st[s] for st in stages[p]])
+                         for s in stages[p][0]} for p in PHASES},
+        'samples': {'stock_s': stock_times, 'kfac_s': kfac_times},
+        'inverse_retries': counts.retries,
+        'skipped_steps': counts.skipped,
+    }
+    del kfac
+    gc.collect()
+    return result
+
+
+def time_model(name: str, stock, limits, cycles: int) -> List[Dict]:
+    """Every limit of ``limits`` on one architecture."""
+    numpy.random.seed(0)
+    base = stock.build().setup(stock.stock_optimizer)
+    base.step()                           # lazily sized links get shapes
+    results = []
+    seen = {}
+    for limit in limits:
+        signature = block_signature(base.targets, limit)
+        entry = {'model': name, 'description': stock.description,
+                 'stock_optimizer': type(base.optimizers[0]).__name__,
+                 'limit': limit}
+        entry.update(describe_blocks(signature))
+        if signature in seen:
+            entry['same_as'] = seen[signature]['limit']
+            for key in ('stock_s', 'kfac_s', 'ratio', 'stages_s',
+                        'skipped', 'inverse_retries', 'skipped_steps'):
+                if key in seen[signature]:
+                    entry[key] = seen[signature][key]
+        elif entry['largest_full_factor'] > MAX_TIMED_FULL:
+            entry['skipped'] = (
+                'a full {0}x{0} factor (> {1}): not run'.format(
+                    entry['largest_full_factor'], MAX_TIMED_FULL))
+            seen[signature] = entry
+        else:
+            start = time.time()
+            try:
+                entry.update(time_limit(stock, base, limit, cycles))
+            except MemoryError as error:     # report, go on
+                entry['skipped'] = 'MemoryError: {}'.format(error)
+            entry['seconds'] = time.time() - start
+            seen[signature] = entry
+        print(_timing_line(entry), flush=True)
+        results.append(entry)
+    del base
+    gc.collect()
+    return results
+
+
+def _timing_line(entry) -> str:
+    head = '{} limit={}: '.format(entry['model'], entry['limit'])
+    if 'ratio' not in entry:
+        return head + entry.get('skipped', '?')
+    r = entry['ratio']
+    return head + ('stock {:.3g} s; K-FAC/stock every {:.3g}, 5 {:.3g}, '
+                   '20 {:.3g}, stale {:.3g}{}'.format(
+                       entry['stock_s']['median'], r['every']['median'],
+                       r['5']['median'], r['20']['median'],
+                       r['stale']['median'],
+                       ' (same as {})'.format(entry['same_as'])
+                       if 'same_as' in entry else ''))
+
+
+# -- accuracy on the digits ---------------------------------------------------
+class DigitsConvBN(chainer.Chain):
+    """conv 16 → BN → relu → conv 32 → BN → relu → max pool 2 → Linear
+    10, for 1×8×8 digits."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.conv1 = L.Convolution2D(1, 16, 3, pad=1)
+            self.bn1 = L.BatchNormalization(16)
+            self.conv2 = L.Convolution2D(16, 32, 3, pad=1)
+            self.bn2 = L.BatchNormalization(32)
+            self.fc = L.Linear(32 * 4 * 4, 10)
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = F.max_pooling_2d(F.relu(self.bn2(self.conv2(h))), 2)
+        return self.fc(h)
+
+
+DIGITS_NETS = {
+    'digits_conv_bn': (DigitsConvBN, (1, 8, 8)),
+    'digits_mlp': (lambda: nets.MLP(1000, 10), (64,)),
+}
+SMOKE_DIGITS_NETS = {
+    'digits_conv_bn': (DigitsConvBN, (1, 8, 8)),
+    'digits_mlp': (lambda: nets.MLP(16, 10), (64,)),
+}
+N_TRAIN = 1437
+
+
+def digits(limit_samples: Optional[int] = None):
+    """(x_train, t_train, x_val, t_val): pixels / 16 as float32, a fixed
+    split."""
+    from sklearn.datasets import load_digits
+    data = load_digits()
+    x = (data.data / 16.0).astype(numpy.float32)
+    t = data.target.astype(numpy.int32)
+    order = numpy.random.RandomState(0).permutation(len(x))
+    x, t = x[order], t[order]
+    n_train = N_TRAIN
+    if limit_samples is not None:
+        x, t = x[:limit_samples], t[:limit_samples]
+        n_train = limit_samples * 4 // 5
+    return x[:n_train], t[:n_train], x[n_train:], t[n_train:]
+
+
+def train_digits(make_net, shape, make_optimizer, data, seed: int,
+                 epochs: int, batch: int) -> Dict:
+    """Validation accuracy and loss after ``epochs`` epochs."""
+    x_train, t_train, x_val, t_val = data
+    numpy.random.seed(seed)
+    model = L.Classifier(make_net())
+    optimizer = make_optimizer()
+    optimizer.setup(model)
+    rng = numpy.random.RandomState(seed)
+    start = time.perf_counter()
+    x_train = x_train.reshape((-1,) + shape)
+    for _ in range(epochs):
+        order = rng.permutation(len(x_train))
+        for i in range(0, len(order), batch):
+            chunk = order[i:i + batch]
+            optimizer.update(model, x_train[chunk], t_train[chunk])
+        optimizer.new_epoch()
+    seconds = time.perf_counter() - start
+    with chainer.using_config('train', False), chainer.no_backprop_mode():
+        y = model.predictor(x_val.reshape((-1,) + shape))
+        loss = float(F.softmax_cross_entropy(y, t_val).array)
+        accuracy = float(F.accuracy(y, t_val).array)
+    return {'accuracy': accuracy, 'loss': loss, 'seconds': seconds,
+            'skipped_steps': int(getattr(
+                getattr(optimizer, 'guard', None), 'skipped_steps', 0))}
+
+
+def _summary(runs: List[Dict]) -> Dict:
+    acc = [r['accuracy'] for r in runs]
+    return {'accuracy_mean': float(numpy.mean(acc)),
+            'accuracy_std': float(numpy.std(acc, ddof=1)) if len(acc) > 1
+            else 0.0,
+            'accuracy_min': float(min(acc)), 'accuracy_max': float(max(acc)),
+            'loss_mean': float(numpy.mean([r['loss'] for r in runs])),
+            'seconds_mean': float(numpy.mean([r['seconds'] for r in runs])),
+            'skipped_steps': int(sum(r['skipped_steps'] for r in runs))}
+
+
+def accuracy_grid(digits_nets, dampings, intervals, limits, seeds,
+                  epochs, batch, limit_samples=None) -> List[Dict]:
+    data = digits(limit_samples)
+    results = []
+    for net_name, (make_net, shape) in digits_nets.items():
+        # Which limits give different blocks on this net.
+        numpy.random.seed(0)
+        probe = L.Classifier(make_net())
+        with chainer.no_backprop_mode():
+            probe(data[0][:2].reshape((-1,) + shape), data[1][:2])
+        distinct = {}
+        for limit in limits:
+            distinct.setdefault(block_signature([probe], limit), limit)
+        same = {limit: distinct[block_signature([probe], limit)]
+                for limit in limits}
+        runs = [('MomentumSGD', {}, lambda: chainer.optimizers.MomentumSGD(
+            lr=LR, momentum=MOMENTUM))]
+        if net_name == 'digits_mlp':
+            runs.append(('Adam', {}, chainer.optimizers.Adam))
+        for damping in dampings:
+            for name in intervals:
+                a, g = INTERVALS[name]
+                for limit in sorted(set(same.values()),
+                                    key=lambda v: -(v or 1e9)):
+                    settings = {'damping': damping, 'intervals': name,
+                                'limit': limit,
+                                'limits': [v for v in limits
+                                           if same[v] == limit]}
+                    runs.append(('KFAC', settings, _kfac_maker(
+                        damping, a, g, limit)))
+        for optimizer_name, settings, make in runs:
+            per_seed = [train_digits(make_net, shape, make, data, seed,
+                                     epochs, batch) for seed in seeds]
+            entry = {'net': net_name, 'optimizer': optimizer_name,
+                     'seeds': list(seeds), 'runs': per_seed}
+            entry.update(settings)
+            entry.update(_summary(per_seed))
+            results.append(entry)
+            print(_accuracy_line(entry), flush=True)
+    _compare_to_sgd(results)
+    return results
+
+
+def _accuracy_key(entry) -> tuple:
+    return (entry['net'], entry['optimizer'], entry.get('damping'),
+            entry.get('intervals'), entry.get('limit'))
+
+
+def _kfac_maker(damping, a, g, limit):
+    def make():
+        return KFAC(lr=LR, momentum=MOMENTUM, damping=damping,
+                    refresh_interval_a=a, refresh_interval_g=g,
+                    refresh_interval_f=g, max_factor_dim=limit,
+                    verbose=False)
+    return make
+
+
+def _compare_to_sgd(results) -> None:
+    """Difference of mean accuracy to MomentumSGD's on the same net, and
+    its standard error."""
+    sgd = {r['net']: r for r in results if r['optimizer'] == 'MomentumSGD'}
+    for entry in results:
+        ref = sgd.get(entry['net'])
+        if ref is None:
+            continue
+        n1, n2 = len(entry['runs']), len(ref['runs'])
+        entry['vs_sgd'] = entry['accuracy_mean'] - ref['accuracy_mean']
+        entry['vs_sgd_se'] = math.sqrt(entry['accuracy_std'] ** 2 / n1 +
+                                       ref['accuracy_std'] ** 2 / n2)
+
+
+def _accuracy_line(entry) -> str:
+    setting = '' if entry['optimizer'] != 'KFAC' else \
+        ' damping={} intervals={} limit={}'.format(
+            entry['damping'], entry['intervals'], entry['limit'])
+    return '{} {}{}: {:.4f} ± {:.4f} ({:.1f} s/run)'.format(
+        entry['net'], entry['optimizer'], setting, entry['accuracy_mean'],
+        entry['accuracy_std'], entry['seconds_mean'])
+
+
+# -- the step size in the Fisher metric ---------------------------------------
+def metric_step_sizes(damping: float, intervals, steps: int, batch: int,
+                      seed: int = 0, n_units: int = 1000) -> List[float]:
+    """``Σ_blocks ⟨∇E, (F + γI)⁻¹ ∇E⟩`` at each of the first ``steps``
+    K-FAC steps of the digits MLP: the squared length of the step in the
+    metric of the curvature that preconditions it.
+
+    With the empirical Fisher refreshed from the very batch whose gradient
+    it preconditions, ``F ⪰ ḡ ḡᵀ`` (the mean of the per-sample outer
+    products bounds that of the mean), so this stays bounded whatever γ
+    (for one exact block it is below 1); a stale F has no such bound, and
+    only γ limits it.
+    """
+    a, g = intervals
+    x_train, t_train, _, _ = digits()
+    numpy.random.seed(seed)
+    model = L.Classifier(nets.MLP(n_units, 10))
+    optimizer = _kfac_maker(damping, a, g, None)()
+    optimizer.setup(model)
+    order = numpy.random.RandomState(seed).permutation(len(x_train))
+    sizes = []
+    for s in range(steps):
+        chunk = order[(s * batch) % len(order):][:batch]
+        optimizer.update(model, x_train[chunk], t_train[chunk])
+        total = 0.0
+        for block in optimizer.blocks:
+            grads = [p.grad for p in block.params]
+            # The damping of the block as the optimizer applies it.
+            directions = block.precondition(
+                grads, optimizer.damping * block.damping_scale(
+                    optimizer.rho_bn))
+            total += sum(float((gr * d).sum())
+                         for gr, d in zip(grads, directions))
+        sizes.append(total)
+    return sizes
+
+
+def stability(dampings, interval_names, steps, batch, n_units=1000
+              ) -> List[Dict]:
+    out = []
+    for damping in dampings:
+        for name in interval_names:
+            sizes = metric_step_sizes(damping, INTERVALS[name], steps, batch,
+                                      n_units=n_units)
+            finite = [v for v in sizes if math.isfinite(v)]
+            entry = {'damping': damping, 'intervals': name, 'steps': steps,
+                     'sizes': sizes,
+                     'median': _common.median(finite) if finite else None,
+                     'max': max(finite) if finite else None,
+                     'non_finite': len(sizes) - len(finite)}
+            print('digits_mlp damping={} intervals={}: step in the Fisher '
+                  'metric median {:.3g}, max {:.3g}'.format(
+                      damping, name, entry['median'] or float('nan'),
+                      entry['max'] or float('nan')), flush=True)
+            out.append(entry)
+    return out
+
+
+# -- tables -------------------------------------------------------------------
+def _fmt_limit(limit) -> str:
+    return 'None' if limit is None else str(limit)
+
+
+def timing_table(timing: List[Dict]) -> str:
+    headers = ['model', 'stock', 'max_factor_dim', 'stock s', 'every',
+               '5', '10', '20', 'A20/G5', 'stale', 'diag', 'largest full',
+               'precond GFLOP', 'retries', 'skipped', 'cycles']
+    rows = []
+    for e in timing:
+        r = e.get('ratio')
+        ratio = (lambda k: r[k]['median']) if r else (lambda k: None)
+        rows.append([e['model'], e['stock_optimizer'], _fmt_limit(e['limit'])
+                     + (' (= {})'.format(_fmt_limit(e['same_as']))
+                        if 'same_as' in e else ''),
+                     e['stock_s']['median'] if r else None,
+                     ratio('every'), ratio('5'), ratio('10'), ratio('20'),
+                     ratio('A20/G5'), ratio('stale'),
+                     e['diagonal_factors'], e['largest_full_factor'],
+                     e['precondition_gflop'], e.get('inverse_retries'),
+                     e.get('skipped_steps'),
+                     len(e['samples']['stock_s']) if 'samples' in e
+                     else None])
+    return _common.format_table(headers, rows)
+
+
+def stage_table(timing: List[Dict]) -> str:
+    headers = ['model', 'max_factor_dim', 'step', 'wall s', 'loop',
+               'fwd+bwd', 'inverse', 'precondition', 'update', 'other']
+    rows = []
+    for e in timing:
+        if 'stages_s' not in e or 'same_as' in e:
+            continue
+        for phase in ('every', 'stale'):
+            s = e['stages_s'][phase]
+            other = s['factors'] + s['reduce_scatter'] + s['all_gather']
+            rows.append([e['model'], _fmt_limit(e['limit']), phase,
+                         e['kfac_s'][phase]['median'], s['loop'],
+                         s['forward_backward'], s['inverse'],
+                         s['precondition'], s['update'], other])
+    return _common.format_table(headers, rows)
+
+
+def accuracy_table(accuracy: List[Dict]) -> str:
+    headers = ['net', 'optimizer', 'damping', 'intervals', 'max_factor_dim',
+               'val acc mean', 'std', 'min', 'max', 'vs SGD', '± SE']
+    rows = []
+    for e in accuracy:
+        rows.append([e['net'], e['optimizer'], e.get('damping'),
+                     e.get('intervals'),
+                     '/'.join(_fmt_limit(v) for v in e['limits'])
+                     if 'limits' in e else None,
+                     e['accuracy_mean'], e['accuracy_std'],
+                     e['accuracy_min'], e['accuracy_max'], e.get('vs_sgd'),
+                     e.get('vs_sgd_se')])
+    return _common.format_table(headers, rows)
+
+
+def candidates(timing: List[Dict], accuracy: List[Dict]) -> List[Dict]:
+    """Every K-FAC setting with both nets' accuracy and the goal models'
+    step-time ratios."""
+    acc = {}
+    for e in accuracy:
+        if e['optimizer'] != 'KFAC':
+            continue
+        for limit in e['limits']:
+            acc[(e['net'], e['damping'], e['intervals'], limit)] = e
+    ratio = {(e['model'], e['limit']): e['ratio'] for e in timing
+             if 'ratio' in e}
+    limits = sorted({k[3] for k in acc} | {k[1] for k in ratio},
+                    key=lambda v: -(v or 1e9))
+    dampings = sorted({k[1] for k in acc})
+    out = []
+    for damping in dampings:
+        for name in INTERVALS:
+            for limit in limits:
+                row = {'damping': damping, 'intervals': name,
+                       'limit': limit}
+                for net in DIGITS_NETS:
+                    e = acc.get((net, damping, name, limit))
+                    if e is not None:
+                        row[net] = (e['accuracy_mean'], e['accuracy_std'],
+                                    e.get('vs_sgd'), e.get('vs_sgd_se'))
+                if not any(net in row for net in DIGITS_NETS):
+                    continue
+                for model in GOAL_MODELS:
+                    r = ratio.get((model, limit))
+                    if r is not None:
+                        row[model] = r[name]['median']
+                out.append(row)
+    return out
+
+
+def candidates_table(rows: List[Dict]) -> str:
+    headers = ['damping', 'intervals', 'max_factor_dim']
+    for net in DIGITS_NETS:
+        headers += [net, 'vs SGD']
+    headers += ['{} x'.format(m) for m in GOAL_MODELS]
+    out = []
+    for row in rows:
+        line = [row['damping'], row['intervals'], _fmt_limit(row['limit'])]
+        for net in DIGITS_NETS:
+            value = row.get(net)
+            line += (['{:.4f} ± {:.4f}'.format(*value[:2]),
+                      '{:+.4f} ± {:.4f}'.format(*value[2:])]
+                     if value is not None and value[2] is not None
+                     else [None, None])
+        line += [row.get(m) for m in GOAL_MODELS]
+        out.append(line)
+    return _common.format_table(headers, out)
+
+
+def print_tables(data: Dict) -> None:
+    print(_common.describe_machine(data))
+    print('load average before / after: {} / {}'.format(
+        data.get('load_before'), data.get('load_after')))
+    for source in data.get('merged_from', []):
+        print('merged: {} ({}; load {} / {})'.format(
+            source['file'], source['date'], source.get('load_before'),
+            source.get('load_after')))
+    if data.get('timing'):
+        print('\nK-FAC step time / stock optimizer step time (median over '
+              'cycles), by refresh interval')
+        print(timing_table(data['timing']))
+        print('\nK-FAC stage seconds (medians; loop = the user\'s forward '
+              '+ backward with capture outside update)')
+        print(stage_table(data['timing']))
+    if data.get('accuracy'):
+        print('\nValidation accuracy on the digits after {} epochs, batch {}, '
+              '{} seeds'.format(data['epochs'], data['batch'],
+                                len(data['seeds'])))
+        print(accuracy_table(data['accuracy']))
+    if data.get('stability'):
+        print('\nThe step in the Fisher metric, Σ ⟨∇E, (F + γI)⁻¹ ∇E⟩, '
+              'digits MLP, first {} steps'.format(
+                  data['stability'][0]['steps']))
+        print(_common.format_table(
+            ['damping', 'intervals', 'median', 'max', 'non-finite'],
+            [[e['damping'], e['intervals'], e['median'], e['max'],
+              e['non_finite']] for e in data['stability']]))
+    if data.get('candidates'):
+        print('\nCandidates: digits accuracy (mean ± std; difference to '
+              'MomentumSGD ± SE) and step-time ratio of the goal models')
+        print(candidates_table(data['candidates']))
+
+
+# -- main ---------------------------------------------------------------------
+def merge_into(data: Dict, path: str) -> None:
+    """The parts of an earlier run's JSON into ``data``: its timing
+    entries of models that ``data`` lacks replace nothing; its accuracy
+    settings and stability rows are added unless ``data`` has them."""
+    with open(path) as f:
+        earlier = json.load(f)
+    for key in ('epochs', 'batch', 'seeds', 'cycles', 'limits'):
+        if key in earlier and key not in data:
+            data[key] = earlier[key]
+    if earlier.get('accuracy') and data.get('accuracy') and (
+            data['epochs'], data['batch'], data['seeds']) != (
+            earlier['epochs'], earlier['batch'], earlier['seeds']):
+        raise SystemExit('--merge {}: other epochs, batch or seeds'.format(
+            path))
+    mine = {e['model'] for e in data.get('timing', [])}
+    data['timing'] = data.get('timing', []) + [
+        e for e in earlier.get('timing', []) if e['model'] not in mine]
+    keys = {_accuracy_key(e) for e in data.get('accuracy', [])}
+    data['accuracy'] = data.get('accuracy', []) + [
+        e for e in earlier.get('accuracy', [])
+        if _accuracy_key(e) not in keys]
+    rows = {(e['damping'], e['intervals']) for e in data.get('stability', [])}
+    data['stability'] = data.get('stability', []) + [
+        e for e in earlier.get('stability', [])
+        if (e['damping'], e['intervals']) not in rows]
+    data['merged_from'].append({
+        'file': path, 'date': earlier.get('date'),
+        'git_commit': earlier.get('git_commit'),
+        'command': earlier.get('command'),
+        'load_before': earlier.get('load_before'),
+        'load_after': earlier.get('load_after')})
+
+
+def _limits(text: str):
+    return tuple(None if v.strip() in ('None', 'none') else int(v)
+                 for v in text.split(','))
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--smoke', action='store_true',
+                        help='tiny models, one seed, seconds')
+    parser.add_argument('--part', default='timing,accuracy,stability',
+                        help="comma-separated; 'none' runs nothing: with "
+                             '--merge, joins earlier runs and prints')
+    parser.add_argument('--models', default=None,
+                        help='comma-separated; default all ({})'.format(
+                            ','.join(TIMED)))
+    parser.add_argument('--limits', default='None,4096,2048,1024,512')
+    parser.add_argument('--cycles', type=int, default=3)
+    parser.add_argument('--seeds', type=int, default=5)
+    parser.add_argument('--epochs', type=int, default=5)
+    parser.add_argument('--batch', type=int, default=64)
+    parser.add_argument('--dampings', default=','.join(map(str, DAMPINGS)))
+    parser.add_argument('--intervals', default=','.join(INTERVALS))
+    parser.add_argument('--threads', type=int, default=1)
+    parser.add_argument('--merge', action='append', default=[],
+                        help='JSON of an earlier run (repeatable): its '
+                             'model timings, accuracy settings and '
+                             'stability rows not redone here are kept')
+    parser.add_argument('--out', default='result/stock_models.json')
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    parts = set(args.part.split(','))
+    unknown = parts - {'timing', 'accuracy', 'stability', 'none'}
+    if unknown:
+        raise SystemExit('--part: unknown {}'.format(', '.join(sorted(
+            unknown))))
+    limits = _limits(args.limits)
+    data = _common.header('stock_models', argv)
+    data['merged_from'] = []
+    for path in args.merge:
+        merge_into(data, path)
+    data['load_before'] = list(os.getloadavg())
+    data['smoke'] = args.smoke
+    timed = SMOKE_TIMED if args.smoke else TIMED
+    with _common.limit_blas_threads(args.threads):
+        data['blas_threads'] = _common.blas_threads()
+        if 'timing' in parts:
+            names = args.models.split(',') if args.models else list(timed)
+            cycles = 1 if args.smoke else args.cycles
+            data['cycles'] = cycles
+            data['limits'] = [_fmt_limit(v) for v in limits]
+            # An earlier run's entries of other models are kept (--merge).
+            data['timing'] = [e for e in data.get('timing', [])
+                              if e['model'] not in names]
+            for name in names:
+                for entry in time_model(name, timed[name], limits, cycles):
+                    entry['measured'] = data['date']
+                    data['timing'].append(entry)
+                _common.write_json(args.out, data)   # so far (long runs)
+        if 'accuracy' in parts:
+            seeds = list(range(1 if args.smoke else args.seeds))
+            epochs = 1 if args.smoke else args.epochs
+            dampings = [float(v) for v in args.dampings.split(',')]
+            intervals = args.intervals.split(',')
+            if args.smoke:
+                dampings, intervals = dampings[:1], intervals[:2]
+            if data.get('accuracy') and (
+                    data['epochs'], data['batch'], data['seeds']) != (
+                    epochs, args.batch, seeds):
+                raise SystemExit('--merge: the earlier accuracy runs used '
+                                 'other epochs, batch or seeds')
+            data.update(epochs=epochs, batch=args.batch, seeds=seeds)
+            fresh = accuracy_grid(
+                SMOKE_DIGITS_NETS if args.smoke else DIGITS_NETS, dampings,
+                intervals, limits, seeds, epochs, args.batch,
+                limit_samples=200 if args.smoke else None)
+            # An earlier run's settings not redone here are kept (--merge).
+            redone = {_accuracy_key(e) for e in fresh}
+            data['accuracy'] = [e for e in data.get('accuracy', [])
+                                if _accuracy_key(e) not in redone] + fresh
+            _compare_to_sgd(data['accuracy'])
+        if 'stability' in parts:
+            fresh = stability(
+                [float(v) for v in args.dampings.split(',')],
+                ['1', '5'], 3 if args.smoke else 22, args.batch,
+                n_units=16 if args.smoke else 1000)
+            redone = {(e['damping'], e['intervals']) for e in fresh}
+            data['stability'] = [
+                e for e in data.get('stability', [])
+                if (e['damping'], e['intervals']) not in redone] + fresh
+    data['load_after'] = list(os.getloadavg())
+    order = list(TIMED) + list(SMOKE_TIMED)
+    data['timing'] = sorted(data.get('timing', []), key=lambda e: (
+        order.index(e['model']) if e['model'] in order else len(order)))
+    if data.get('timing') and data.get('accuracy'):
+        data['candidates'] = candidates(data['timing'], data['accuracy'])
+    _common.write_json(args.out, data)
+    print()
+    print_tables(data)
+    print('\nwritten to', args.out)
+
+
+if __name__ == '__main__':
+    main()
