@@ -17,7 +17,7 @@ import difflib
 import json
 import os
 import typing
-from typing import Union
+from typing import Optional, Union
 
 from chainerkfac.optimizers import options
 
@@ -97,6 +97,11 @@ class TrainConfig:
         Conv/FC weight, the paper's ResNet-50 runs), ``false``, or
         ``"auto"`` (the layers the optimizer finds scale-invariant, i.e.
         followed by BatchNormalization).
+    max_factor_dim : int or null
+        The optimizer's cost guard (factors larger than this kept as their
+        diagonal). ``null`` (the default here, unlike the library's): no
+        limit, every factor full as in the paper (ResNet-50's largest is
+        4608²).
     n_class : int
         Number of classes of the data set (1000 for ImageNet); every label
         must lie in ``[0, n_class)``.
@@ -124,6 +129,7 @@ class TrainConfig:
     refresh_interval_g: Union[int, str] = 1
     refresh_interval_f: Union[int, str] = 1
     weight_rescale: Union[bool, str] = True
+    max_factor_dim: Optional[int] = None
     n_class: int = 1000
     description: str = ''
 
@@ -160,10 +166,13 @@ def _check_type(key, value, expected):
         return value
     if expected == Union[bool, str] and isinstance(value, (bool, str)):
         return value
+    if expected == Optional[int] and (value is None or is_int):
+        return value
     names = {float: 'a number', int: 'an integer', str: 'a string',
              bool: 'true or false', Union[int, str]:
              'a positive integer or a preset name',
-             Union[bool, str]: 'true or false, or "auto"'}
+             Union[bool, str]: 'true or false, or "auto"',
+             Optional[int]: 'a positive integer or null'}
     raise ConfigError(key, 'must be {}, got {!r} ({})'.format(
         names[expected], value, type(value).__name__))
 
@@ -354,8 +363,8 @@ def kfac_options(config):
     -------
     dict
         ``lr``, ``momentum``, the damping of eqs. (13)-(16), ``rho_bn``,
-        ``bn_fisher``, ``fisher``, the refresh intervals, ``factor_dtype``
-        and ``weight_rescale``.
+        ``bn_fisher``, ``fisher``, the refresh intervals, ``factor_dtype``,
+        ``weight_rescale`` and ``max_factor_dim``.
     """
     return dict(
         lr=config.lr, momentum=config.momentum, damping=config.damping,
@@ -366,7 +375,8 @@ def kfac_options(config):
         refresh_interval_g=config.refresh_interval_g,
         refresh_interval_f=config.refresh_interval_f,
         factor_dtype=config.factor_dtype,
-        weight_rescale=config.weight_rescale)
+        weight_rescale=config.weight_rescale,
+        max_factor_dim=config.max_factor_dim)
 
 
 def check_epochs(config, source=None):

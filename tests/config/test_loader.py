@@ -76,6 +76,9 @@ def test_defaults_and_int_widening(tmp_path):
     ('weight_rescale', 1, 'true or false'),
     ('bn_fisher', None, 'must be a string'),
     ('refresh_interval_f', 2.5, 'preset name'),
+    ('max_factor_dim', 0, 'max_factor_dim'),
+    ('max_factor_dim', 512.0, 'a positive integer or null'),
+    ('max_factor_dim', '1024', 'a positive integer or null'),
 ])
 def test_bad_value_names_key_and_file(tmp_path, key, value, message):
     data = base()
@@ -86,6 +89,22 @@ def test_bad_value_names_key_and_file(tmp_path, key, value, message):
     assert info.value.key == key
     assert "key '{}'".format(key) in str(info.value)
     assert path in str(info.value)
+
+
+@pytest.mark.parametrize('name', config.preset_names())
+def test_imagenet_configs_keep_every_factor_full(name):
+    # The library's cost guard (max_factor_dim=1024 by default) would keep
+    # ResNet-50's wide factors diagonal; the paper's runs have none.
+    cfg = config.load(config.preset_path(name))
+    assert cfg.max_factor_dim is None
+    assert config.kfac_options(cfg)['max_factor_dim'] is None
+
+
+def test_max_factor_dim_reaches_the_optimizer(tmp_path):
+    data = base()
+    data['max_factor_dim'] = 512
+    cfg = config.load(write(tmp_path, data))
+    assert config.kfac_options(cfg)['max_factor_dim'] == 512
 
 
 @pytest.mark.parametrize('key', ['bn_fisher', 'fisher', 'factor_dtype',

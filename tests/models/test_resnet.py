@@ -71,7 +71,9 @@ def test_resnet50d_structure_and_forward():
 
 def test_resnet50_registers_107_kfac_layers_in_the_optimizer():
     import chainerkfac
-    optimizer = chainerkfac.optimizers.KFAC(verbose=False)
+    # The paper's blocks: no cost guard, as the ImageNet configs.
+    optimizer = chainerkfac.optimizers.KFAC(verbose=False,
+                                            max_factor_dim=None)
     optimizer.setup(ResNet50())
     kinds = [b.kind for b in optimizer.blocks if b.factor_names]
     assert len(kinds) == 107
