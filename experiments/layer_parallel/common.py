@@ -4,11 +4,9 @@ logging and ``mpiexec`` launches of a script's worker."""
 import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
 
 import datetime
-import json
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import sys
 from typing import Dict, List, Sequence
@@ -17,6 +15,7 @@ import numpy
 
 import chainer
 
+from benchmarks import _common
 from chainerkfac import layer_parallel as lp
 from chainerkfac.layer_parallel import data
 
@@ -104,23 +103,14 @@ def header(script: str, argv: Sequence[str]) -> Dict:
                      'chainer': chainer.__version__,
                      'numpy': numpy.__version__,
                      'mpi4py': mpi4py.__version__},
-        'machine': {'cpu': _cpu_model(), 'cores': usable_cores()},
-        'git_commit': _git_commit(),
+        'machine': {'cpu': _common.cpu_model(),
+                    'cores': _common.usable_cores()},
+        'git_commit': _common.git_commit(),
     }
 
 
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0))
-
-
-def write_json(path: str, payload: Dict) -> None:
-    """Write atomically (a temporary file renamed)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-        json.dump(payload, f, indent=1)
-        f.write('\n')
-    os.replace(tmp, path)
+usable_cores = _common.usable_cores
+write_json = _common.write_json
 
 
 def launch(n_procs: int, module: str, args: List[str],
@@ -128,48 +118,15 @@ def launch(n_procs: int, module: str, args: List[str],
     """Run ``python -m module args`` under ``mpiexec -n n_procs`` (one BLAS
     thread per process; Open MPI's container switches, as the Makefile),
     its output passed through; raise if it fails or times out."""
-    mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
-    if not os.path.exists(mpiexec):
-        mpiexec = shutil.which('mpiexec')
-    if mpiexec is None:
-        raise RuntimeError('no mpiexec next to {} nor on PATH'.format(
-            sys.executable))
-    env = dict(os.environ, OMP_NUM_THREADS='1', OPENBLAS_NUM_THREADS='1',
-               MKL_NUM_THREADS='1', OMPI_ALLOW_RUN_AS_ROOT='1',
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1',
-               PRTE_MCA_rmaps_default_mapping_policy=':oversubscribe',
-               OMPI_MCA_btl_vader_single_copy_mechanism='none',
-               # A waiting rank gives its core away instead of spinning:
-               # the cores here are shared with more processes than them.
-               OMPI_MCA_mpi_yield_when_idle='1',
-               PYTHONUNBUFFERED='1')
+    mpiexec = _common.mpiexec_path()
+    env = _common.worker_env(threads=1)
+    # A waiting rank gives its core away instead of spinning: the cores
+    # here are shared with more processes than them.
+    env['OMPI_MCA_mpi_yield_when_idle'] = '1'
     env.setdefault('OPAL_PREFIX',
                    os.path.dirname(os.path.dirname(os.path.realpath(mpiexec))))
-    env['PYTHONPATH'] = ROOT + (os.pathsep + env['PYTHONPATH']
-                                if env.get('PYTHONPATH') else '')
     command = [mpiexec, '-n', str(n_procs), sys.executable, '-m', module]
     command += args
     logger.info('$ mpiexec -n %d python -m %s %s', n_procs, module,
                 ' '.join(args))
     subprocess.run(command, env=env, cwd=ROOT, check=True, timeout=timeout)
-
-
-def _cpu_model() -> str:
-    try:
-        with open('/proc/cpuinfo') as f:
-            for line in f:
-                if line.lower().startswith('model name'):
-                    return line.split(':', 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
-def _git_commit():
-    try:
-        out = subprocess.run(['git', '-C', ROOT, 'rev-parse', '--short',
-                              'HEAD'], capture_output=True, text=True,
-                             timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
