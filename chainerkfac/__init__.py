@@ -22,7 +22,7 @@ from chainerkfac.fisher_blocks import Unsupported  # NOQA
 from chainerkfac.fisher_blocks import register_block  # NOQA
 from chainerkfac.multi_node_optimizer import create_multi_node_optimizer  # NOQA
 
-__version__ = '0.2.0'
+__version__ = '0.3.0'
 
 
 def __getattr__(name):
