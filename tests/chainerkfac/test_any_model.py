@@ -15,6 +15,8 @@ from chainer.training import extensions
 
 import chainerkfac
 from tests.chainerkfac import helpers
+# Chainer's MNIST example network (examples/mnist/train_mnist.py).
+from tests.chainerkfac.stock.nets import MLP as StockMLP
 
 
 def weights(model):
@@ -26,22 +28,6 @@ def assert_moved(after, before):
     have done nothing): by 0.08 or more in these tests' steps."""
     for name in before:
         assert numpy.abs(after[name] - before[name]).max() > 1e-3, name
-
-
-class StockMLP(chainer.Chain):
-    """Chainer's MNIST example network (examples/mnist/train_mnist.py)."""
-
-    def __init__(self, n_units, n_out):
-        super(StockMLP, self).__init__()
-        with self.init_scope():
-            self.l1 = L.Linear(None, n_units)
-            self.l2 = L.Linear(None, n_units)
-            self.l3 = L.Linear(None, n_out)
-
-    def forward(self, x):
-        h1 = F.relu(self.l1(x))
-        h2 = F.relu(self.l2(h1))
-        return self.l3(h2)
 
 
 def test_lr_zero_leaves_a_bn_free_model_bit_identical():

@@ -7,15 +7,7 @@ import os
 import pytest
 
 from harness import run_dir
-
-
-class OneProcess:
-    rank, size = 0, 1
-
-    class mpi_comm:
-        @staticmethod
-        def allgather(value):
-            return [value]
+from tests.harness import OneProcess
 
 
 EARLIER = ['bad_images.txt', 'config.json', 'fisher_diff.jsonl', 'log',

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from harness import snapshots
+from tests.harness import OneProcess
 
 
 def test_writer_saves_the_arrays_as_they_were_at_the_call(tmp_path):
@@ -51,16 +52,6 @@ def test_failed_write_leaves_no_file_and_names_path_and_bytes(tmp_path):
     assert 'No space left on device' in message
     assert 'needed 8,' in message and ' bytes' in message
     assert writer.take_failure() is None       # reported once
-
-
-class OneProcess:
-    """The communicator surface the write check uses, for one process."""
-    rank, size = 0, 1
-
-    class mpi_comm:
-        @staticmethod
-        def allgather(value):
-            return [value]
 
 
 class SlowUpdater(chainer.training.updaters.StandardUpdater):

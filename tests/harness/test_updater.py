@@ -16,20 +16,7 @@ import chainerkfac
 import models
 from augment.stream import MC_LABELS, stream_rng
 from harness.updater import AugmentedUpdater, BatchConverter
-
-
-class OneProcess:
-    """The communicator surface the updater uses, for one process."""
-    rank, size = 0, 1
-
-    class mpi_comm:
-        @staticmethod
-        def allgather(value):
-            return [value]
-
-    @staticmethod
-    def multi_node_mean_grad(model):
-        pass
+from tests.harness import OneProcess
 
 
 class Batches(chainer.dataset.Iterator):
