@@ -102,8 +102,9 @@ def worker(spec: Dict, out: str) -> int:
             width=spec['width']))
         optimizer = chainerkfac.create_multi_node_optimizer(KFAC(
             lr=0.001, momentum=0.9, damping=1e-3, verbose=False,
-            max_factor_dim=None, refresh_interval_a=interval, refresh_interval_g=interval,
-            refresh_interval_f=interval), communicator)
+            max_factor_dim=None, refresh_interval_a=interval,
+            refresh_interval_g=interval, refresh_interval_f=interval),
+            communicator)
         optimizer.setup(model)
         return model, optimizer
 
