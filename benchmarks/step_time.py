@@ -4,8 +4,9 @@ its factor capture by layer type; or the inverse stage alone.
     python -m benchmarks.step_time [--smoke] [--gpu] [--out FILE.json]
         [--models small,resnet50] [--variants sgd,kfac_every,...]
         [--rounds N] [--resnet50-rounds N] [--interval 20] [--threads 1]
-        [--profile] [--conv-a auto|shifted|unfolded] [--inverse-only]
-        [--peer]
+        [--profile] [--conv-a auto|shifted|unfolded] [--inverse-only
+        [--inverse-methods cholesky,newton_schulz]
+        [--newton-schulz-max-dim N]] [--peer]
 
 For each model (CPU: the small ResNet at batch 128, 32x32, and ResNet-50 at
 batch 8, 224x224; ``--gpu``: the same small ResNet and ResNet-50 at batch
@@ -65,7 +66,11 @@ damping for Kronecker blocks, ρ_BN·γ for BN) in one
 (default 5); the median total is reported with the count of matrices, Σn³
 and the largest n, and the seconds per factor kind (``A``, ``G``, ``F``,
 each as its own call). The in-step figure is
-the ``inverse`` stage of the step benchmark.
+the ``inverse`` stage of the step benchmark. ``--inverse-methods`` times
+each listed method of :func:`chainerkfac.linalg.damped_inverses` on the
+same factors (``newton_schulz``: the batched GEMM iteration up to
+``--newton-schulz-max-dim``), with its largest relative deviation from
+Cholesky's inverses.
 
 Goals (reported, not asserted): CPU small ResNet, every step ≤ 1.2x and
 stale ≤ 1.3x SGD, ResNet-50 stale ≤ 1.3x SGD (issue 13 and earlier); GPU
@@ -91,7 +96,7 @@ import io
 import pstats
 import sys
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import chainerkfac  # NOQA  (before chainer: NumPy-2 compatibility shims)
 import chainer
@@ -101,6 +106,7 @@ import models
 from benchmarks import _common
 from chainerkfac import fisher_blocks
 from chainerkfac import linalg
+from chainerkfac import newton_schulz
 from chainerkfac.optimizers import KFAC
 
 #: name -> KFAC keyword arguments (the refresh interval is added).
@@ -440,14 +446,19 @@ def profile_step(step: KFACStep, x, t, top: int = 20) -> str:
     return text.getvalue()
 
 
-# -- the inverse stage alone ------------------------------------------------------
+# -- the inverse stage alone --------------------------------------------------
 def measure_inverse(name: str, spec: Dict, repeats: int, array_module,
-                    target: str = 'cpu', kfac_options: Dict = None) -> Dict:
+                    target: str = 'cpu', kfac_options: Dict = None,
+                    methods: Sequence[str] = ('cholesky',),
+                    newton_schulz_max_dim: Optional[int] = None
+                    ) -> List[Dict]:
     """Capture one every-step K-FAC step's factors, then time the inverse
     stage as the optimizer runs it: every block's requests (the trace-norm
     split of the damping for Kronecker blocks, ρ_BN·γ for BN) in one
     :func:`chainerkfac.linalg.damped_inverses` call; and, apart, the same
-    per factor kind."""
+    per factor kind. One result per inverse method, each a separate timing
+    of the same factors; a method other than Cholesky also records its
+    largest relative deviation (Frobenius) from Cholesky's inverses."""
     xp = array_module
     synchronize = _common.synchronizer(xp)
     x, t = _batch(spec, xp)
@@ -466,12 +477,53 @@ def measure_inverse(name: str, spec: Dict, repeats: int, array_module,
                 block.factors, damping).items():
             requests.append((factor, matrix, used))
 
-    def invert(subset):
-        linalg.damped_inverses([m for _, m, _ in subset],
-                               [d for _, _, d in subset])
+    reference = None
+    results = []
+    for method in methods:
+        def invert(subset):
+            return linalg.damped_inverses(
+                [m for _, m, _ in subset], [d for _, _, d in subset],
+                method=method, newton_schulz_max_dim=newton_schulz_max_dim)
 
+        print('  {}...'.format(method), flush=True)
+        results.append(_time_inverse(invert, requests, repeats,
+                                     synchronize))
+        inverses = [r.inverse for r in invert(requests)]
+        if method == 'cholesky':
+            reference = inverses
+        elif reference is not None:
+            results[-1]['max_rel_vs_cholesky'] = max(
+                float(xp.linalg.norm(a - b) / xp.linalg.norm(b))
+                for a, b in zip(inverses, reference)
+                if a is not None and b is not None)
+        results[-1]['method'] = method
+        if method == 'newton_schulz':
+            limit = (newton_schulz.MAX_DIM if newton_schulz_max_dim is None
+                     else newton_schulz_max_dim)
+            results[-1]['newton_schulz_max_dim'] = limit
+            results[-1]['newton_schulz_eligible'] = sum(
+                1 for _, m, _ in requests
+                if m.ndim == 2 and m.shape[0] <= limit)
+    sizes = [int(m.shape[0]) for _, m, _ in requests if m.ndim == 2]
+    for result in results:
+        result.update({
+            'model': name, 'batch': spec['batch'],
+            'input': [3, spec['size'], spec['size']],
+            'n_factors': len(sizes), 'sum_n3': float(sum(float(n) ** 3
+                                                        for n in sizes)),
+            'max_n': max(sizes), 'repeats': repeats})
+        goal = INVERSE_GOALS.get(target, {}).get(name)
+        if goal is not None:
+            result['goal'] = {'goal': goal, 'value': result['median_s'],
+                              'met': result['median_s'] <= goal}
+    return results
+
+
+def _time_inverse(invert, requests, repeats: int, synchronize) -> Dict:
+    """Median seconds of ``invert`` over all requests and per factor kind
+    (after one warm-up call: kernels, workspaces, streams)."""
     kinds = sorted({k for k, _, _ in requests})
-    invert(requests)   # warm-up (kernels, workspaces, streams)
+    invert(requests)
     totals, by_kind = [], collections.defaultdict(list)
     for _ in range(repeats):
         synchronize()
@@ -486,25 +538,12 @@ def measure_inverse(name: str, spec: Dict, repeats: int, array_module,
             invert(subset)
             synchronize()
             by_kind[kind].append(time.perf_counter() - start)
-    sizes = [int(m.shape[0]) for _, m, _ in requests if m.ndim == 2]
-    result = {
-        'model': name, 'batch': spec['batch'],
-        'input': [3, spec['size'], spec['size']],
-        'n_factors': len(sizes), 'sum_n3': float(sum(float(n) ** 3
-                                                    for n in sizes)),
-        'max_n': max(sizes), 'repeats': repeats,
-        'median_s': _common.median(totals), 'samples_s': totals,
-        'by_kind_s': {k: _common.median(v) for k, v in sorted(
-            by_kind.items())},
-    }
-    goal = INVERSE_GOALS.get(target, {}).get(name)
-    if goal is not None:
-        result['goal'] = {'goal': goal, 'value': result['median_s'],
-                          'met': result['median_s'] <= goal}
-    return result
+    return {'median_s': _common.median(totals), 'samples_s': totals,
+            'by_kind_s': {k: _common.median(v) for k, v in sorted(
+                by_kind.items())}}
 
 
-# -- output -------------------------------------------------------------------------
+# -- output -------------------------------------------------------------------
 def tables(data: Dict) -> str:
     """The summary, stage, extra-time and capture tables of a run."""
     results = data['results']
@@ -573,10 +612,11 @@ def tables(data: Dict) -> str:
 
 
 def inverse_table(data: Dict) -> str:
-    rows = [[r['model'], r['batch'], r['n_factors'], r['sum_n3'], r['max_n'],
-             r['median_s']] +
+    rows = [[r['model'], r.get('method', 'cholesky'), r['batch'],
+             r['n_factors'], r['sum_n3'], r['max_n'], r['median_s']] +
             [r['by_kind_s'].get(k) for k in ('A', 'G', 'F')] +
-            [('<= {:g}: {}'.format(r['goal']['goal'], 'met' if
+            [r.get('max_rel_vs_cholesky', '-'),
+             ('<= {:g}: {}'.format(r['goal']['goal'], 'met' if
                                    r['goal']['met'] else 'NOT met'))
              if 'goal' in r else '-']
             for r in data['inverse']]
@@ -585,8 +625,9 @@ def inverse_table(data: Dict) -> str:
             .format(
                 ', '.join(str(r['repeats']) for r in data['inverse']),
                 _device_words(data), _common.format_table(
-                    ['model', 'batch', 'factors', 'sum n^3', 'max n',
-                     'total [s]', 'A [s]', 'G [s]', 'F [s]', 'goal'], rows)))
+                    ['model', 'method', 'batch', 'factors', 'sum n^3',
+                     'max n', 'total [s]', 'A [s]', 'G [s]', 'F [s]',
+                     'vs Cholesky', 'goal'], rows)))
 
 
 def run_peer(data: Dict, specs: Dict[str, Dict], interval: int) -> str:
@@ -644,6 +685,14 @@ def parse_args(argv):
     parser.add_argument('--inverse-only', action='store_true',
                         help='time the inverse stage alone over the real '
                         'factors of each model after one capture')
+    parser.add_argument('--inverse-methods', default='cholesky',
+                        help='with --inverse-only: comma-separated subset '
+                        'of {} (default cholesky)'.format(','.join(
+                            linalg.INVERSE_METHODS)))
+    parser.add_argument('--newton-schulz-max-dim', type=int, default=None,
+                        help='largest factor the newton_schulz method '
+                        'iterates on (default {})'.format(
+                            newton_schulz.MAX_DIM))
     parser.add_argument('--peer', action='store_true',
                         help='then time PyTorch SGD and kfac-pytorch on '
                         "torchvision's ResNet-50 in this run (needs --gpu; "
@@ -652,6 +701,16 @@ def parse_args(argv):
     if args.peer and (not args.gpu or args.inverse_only):
         parser.error('--peer needs --gpu, and the step timing (not '
                      '--inverse-only)')
+    args.inverse_methods = args.inverse_methods.split(',')
+    unknown = [m for m in args.inverse_methods
+               if m not in linalg.INVERSE_METHODS]
+    if unknown:
+        parser.error('--inverse-methods: choose from {} (got {})'.format(
+            ', '.join(linalg.INVERSE_METHODS), ', '.join(unknown)))
+    if not args.inverse_only and (args.inverse_methods != ['cholesky'] or
+                                  args.newton_schulz_max_dim is not None):
+        parser.error('--inverse-methods and --newton-schulz-max-dim go '
+                     'with --inverse-only')
     if args.interval < 2:
         parser.error('--interval must be >= 2 (1 is the every-step variant)')
     if args.variants:
@@ -708,8 +767,9 @@ def main(argv=None):
             for name, spec in specs.items():
                 print('inverting the factors of {} (batch {})...'.format(
                     name, spec['batch']), flush=True)
-                data['inverse'].append(measure_inverse(
-                    name, spec, args.rounds or 5, xp, target, kfac_options))
+                data['inverse'] += measure_inverse(
+                    name, spec, args.rounds or 5, xp, target, kfac_options,
+                    args.inverse_methods, args.newton_schulz_max_dim)
             text = inverse_table(data)
         else:
             data['variants'] = list(args.variants)

@@ -11,7 +11,11 @@
   a step at once and, where ``M + d·I`` is not positive definite, raises ``d``
   and retries; :func:`damped_inverse` is its one-factor case. On the GPU the
   work runs in :mod:`chainerkfac.linalg_cuda` (cuSOLVER on CUDA streams).
+  With ``method='newton_schulz'`` the factors up to a size go by batched
+  GEMMs instead (:mod:`chainerkfac.newton_schulz`), Cholesky deciding for
+  the rest.
 """
+import functools
 from typing import List, NamedTuple, Optional, Sequence
 
 import numpy
@@ -25,6 +29,10 @@ from chainerkfac.dtypes import factor_dtype_for, inverse_dtype  # NOQA
 #: many times it is tried.
 DAMPING_BOOST = 10.0
 MAX_INVERSE_TRIES = 6
+#: How :func:`damped_inverses` inverts: LAPACK / cuSOLVER Cholesky, or the
+#: Newton–Schulz iteration batched over factors of equal size (with
+#: Cholesky for what it does not settle).
+INVERSE_METHODS = ('cholesky', 'newton_schulz')
 
 
 def gram(rows, scale: float, factor_dtype=numpy.float32,
@@ -215,7 +223,9 @@ def _attempt_cpu(matrices, dampings, check_input):
 
 def damped_inverses(matrices: Sequence, dampings: Sequence[float],
                     max_tries: int = MAX_INVERSE_TRIES,
-                    boost: float = DAMPING_BOOST) -> List[InverseResult]:
+                    boost: float = DAMPING_BOOST, method: str = 'cholesky',
+                    newton_schulz_max_dim: Optional[int] = None
+                    ) -> List[InverseResult]:
     """Invert ``M + d·I`` for every factor of a step, raising a factor's
     damping (×``boost``) until its damped matrix is positive definite.
 
@@ -233,6 +243,15 @@ def damped_inverses(matrices: Sequence, dampings: Sequence[float],
         Tries per factor: the k-th (from 0) uses ``d · boost ** k``.
     boost : float
         Damping multiplier between tries.
+    method : {'cholesky', 'newton_schulz'}
+        ``'newton_schulz'``: each try first runs the square factors of size
+        up to ``newton_schulz_max_dim`` (default
+        :data:`chainerkfac.newton_schulz.MAX_DIM`) through the Newton–Schulz
+        iteration, stacked by size (:mod:`chainerkfac.newton_schulz`); the
+        others, and those it does not settle, go by Cholesky. A damping is
+        raised only where Cholesky fails, as with ``'cholesky'``.
+    newton_schulz_max_dim : int, optional
+        See ``method``.
 
     Returns
     -------
@@ -262,6 +281,9 @@ def damped_inverses(matrices: Sequence, dampings: Sequence[float],
             raise ValueError('damped_inverses: a factor must be square or '
                              '1-D (a diagonal), got shape {}'.format(
                                  matrix.shape))
+    if method not in INVERSE_METHODS:
+        raise ValueError('damped_inverses: method must be one of {}, got '
+                         '{!r}'.format(INVERSE_METHODS, method))
     if not len(matrices):
         return []
     if get_array_module(*matrices) is numpy:
@@ -269,6 +291,12 @@ def damped_inverses(matrices: Sequence, dampings: Sequence[float],
     else:
         from chainerkfac import linalg_cuda
         attempt = linalg_cuda.attempt
+    if method == 'newton_schulz':
+        from chainerkfac import newton_schulz
+        attempt = functools.partial(
+            newton_schulz.attempt, fallback=attempt,
+            max_dim=(newton_schulz.MAX_DIM if newton_schulz_max_dim is None
+                     else newton_schulz_max_dim))
     results: List[Optional[InverseResult]] = [None] * len(matrices)
     used = list(dampings)
     pending = list(range(len(matrices)))

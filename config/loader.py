@@ -102,6 +102,10 @@ class TrainConfig:
         diagonal). ``null`` (the default here, unlike the library's): no
         limit, every factor full as in the paper (ResNet-50's largest is
         4608²).
+    inverse_method : str
+        One of :data:`chainerkfac.linalg.INVERSE_METHODS`: ``'cholesky'``
+        (the default) or ``'newton_schulz'`` (batched GEMMs for the factors
+        up to n = 1024; for GPUs).
     n_class : int
         Number of classes of the data set (1000 for ImageNet); every label
         must lie in ``[0, n_class)``.
@@ -130,6 +134,7 @@ class TrainConfig:
     refresh_interval_f: Union[int, str] = 1
     weight_rescale: Union[bool, str] = True
     max_factor_dim: Optional[int] = None
+    inverse_method: str = 'cholesky'
     n_class: int = 1000
     description: str = ''
 
@@ -364,7 +369,7 @@ def kfac_options(config):
     dict
         ``lr``, ``momentum``, the damping of eqs. (13)-(16), ``rho_bn``,
         ``bn_fisher``, ``fisher``, the refresh intervals, ``factor_dtype``,
-        ``weight_rescale`` and ``max_factor_dim``.
+        ``weight_rescale``, ``max_factor_dim`` and ``inverse_method``.
     """
     return dict(
         lr=config.lr, momentum=config.momentum, damping=config.damping,
@@ -376,7 +381,8 @@ def kfac_options(config):
         refresh_interval_f=config.refresh_interval_f,
         factor_dtype=config.factor_dtype,
         weight_rescale=config.weight_rescale,
-        max_factor_dim=config.max_factor_dim)
+        max_factor_dim=config.max_factor_dim,
+        inverse_method=config.inverse_method)
 
 
 def check_epochs(config, source=None):

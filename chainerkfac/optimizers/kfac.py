@@ -160,6 +160,15 @@ class KFAC(optimizer.GradientMethod):
         5.49× without a limit (``benchmarks/stock_models.py``). ``None``:
         no limit (the ImageNet configs, as the paper: ResNet-50's largest
         factor is 4608²).
+    inverse_method : {'cholesky', 'newton_schulz'}
+        How stage 4 inverts the damped factors: Cholesky (LAPACK on the
+        CPU, cuSOLVER on CUDA streams on the GPU), or the Newton–Schulz
+        iteration, GEMMs batched over the factors of equal size up to
+        n = 1024, with Cholesky for the larger factors and for any the
+        iteration does not settle (:mod:`chainerkfac.newton_schulz`). The
+        iteration costs ≈ 4n³ flops per step against Cholesky's ≈ n³ in
+        all: an option for GPUs, where many small factors leave cuSOLVER
+        bound by launches; slower on a CPU.
     conv_a_strategy : {'unfolded', 'shifted'}, optional
         Force how convolutions form A where it applies (benchmarks); by
         default the cheaper one (:mod:`chainerkfac.fisher_blocks.patches`).
@@ -189,6 +198,7 @@ class KFAC(optimizer.GradientMethod):
                  weight_rescale='auto', skip_layers=(),
                  loss_reduction: str = 'mean',
                  max_factor_dim: Optional[int] = 1024,
+                 inverse_method: str = 'cholesky',
                  conv_a_strategy: Optional[str] = None,
                  fisher_diff: bool = False, verbose: bool = True,
                  seed: Optional[int] = None):
@@ -203,7 +213,7 @@ class KFAC(optimizer.GradientMethod):
             refresh_interval_f=refresh_interval_f, factor_dtype=factor_dtype,
             factor_decay=factor_decay, weight_rescale=weight_rescale,
             loss_reduction=loss_reduction, max_factor_dim=max_factor_dim,
-            conv_a_strategy=conv_a_strategy)
+            inverse_method=inverse_method, conv_a_strategy=conv_a_strategy)
         self.hyperparam.lr = lr
         self.hyperparam.momentum = momentum
         self.damping = float(damping)
@@ -229,6 +239,7 @@ class KFAC(optimizer.GradientMethod):
         fisher_blocks.registry.skip_matchers(skip_layers)  # check the types
         self.loss_reduction = loss_reduction
         self.max_factor_dim = max_factor_dim
+        self.inverse_method = inverse_method
         self.conv_a_strategy = conv_a_strategy
         self.fisher_diff = fisher_diff
         self.verbose = verbose
@@ -257,7 +268,7 @@ class KFAC(optimizer.GradientMethod):
         self._warned_uncaptured: set = set()
         self._inverse_stacks: Dict = {}
 
-    # -- set-up ----------------------------------------------------------------
+    # -- set-up ---------------------------------------------------------------
     def create_update_rule(self):
         return KFACRule(self.hyperparam)
 
@@ -351,7 +362,7 @@ class KFAC(optimizer.GradientMethod):
         if self._micro == 0 and not self.estimator.capturing:
             self._begin_step()
 
-    # -- one call of update = one micro-batch ----------------------------------
+    # -- one call of update = one micro-batch ---------------------------------
     def update(self, lossfun=None, *args, **kwds):
         """Close one micro-batch; every ``acc_iters`` calls, take one K-FAC
         step.
@@ -459,7 +470,7 @@ class KFAC(optimizer.GradientMethod):
                 return param.array
         return None
 
-    # -- stages 3-6 and the update -----------------------------------------------
+    # -- stages 3-6 and the update --------------------------------------------
     def _step(self):
         blocks, transport = self.blocks, self.transport
         n_micro, self._micro = self._micro, 0
@@ -587,7 +598,8 @@ class KFAC(optimizer.GradientMethod):
                     # it for when it can.
                     block.keep_candidate(name, candidates[name])
         results = linalg.damped_inverses([r[2] for r in requests],
-                                         [r[3] for r in requests])
+                                         [r[3] for r in requests],
+                                         method=self.inverse_method)
         retries = 0
         for (block, name, matrix, _), result in zip(requests, results):
             retries += result.retries
@@ -641,7 +653,7 @@ class KFAC(optimizer.GradientMethod):
         out = block.precondition(filled, damping)
         return [d if g is not None else None for d, g in zip(out, grads)]
 
-    # -- between steps -------------------------------------------------------------
+    # -- between steps --------------------------------------------------------
     def _begin_step(self) -> None:
         """Decide the factors due at the coming step and start capturing
         them (the graph too, until the first step: eq. 20 'auto' and the
@@ -741,7 +753,7 @@ class KFAC(optimizer.GradientMethod):
                 out[key] = max(out[key], block.last_refresh[name])
         return out
 
-    # -- state --------------------------------------------------------------------
+    # -- state ----------------------------------------------------------------
     def serialize(self, serializer):
         """Optimizer state: t, epoch, velocities (Chainer's), and K-FAC's
         own (:func:`chainerkfac.optimizers.state.serialize`)."""

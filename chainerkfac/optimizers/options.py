@@ -11,6 +11,7 @@ import numpy
 
 from chainerkfac import equations
 from chainerkfac.fisher_blocks.batch_norm import BN_FISHER_MODES  # NOQA
+from chainerkfac.linalg import INVERSE_METHODS  # NOQA
 
 #: ``fisher``: the empirical Fisher (true labels, the paper), labels drawn
 #: from the model's softmax (Monte-Carlo), or the loss Hessian's exact
@@ -106,6 +107,8 @@ _RULES = {
                        'must be one of {}'.format(LOSS_REDUCTIONS)),
     'max_factor_dim': (lambda v: v is None or _positive_int(v),
                        'must be an int >= 1 (or None: no limit)'),
+    'inverse_method': (lambda v: v in INVERSE_METHODS,
+                       'must be one of {}'.format(INVERSE_METHODS)),
     'conv_a_strategy': (lambda v: v is None or v in CONV_A_STRATEGIES,
                         'must be one of {} (or None: the cheaper)'.format(
                             CONV_A_STRATEGIES)),

@@ -105,7 +105,26 @@ def test_step_time_inverse_only_smoke(tmp_path):
     assert result['repeats'] == 2 and len(result['samples_s']) == 2
     assert positive(result['median_s']) and positive(result['sum_n3'])
     assert set(result['by_kind_s']) == {'A', 'G', 'F'}
+    assert result['method'] == 'cholesky'
     assert 'results' not in data
+
+
+def test_step_time_inverse_methods_smoke(tmp_path):
+    """Both methods on the same factors; the iteration's inverses within
+    fp32 reach of Cholesky's."""
+    data, stdout = run_benchmark(
+        'step_time', tmp_path, '--inverse-only', '--rounds', '1',
+        '--inverse-methods', 'cholesky,newton_schulz',
+        '--newton-schulz-max-dim', '40')
+    cholesky, iterated = data['inverse']
+    assert (cholesky['method'], iterated['method']) == ('cholesky',
+                                                        'newton_schulz')
+    assert iterated['n_factors'] == cholesky['n_factors'] == 29
+    assert 0 < iterated['newton_schulz_eligible'] < 29
+    assert iterated['newton_schulz_max_dim'] == 40
+    assert 0 < iterated['max_rel_vs_cholesky'] < 1e-3
+    assert positive(iterated['median_s'])
+    assert 'newton_schulz' in stdout
 
 
 def test_step_time_rejects_variants_without_sgd():

@@ -107,8 +107,17 @@ def test_max_factor_dim_reaches_the_optimizer(tmp_path):
     assert config.kfac_options(cfg)['max_factor_dim'] == 512
 
 
+def test_inverse_method_reaches_the_optimizer(tmp_path):
+    assert config.kfac_options(config.load(write(
+        tmp_path, base())))['inverse_method'] == 'cholesky'
+    data = base()
+    data['inverse_method'] = 'newton_schulz'
+    cfg = config.load(write(tmp_path, data))
+    assert config.kfac_options(cfg)['inverse_method'] == 'newton_schulz'
+
+
 @pytest.mark.parametrize('key', ['bn_fisher', 'fisher', 'factor_dtype',
-                                 'weight_rescale'])
+                                 'weight_rescale', 'inverse_method'])
 def test_choices_are_the_optimizers(tmp_path, key):
     """The loader takes its choices and their checks from
     ``chainerkfac.optimizers.options``: every value KFAC accepts is a valid
@@ -117,7 +126,8 @@ def test_choices_are_the_optimizers(tmp_path, key):
     choices = {'bn_fisher': options.BN_FISHER_MODES,
                'fisher': options.FISHER_TYPES,
                'factor_dtype': options.FACTOR_DTYPES,
-               'weight_rescale': options.WEIGHT_RESCALE_CHOICES}[key]
+               'weight_rescale': options.WEIGHT_RESCALE_CHOICES,
+               'inverse_method': options.INVERSE_METHODS}[key]
     for value in choices:
         data = base()
         data[key] = value

@@ -31,11 +31,12 @@ def _many_factors():
     return factors
 
 
-def _compare(factors, tol32=2e-3, tol64=1e-9):
+def _compare(factors, tol32=2e-3, tol64=1e-9, method='cholesky'):
+    """The GPU's inverses by ``method`` against the CPU's by Cholesky."""
     cpu = linalg.damped_inverses([m for m, _ in factors],
                                  [d for _, d in factors])
     gpu = linalg.damped_inverses([support.to_gpu(m) for m, _ in factors],
-                                 [d for _, d in factors])
+                                 [d for _, d in factors], method=method)
     problems = []
     for k, ((matrix, _), c, g) in enumerate(zip(factors, cpu, gpu)):
         if (g.retries, g.damping) != (c.retries, c.damping):
@@ -80,6 +81,35 @@ def test_gpu_retries_exactly_as_the_cpu():
     retries = [r.retries for r in gpu]
     assert retries == [0, 3, 2, linalg.MAX_INVERSE_TRIES, 0, 0,
                        linalg.MAX_INVERSE_TRIES, 3, 0], retries
+
+
+def test_newton_schulz_on_the_gpu_equals_cholesky():
+    """The batched GEMM iteration (cuBLAS, exact fp32 unless CUPY_TF32 is
+    set) against LAPACK Cholesky: the same inverses, the same retries on
+    the problem factors (Cholesky decides where the iteration does not
+    settle)."""
+    _compare(_many_factors(), method='newton_schulz')
+    gpu = _compare(_problem_factors(), method='newton_schulz')
+    assert [r.retries for r in gpu] == [0, 3, 2, linalg.MAX_INVERSE_TRIES,
+                                        0, 0, linalg.MAX_INVERSE_TRIES, 3, 0]
+
+
+def test_newton_schulz_on_the_gpu_equals_its_cpu_run():
+    """Ill-conditioned Gram factors (κ up to ~1e6) in fp64: the same
+    iteration on CuPy and NumPy, to rounding."""
+    from tests.chainerkfac.test_newton_schulz import factors
+    pairs = factors(numpy.float64)
+    cpu = linalg.damped_inverses([m for m, _ in pairs],
+                                 [d for _, d in pairs],
+                                 method='newton_schulz')
+    gpu = linalg.damped_inverses([support.to_gpu(m) for m, _ in pairs],
+                                 [d for _, d in pairs],
+                                 method='newton_schulz')
+    for c, g in zip(cpu, gpu):
+        assert support.is_cupy(g.inverse) and g.retries == c.retries == 0
+        numpy.testing.assert_allclose(support.to_cpu(g.inverse), c.inverse,
+                                      rtol=1e-8,
+                                      atol=1e-8 * abs(c.inverse).max())
 
 
 def test_potrs_stand_in_gives_the_same_inverses(monkeypatch):
