@@ -9,40 +9,31 @@ softmax over ``axis`` sees ``(before, axis, after, 1)``, over the channel
 """
 from chainerkfac.cudnn import constants as C
 from chainerkfac.cudnn import runtime
-from chainerkfac.cudnn.descriptors import Descriptors, scalars
 
 
 def activation_forward(x, mode, coef=0.0):
     """``y = f(x)`` for a ``CUDNN_ACTIVATION_*`` mode (``coef``: the clip
     of ``CLIPPED_RELU``)."""
-    rt = runtime.current()
-    lib, arrays = rt.lib, rt.arrays
-    x = arrays.contiguous(x)
-    y = arrays.empty(x.shape, x.dtype)
-    one, zero = scalars(x.dtype)
-    handle = rt.handle()
-    with Descriptors(lib) as d:
-        desc = d.as_4d(x)
-        act_desc = d.activation(mode, coef)
-        lib.call('cudnnActivationForward', handle, act_desc, one, desc,
-                 arrays.pointer(x), zero, desc, arrays.pointer(y))
+    with runtime.call(x.dtype) as c:
+        x = c.arrays.contiguous(x)
+        y = c.arrays.empty(x.shape, x.dtype)
+        desc = c.d.as_4d(x)
+        c.lib.call('cudnnActivationForward', c.handle,
+                   c.d.activation(mode, coef), c.one, desc,
+                   c.arrays.pointer(x), c.zero, desc, c.arrays.pointer(y))
     return y
 
 
 def activation_backward(x, y, gy, mode, coef=0.0):
     """The gradient of ``x`` from the forward's ``x``, ``y`` and ``gy``."""
-    rt = runtime.current()
-    lib, arrays = rt.lib, rt.arrays
-    gx = arrays.empty(x.shape, x.dtype)
-    x, y, gy = (arrays.contiguous(a) for a in (x, y, gy))
-    one, zero = scalars(x.dtype)
-    handle = rt.handle()
-    with Descriptors(lib) as d:
-        desc = d.as_4d(y)
-        act_desc = d.activation(mode, coef)
-        lib.call('cudnnActivationBackward', handle, act_desc, one, desc,
-                 arrays.pointer(y), desc, arrays.pointer(gy), desc,
-                 arrays.pointer(x), zero, desc, arrays.pointer(gx))
+    with runtime.call(x.dtype) as c:
+        gx = c.arrays.empty(x.shape, x.dtype)
+        x, y, gy = (c.arrays.contiguous(a) for a in (x, y, gy))
+        desc = c.d.as_4d(y)
+        c.lib.call('cudnnActivationBackward', c.handle,
+                   c.d.activation(mode, coef), c.one, desc,
+                   c.arrays.pointer(y), desc, c.arrays.pointer(gy), desc,
+                   c.arrays.pointer(x), c.zero, desc, c.arrays.pointer(gx))
     return gx
 
 
@@ -63,31 +54,24 @@ def _softmax_descriptor(d, array, axis):
 
 def softmax_forward(x, axis, algorithm):
     """Softmax over ``axis``; ``CUDNN_SOFTMAX_LOG`` gives log-softmax."""
-    rt = runtime.current()
-    lib, arrays = rt.lib, rt.arrays
-    x = arrays.contiguous(x)
-    y = arrays.empty(x.shape, x.dtype)
-    one, zero = scalars(x.dtype)
-    handle = rt.handle()
-    with Descriptors(lib) as d:
-        desc, mode = _softmax_descriptor(d, x, axis)
-        lib.call('cudnnSoftmaxForward', handle, algorithm, mode, one, desc,
-                 arrays.pointer(x), zero, desc, arrays.pointer(y))
+    with runtime.call(x.dtype) as c:
+        x = c.arrays.contiguous(x)
+        y = c.arrays.empty(x.shape, x.dtype)
+        desc, mode = _softmax_descriptor(c.d, x, axis)
+        c.lib.call('cudnnSoftmaxForward', c.handle, algorithm, mode, c.one,
+                   desc, c.arrays.pointer(x), c.zero, desc,
+                   c.arrays.pointer(y))
     return y
 
 
 def softmax_backward(y, gy, axis, algorithm):
     """The gradient of the softmax's input from its output ``y`` and
     ``gy``."""
-    rt = runtime.current()
-    lib, arrays = rt.lib, rt.arrays
-    gx = arrays.empty(y.shape, y.dtype)
-    y, gy = arrays.contiguous(y), arrays.contiguous(gy)
-    one, zero = scalars(y.dtype)
-    handle = rt.handle()
-    with Descriptors(lib) as d:
-        desc, mode = _softmax_descriptor(d, y, axis)
-        lib.call('cudnnSoftmaxBackward', handle, algorithm, mode, one, desc,
-                 arrays.pointer(y), desc, arrays.pointer(gy), zero, desc,
-                 arrays.pointer(gx))
+    with runtime.call(y.dtype) as c:
+        gx = c.arrays.empty(y.shape, y.dtype)
+        y, gy = c.arrays.contiguous(y), c.arrays.contiguous(gy)
+        desc, mode = _softmax_descriptor(c.d, y, axis)
+        c.lib.call('cudnnSoftmaxBackward', c.handle, algorithm, mode, c.one,
+                   desc, c.arrays.pointer(y), desc, c.arrays.pointer(gy),
+                   c.zero, desc, c.arrays.pointer(gx))
     return gx

@@ -91,10 +91,56 @@ def _key(direction, timed, rt, x, W, y, pad, stride, dilation, groups,
         bool(deterministic), rt.max_workspace_size)
 
 
-def _add_bias(rt, d, handle, b, y, y_desc, one):
+#: Per direction: cuDNN's timed search, its heuristics and the launch. The
+#: three take their operands in one order: two inputs, the convolution
+#: descriptor, the output.
+_CALLS = {
+    'forward': ('cudnnFindConvolutionForwardAlgorithmEx',
+                'cudnnGetConvolutionForwardAlgorithm_v7',
+                'cudnnConvolutionForward'),
+    'backward_filter': ('cudnnFindConvolutionBackwardFilterAlgorithmEx',
+                        'cudnnGetConvolutionBackwardFilterAlgorithm_v7',
+                        'cudnnConvolutionBackwardFilter'),
+    'backward_data': ('cudnnFindConvolutionBackwardDataAlgorithmEx',
+                      'cudnnGetConvolutionBackwardDataAlgorithm_v7',
+                      'cudnnConvolutionBackwardData'),
+}
+
+
+def _convolve(rt, handle, direction, key, first, second, conv_desc, out,
+              dtype):
+    """Choose the algorithm (cached per ``key``: timed with the maximum
+    workspace if ``key.timed``, else cuDNN's heuristics) and launch one
+    convolution call. ``first``, ``second`` and ``out`` are (descriptor,
+    pointer) pairs in cuDNN's operand order: ``x, W → y`` (forward),
+    ``x, gy → gW`` (backward filter), ``W, gy → gx`` (backward data)."""
+    lib, arrays = rt.lib, rt.arrays
+    find, heuristics, launch = _CALLS[direction]
+
+    def ask():
+        if key.timed:
+            workspace = arrays.alloc(rt.max_workspace_size)
+            return algorithms.query(
+                lib, find, (handle,) + first + second + (conv_desc,) + out,
+                (workspace.ptr, workspace.nbytes))
+        return algorithms.query(lib, heuristics, (
+            handle, first[0], second[0], conv_desc, out[0]))
+
+    algo = algorithms.cached(rt.algorithms, key, ask)
+    # The descriptor takes the algorithm's own math type (cuDNN needs the
+    # pair to match).
+    lib.call('cudnnSetConvolutionMathType', conv_desc, algo.math_type)
+    workspace = arrays.alloc(algo.memory)
+    one, zero = scalars(dtype)
+    lib.call(launch, handle, one, *first, *second, conv_desc, algo.algo,
+             workspace.ptr, workspace.nbytes, zero, *out)
+
+
+def _add_bias(rt, d, handle, b, y, y_desc):
     """``y += b`` broadcast over every axis but the channels (axis 1)."""
     b = rt.arrays.contiguous(b)
     b_desc = d.tensor((1, b.size) + (1,) * (y.ndim - 2), b.dtype)
+    one, _ = scalars(y.dtype)
     rt.lib.call('cudnnAddTensor', handle, one, b_desc, rt.arrays.pointer(b),
                 one, y_desc, rt.arrays.pointer(y))
 
@@ -120,41 +166,24 @@ def convolution_forward(x, W, b, y, pad, stride, dilation, groups, *,
     _check_layouts('convolution_forward', d_layout, w_layout)
     _check_output('convolution_forward', y)
     rt = runtime.current()
-    lib, arrays = rt.lib, rt.arrays
+    arrays = rt.arrays
     x, W = arrays.contiguous(x), arrays.contiguous(W)
     math = math_type(x.dtype, tensor_core)
-    one, zero = scalars(x.dtype)
     handle = rt.handle()
     with _context('convolution_forward', x=x, W=W, b=b, y=y, pad=pad,
                   stride=stride, dilation=dilation, groups=groups,
                   auto_tune=auto_tune, tensor_core=tensor_core), \
-            Descriptors(lib) as d:
+            Descriptors(rt.lib) as d:
         x_desc, y_desc = d.tensor(x.shape, x.dtype), d.tensor(y.shape, y.dtype)
         w_desc = d.filter(W.shape, W.dtype)
         conv_desc = d.convolution(pad, stride, dilation, groups, x.dtype, math)
-        xp, wp, yp = arrays.pointer(x), arrays.pointer(W), arrays.pointer(y)
-
-        def ask():
-            if auto_tune:
-                workspace = arrays.alloc(rt.max_workspace_size)
-                return algorithms.query(
-                    lib, 'cudnnFindConvolutionForwardAlgorithmEx',
-                    (handle, x_desc, xp, w_desc, wp, conv_desc, y_desc, yp),
-                    (workspace.ptr, workspace.nbytes))
-            return algorithms.query(
-                lib, 'cudnnGetConvolutionForwardAlgorithm_v7',
-                (handle, x_desc, w_desc, conv_desc, y_desc))
-
-        algo = algorithms.cached(rt.algorithms, _key(
+        _convolve(rt, handle, 'forward', _key(
             'forward', auto_tune, rt, x, W, y, pad, stride, dilation, groups,
-            math, False), ask)
-        lib.call('cudnnSetConvolutionMathType', conv_desc, algo.math_type)
-        workspace = arrays.alloc(algo.memory)
-        lib.call('cudnnConvolutionForward', handle, one, x_desc, xp, w_desc,
-                 wp, conv_desc, algo.algo, workspace.ptr, workspace.nbytes,
-                 zero, y_desc, yp)
+            math, False), (x_desc, arrays.pointer(x)),
+            (w_desc, arrays.pointer(W)), conv_desc,
+            (y_desc, arrays.pointer(y)), x.dtype)
         if b is not None:
-            _add_bias(rt, d, handle, b, y, y_desc, one)
+            _add_bias(rt, d, handle, b, y, y_desc)
 
 
 def convolution_backward_filter(x, gy, gW, pad, stride, dilation, groups, *,
@@ -169,42 +198,23 @@ def convolution_backward_filter(x, gy, gW, pad, stride, dilation, groups, *,
     _check_layouts('convolution_backward_filter', d_layout, w_layout)
     _check_output('convolution_backward_filter', gW)
     rt = runtime.current()
-    lib, arrays = rt.lib, rt.arrays
+    arrays = rt.arrays
     x, gy = arrays.contiguous(x), arrays.contiguous(gy)
     math = math_type(x.dtype, tensor_core)
-    timed = auto_tune and not deterministic
-    one, zero = scalars(x.dtype)
     handle = rt.handle()
     with _context('convolution_backward_filter', x=x, gy=gy, gW=gW, pad=pad,
                   stride=stride, dilation=dilation, groups=groups,
                   deterministic=deterministic, auto_tune=auto_tune,
-                  tensor_core=tensor_core), Descriptors(lib) as d:
+                  tensor_core=tensor_core), Descriptors(rt.lib) as d:
         x_desc = d.tensor(x.shape, x.dtype)
         gy_desc = d.tensor(gy.shape, gy.dtype)
         w_desc = d.filter(gW.shape, gW.dtype)
         conv_desc = d.convolution(pad, stride, dilation, groups, x.dtype, math)
-        xp, gyp, gwp = (arrays.pointer(x), arrays.pointer(gy),
-                        arrays.pointer(gW))
-
-        def ask():
-            if timed:
-                workspace = arrays.alloc(rt.max_workspace_size)
-                return algorithms.query(
-                    lib, 'cudnnFindConvolutionBackwardFilterAlgorithmEx',
-                    (handle, x_desc, xp, gy_desc, gyp, conv_desc, w_desc,
-                     gwp), (workspace.ptr, workspace.nbytes))
-            return algorithms.query(
-                lib, 'cudnnGetConvolutionBackwardFilterAlgorithm_v7',
-                (handle, x_desc, gy_desc, conv_desc, w_desc))
-
-        algo = algorithms.cached(rt.algorithms, _key(
-            'backward_filter', timed, rt, x, gW, gy, pad, stride, dilation,
-            groups, math, deterministic), ask)
-        lib.call('cudnnSetConvolutionMathType', conv_desc, algo.math_type)
-        workspace = arrays.alloc(algo.memory)
-        lib.call('cudnnConvolutionBackwardFilter', handle, one, x_desc, xp,
-                 gy_desc, gyp, conv_desc, algo.algo, workspace.ptr,
-                 workspace.nbytes, zero, w_desc, gwp)
+        _convolve(rt, handle, 'backward_filter', _key(
+            'backward_filter', auto_tune and not deterministic, rt, x, gW,
+            gy, pad, stride, dilation, groups, math, deterministic),
+            (x_desc, arrays.pointer(x)), (gy_desc, arrays.pointer(gy)),
+            conv_desc, (w_desc, arrays.pointer(gW)), x.dtype)
 
 
 def convolution_backward_data(W, x, b, y, pad, stride, dilation, groups, *,
@@ -217,39 +227,21 @@ def convolution_backward_data(W, x, b, y, pad, stride, dilation, groups, *,
     _check_layouts('convolution_backward_data', d_layout, w_layout)
     _check_output('convolution_backward_data', y)
     rt = runtime.current()
-    lib, arrays = rt.lib, rt.arrays
+    arrays = rt.arrays
     x, W = arrays.contiguous(x), arrays.contiguous(W)
     math = math_type(x.dtype, tensor_core)
-    timed = auto_tune and not deterministic
-    one, zero = scalars(x.dtype)
     handle = rt.handle()
     with _context('convolution_backward_data', W=W, x=x, b=b, y=y, pad=pad,
                   stride=stride, dilation=dilation, groups=groups,
                   deterministic=deterministic, auto_tune=auto_tune,
-                  tensor_core=tensor_core), Descriptors(lib) as d:
+                  tensor_core=tensor_core), Descriptors(rt.lib) as d:
         x_desc, y_desc = d.tensor(x.shape, x.dtype), d.tensor(y.shape, y.dtype)
         w_desc = d.filter(W.shape, W.dtype)
         conv_desc = d.convolution(pad, stride, dilation, groups, x.dtype, math)
-        wp, xp, yp = arrays.pointer(W), arrays.pointer(x), arrays.pointer(y)
-
-        def ask():
-            if timed:
-                workspace = arrays.alloc(rt.max_workspace_size)
-                return algorithms.query(
-                    lib, 'cudnnFindConvolutionBackwardDataAlgorithmEx',
-                    (handle, w_desc, wp, x_desc, xp, conv_desc, y_desc, yp),
-                    (workspace.ptr, workspace.nbytes))
-            return algorithms.query(
-                lib, 'cudnnGetConvolutionBackwardDataAlgorithm_v7',
-                (handle, w_desc, x_desc, conv_desc, y_desc))
-
-        algo = algorithms.cached(rt.algorithms, _key(
-            'backward_data', timed, rt, y, W, x, pad, stride, dilation,
-            groups, math, deterministic), ask)
-        lib.call('cudnnSetConvolutionMathType', conv_desc, algo.math_type)
-        workspace = arrays.alloc(algo.memory)
-        lib.call('cudnnConvolutionBackwardData', handle, one, w_desc, wp,
-                 x_desc, xp, conv_desc, algo.algo, workspace.ptr,
-                 workspace.nbytes, zero, y_desc, yp)
+        _convolve(rt, handle, 'backward_data', _key(
+            'backward_data', auto_tune and not deterministic, rt, y, W, x,
+            pad, stride, dilation, groups, math, deterministic),
+            (w_desc, arrays.pointer(W)), (x_desc, arrays.pointer(x)),
+            conv_desc, (y_desc, arrays.pointer(y)), x.dtype)
         if b is not None:
-            _add_bias(rt, d, handle, b, y, y_desc, one)
+            _add_bias(rt, d, handle, b, y, y_desc)

@@ -13,7 +13,6 @@ import weakref
 import numpy
 
 from chainerkfac.cudnn import runtime
-from chainerkfac.cudnn.descriptors import Descriptors
 
 
 class DropoutStates:
@@ -56,18 +55,16 @@ class DropoutStates:
         reserve_space, y
             ``reserve_space`` (bytes holding the mask) for :meth:`backward`.
         """
-        rt = runtime.current()
-        lib, arrays = rt.lib, rt.arrays
-        handle = rt.handle(handle)
-        self._set_ratio(lib, handle, dropout_ratio)
-        x = arrays.contiguous(x)
-        y = arrays.empty(x.shape, x.dtype)
-        with Descriptors(lib) as d:
-            desc = d.as_4d(x)
+        with runtime.call(x.dtype, handle) as c:
+            lib, arrays = c.lib, c.arrays
+            self._set_ratio(lib, c.handle, dropout_ratio)
+            x = arrays.contiguous(x)
+            y = arrays.empty(x.shape, x.dtype)
+            desc = c.d.as_4d(x)
             reserve = arrays.empty(
                 (lib.size('cudnnDropoutGetReserveSpaceSize', desc),),
                 numpy.int8)
-            lib.call('cudnnDropoutForward', handle, self._desc, desc,
+            lib.call('cudnnDropoutForward', c.handle, self._desc, desc,
                      arrays.pointer(x), desc, arrays.pointer(y),
                      arrays.pointer(reserve), reserve.size)
         return reserve, y
@@ -75,15 +72,13 @@ class DropoutStates:
     def backward(self, handle, dy, dropout_ratio, reserve_space):
         """``dy`` masked and scaled as the forward pass that returned
         ``reserve_space``."""
-        rt = runtime.current()
-        lib, arrays = rt.lib, rt.arrays
-        handle = rt.handle(handle)
-        self._set_ratio(lib, handle, dropout_ratio)
-        dy = arrays.contiguous(dy)
-        dx = arrays.empty(dy.shape, dy.dtype)
-        with Descriptors(lib) as d:
-            desc = d.as_4d(dy)
-            lib.call('cudnnDropoutBackward', handle, self._desc, desc,
-                     arrays.pointer(dy), desc, arrays.pointer(dx),
-                     arrays.pointer(reserve_space), reserve_space.size)
+        with runtime.call(dy.dtype, handle) as c:
+            arrays = c.arrays
+            self._set_ratio(c.lib, c.handle, dropout_ratio)
+            dy = arrays.contiguous(dy)
+            dx = arrays.empty(dy.shape, dy.dtype)
+            desc = c.d.as_4d(dy)
+            c.lib.call('cudnnDropoutBackward', c.handle, self._desc, desc,
+                       arrays.pointer(dy), desc, arrays.pointer(dx),
+                       arrays.pointer(reserve_space), reserve_space.size)
         return dx

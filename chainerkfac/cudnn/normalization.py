@@ -6,8 +6,8 @@ Training runs ``cudnnBatchNormalizationForwardTrainingEx`` (BN only, no
 fused activation; the unused z / y / dz descriptors are ``x``'s and their
 data NULL, as CuPy 13 passed them), which updates the running mean and
 variance in place (``running = decay · running + (1 − decay) · batch``, the
-variance unbiased) and saves the batch mean and inverse standard deviation for the
-backward pass. Its workspace and reserve space are asked of cuDNN on every
+variance unbiased) and saves the batch mean and inverse standard deviation
+for the backward pass. Its workspace and reserve space are asked of cuDNN on every
 call (CuPy 13 asked only for NHWC float16); the reserve space is handed to
 Chainer, which gives it back to :func:`batch_normalization_backward`.
 
@@ -24,7 +24,6 @@ import warnings
 from chainerkfac.cudnn import constants as C
 from chainerkfac.cudnn import not_served
 from chainerkfac.cudnn import runtime
-from chainerkfac.cudnn.descriptors import Descriptors, scalars
 
 
 def _x_descriptor(d, x, is_for_conv2d):
@@ -58,15 +57,12 @@ def _forward_training(x, gamma, beta, running_mean, running_var, mean,
     _check_layout('batch_normalization_forward_training', d_layout)
     if (mean is None) != (inv_std is None):
         raise ValueError('Both mean and inv_std must be None if one is.')
-    rt = runtime.current()
-    lib, arrays = rt.lib, rt.arrays
-    x = arrays.contiguous(x)
-    y = arrays.empty(x.shape, x.dtype)
-    one, zero = scalars(x.dtype)
-    handle = rt.handle()
-    with Descriptors(lib) as d:
-        x_desc = _x_descriptor(d, x, is_for_conv2d)
-        bn_desc, param_dtype = d.derived_bn(x_desc, cudnn_mode)
+    with runtime.call(x.dtype) as c:
+        lib, arrays, handle = c.lib, c.arrays, c.handle
+        x = arrays.contiguous(x)
+        y = arrays.empty(x.shape, x.dtype)
+        x_desc = _x_descriptor(c.d, x, is_for_conv2d)
+        bn_desc, param_dtype = c.d.derived_bn(x_desc, cudnn_mode)
         gamma = arrays.contiguous(gamma.astype(param_dtype, copy=False))
         beta = arrays.contiguous(beta.astype(param_dtype, copy=False))
         mean_tmp = running_mean.astype(param_dtype, copy=False)
@@ -82,7 +78,7 @@ def _forward_training(x, gamma, beta, running_mean, running_var, mean,
             'cudnnGetBatchNormalizationTrainingExReserveSpaceSize',
             handle, cudnn_mode, ops, None, x_desc))
         lib.call('cudnnBatchNormalizationForwardTrainingEx', handle,
-                 cudnn_mode, ops, one, zero, x_desc, arrays.pointer(x),
+                 cudnn_mode, ops, c.one, c.zero, x_desc, arrays.pointer(x),
                  x_desc, None, x_desc, arrays.pointer(y), bn_desc,
                  arrays.pointer(gamma), arrays.pointer(beta), 1.0 - decay,
                  arrays.pointer(mean_tmp), arrays.pointer(var_tmp), eps,
@@ -132,23 +128,20 @@ def batch_normalization_forward_inference(
     """``y = gamma (x − mean) / sqrt(var + eps) + beta`` with fixed
     statistics."""
     _check_layout('batch_normalization_forward_inference', d_layout)
-    rt = runtime.current()
-    lib, arrays = rt.lib, rt.arrays
-    x = arrays.contiguous(x)
-    y = arrays.empty(x.shape, x.dtype)
-    one, zero = scalars(x.dtype)
-    handle = rt.handle()
-    with Descriptors(lib) as d:
-        x_desc = _x_descriptor(d, x, is_for_conv2d)
-        bn_desc, param_dtype = d.derived_bn(x_desc, cudnn_mode)
+    with runtime.call(x.dtype) as c:
+        arrays = c.arrays
+        x = arrays.contiguous(x)
+        y = arrays.empty(x.shape, x.dtype)
+        x_desc = _x_descriptor(c.d, x, is_for_conv2d)
+        bn_desc, param_dtype = c.d.derived_bn(x_desc, cudnn_mode)
         gamma, beta, mean, var = (
             arrays.contiguous(a.astype(param_dtype, copy=False))
             for a in (gamma, beta, mean, var))
-        lib.call('cudnnBatchNormalizationForwardInference', handle,
-                 cudnn_mode, one, zero, x_desc, arrays.pointer(x), x_desc,
-                 arrays.pointer(y), bn_desc, arrays.pointer(gamma),
-                 arrays.pointer(beta), arrays.pointer(mean),
-                 arrays.pointer(var), eps)
+        c.lib.call('cudnnBatchNormalizationForwardInference', c.handle,
+                   cudnn_mode, c.one, c.zero, x_desc, arrays.pointer(x),
+                   x_desc, arrays.pointer(y), bn_desc, arrays.pointer(gamma),
+                   arrays.pointer(beta), arrays.pointer(mean),
+                   arrays.pointer(var), eps)
     return y
 
 
@@ -163,15 +156,12 @@ def batch_normalization_backward(
         ``ggamma`` and ``gbeta`` in ``gamma``'s dtype.
     """
     _check_layout('batch_normalization_backward', d_layout)
-    rt = runtime.current()
-    lib, arrays = rt.lib, rt.arrays
-    x, gy = arrays.contiguous(x), arrays.contiguous(gy)
-    gx = arrays.empty(x.shape, x.dtype)
-    one, zero = scalars(x.dtype)
-    handle = rt.handle()
-    with Descriptors(lib) as d:
-        x_desc = _x_descriptor(d, x, is_for_conv2d)
-        bn_desc, param_dtype = d.derived_bn(x_desc, cudnn_mode)
+    with runtime.call(x.dtype) as c:
+        lib, arrays, handle = c.lib, c.arrays, c.handle
+        x, gy = arrays.contiguous(x), arrays.contiguous(gy)
+        gx = arrays.empty(x.shape, x.dtype)
+        x_desc = _x_descriptor(c.d, x, is_for_conv2d)
+        bn_desc, param_dtype = c.d.derived_bn(x_desc, cudnn_mode)
         gamma_cast = arrays.contiguous(gamma.astype(param_dtype, copy=False))
         ggamma = arrays.empty(gamma_cast.shape, param_dtype)
         gbeta = arrays.empty(gamma_cast.shape, param_dtype)
@@ -185,7 +175,8 @@ def batch_normalization_backward(
                                        if reserve_space is not None
                                        else (None, 0))
         lib.call('cudnnBatchNormalizationBackwardEx', handle, cudnn_mode, ops,
-                 one, zero, one, zero, x_desc, arrays.pointer(x), x_desc, None,
+                 c.one, c.zero, c.one, c.zero, x_desc, arrays.pointer(x),
+                 x_desc, None,
                  x_desc, arrays.pointer(gy), x_desc, None, x_desc,
                  arrays.pointer(gx), bn_desc, arrays.pointer(gamma_cast),
                  None, arrays.pointer(ggamma), arrays.pointer(gbeta), eps,

@@ -6,7 +6,10 @@ The functions Chainer calls (:mod:`chainerkfac.cudnn.highlevel`) find it
 through :func:`current`; :func:`chainerkfac.cudnn.install` activates one
 over CuPy, the tests one over a recording fake library and NumPy arrays.
 """
-from typing import Dict, NamedTuple, Optional, Tuple
+import contextlib
+from typing import Dict, Iterator, NamedTuple, Optional, Tuple
+
+from chainerkfac.cudnn.descriptors import Descriptors, scalars
 
 #: CuPy 13's default (``cupyx.cudnn._max_workspace_size``); Chainer sets
 #: another through ``chainer.backends.cuda.set_max_workspace_size``.
@@ -113,6 +116,30 @@ def current() -> Runtime:
     if _current is None:
         raise RuntimeError('chainerkfac.cudnn is not installed')
     return _current
+
+
+class Call(NamedTuple):
+    """What one cuDNN call needs (:func:`call`)."""
+
+    lib: object          # chainerkfac.cudnn.library.Library
+    arrays: object       # CupyArrays, or the tests' NumPy stand-in
+    handle: int          # set to the current stream
+    one: object          # alpha = 1 and beta = 0 for the data's dtype
+    zero: object
+    d: Descriptors       # destroyed when the call's scope closes
+
+
+@contextlib.contextmanager
+def call(dtype, handle: Optional[int] = None) -> Iterator[Call]:
+    """The scope of one cuDNN call on data of ``dtype``, in the active
+    runtime: its library and arrays, the handle set to the current stream
+    (``handle`` if the caller made one), the scalars and the call's
+    descriptors."""
+    rt = current()
+    handle = rt.handle(handle)
+    one, zero = scalars(dtype)
+    with Descriptors(rt.lib) as d:
+        yield Call(rt.lib, rt.arrays, handle, one, zero, d)
 
 
 def activate(runtime: Optional[Runtime]) -> Optional[Runtime]:
