@@ -21,10 +21,13 @@ same fixed batch:
   steady state, steps that refresh nothing and reuse the stored inverses;
 * ``kfac_diag_bn``: every step, diagonal BN Fisher (``bn_fisher='diag'``);
 * ``kfac_fp16``: every step, factors built from fp16 products
-  (``factor_dtype='float16'``).
+  (``factor_dtype='float16'``);
+* ``kfac_newton_schulz``: every step, the factors up to n = 1024
+  inverted by the batched Newton–Schulz iteration
+  (``inverse_method='newton_schulz'``).
 
 The CPU runs ``sgd``, ``kfac_every`` and ``kfac_stale`` by default,
-``--gpu`` all five (``--variants`` picks any subset that has ``sgd``).
+``--gpu`` all six (``--variants`` picks any subset that has ``sgd``).
 
 After warm-up steps, the variants are timed in *rounds* (one step of each,
 in an order rotated every round), so that the machine's noise hits all
@@ -115,6 +118,7 @@ KFAC_VARIANTS = {
     'kfac_stale': {},
     'kfac_diag_bn': {'bn_fisher': 'diag'},
     'kfac_fp16': {'factor_dtype': 'float16'},
+    'kfac_newton_schulz': {'inverse_method': 'newton_schulz'},
 }
 VARIANTS = ('sgd',) + tuple(KFAC_VARIANTS)
 CPU_VARIANTS = ('sgd', 'kfac_every', 'kfac_stale')

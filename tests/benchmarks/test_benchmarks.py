@@ -78,14 +78,15 @@ def test_step_time_smoke(tmp_path):
 
 
 def test_step_time_smoke_every_variant(tmp_path):
-    variants = 'sgd,kfac_every,kfac_stale,kfac_diag_bn,kfac_fp16'
+    variants = ('sgd,kfac_every,kfac_stale,kfac_diag_bn,kfac_fp16,'
+                'kfac_newton_schulz')
     data, stdout = run_benchmark('step_time', tmp_path, '--variants',
                                  variants)
     assert data['variants'] == variants.split(',')
     [result] = data['results']
     for variant in variants.split(','):
         assert positive(result['median_s'][variant])
-    for variant in ('kfac_diag_bn', 'kfac_fp16'):
+    for variant in ('kfac_diag_bn', 'kfac_fp16', 'kfac_newton_schulz'):
         assert positive(result['ratio_to_sgd'][variant])
         assert set(result['stage_times_s'][variant]) == set(STAGES)
         assert positive(result['extra_over_sgd'][variant]['inverse'])
