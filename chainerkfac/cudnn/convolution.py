@@ -28,7 +28,6 @@ from chainerkfac.cudnn import constants as C
 from chainerkfac.cudnn import not_served
 from chainerkfac.cudnn import runtime
 from chainerkfac.cudnn.algorithms import AlgorithmKey
-from chainerkfac.cudnn.descriptors import Descriptors, scalars
 from chainerkfac.cudnn.library import CuDNNError
 
 _TENSOR_CORE_MODES = ('always', 'auto', 'never')
@@ -65,14 +64,21 @@ def _check_output(what, array):
 
 
 @contextlib.contextmanager
-def _context(what, **arrays_and_parameters):
-    """Add the call's shapes and parameters to a cuDNN error."""
+def _call(what, out, d_layout, w_layout, dtype, tensor_core_mode,
+          **described):
+    """The scope of one convolution call: the layouts and the output
+    checked, the math type chosen, then :func:`runtime.call`; a cuDNN error
+    gets the call's shapes and parameters (``described``) added. Yields the
+    call and the math type."""
+    _check_layouts(what, d_layout, w_layout)
+    _check_output(what, out)
+    math = math_type(dtype, tensor_core_mode)
     try:
-        yield
+        with runtime.call(dtype) as c:
+            yield c, math
     except CuDNNError as error:
         error.add_info('in {}: {}'.format(what, ', '.join(
-            '{}={}'.format(k, _describe(v))
-            for k, v in arrays_and_parameters.items())))
+            '{}={}'.format(k, _describe(v)) for k, v in described.items())))
         raise
 
 
@@ -82,8 +88,9 @@ def _describe(value):
     return repr(value)
 
 
-def _key(direction, timed, rt, x, W, y, pad, stride, dilation, groups,
-         math, deterministic):
+def _key(direction, timed, x, W, y, pad, stride, dilation, groups, math,
+         deterministic):
+    rt = runtime.current()
     return AlgorithmKey(
         direction, bool(timed), rt.arrays.device_id(), tuple(x.shape),
         tuple(W.shape), tuple(y.shape), x.dtype.name, tuple(pad),
@@ -107,42 +114,41 @@ _CALLS = {
 }
 
 
-def _convolve(rt, handle, direction, key, first, second, conv_desc, out,
-              dtype):
+def _convolve(c, direction, key, first, second, conv_desc, out):
     """Choose the algorithm (cached per ``key``: timed with the maximum
     workspace if ``key.timed``, else cuDNN's heuristics) and launch one
-    convolution call. ``first``, ``second`` and ``out`` are (descriptor,
-    pointer) pairs in cuDNN's operand order: ``x, W → y`` (forward),
-    ``x, gy → gW`` (backward filter), ``W, gy → gx`` (backward data)."""
-    lib, arrays = rt.lib, rt.arrays
+    convolution call in the scope ``c`` (:func:`runtime.call`). ``first``,
+    ``second`` and ``out`` are (descriptor, pointer) pairs in cuDNN's
+    operand order: ``x, W → y`` (forward), ``x, gy → gW`` (backward
+    filter), ``W, gy → gx`` (backward data)."""
+    rt = runtime.current()
     find, heuristics, launch = _CALLS[direction]
 
     def ask():
         if key.timed:
-            workspace = arrays.alloc(rt.max_workspace_size)
+            workspace = c.arrays.alloc(rt.max_workspace_size)
             return algorithms.query(
-                lib, find, (handle,) + first + second + (conv_desc,) + out,
+                c.lib, find,
+                (c.handle,) + first + second + (conv_desc,) + out,
                 (workspace.ptr, workspace.nbytes))
-        return algorithms.query(lib, heuristics, (
-            handle, first[0], second[0], conv_desc, out[0]))
+        return algorithms.query(c.lib, heuristics, (
+            c.handle, first[0], second[0], conv_desc, out[0]))
 
     algo = algorithms.cached(rt.algorithms, key, ask)
     # The descriptor takes the algorithm's own math type (cuDNN needs the
     # pair to match).
-    lib.call('cudnnSetConvolutionMathType', conv_desc, algo.math_type)
-    workspace = arrays.alloc(algo.memory)
-    one, zero = scalars(dtype)
-    lib.call(launch, handle, one, *first, *second, conv_desc, algo.algo,
-             workspace.ptr, workspace.nbytes, zero, *out)
+    c.lib.call('cudnnSetConvolutionMathType', conv_desc, algo.math_type)
+    workspace = c.arrays.alloc(algo.memory)
+    c.lib.call(launch, c.handle, c.one, *first, *second, conv_desc,
+               algo.algo, workspace.ptr, workspace.nbytes, c.zero, *out)
 
 
-def _add_bias(rt, d, handle, b, y, y_desc):
+def _add_bias(c, b, y, y_desc):
     """``y += b`` broadcast over every axis but the channels (axis 1)."""
-    b = rt.arrays.contiguous(b)
-    b_desc = d.tensor((1, b.size) + (1,) * (y.ndim - 2), b.dtype)
-    one, _ = scalars(y.dtype)
-    rt.lib.call('cudnnAddTensor', handle, one, b_desc, rt.arrays.pointer(b),
-                one, y_desc, rt.arrays.pointer(y))
+    b = c.arrays.contiguous(b)
+    b_desc = c.d.tensor((1, b.size) + (1,) * (y.ndim - 2), b.dtype)
+    c.lib.call('cudnnAddTensor', c.handle, c.one, b_desc,
+               c.arrays.pointer(b), c.one, y_desc, c.arrays.pointer(y))
 
 
 def convolution_forward(x, W, b, y, pad, stride, dilation, groups, *,
@@ -163,27 +169,22 @@ def convolution_forward(x, W, b, y, pad, stride, dilation, groups, *,
     tensor_core : str
         ``chainer.config.use_cudnn_tensor_core``: the math type.
     """
-    _check_layouts('convolution_forward', d_layout, w_layout)
-    _check_output('convolution_forward', y)
-    rt = runtime.current()
-    arrays = rt.arrays
-    x, W = arrays.contiguous(x), arrays.contiguous(W)
-    math = math_type(x.dtype, tensor_core)
-    handle = rt.handle()
-    with _context('convolution_forward', x=x, W=W, b=b, y=y, pad=pad,
-                  stride=stride, dilation=dilation, groups=groups,
-                  auto_tune=auto_tune, tensor_core=tensor_core), \
-            Descriptors(rt.lib) as d:
+    with _call('convolution_forward', y, d_layout, w_layout, x.dtype,
+               tensor_core, x=x, W=W, b=b, y=y, pad=pad, stride=stride,
+               dilation=dilation, groups=groups, auto_tune=auto_tune,
+               tensor_core=tensor_core) as (c, math):
+        x, W = c.arrays.contiguous(x), c.arrays.contiguous(W)
+        d = c.d
         x_desc, y_desc = d.tensor(x.shape, x.dtype), d.tensor(y.shape, y.dtype)
         w_desc = d.filter(W.shape, W.dtype)
         conv_desc = d.convolution(pad, stride, dilation, groups, x.dtype, math)
-        _convolve(rt, handle, 'forward', _key(
-            'forward', auto_tune, rt, x, W, y, pad, stride, dilation, groups,
-            math, False), (x_desc, arrays.pointer(x)),
-            (w_desc, arrays.pointer(W)), conv_desc,
-            (y_desc, arrays.pointer(y)), x.dtype)
+        _convolve(c, 'forward', _key(
+            'forward', auto_tune, x, W, y, pad, stride, dilation, groups,
+            math, False), (x_desc, c.arrays.pointer(x)),
+            (w_desc, c.arrays.pointer(W)), conv_desc,
+            (y_desc, c.arrays.pointer(y)))
         if b is not None:
-            _add_bias(rt, d, handle, b, y, y_desc)
+            _add_bias(c, b, y, y_desc)
 
 
 def convolution_backward_filter(x, gy, gW, pad, stride, dilation, groups, *,
@@ -195,26 +196,22 @@ def convolution_backward_filter(x, gy, gW, pad, stride, dilation, groups, *,
     ``deterministic`` (``chainer.config.cudnn_deterministic``) takes only
     deterministic algorithms, from the heuristics (never timed), as CuPy 13.
     """
-    _check_layouts('convolution_backward_filter', d_layout, w_layout)
-    _check_output('convolution_backward_filter', gW)
-    rt = runtime.current()
-    arrays = rt.arrays
-    x, gy = arrays.contiguous(x), arrays.contiguous(gy)
-    math = math_type(x.dtype, tensor_core)
-    handle = rt.handle()
-    with _context('convolution_backward_filter', x=x, gy=gy, gW=gW, pad=pad,
-                  stride=stride, dilation=dilation, groups=groups,
-                  deterministic=deterministic, auto_tune=auto_tune,
-                  tensor_core=tensor_core), Descriptors(rt.lib) as d:
+    with _call('convolution_backward_filter', gW, d_layout, w_layout,
+               x.dtype, tensor_core, x=x, gy=gy, gW=gW, pad=pad,
+               stride=stride, dilation=dilation, groups=groups,
+               deterministic=deterministic, auto_tune=auto_tune,
+               tensor_core=tensor_core) as (c, math):
+        x, gy = c.arrays.contiguous(x), c.arrays.contiguous(gy)
+        d = c.d
         x_desc = d.tensor(x.shape, x.dtype)
         gy_desc = d.tensor(gy.shape, gy.dtype)
         w_desc = d.filter(gW.shape, gW.dtype)
         conv_desc = d.convolution(pad, stride, dilation, groups, x.dtype, math)
-        _convolve(rt, handle, 'backward_filter', _key(
-            'backward_filter', auto_tune and not deterministic, rt, x, gW,
-            gy, pad, stride, dilation, groups, math, deterministic),
-            (x_desc, arrays.pointer(x)), (gy_desc, arrays.pointer(gy)),
-            conv_desc, (w_desc, arrays.pointer(gW)), x.dtype)
+        _convolve(c, 'backward_filter', _key(
+            'backward_filter', auto_tune and not deterministic, x, gW, gy,
+            pad, stride, dilation, groups, math, deterministic),
+            (x_desc, c.arrays.pointer(x)), (gy_desc, c.arrays.pointer(gy)),
+            conv_desc, (w_desc, c.arrays.pointer(gW)))
 
 
 def convolution_backward_data(W, x, b, y, pad, stride, dilation, groups, *,
@@ -224,24 +221,19 @@ def convolution_backward_data(W, x, b, y, pad, stride, dilation, groups, *,
     """``y = deconv(x, W) (+ b)``: the transposed convolution, i.e. the
     gradient of a convolution's input (``x`` has the convolution output's
     shape, ``y`` its input's)."""
-    _check_layouts('convolution_backward_data', d_layout, w_layout)
-    _check_output('convolution_backward_data', y)
-    rt = runtime.current()
-    arrays = rt.arrays
-    x, W = arrays.contiguous(x), arrays.contiguous(W)
-    math = math_type(x.dtype, tensor_core)
-    handle = rt.handle()
-    with _context('convolution_backward_data', W=W, x=x, b=b, y=y, pad=pad,
-                  stride=stride, dilation=dilation, groups=groups,
-                  deterministic=deterministic, auto_tune=auto_tune,
-                  tensor_core=tensor_core), Descriptors(rt.lib) as d:
+    with _call('convolution_backward_data', y, d_layout, w_layout, x.dtype,
+               tensor_core, W=W, x=x, b=b, y=y, pad=pad, stride=stride,
+               dilation=dilation, groups=groups, deterministic=deterministic,
+               auto_tune=auto_tune, tensor_core=tensor_core) as (c, math):
+        x, W = c.arrays.contiguous(x), c.arrays.contiguous(W)
+        d = c.d
         x_desc, y_desc = d.tensor(x.shape, x.dtype), d.tensor(y.shape, y.dtype)
         w_desc = d.filter(W.shape, W.dtype)
         conv_desc = d.convolution(pad, stride, dilation, groups, x.dtype, math)
-        _convolve(rt, handle, 'backward_data', _key(
-            'backward_data', auto_tune and not deterministic, rt, y, W, x,
-            pad, stride, dilation, groups, math, deterministic),
-            (w_desc, arrays.pointer(W)), (x_desc, arrays.pointer(x)),
-            conv_desc, (y_desc, arrays.pointer(y)), x.dtype)
+        _convolve(c, 'backward_data', _key(
+            'backward_data', auto_tune and not deterministic, y, W, x, pad,
+            stride, dilation, groups, math, deterministic),
+            (w_desc, c.arrays.pointer(W)), (x_desc, c.arrays.pointer(x)),
+            conv_desc, (y_desc, c.arrays.pointer(y)))
         if b is not None:
-            _add_bias(rt, d, handle, b, y, y_desc)
+            _add_bias(c, b, y, y_desc)
