@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from harness import resume, snapshot_integrity, snapshots
+from tests.harness.damage import flip, truncate
 
 
 def write_snapshot(path, n_processes, seed=0):
@@ -26,22 +27,6 @@ def snapshot_set(directory, epoch, n_processes, ranks=None):
     for rank in range(n_processes) if ranks is None else ranks:
         write_snapshot('{}.rank{}'.format(prefix, rank), n_processes, rank)
     return prefix
-
-
-def truncate(path):
-    size = os.path.getsize(path)
-    with open(path, 'r+b') as f:
-        f.truncate(size * 2 // 3)
-
-
-def flip(path, n=64):
-    """Flip ``n`` bytes in the middle of the file (inside an array)."""
-    size = os.path.getsize(path)
-    with open(path, 'r+b') as f:
-        f.seek(size // 2)
-        data = bytearray(f.read(n))
-        f.seek(size // 2)
-        f.write(bytes(b ^ 0xff for b in data))
 
 
 def test_snapshot_files_of_any_number_of_processes(tmp_path):

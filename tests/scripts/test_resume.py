@@ -9,6 +9,7 @@ import time
 import numpy
 import pytest
 
+from tests.harness.damage import flip
 from tests.scripts import imagenet_like
 from tests.scripts.conftest import (command, kill, read_log,
                                     reference_command, run, start, weights)
@@ -164,16 +165,6 @@ def test_elastic_resume_with_the_monte_carlo_fisher(dataset, tmp_path):
         skip_statistics=True) < TOLERANCE
 
 
-def flip_bytes(path, n=64):
-    """Flip ``n`` bytes in the middle of a file (a failing disk)."""
-    size = os.path.getsize(path)
-    with open(path, 'r+b') as f:
-        f.seek(size // 2)
-        data = bytearray(f.read(n))
-        f.seek(size // 2)
-        f.write(bytes(b ^ 0xff for b in data))
-
-
 @pytest.mark.slow
 def test_damaged_newest_snapshot_falls_back_to_the_one_before(
         dataset, references, tmp_path):
@@ -187,7 +178,7 @@ def test_damaged_newest_snapshot_falls_back_to_the_one_before(
             shutil.copy(os.path.join(reference, name), str(tmp_path))
     before = sorted(os.listdir(str(tmp_path)))
     damaged = str(tmp_path / 'snapshot_epoch_3.rank1')
-    flip_bytes(damaged)
+    flip(damaged)
     result = run(reference_command(dataset, tmp_path, '--resume',
                                    str(tmp_path / 'snapshot_epoch_3')), 2)
     assert result.returncode != 0
