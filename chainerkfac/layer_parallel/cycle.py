@@ -42,7 +42,38 @@ class Propagator(Protocol):
         ``start``, into ``out`` (never ``u``) or a new array."""
 
 
-class FASSolver:
+class VCycle:
+    """The order of one FAS V-cycle's operations: relaxation (F or FCF),
+    the C-point values restricted to the next level, the coarser cycle, the
+    correction, a last F-relaxation; on the coarsest level the serial
+    solve. :class:`FASSolver` does the operations and
+    :class:`~chainerkfac.layer_parallel.perf_model.Schedule` times them,
+    so the model follows the solver's order by construction.
+
+    Subclasses have ``layouts`` (one per level) and ``relax``
+    (:data:`RELAXATIONS`), and provide ``_f_relax``, ``_c_relax``,
+    ``_c_values``, ``_restrict(level, values)``, ``_correct`` and
+    ``_serial``.
+    """
+
+    def _cycle(self, level: int) -> None:
+        if level == len(self.layouts) - 1:
+            self._serial(level)
+            return
+        self._relax(level)
+        self._restrict(level, self._c_values(level))
+        self._cycle(level + 1)
+        self._correct(level)
+        self._f_relax(level)
+
+    def _relax(self, level: int) -> None:
+        self._f_relax(level)
+        if self.relax == 'FCF':
+            self._c_relax(level)
+            self._f_relax(level)
+
+
+class FASSolver(VCycle):
     """MGRIT (FAS V-cycle) for one propagator on one process.
 
     Parameters
@@ -160,16 +191,6 @@ class FASSolver:
         self.g = [None] + [xp.zeros((layout.count + 1,) + shape, dtype)
                            for layout in self.layouts[1:]]
 
-    def _cycle(self, level: int) -> None:
-        if level == self.n_levels - 1:
-            self._serial(level)
-            return
-        self._relax(level)
-        self._restrict(level, self._c_values(level))
-        self._cycle(level + 1)
-        self._correct(level)
-        self._f_relax(level)
-
     # -- Φ -----------------------------------------------------------------
 
     def _phi(self, level: int, j: int, value, out=None):
@@ -188,12 +209,6 @@ class FASSolver:
             u[slot] += self.g[level][slot]
 
     # -- relaxation and the coarsest solve ---------------------------------
-
-    def _relax(self, level: int) -> None:
-        self._f_relax(level)
-        if self.relax == 'FCF':
-            self._c_relax(level)
-            self._f_relax(level)
 
     def _f_relax(self, level: int) -> None:
         layout = self.layouts[level]

@@ -45,8 +45,9 @@ class Costs(NamedTuple):
     ends: float = 0.0
 
 
-class Schedule:
-    """The clocks of every process through the solves of one direction.
+class Schedule(cycle.VCycle):
+    """The clocks of every process through the solves of one direction
+    (the order of :class:`.cycle.VCycle`, timed).
 
     Parameters
     ----------
@@ -134,23 +135,6 @@ class Schedule:
 
     # -- the operations of FASSolver ---------------------------------------
 
-    def _cycle(self, level: int) -> None:
-        if level == len(self.layouts) - 1:
-            self._serial(level)
-            return
-        self._relax(level)
-        self._c_values(level)
-        self._restrict(level)
-        self._cycle(level + 1)
-        self._correct(level)
-        self._f_relax(level)
-
-    def _relax(self, level: int) -> None:
-        self._f_relax(level)
-        if self.relax == 'FCF':
-            self._c_relax(level)
-            self._f_relax(level)
-
     def _f_relax(self, level: int) -> None:
         layouts, ready = self.layouts[level], {}
         for r in self.order[level]:
@@ -178,7 +162,8 @@ class Schedule:
             if residual:
                 self.clock[r] += 3 * lay.n_c * self._axpy
 
-    def _restrict(self, level: int) -> None:
+    def _restrict(self, level: int, values=None) -> None:
+        # ``values``: the solver's C-point values (None here, only timed).
         layouts, begin = self.layouts[level + 1], list(self.clock)
         for r in self.order[level + 1]:
             lay = layouts[r]
