@@ -56,6 +56,18 @@ def loss_of(model):
     return lossfun
 
 
+def update(optimizer, model, lossfun, x, t, manual):
+    """One ``optimizer.update`` the two ways training loops make it: by
+    hand (``model.cleargrads(); lossfun(x, t).backward(); update()``, with
+    ``manual``) or ``update(lossfun, x, t)``."""
+    if manual:
+        model.cleargrads()
+        lossfun(x, t).backward()
+        optimizer.update()
+    else:
+        optimizer.update(lossfun, x, t)
+
+
 def kfac(**kwargs):
     kwargs.setdefault('verbose', False)
     kwargs.setdefault('weight_rescale', False)

@@ -55,12 +55,8 @@ def test_manual_loop_equals_update_with_the_loss(acc_iters, bn):
         for step in range(3):
             for micro in range(acc_iters):
                 chunk = slice(4 * micro, 4 * micro + 8 // acc_iters)
-                if manual:
-                    model.cleargrads()
-                    lossfun(x[chunk], t[chunk]).backward()
-                    optimizer.update()
-                else:
-                    optimizer.update(lossfun, x[chunk], t[chunk])
+                helpers.update(optimizer, model, lossfun, x[chunk],
+                               t[chunk], manual)
         results.append(_weights(model))
         assert optimizer.t == 3
         assert _moved(initial, results[-1])

@@ -39,12 +39,7 @@ def _train_wrapped(model, optimizer, comm, manual, steps, first_step):
         batch = common.chunks(step, comm.size * acc, 0, model.in_shape)
         for j in range(acc):
             x, t = batch[comm.rank * acc + j]
-            if manual:
-                model.cleargrads()
-                lossfun(x, t).backward()
-                optimizer.update()
-            else:
-                optimizer.update(lossfun, x, t)
+            helpers.update(optimizer, model, lossfun, x, t, manual)
 
 
 @pytest.mark.mpi

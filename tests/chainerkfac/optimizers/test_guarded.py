@@ -27,12 +27,8 @@ def test_accumulated_steps_equal_plain_sgd_on_the_whole_batch(manual):
     lossfun = helpers.loss_of(model)
     for _ in range(3):
         for chunk in (slice(0, 4), slice(4, 8)):
-            if manual:
-                model.cleargrads()
-                lossfun(x[chunk], t[chunk]).backward()
-                optimizer.update()
-            else:
-                optimizer.update(lossfun, x[chunk], t[chunk])
+            helpers.update(optimizer, model, lossfun, x[chunk], t[chunk],
+                           manual)
         assert optimizer.pending_micro_batches == 0
         # The reference: the mean of the two chunks' gradients by hand.
         reference.cleargrads()
