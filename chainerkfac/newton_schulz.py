@@ -185,7 +185,7 @@ def _iterate_groups(matrices, dampings, groups) -> Dict[int, object]:
 
 
 def _iterate(stack, damping, upper, steps: int):
-    """``steps`` Newton–Schulz steps on a stack (B, n, n) of damped
+    """``steps`` (≥ 1) Newton–Schulz steps on a stack (B, n, n) of damped
     factors; the symmetrised inverses and, per matrix, the last correction
     ``δ`` (NaN where the iterate is not finite)."""
     xp = get_array_module(stack)
@@ -195,7 +195,6 @@ def _iterate(stack, damping, upper, steps: int):
     inverse = xp.zeros_like(stack)
     diagonal = xp.arange(n)
     inverse[:, diagonal, diagonal] = scale[:, None]
-    previous = inverse
     # A factor that is not positive definite diverges: its overflow is
     # expected here and judged below (NumPy would warn; CuPy does not).
     with numpy.errstate(over='ignore', invalid='ignore'):
