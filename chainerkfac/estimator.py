@@ -36,6 +36,7 @@ from chainer.functions.math import sum as sum_module
 
 from chainerkfac import capture as capture_module
 from chainerkfac import fisher_blocks
+from chainerkfac import sampling
 from chainerkfac.fisher_blocks import FactorKind
 
 logger = logging.getLogger(__name__)
@@ -69,11 +70,9 @@ class LabelSampler:
         device of ``logits``)."""
         probs = chainer.backend.CpuDevice().send(
             F.softmax(logits.astype(numpy.float64)).array)
-        cumulative = probs.cumsum(axis=1)
         rng = self.rng if self.source is None else self.source
         draws = rng.random((probs.shape[0], 1))
-        labels = (cumulative < draws * cumulative[:, -1:]).sum(axis=1)
-        labels = numpy.minimum(labels, probs.shape[1] - 1).astype(numpy.int32)
+        labels = sampling.inverse_cdf(probs, draws[:, 0]).astype(numpy.int32)
         return chainer.backend.get_device_from_array(logits).send(labels)
 
     def serialize(self, serializer) -> None:

@@ -26,6 +26,7 @@ import chainer.functions as F
 from chainer.functions.loss import softmax_cross_entropy as sce_module
 
 from chainerkfac import capture as capture_module
+from chainerkfac import sampling
 from chainerkfac.estimator import softmax_hessian_root
 
 #: Eigenvalues below ``-NEGATIVE_TOLERANCE · max|λ|`` make a loss Hessian
@@ -116,8 +117,8 @@ class LossHessian:
         if self.softmax:
             uniforms = rng.random_sample((mc_samples, batch.total))[:, rows]
             probs = F.softmax(logits).array
-            labels = _inverse_cdf(chainer.backend.CpuDevice().send(probs),
-                                  uniforms)
+            labels = sampling.inverse_cdf(
+                chainer.backend.CpuDevice().send(probs), uniforms)
             onehot = xp.eye(probs.shape[1], dtype=probs.dtype)[
                 xp.asarray(labels)]
             return (probs[None] - onehot) / math.sqrt(
@@ -128,15 +129,6 @@ class LossHessian:
             dtype=root.dtype)
         return xp.einsum('nck,mnk->mnc', root, normals) / math.sqrt(
             mc_samples)
-
-
-def _inverse_cdf(probs, uniforms):
-    """Labels (M, n) with ``P(label = c) = probs[n, c]`` from uniforms
-    (M, n)."""
-    cumulative = probs.cumsum(axis=1)
-    labels = (cumulative[None] < uniforms[:, :, None] *
-              cumulative[None, :, -1:]).sum(axis=2)
-    return numpy.minimum(labels, probs.shape[1] - 1)
 
 
 def _root_of(hessians):
