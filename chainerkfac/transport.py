@@ -54,6 +54,14 @@ class Transport(Protocol):
     def all_sum(self, vector: numpy.ndarray) -> numpy.ndarray:
         """Element-wise sum of a small host int64 vector over processes."""
 
+    def all_sum_float(self, vector: numpy.ndarray) -> numpy.ndarray:
+        """Element-wise sum of a small host float64 vector over processes,
+        added in rank order: the same bits on every process."""
+
+    def sends(self, block) -> bool:
+        """Whether this process is ``block``'s first owner (the one whose
+        direction every process receives)."""
+
     def reduce_scatter(self, blocks: Sequence, grads: Dict[object, List],
                        factors: Dict[object, Dict]):
         """Sum gradients and factors over processes, for the owned blocks.
@@ -88,6 +96,12 @@ class LocalTransport:
 
     def all_sum(self, vector):
         return vector
+
+    def all_sum_float(self, vector):
+        return numpy.asarray(vector, numpy.float64)
+
+    def sends(self, block) -> bool:
+        return True
 
     def reduce_scatter(self, blocks, grads, factors):
         return grads, factors
@@ -188,6 +202,19 @@ class MultiNodeTransport:
         out = numpy.empty_like(vector)
         self.comm.mpi_comm.Allreduce(vector, out, op=MPI.SUM)
         return out
+
+    def all_sum_float(self, vector):
+        # Gathered and added in rank order: MPI's Allreduce may add in
+        # another order on each rank, and every rank must get equal bits.
+        parts = self.comm.mpi_comm.allgather(
+            numpy.ascontiguousarray(vector, dtype=numpy.float64))
+        total = parts[0].copy()
+        for part in parts[1:]:
+            total += part
+        return total
+
+    def sends(self, block) -> bool:
+        return self._owners[block][0] == self.rank
 
     def reduce_scatter(self, blocks, grads, factors):
         """One ReduceScatterV of every present gradient and factor; factors

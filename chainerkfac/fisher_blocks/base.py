@@ -34,6 +34,7 @@ from chainer.backend import get_array_module
 
 from chainerkfac import linalg
 from chainerkfac import packing
+from chainerkfac.fused import regularized_grad
 
 
 class FactorKind(enum.Enum):
@@ -399,6 +400,13 @@ class FisherBlock:
         return all(n in self.inverses for n in self.factor_names)
 
     # -- stage 5: precondition ----------------------------------------------
+    def regularized_grads(self, grads: Sequence, damping: float) -> List:
+        """∇E = ∇L + γ(w − μ) of eq. (13) for each parameter, the vector
+        :meth:`precondition` preconditions (μ = 0; a block whose parameter
+        is pulled elsewhere overrides this)."""
+        return [regularized_grad(g, p.array, damping)
+                for g, p in zip(grads, self.params)]
+
     def precondition(self, grads: Sequence, damping: float) -> List:
         """Return ``(F + γI)⁻¹ ∇E`` for this block's parameters.
 

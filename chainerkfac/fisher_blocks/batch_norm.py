@@ -117,12 +117,15 @@ class BatchNormalizationBlock(FisherBlock):
         # A 1-D factor (diagonal Fisher) is inverted elementwise.
         return {name: (value, damping) for name, value in candidates.items()}
 
+    def regularized_grads(self, grads, damping):
+        # γ is pulled towards μ = 1 (eq. 13), β towards 0.
+        return [regularized_grad(grads[0], self.link.gamma.array, damping,
+                                 mean=1.0),
+                regularized_grad(grads[1], self.link.beta.array, damping)]
+
     def precondition(self, grads, damping):
         xp = get_array_module(grads[0])
-        g_gamma = regularized_grad(grads[0], self.link.gamma.array, damping,
-                                   mean=1.0)
-        g_beta = regularized_grad(grads[1], self.link.beta.array, damping)
-        vector = xp.concatenate([g_gamma, g_beta])
+        vector = xp.concatenate(self.regularized_grads(grads, damping))
         if self.has_inverses():
             inverse = self.inverses['F'].astype(vector.dtype, copy=False)
             vector = (inverse.dot(vector) if self.mode == 'full'

@@ -126,10 +126,10 @@ class KroneckerBlock(FisherBlock):
 
     def precondition(self, grads, damping):
         weight = self.link.W.array
-        grad_w = regularized_grad(grads[0], weight, damping)
-        matrix = grad_w.reshape(self.out_size, -1)
+        regularized = self.regularized_grads(grads, damping)
+        matrix = regularized[0].reshape(self.out_size, -1)
         if self.has_bias:
-            grad_b = regularized_grad(grads[1], self.link.b.array, damping)
+            grad_b = regularized[1]
             xp = get_array_module(matrix)
             matrix = xp.concatenate([matrix, grad_b[:, None]], axis=1)
         if self.has_inverses():

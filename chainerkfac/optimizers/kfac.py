@@ -9,7 +9,9 @@ One K-FAC step, top to bottom (:meth:`KFAC._step`, Algorithm 1):
      each block's on its owner (:mod:`chainerkfac.transport`);
 4.   owners refresh their blocks' damped inverses
      (:mod:`chainerkfac.fisher_blocks`, :mod:`chainerkfac.linalg`);
-5.   owners precondition their blocks' gradients, ``(F + γI)⁻¹ ∇E``;
+5.   owners precondition their blocks' gradients, ``(F + γI)⁻¹ ∇E``,
+     and scale them so that the step's length in the curvature's metric
+     stays within ``kl_clip`` (:mod:`chainerkfac.step_bound`);
 6.   the transport gives every process all preconditioned gradients;
      then, unless a direction is not finite (:mod:`chainerkfac.step_guard`),
      every process applies eqs. (19)-(20)
@@ -40,6 +42,7 @@ from chainerkfac.optimizers.rescale import WeightRescale
 from chainerkfac.optimizers.update_rule import RESCALE_EPS  # NOQA
 from chainerkfac.optimizers.update_rule import KFACRule
 from chainerkfac.stage_timer import StageTimer
+from chainerkfac.step_bound import StepBound
 from chainerkfac.step_guard import StepGuard
 from chainerkfac.transport import LocalTransport
 
@@ -169,6 +172,16 @@ class KFAC(optimizer.GradientMethod):
         iteration costs ≈ 4n³ flops per step against Cholesky's ≈ n³ in
         all: an option for GPUs, where many small factors leave cuSOLVER
         bound by launches; slower on a CPU.
+    kl_clip : float or None
+        The bounded step (kfac-pytorch's ``kl_clip``): every preconditioned
+        direction is multiplied by ``ν = min(1, √(kl_clip / m))``,
+        ``m = lr² Σ_l ⟨d_l, ∇E_l⟩`` the squared length of the step in the
+        metric of the damped curvature that preconditioned it, summed over
+        the blocks with curvature (∇E: the gradient the block
+        preconditioned, eq. 13's γ(w − μ) included; parameters on the plain
+        gradient are neither counted nor scaled). ν and m are reported as
+        ``kfac/step_scale`` and ``kfac/step_metric``
+        (:mod:`chainerkfac.step_bound`). ``None``: no bound (the paper).
     conv_a_strategy : {'unfolded', 'shifted'}, optional
         Force how convolutions form A where it applies (benchmarks); by
         default the cheaper one (:mod:`chainerkfac.fisher_blocks.patches`).
@@ -199,6 +212,7 @@ class KFAC(optimizer.GradientMethod):
                  loss_reduction: str = 'mean',
                  max_factor_dim: Optional[int] = 1024,
                  inverse_method: str = 'cholesky',
+                 kl_clip: Optional[float] = None,
                  conv_a_strategy: Optional[str] = None,
                  fisher_diff: bool = False, verbose: bool = True,
                  seed: Optional[int] = None):
@@ -213,7 +227,8 @@ class KFAC(optimizer.GradientMethod):
             refresh_interval_f=refresh_interval_f, factor_dtype=factor_dtype,
             factor_decay=factor_decay, weight_rescale=weight_rescale,
             loss_reduction=loss_reduction, max_factor_dim=max_factor_dim,
-            inverse_method=inverse_method, conv_a_strategy=conv_a_strategy)
+            inverse_method=inverse_method, kl_clip=kl_clip,
+            conv_a_strategy=conv_a_strategy)
         self.hyperparam.lr = lr
         self.hyperparam.momentum = momentum
         self.damping = float(damping)
@@ -240,6 +255,9 @@ class KFAC(optimizer.GradientMethod):
         self.loss_reduction = loss_reduction
         self.max_factor_dim = max_factor_dim
         self.inverse_method = inverse_method
+        self.kl_clip = kl_clip
+        #: ν of the bounded step (None without ``kl_clip``).
+        self.step_bound = None if kl_clip is None else StepBound(kl_clip)
         self.conv_a_strategy = conv_a_strategy
         self.fisher_diff = fisher_diff
         self.verbose = verbose
@@ -514,6 +532,8 @@ class KFAC(optimizer.GradientMethod):
         self.timer.mark('inverse', self._like())
 
         directions = self._precondition_owned(grads, present)
+        if self.step_bound is not None:
+            self._bound_step(grads, directions)
         self.timer.mark('precondition', self._like())
         directions = transport.all_gather(blocks, directions, present)
         self.timer.mark('all_gather', self._like())
@@ -645,6 +665,25 @@ class KFAC(optimizer.GradientMethod):
                 directions[block] = self._precondition(block, grads[block])
         return directions
 
+    def _bound_step(self, grads, directions) -> None:
+        """Stage 5, end: ν of :mod:`chainerkfac.step_bound` from the owned
+        blocks' terms (one scalar summed over processes), applied to the
+        owned directions of the blocks with curvature before they travel:
+        every process scales alike, before any update."""
+        curved = [b for b in directions
+                  if b.factor_names and b.has_inverses()]
+        terms = []
+        for block in curved:
+            if not self.transport.sends(block):
+                continue
+            damping = self.damping * block.damping_scale(self.rho_bn)
+            filled = [g if g is not None else p.array * 0
+                      for g, p in zip(grads[block], block.params)]
+            terms.append((block, block.regularized_grads(filled, damping),
+                          directions[block]))
+        self.step_bound.apply(terms, [directions[b] for b in curved],
+                              self.lr, self.transport.all_sum_float)
+
     def _precondition(self, block, grads):
         """Stage 5: ``(F + γI)⁻¹ ∇E`` of one owned block."""
         damping = self.damping * block.damping_scale(self.rho_bn)
@@ -734,6 +773,8 @@ class KFAC(optimizer.GradientMethod):
             'kfac/preconditioned_blocks': float(preconditioned),
             'kfac/plain_blocks': float(len(self.blocks) - preconditioned),
         }
+        if self.step_bound is not None:
+            observation.update(self.step_bound.observation())
         for (layer, factor), value in self.fisher_diffs.items():
             observation['kfac/diff/{}{}'.format(factor, layer)] = value
         chainer.reporter.report(observation)

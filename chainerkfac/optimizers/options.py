@@ -5,6 +5,7 @@ The optimizer checks its arguments here, and so does anything that builds
 one from another source (``config/loader.py`` from a JSON file): one list of
 allowed values, one wording of what is wrong.
 """
+import math
 from typing import Any
 
 import numpy
@@ -109,6 +110,8 @@ _RULES = {
                        'must be an int >= 1 (or None: no limit)'),
     'inverse_method': (lambda v: v in INVERSE_METHODS,
                        'must be one of {}'.format(INVERSE_METHODS)),
+    'kl_clip': (lambda v: v is None or (_positive(v) and math.isfinite(v)),
+                'must be a positive number (or None: no bound)'),
     'conv_a_strategy': (lambda v: v is None or v in CONV_A_STRATEGIES,
                         'must be one of {} (or None: the cheaper)'.format(
                             CONV_A_STRATEGIES)),

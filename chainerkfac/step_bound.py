@@ -1,0 +1,135 @@
+"""The bounded step: kfac-pytorch's ``kl_clip``, for K-FAC's own update.
+
+K-FAC's step ``Δw = −η d`` with ``d = (F̂ + γI)⁻¹ ∇E`` has, in the metric
+of the damped curvature that preconditioned it, the squared length
+
+    ``m = η² Σ_l ⟨d_l, ∇E_l⟩ = η² Σ_l ∇E_lᵀ (F̂_l + γ_l I)⁻¹ ∇E_l``
+
+(``dᵀ (F̂ + γI) d``, twice the quadratic model of the KL divergence
+between the predictive distributions before and after the step). With
+``kl_clip = c`` every preconditioned direction is multiplied by
+
+    ``ν = min(1, √(c / m))``            (ν = 1 when m = 0)
+
+so that the scaled step's squared length ``ν² m`` is at most ``c``. This is
+kfac-pytorch's rule (``kfac/base_preconditioner.py``,
+``BaseKFACPreconditioner._compute_grad_scale``: ``vg_sum = Σ_layers
+Σ (precon_grad · grad · lr²)``, ``scale = min(1, sqrt(kl_clip /
+|vg_sum|))``, 1 when ``vg_sum`` is 0).
+
+Which gradient: ``∇E_l`` is the vector the block preconditioned, the
+gradient ∇L of the loss (after Chainer's gradient hooks that add to it:
+``WeightDecay``, ``Lasso``) **plus** the damping's term ``γ(w − μ)`` of
+eq. (13). kfac-pytorch, which leaves weight decay to the wrapped SGD and
+has no such term, uses the raw gradient: its sum is this one with the
+``γ(w − μ)`` term zero. With ∇E the sum is exactly the metric length above
+and never negative (each block's inverse is positive definite).
+
+Which blocks: those with curvature that preconditioned this step
+(Kronecker-factored Linear / Convolution2D, the BatchNormalization
+Fisher, full or diagonal), as kfac-pytorch counts and scales only its
+preconditioned layers. Parameters on the plain gradient (links without a
+block, ``skip_layers``, a block without curvature yet) are neither
+counted nor scaled: their step is SGD's, ``η ∇L``, with no metric to
+measure it in.
+
+Multi-process: each block's term is computed by its first owner from the
+reduced gradient and its own direction, the partial sums are summed over
+processes in rank order (the same total, bit for bit, on every process),
+and the owners scale their directions before the all-gather: every
+process applies the same ν, and it is known before any update.
+"""
+import math
+from typing import Iterable, Sequence, Tuple
+
+import numpy
+
+from chainer.backend import get_array_module
+
+
+def metric_term(regularized: Sequence, directions: Sequence) -> float:
+    """``Σ_p ⟨d_p, ∇E_p⟩`` of one block in float64 (pairs whose direction
+    is None — a parameter without a gradient anywhere — are left out)."""
+    total = 0.0
+    for grad, direction in zip(regularized, directions):
+        if direction is None or grad is None:
+            continue
+        xp = get_array_module(direction)
+        total += float(xp.sum(direction * grad, dtype=numpy.float64))
+    return total
+
+
+def scale_of(metric: float, kl_clip: float) -> float:
+    """ν = ``min(1, √(kl_clip / |metric|))``, 1 for a metric of 0, NaN for
+    a non-finite one (the step is then skipped by the step guard)."""
+    if not math.isfinite(metric):
+        return float('nan')
+    if metric == 0.0:
+        return 1.0
+    return min(1.0, math.sqrt(kl_clip / abs(metric)))
+
+
+class StepBound:
+    """ν of one step, from the blocks' partial sums.
+
+    Parameters
+    ----------
+    kl_clip : float
+        The bound ``c`` on ``η² Σ_l ⟨d_l, ∇E_l⟩``.
+
+    Attributes
+    ----------
+    metric : float
+        ``η² Σ_l ⟨d_l, ∇E_l⟩`` of the last step, before scaling (NaN
+        before the first).
+    scale : float
+        ν of the last step.
+    """
+
+    def __init__(self, kl_clip: float):
+        self.kl_clip = float(kl_clip)
+        self.metric = float('nan')
+        self.scale = 1.0
+
+    def apply(self, terms: Iterable[Tuple[object, Sequence, Sequence]],
+              scaled: Iterable[Sequence], lr: float, sum_over_processes
+              ) -> float:
+        """Compute ν and scale the directions in place.
+
+        Parameters
+        ----------
+        terms : iterable of (block, ∇E list, direction list)
+            The blocks whose term this process adds (each block counted on
+            exactly one process).
+        scaled : iterable of direction lists
+            Every direction list this process holds for a block with
+            curvature (redundant owners scale their copies too).
+        lr : float
+            η.
+        sum_over_processes : callable
+            ``numpy.ndarray (float64) -> numpy.ndarray``: the element-wise
+            sum over processes, identical on every process.
+
+        Returns
+        -------
+        float
+            ν.
+        """
+        partial = sum(metric_term(grads, directions)
+                      for _, grads, directions in terms)
+        total = float(sum_over_processes(
+            numpy.array([partial], numpy.float64))[0])
+        self.metric = lr * lr * total
+        self.scale = scale_of(self.metric, self.kl_clip)
+        if self.scale != 1.0:
+            for directions in scaled:
+                for direction in directions:
+                    if direction is not None:
+                        direction *= direction.dtype.type(self.scale)
+        return self.scale
+
+    def observation(self) -> dict:
+        """The reporter's entries of the last step."""
+        return {'kfac/step_scale': self.scale,
+                'kfac/step_metric': self.metric}
+

@@ -1,0 +1,211 @@
+"""The bounded step (``kl_clip``, :mod:`chainerkfac.step_bound`) against a
+by-hand float64 computation of the step's length in the damped Kronecker
+Fisher metric of a 2-layer net.
+
+The oracle builds each layer's damped Fisher ``(G + γ_G I) ⊗ (A + γ_A I)``
+explicitly from per-sample inputs and output gradients (one backward per
+sample), solves it against ``∇E = ∇L + γ w`` with ``numpy.linalg.solve``
+and sums ``η² ∇Eᵀ F̂⁻¹ ∇E`` over the layers: no factor, inverse or
+direction of the library enters it. Tolerances: the factors are sums of
+~10 products of O(1) numbers and the solves are of matrices with condition
+number below 1e4, so agreement is ~1e-12 relative; 1e-9 leaves room.
+"""
+import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
+
+import math
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+
+from chainerkfac import step_bound
+from tests.chainerkfac import helpers
+
+DAMPING = 1e-2
+N = 8
+
+
+def _batch(seed=0):
+    rng = numpy.random.RandomState(seed)
+    return rng.randn(N, 5), rng.randint(0, 3, N).astype(numpy.int32)
+
+
+def _damped_kronecker(a_rows, g_rows, damping):
+    """``(G + γ_G I) ⊗ (A + γ_A I)`` from per-sample augmented inputs
+    ``a_rows`` (N, d_in + 1) and per-sample output gradients ``g_rows``
+    (N, d_out), with the trace-norm split of the damping."""
+    a = a_rows.T.dot(a_rows) / len(a_rows)
+    g = g_rows.T.dot(g_rows) / len(g_rows)
+    pi = math.sqrt((numpy.trace(a) / len(a)) / (numpy.trace(g) / len(g)))
+    root = math.sqrt(damping)
+    return numpy.kron(g + root / pi * numpy.eye(len(g)),
+                      a + pi * root * numpy.eye(len(a)))
+
+
+def _oracle(model, x, t, lr):
+    """Per layer: (∇E as the (d_out, d_in + 1) matrix flattened, F̂ damped)
+    and the total ``η² Σ ∇Eᵀ F̂⁻¹ ∇E``."""
+    h = F.tanh(model.l1(x))
+    inputs = {'l1': x, 'l2': h.array}
+    outputs = {}
+    for n in range(N):
+        y1 = model.l1(x[n:n + 1])
+        y2 = model.l2(F.tanh(y1))
+        loss = F.softmax_cross_entropy(y2, t[n:n + 1])
+        gy1, gy2 = chainer.grad([loss], [y1, y2])
+        outputs.setdefault('l1', []).append(gy1.array[0])
+        outputs.setdefault('l2', []).append(gy2.array[0])
+    model.cleargrads()
+    F.softmax_cross_entropy(model(x), t).backward()
+    layers, metric = {}, 0.0
+    for name in ('l1', 'l2'):
+        link = getattr(model, name)
+        ones = numpy.ones((N, 1))
+        a_rows = numpy.concatenate([inputs[name], ones], axis=1)
+        fisher = _damped_kronecker(a_rows, numpy.array(outputs[name]),
+                                   DAMPING)
+        grad = numpy.concatenate(
+            [link.W.grad + DAMPING * link.W.array,
+             (link.b.grad + DAMPING * link.b.array)[:, None]], axis=1)
+        vector = grad.reshape(-1)
+        direction = numpy.linalg.solve(fisher, vector)
+        layers[name] = (vector, fisher, direction.reshape(grad.shape))
+        metric += lr * lr * vector.dot(direction)
+    return layers, metric
+
+
+def _one_step(lr, kl_clip, seed=0):
+    model = helpers.MLP()
+    x, t = _batch(seed)
+    reference = helpers.MLP()
+    reference.copyparams(model)
+    layers, metric = _oracle(reference, x, t, lr)
+    optimizer = helpers.kfac(lr=lr, momentum=0.0, damping=DAMPING,
+                             kl_clip=kl_clip).setup(model)
+    before = {n: getattr(model, n) for n in ('l1', 'l2')}
+    before = {n: numpy.concatenate([l.W.array, l.b.array[:, None]], axis=1)
+              for n, l in before.items()}
+    reporter = chainer.Reporter()
+    observation = {}
+    with reporter.scope(observation):
+        optimizer.update(helpers.loss_of(model), x, t)
+    after = {n: numpy.concatenate([getattr(model, n).W.array,
+                                   getattr(model, n).b.array[:, None]],
+                                  axis=1) for n in ('l1', 'l2')}
+    return layers, metric, before, after, observation
+
+
+@pytest.mark.parametrize('lr,kl_clip', [(0.5, 1e-3), (0.05, 10.0)],
+                         ids=['clipped', 'within'])
+def test_step_metric_and_scale_equal_the_by_hand_computation(lr, kl_clip):
+    layers, metric, before, after, observation = _one_step(lr, kl_clip)
+    assert metric > 0
+    numpy.testing.assert_allclose(observation['kfac/step_metric'], metric,
+                                  rtol=1e-9)
+    scale = min(1.0, math.sqrt(kl_clip / metric))
+    numpy.testing.assert_allclose(observation['kfac/step_scale'], scale,
+                                  rtol=1e-9)
+    # The setting clips or not as its name says.
+    assert (scale < 1.0) == (kl_clip == 1e-3)
+    length = 0.0
+    for name, (_, fisher, direction) in layers.items():
+        # momentum 0: w ← w − η ν d.
+        numpy.testing.assert_allclose(after[name],
+                                      before[name] - lr * scale * direction,
+                                      rtol=1e-9, atol=1e-12)
+        step = (after[name] - before[name]).reshape(-1)
+        length += step.dot(fisher.dot(step))
+    # The step taken has squared length min(m, kl_clip) in the metric.
+    numpy.testing.assert_allclose(length, min(metric, kl_clip), rtol=1e-9)
+
+
+def test_no_bound_takes_the_whole_step_and_reports_nothing():
+    layers, metric, before, after, observation = _one_step(0.5, None)
+    assert 'kfac/step_scale' not in observation
+    for name, (_, _, direction) in layers.items():
+        numpy.testing.assert_allclose(after[name],
+                                      before[name] - 0.5 * direction,
+                                      rtol=1e-9, atol=1e-12)
+
+
+def test_bn_blocks_count_and_plain_parameters_do_not():
+    """BatchNormalization's Fisher block is counted and scaled; a link on
+    the plain gradient (``skip_layers``) takes SGD's step, unscaled."""
+    model = helpers.ConvNet(bn=True)
+    x, t = helpers.data(n=6)
+    reference = helpers.ConvNet(bn=True)
+    reference.copyparams(model)
+    optimizer = helpers.kfac(lr=0.5, momentum=0.0, damping=DAMPING,
+                             kl_clip=1e-4, skip_layers=['/fc'])
+    optimizer.setup(model)
+    observation = {}
+    with chainer.Reporter().scope(observation):
+        optimizer.update(helpers.loss_of(model), x, t)
+    scale = observation['kfac/step_scale']
+    assert 0 < scale < 1
+    # The plain link: w − η ∇L exactly (no γ term, no ν).
+    reference.cleargrads()
+    helpers.loss_of(reference)(x, t).backward()
+    numpy.testing.assert_allclose(
+        model.fc.W.array, reference.fc.W.array - 0.5 * reference.fc.W.grad,
+        rtol=1e-12, atol=1e-15)
+    # The curved blocks: ν times the unbounded step d (momentum 0:
+    # Δw = −η d), and the metric is η² Σ ⟨d, ∇L + γ(w − μ)⟩ over them.
+    unbounded = helpers.ConvNet(bn=True)
+    unbounded.copyparams(reference)
+    helpers.kfac(lr=0.5, momentum=0.0, damping=DAMPING,
+                 skip_layers=['/fc']).setup(unbounded).update(
+        helpers.loss_of(unbounded), x, t)
+    start = dict(reference.namedparams())
+    mine = dict(model.namedparams())
+    metric = 0.0
+    for name, param in unbounded.namedparams():
+        if name.startswith('/fc'):
+            continue
+        direction = (start[name].array - param.array) / 0.5
+        mean = 1.0 if name == '/bn/gamma' else 0.0
+        regularized = start[name].grad + DAMPING * (start[name].array - mean)
+        metric += float((direction * regularized).sum())
+        numpy.testing.assert_allclose(mine[name].array - start[name].array,
+                                      scale * (param.array -
+                                               start[name].array),
+                                      rtol=1e-9, atol=1e-13)
+    numpy.testing.assert_allclose(observation['kfac/step_metric'],
+                                  0.25 * metric, rtol=1e-9)
+    numpy.testing.assert_allclose(scale, math.sqrt(1e-4 / (0.25 * metric)),
+                                  rtol=1e-9)
+
+
+@pytest.mark.parametrize('metric,expected', [
+    (0.0, 1.0), (4e-3, 0.5), (1e-4, 1.0), (float('inf'), float('nan'))])
+def test_scale_of(metric, expected):
+    value = step_bound.scale_of(metric, 1e-3)
+    if math.isnan(expected):
+        assert math.isnan(value)
+    else:
+        assert value == pytest.approx(expected, rel=1e-15)
+
+
+def test_a_non_finite_metric_skips_the_step():
+    """A direction that is not finite makes ν NaN: the step guard skips
+    the step and no NaN reaches the weights."""
+    model = helpers.MLP()
+    x, t = _batch()
+    optimizer = helpers.kfac(lr=0.1, damping=DAMPING, kl_clip=1e-3)
+    optimizer.setup(model)
+    x = x.copy()
+    x[0, 0] = numpy.inf
+    start = {n: p.array.copy() for n, p in model.namedparams()}
+    optimizer.update(helpers.loss_of(model), x, t)
+    assert optimizer.last_step_skipped
+    for name, param in model.namedparams():
+        numpy.testing.assert_array_equal(param.array, start[name])
+
+
+def test_kl_clip_is_checked():
+    with pytest.raises(ValueError, match='kl_clip'):
+        helpers.kfac(kl_clip=0.0)
+    with pytest.raises(ValueError, match='kl_clip'):
+        helpers.kfac(kl_clip=float('inf'))
