@@ -33,6 +33,7 @@ import numpy
 from chainer.backend import get_array_module
 
 from chainerkfac import linalg
+from chainerkfac import low_rank
 from chainerkfac import packing
 from chainerkfac.fused import regularized_grad
 
@@ -115,15 +116,23 @@ class BlockOptions:
     conv_a_strategy : {'unfolded', 'shifted'}, optional
         How a convolution forms ``A`` (:func:`chainerkfac.fisher_blocks.
         patches.patch_gram`); by default the cheaper one.
+    low_rank : bool
+        Capture a Kronecker factor of few per-sample vectors in per-sample
+        form and precondition by Woodbury where that is cheaper
+        (:mod:`chainerkfac.low_rank`). Only exact factors qualify: not with
+        fp16 products (their rounded Gram matrix is not low rank).
     """
 
     def __init__(self, factor_dtype='float32', bn_fisher: str = 'full',
                  max_factor_dim: Optional[int] = None,
-                 conv_a_strategy: Optional[str] = None):
+                 conv_a_strategy: Optional[str] = None,
+                 low_rank: bool = False):
         self.factor_dtype = numpy.dtype(factor_dtype)
         self.bn_fisher = bn_fisher
         self.max_factor_dim = max_factor_dim
         self.conv_a_strategy = conv_a_strategy
+        self.low_rank = bool(low_rank) and \
+            self.factor_dtype != numpy.float16
 
     def too_large(self, n: int) -> bool:
         """Whether an n×n factor exceeds :attr:`max_factor_dim`."""
@@ -192,6 +201,9 @@ class FisherBlock:
         self.inverse_count: Dict[str, int] = {n: 0 for n in self.factor_names}
         #: Rows of the registration table's last column (why plain, ...).
         self.note = ''
+        #: Processes whose captures are summed (set at the first step): a
+        #: factor's per-sample budget is shared among them.
+        self.processes = 1
 
     # -- description -------------------------------------------------------
     @property
@@ -274,17 +286,31 @@ class FisherBlock:
         function's outputs)."""
 
     def _accumulate(self, factor: str, value) -> None:
-        """Add one call's estimate of ``factor`` to the open micro-batch."""
+        """Add one call's estimate of ``factor`` to the open micro-batch
+        (an array, or a :class:`~chainerkfac.low_rank.LowRank`)."""
         if factor not in self._collect:
             return
         scale = self._scales.get(factor)
         if scale is not None:
-            value = value * value.dtype.type(scale)
+            value = low_rank.scaled(value, scale)
         if factor in self._open:
-            self._open[factor] += value
+            self._open[factor] = low_rank.add(self._open[factor], value)
         else:
             self._open[factor] = value
         self._calls[factor] = self._calls.get(factor, 0) + 1
+
+    def captured_rank(self, factor: str) -> Optional[int]:
+        """Columns of ``factor`` captured this step in per-sample form (0
+        if none yet), or None once it is dense."""
+        total = 0
+        for store in (self._open, self._step_sums):
+            value = store.get(factor)
+            if value is None:
+                continue
+            if not isinstance(value, low_rank.LowRank):
+                return None
+            total += value.rank
+        return total
 
     def discard_open(self) -> None:
         """Forget what the open micro-batch captured (its parameters'
@@ -304,9 +330,10 @@ class FisherBlock:
             calls = self._calls[factor]
             if self.factor_kinds[factor] is FactorKind.OUTPUT_GRADS and \
                     calls != passes:
-                value = value * value.dtype.type(passes / calls)
+                value = low_rank.scaled(value, passes / calls)
             if factor in self._step_sums:
-                self._step_sums[factor] += value
+                self._step_sums[factor] = low_rank.add(
+                    self._step_sums[factor], value)
                 self._step_counts[factor] += 1
             else:
                 self._step_sums[factor] = value
@@ -334,11 +361,23 @@ class FisherBlock:
     # -- stage 4: factors and inverses --------------------------------------
     def candidate(self, factor: str, value, decay: float = 0.0):
         """The refreshed value of ``factor``: ``value``, or with ``decay``
-        the exponential average with the stored factor."""
+        the exponential average with the stored factor (of two low-rank
+        factors, low rank with both ranks)."""
         old = self.factors.get(factor)
         if old is not None and decay > 0:
-            return decay * old + (1.0 - decay) * value
+            return low_rank.add(low_rank.scaled(old, decay),
+                                low_rank.scaled(value, 1.0 - decay))
         return value
+
+    def low_rank_capable(self, factor: str) -> bool:
+        """Whether ``factor`` may be captured and inverted in low-rank form
+        (:mod:`chainerkfac.low_rank`)."""
+        return False
+
+    def precondition_width(self, factor: str) -> int:
+        """Rows of the gradient matrix that ``factor``'s inverse multiplies
+        (the other Kronecker factor's dimension): the cost model's ``o``."""
+        raise NotImplementedError
 
     def inverse_requests(self, candidates: Dict[str, object], damping: float
                          ) -> Dict[str, Tuple[object, float]]:
@@ -369,12 +408,14 @@ class FisherBlock:
             return False
         old = self.factors.get(factor)
         if with_diff and old is not None:
-            xp = get_array_module(value)
+            old, new = low_rank.dense(old), low_rank.dense(value)
+            xp = get_array_module(new)
             denom = float(xp.linalg.norm(old))
-            self.diff[factor] = (float(xp.linalg.norm(value - old)) / denom
+            self.diff[factor] = (float(xp.linalg.norm(new - old)) / denom
                                  if denom > 0 else float('inf'))
         self.factors[factor] = value
-        self.inverses[factor] = result.inverse
+        self.inverses[factor] = low_rank.inverse_of(value, result.inverse,
+                                                    result.damping)
         self.inverse_damping[factor] = float(result.damping)
         self.inverse_count[factor] += 1
         return True
@@ -428,9 +469,12 @@ class FisherBlock:
         factors: a file that does not hold a factor leaves it alone.
         """
         saving = not _is_deserializer(serializer)
-        held = numpy.array([n in self.factors for n in self.factor_names],
-                           dtype=numpy.uint8)
-        held = numpy.asarray(serializer('held', held), dtype=bool)
+        # 0: not held, 1: held (dense), 2: held low rank (its columns U).
+        held = numpy.array(
+            [0 if n not in self.factors else
+             2 if isinstance(self.factors[n], low_rank.LowRank) else 1
+             for n in self.factor_names], dtype=numpy.uint8)
+        held = numpy.asarray(serializer('held', held))
         like = self.params[0].array
         for factor, has in zip(self.factor_names, held):
             self.last_refresh[factor] = int(serializer(
@@ -442,7 +486,9 @@ class FisherBlock:
             if not has:
                 continue
             value = self.factors.get(factor)
-            if saving and value is not None and value.ndim == 2:
+            if isinstance(value, low_rank.LowRank):
+                value = value.columns
+            elif saving and value is not None and value.ndim == 2:
                 # Symmetric: its upper triangle, half the bytes. The
                 # inverse reads only that triangle (Cholesky), so the one
                 # recomputed on loading is the same bit for bit.
@@ -453,7 +499,9 @@ class FisherBlock:
             if not saving:
                 value = linalg.to_device_of(value, like)
                 shape = self.factor_shapes()[factor]
-                if len(shape) == 2 and value.ndim == 1:
+                if has == 2:
+                    value = low_rank.LowRank(value)
+                elif len(shape) == 2 and value.ndim == 1:
                     value = packing.triu_unpack(value, shape[0])
                 self.factors[factor] = value
                 self.inverse_damping[factor] = damping
@@ -468,14 +516,15 @@ class FisherBlock:
         if not missing:
             return []
         results = linalg.damped_inverses(
-            [self.factors[f] for f in missing],
+            [low_rank.inversion_matrix(self.factors[f]) for f in missing],
             [self.inverse_damping[f] for f in missing], max_tries=1)
         failed = []
         for factor, result in zip(missing, results):
             if result.inverse is None:
                 failed.append(factor)
             else:
-                self.inverses[factor] = result.inverse
+                self.inverses[factor] = low_rank.inverse_of(
+                    self.factors[factor], result.inverse, result.damping)
         return failed
 
 

@@ -30,6 +30,7 @@ import chainer.functions.connection.linear as linear_module
 from chainer.backend import get_array_module
 
 from chainerkfac import linalg
+from chainerkfac import low_rank
 from chainerkfac.fisher_blocks import patches
 from chainerkfac.fisher_blocks.base import (BlockOptions, FactorKind,
                                             FisherBlock, Unsupported)
@@ -103,9 +104,9 @@ class KroneckerBlock(FisherBlock):
     @staticmethod
     def trace_split(a, g, damping: float):
         """Return (γ_A, γ_G): ``damping`` split by the trace norm π of the
-        factors ``a`` and ``g`` (each a matrix or a diagonal)."""
-        trace_a = _mean_eigenvalue(a)
-        trace_g = _mean_eigenvalue(g)
+        factors ``a`` and ``g`` (each a matrix, a diagonal or low rank)."""
+        trace_a = low_rank.mean_eigenvalue(a)
+        trace_g = low_rank.mean_eigenvalue(g)
         root = math.sqrt(damping)
         if trace_a > 0 and trace_g > 0 and math.isfinite(trace_a * trace_g):
             pi = math.sqrt(trace_a / trace_g)
@@ -122,7 +123,34 @@ class KroneckerBlock(FisherBlock):
             return {}
         damping_a, damping_g = self.trace_split(a, g, damping)
         split = {'A': (a, damping_a), 'G': (g, damping_g)}
-        return {name: split[name] for name in candidates}
+        out = {}
+        for name in candidates:
+            factor, used = split[name]
+            if isinstance(factor, low_rank.LowRank) and not low_rank.pays(
+                    factor.dim, factor.rank, self.precondition_width(name)):
+                # An average of low-rank factors whose ranks add up to more
+                # than pays (factor_decay): dense from now on.
+                factor = factor.dense()
+            out[name] = (factor, used)
+        return out
+
+    # -- low rank (chainerkfac.low_rank) -----------------------------------
+    def low_rank_capable(self, factor):
+        return self._options.low_rank and factor not in self.diagonal
+
+    def precondition_width(self, factor):
+        return self.out_size if factor == 'A' else self.in_size
+
+    def _columns_fit(self, factor: str, columns: int) -> bool:
+        """Whether ``columns`` more per-sample vectors of ``factor`` are
+        kept as such (else the call's Gram matrix is formed)."""
+        if factor not in self._collect or \
+                not self.low_rank_capable(factor):
+            return False
+        held = self.captured_rank(factor)
+        dim = self.in_size if factor == 'A' else self.out_size
+        return held is not None and held + columns <= \
+            low_rank.rank_budget(dim, self.processes)
 
     def precondition(self, grads, damping):
         weight = self.link.W.array
@@ -133,22 +161,11 @@ class KroneckerBlock(FisherBlock):
             xp = get_array_module(matrix)
             matrix = xp.concatenate([matrix, grad_b[:, None]], axis=1)
         if self.has_inverses():
-            a_inv = self.inverses['A'].astype(matrix.dtype, copy=False)
-            g_inv = self.inverses['G'].astype(matrix.dtype, copy=False)
-            matrix = (g_inv.dot(matrix) if g_inv.ndim == 2
-                      else g_inv[:, None] * matrix)
-            matrix = (matrix.dot(a_inv) if a_inv.ndim == 2
-                      else matrix * a_inv)
+            matrix = low_rank.left_multiply(self.inverses['G'], matrix)
+            matrix = low_rank.right_multiply(matrix, self.inverses['A'])
         if self.has_bias:
             return [matrix[:, :-1].reshape(weight.shape), matrix[:, -1]]
         return [matrix.reshape(weight.shape)]
-
-
-def _mean_eigenvalue(factor) -> float:
-    """tr(F) / dim(F) of a factor or of its diagonal."""
-    xp = get_array_module(factor)
-    total = xp.trace(factor) if factor.ndim == 2 else factor.sum()
-    return float(total) / factor.shape[0]
 
 
 class LinearBlock(KroneckerBlock):
@@ -160,6 +177,11 @@ class LinearBlock(KroneckerBlock):
     def capture_inputs(self, function, in_data):
         x = in_data[0]
         rows = x.reshape(x.shape[0], -1)
+        if self._columns_fit('A', x.shape[0]):
+            # A = U Uᵀ, U the inputs (and the bias's 1) over √N.
+            self._accumulate('A', low_rank.LowRank(_columns(
+                rows.T, 1.0 / x.shape[0], self.has_bias)))
+            return
         if 'A' in self.diagonal:
             value = linalg.diagonal_gram(rows, 1.0 / x.shape[0],
                                          append_ones=self.has_bias)
@@ -171,6 +193,10 @@ class LinearBlock(KroneckerBlock):
     def capture_gradients(self, function, in_data, out_grad):
         gy = out_grad[0]
         # Per-sample gradient N·gy; G = (1/N) Σ (N gy)(N gy)ᵀ = N Σ gy gyᵀ.
+        if self._columns_fit('G', gy.shape[0]):
+            self._accumulate('G', low_rank.LowRank(_columns(
+                gy.T, float(gy.shape[0]))))
+            return
         if 'G' in self.diagonal:
             value = linalg.diagonal_gram(gy, float(gy.shape[0]))
         else:
@@ -201,6 +227,13 @@ class Convolution2DBlock(KroneckerBlock):
     def capture_inputs(self, function, in_data):
         x = in_data[0]
         geometry = patches.ConvGeometry.of(function, self.link.W.shape[2:])
+        oh, ow = geometry.out_size(*x.shape[2:])
+        if self._columns_fit('A', x.shape[0] * oh * ow):
+            # A = U Uᵀ, U the patches (and the bias's 1) over √N.
+            self._accumulate('A', low_rank.LowRank(_columns(
+                patches.unfolded(x, geometry), 1.0 / x.shape[0],
+                self.has_bias)))
+            return
         # Summed over locations, averaged over the batch.
         if 'A' in self.diagonal:
             value = patches.patch_square_sums(x, geometry, 1.0 / x.shape[0],
@@ -222,6 +255,11 @@ class Convolution2DBlock(KroneckerBlock):
         locations = gy.shape[2] * gy.shape[3]
         # Per-sample gradients N·gy, averaged over batch and locations:
         # (1/(N·T)) Σ (N gy)(N gy)ᵀ = (N/T) Σ gy gyᵀ.
+        if self._columns_fit('G', n * locations):
+            self._accumulate('G', low_rank.LowRank(_columns(
+                patches.unfolded(gy, patches.POINTWISE),
+                float(n) / locations)))
+            return
         if 'G' in self.diagonal:
             value = patches.channel_square_sums(gy, float(n) / locations)
         else:
@@ -230,12 +268,31 @@ class Convolution2DBlock(KroneckerBlock):
         self._accumulate('G', value)
 
 
+def _columns(vectors, scale: float, append_ones: bool = False):
+    """``U`` (d, k) of a low-rank factor ``scale · Σ v vᵀ`` from the
+    vectors as columns (d', k), with a row of ones appended for the bias,
+    in the factor dtype."""
+    xp = get_array_module(vectors)
+    dtype = linalg.factor_dtype_for(vectors.dtype)
+    root = dtype.type(math.sqrt(scale))
+    rows = vectors.shape[0] + int(append_ones)
+    out = xp.empty((rows, vectors.shape[1]), dtype=dtype)
+    xp.multiply(vectors, root, out=out[:vectors.shape[0]])
+    if append_ones:
+        out[-1] = root
+    return out
+
+
 def batch_key(block):
     """Blocks with equal keys can be preconditioned as one batch
-    (:func:`precondition_batch`); None for a block that cannot."""
+    (:func:`precondition_batch`); None for a block that cannot (a
+    low-rank inverse among its factors)."""
     if not isinstance(block, KroneckerBlock) or not block.has_inverses():
         return None
     a_inv, g_inv = block.inverses['A'], block.inverses['G']
+    if isinstance(a_inv, low_rank.WoodburyInverse) or \
+            isinstance(g_inv, low_rank.WoodburyInverse):
+        return None
     return (tuple(block.link.W.shape), block.has_bias, a_inv.shape,
             g_inv.shape, numpy.dtype(block.link.W.dtype),
             numpy.dtype(a_inv.dtype), type(a_inv))

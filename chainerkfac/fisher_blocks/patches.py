@@ -214,28 +214,40 @@ def strategy_costs(x_shape, geometry: ConvGeometry, xp=numpy
 
 
 # -- unfolded -----------------------------------------------------------
-def _unfolded_gram(x, geometry, scale, factor_dtype):
+def unfolded(x, geometry: ConvGeometry, dtype=None, normaliser=None):
+    """The patches of ``x`` (N, C, H, W) as the columns of a
+    ``(C·kh·kw, N·oh·ow)`` matrix (rows ordered like
+    ``W.reshape(d_out, -1)``'s columns, columns sample-major), in ``dtype``
+    (default: the factor dtype), multiplied by ``normaliser``'s factor when
+    given (fp16 operands). With :data:`POINTWISE`, the channel vectors."""
     xp = get_array_module(x)
-    out_dtype = linalg.factor_dtype_for(x.dtype)
+    dtype = linalg.factor_dtype_for(x.dtype) if dtype is None else dtype
     n, c, h, w = x.shape
     g = geometry
     oh, ow = g.out_size(h, w)
-    half = factor_dtype == numpy.float16
-    normaliser = linalg.half_normaliser(x, scale) if half else None
     rows = [_taps(a * g.dy - g.ph, g.sy, oh, h) for a in range(g.kh)]
     cols = [_taps(b * g.dx - g.pw, g.sx, ow, w) for b in range(g.kw)]
     # Zeros only where a tap reads padding.
     covered = all(i == slice(0, oh) for i, _ in rows) and all(
         j == slice(0, ow) for j, _ in cols)
     columns = (xp.empty if covered else xp.zeros)(
-        (c, g.kh, g.kw, n, oh, ow), dtype=numpy.float16 if half else out_dtype)
+        (c, g.kh, g.kw, n, oh, ow), dtype=dtype)
     channels_first = x.transpose(1, 0, 2, 3)
     for a, (i, u) in enumerate(rows):
         for b, (j, v) in enumerate(cols):
             if i.stop > i.start and j.stop > j.start:
                 linalg.write_scaled(columns[:, a, b, :, i, j],
                                     channels_first[:, :, u, v], normaliser)
-    matrix = columns.reshape(c * g.kh * g.kw, n * oh * ow)
+    return columns.reshape(c * g.kh * g.kw, n * oh * ow)
+
+
+def _unfolded_gram(x, geometry, scale, factor_dtype):
+    xp = get_array_module(x)
+    out_dtype = linalg.factor_dtype_for(x.dtype)
+    half = factor_dtype == numpy.float16
+    normaliser = linalg.half_normaliser(x, scale) if half else None
+    matrix = unfolded(x, geometry, numpy.float16 if half else out_dtype,
+                      normaliser)
     if xp is numpy and not half:
         # Operands that are one array and its transpose: syrk.
         return matrix.dot(matrix.T) * out_dtype.type(scale)

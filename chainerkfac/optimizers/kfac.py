@@ -33,8 +33,11 @@ from chainerkfac.accumulation import GradientAccumulator
 from chainerkfac import equations
 from chainerkfac import fisher_blocks
 from chainerkfac import linalg
+from chainerkfac import low_rank
 from chainerkfac.estimator import CurvatureEstimator
+from chainerkfac.low_rank import Exchange
 from chainerkfac.fisher_blocks import kronecker
+from chainerkfac.optimizers import hooks
 from chainerkfac.optimizers import options
 from chainerkfac.optimizers import registration
 from chainerkfac.optimizers import state
@@ -172,6 +175,16 @@ class KFAC(optimizer.GradientMethod):
         iteration costs ≈ 4n³ flops per step against Cholesky's ≈ n³ in
         all: an option for GPUs, where many small factors leave cuSOLVER
         bound by launches; slower on a CPU.
+    low_rank : bool
+        Exact low-rank factors (:mod:`chainerkfac.low_rank`): a Kronecker
+        factor estimated in a step from k per-sample vectors (batch ×
+        locations × calls × micro-batches × processes) with k well below
+        its dimension d is kept as those vectors, inverted by Woodbury
+        (O(d k²) instead of O(d³)) and applied in O(d k) per gradient row
+        instead of O(d²), wherever a cost model (compute and, across
+        processes, the bytes sent) says that is cheaper; else the dense
+        factor. The steps equal the dense ones up to rounding. Not with
+        fp16 factors or ``fisher_diff`` (dense there).
     kl_clip : float or None
         The bounded step (kfac-pytorch's ``kl_clip``): every preconditioned
         direction is multiplied by ``ν = min(1, √(kl_clip / m))``,
@@ -212,6 +225,7 @@ class KFAC(optimizer.GradientMethod):
                  loss_reduction: str = 'mean',
                  max_factor_dim: Optional[int] = 1024,
                  inverse_method: str = 'cholesky',
+                 low_rank: bool = True,
                  kl_clip: Optional[float] = None,
                  conv_a_strategy: Optional[str] = None,
                  fisher_diff: bool = False, verbose: bool = True,
@@ -227,7 +241,8 @@ class KFAC(optimizer.GradientMethod):
             refresh_interval_f=refresh_interval_f, factor_dtype=factor_dtype,
             factor_decay=factor_decay, weight_rescale=weight_rescale,
             loss_reduction=loss_reduction, max_factor_dim=max_factor_dim,
-            inverse_method=inverse_method, kl_clip=kl_clip,
+            inverse_method=inverse_method, low_rank=low_rank,
+            kl_clip=kl_clip,
             conv_a_strategy=conv_a_strategy)
         self.hyperparam.lr = lr
         self.hyperparam.momentum = momentum
@@ -255,6 +270,7 @@ class KFAC(optimizer.GradientMethod):
         self.loss_reduction = loss_reduction
         self.max_factor_dim = max_factor_dim
         self.inverse_method = inverse_method
+        self.low_rank = low_rank
         self.kl_clip = kl_clip
         #: ν of the bounded step (None without ``kl_clip``).
         self.step_bound = None if kl_clip is None else StepBound(kl_clip)
@@ -285,6 +301,8 @@ class KFAC(optimizer.GradientMethod):
         self._table_shown = False
         self._warned_uncaptured: set = set()
         self._inverse_stacks: Dict = {}
+        #: Stage 3's agreement on low-rank factors (set up at the start).
+        self._exchange = Exchange(self.transport)
 
     # -- set-up ---------------------------------------------------------------
     def create_update_rule(self):
@@ -295,7 +313,8 @@ class KFAC(optimizer.GradientMethod):
         self.blocks = fisher_blocks.build_blocks(
             link, fisher_blocks.BlockOptions(
                 self.factor_dtype, self.bn_fisher, self.max_factor_dim,
-                self.conv_a_strategy),
+                self.conv_a_strategy,
+                low_rank=self.low_rank and not self.fisher_diff),
             self.skip_layers)
         for text, match in fisher_blocks.registry.skip_matchers(
                 self.skip_layers):
@@ -367,6 +386,9 @@ class KFAC(optimizer.GradientMethod):
         Returns whether the transport replaced this process's parameters."""
         changed = self.transport.setup(self)
         self._started = True
+        self._exchange = Exchange(self.transport)
+        for block in self.blocks:
+            block.processes = self.transport.size
         state.reconcile(self)
         if not self.estimator.capturing:
             # Factors no owner holds became due: capture them this step.
@@ -518,14 +540,18 @@ class KFAC(optimizer.GradientMethod):
             for param, has in zip(block.params, present[block]):
                 if has and scale != 1.0:
                     param.grad *= param.grad.dtype.type(scale)
-        self.call_hooks('pre')
+        hooks.call_gradient_hooks(self)
         grads = {b: [p.grad if has else None
                      for p, has in zip(b.params, present[b])]
                  for b in blocks}
-        factors = {b: {n: self._local_factor(b, n, captured[b])
-                       for n in counts[b]} for b in blocks}
+        factors = self._exchange.prepare(blocks, {
+            b: {n: captured[b][n][0] if n in captured[b] else None
+                for n in counts[b]} for b in blocks})
+        factors = {b: {n: v if v is not None else self._local_factor(b, n)
+                       for n, v in f.items()} for b, f in factors.items()}
         self.timer.mark('factors', self._like())
         grads, factors = self._reduce_scatter(grads, factors)
+        factors = self._exchange.receive(factors)
         self.timer.mark('reduce_scatter', self._like())
 
         retries = self._refresh(factors, counts)
@@ -537,6 +563,10 @@ class KFAC(optimizer.GradientMethod):
         self.timer.mark('precondition', self._like())
         directions = transport.all_gather(blocks, directions, present)
         self.timer.mark('all_gather', self._like())
+        hooks.call_direction_hooks(self, (
+            (p, d) for b in blocks for p, d in zip(b.params,
+                                                   directions.get(b, ()))
+            if d is not None))
 
         finite = self.guard.check(
             [d for ds in directions.values() for d in ds], transport.agree)
@@ -586,11 +616,9 @@ class KFAC(optimizer.GradientMethod):
                         grad /= transport.size
         return grads, factors
 
-    def _local_factor(self, block, name, captured):
-        """This process's factor sum, or zeros if it captured none (others
+    def _local_factor(self, block, name):
+        """Zeros for a factor this process captured none of (others
         did)."""
-        if name in captured:
-            return captured[name][0]
         like = block.params[0]
         with chainer.using_device(like.device):
             return like.device.xp.zeros(block.factor_shapes()[name],
@@ -606,7 +634,7 @@ class KFAC(optimizer.GradientMethod):
             damping = self.damping * block.damping_scale(self.rho_bn)
             candidates = {}
             for name, total in sums.items():
-                total /= counts[block][name]
+                total = low_rank.scaled(total, 1.0 / counts[block][name])
                 candidates[name] = block.candidate(name, total,
                                                    self.factor_decay)
             wanted = block.inverse_requests(candidates, damping)
@@ -617,9 +645,9 @@ class KFAC(optimizer.GradientMethod):
                     # Cannot be inverted yet (its partner is missing): keep
                     # it for when it can.
                     block.keep_candidate(name, candidates[name])
-        results = linalg.damped_inverses([r[2] for r in requests],
-                                         [r[3] for r in requests],
-                                         method=self.inverse_method)
+        results = linalg.damped_inverses(
+            [low_rank.inversion_matrix(r[2]) for r in requests],
+            [r[3] for r in requests], method=self.inverse_method)
         retries = 0
         for (block, name, matrix, _), result in zip(requests, results):
             retries += result.retries
@@ -772,6 +800,8 @@ class KFAC(optimizer.GradientMethod):
             'kfac/skipped_step': float(self.guard.skipped),
             'kfac/preconditioned_blocks': float(preconditioned),
             'kfac/plain_blocks': float(len(self.blocks) - preconditioned),
+            'kfac/low_rank_factors': float(
+                low_rank.held_low_rank(self.blocks)),
         }
         if self.step_bound is not None:
             observation.update(self.step_bound.observation())

@@ -110,6 +110,7 @@ _RULES = {
                        'must be an int >= 1 (or None: no limit)'),
     'inverse_method': (lambda v: v in INVERSE_METHODS,
                        'must be one of {}'.format(INVERSE_METHODS)),
+    'low_rank': (lambda v: isinstance(v, bool), 'must be True or False'),
     'kl_clip': (lambda v: v is None or (_positive(v) and math.isfinite(v)),
                 'must be a positive number (or None: no bound)'),
     'conv_a_strategy': (lambda v: v is None or v in CONV_A_STRATEGIES,

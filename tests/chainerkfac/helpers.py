@@ -74,6 +74,12 @@ def kfac(**kwargs):
     return chainerkfac.optimizers.KFAC(**kwargs)
 
 
+def dense(value):
+    """A factor or an inverse as a dense array (a low-rank factor ``U Uᵀ``,
+    a Woodbury inverse formed; :mod:`chainerkfac.low_rank`)."""
+    return value.dense() if hasattr(value, 'dense') else value
+
+
 def block_named(optimizer, name):
     for block in optimizer.blocks:
         if block.name == name:

@@ -142,14 +142,15 @@ def test_a_due_factor_of_a_link_not_called_stays_due():
         lr=0.05, damping=1e-2, refresh_interval_a=3, refresh_interval_g=3,
         verbose=False).setup(model)
     branch = helpers.block_named(optimizer, '/branch')
+    inverse_a = lambda: helpers.dense(branch.inverses['A'])  # NOQA
     fc = helpers.block_named(optimizer, '/fc')
     for step in range(4):
         optimizer.update(model, x, t, step)
-    kept = branch.inverses['A'].copy()
+    kept = inverse_a().copy()
     assert branch.last_refresh['A'] == 0 and fc.last_refresh['A'] == 3
     optimizer.update(model, x, t, 4)
     assert branch.last_refresh['A'] == 4 and branch.refresh_count['A'] == 2
-    assert not numpy.array_equal(branch.inverses['A'], kept)
+    assert not numpy.array_equal(inverse_a(), kept)
 
 
 @pytest.mark.parametrize('skip,conv_skipped', [
@@ -430,10 +431,11 @@ def test_stock_mnist_mlp_with_the_readme_line():
     assert kfac[-1][1] >= sgd[-1][1], (kfac, sgd)
 
 
-def test_snapshot_holds_factors_not_inverses():
+@pytest.mark.parametrize('low_rank', [False, True])
+def test_snapshot_holds_factors_not_inverses(low_rank):
     model = helpers.ConvNet(bn=True)
     x, t = helpers.data(n=6)
-    optimizer = helpers.kfac(lr=0.05).setup(model)
+    optimizer = helpers.kfac(lr=0.05, low_rank=low_rank).setup(model)
     optimizer.update(helpers.loss_of(model), x, t)
     buffer = io.BytesIO()
     chainer.serializers.save_npz(buffer, optimizer)
@@ -442,10 +444,16 @@ def test_snapshot_holds_factors_not_inverses():
     keys = set(saved.files)
     assert {'kfac/conv/A', 'kfac/conv/G', 'kfac/bn/F', 'kfac/fc/A'} <= keys
     assert not [k for k in keys if k.endswith('_inv')]
-    # Symmetric factors as upper triangles: n (n + 1) / 2 numbers.
+    # Symmetric factors as upper triangles: n (n + 1) / 2 numbers; a
+    # low-rank one (fc's A: 6 samples, 28 inputs) as its columns (n, k).
     n = helpers.block_named(optimizer, '/conv').factors['A'].shape[0]
     assert saved['kfac/conv/A'].shape == (n * (n + 1) // 2,)
-    restored = helpers.kfac(lr=0.05).setup(model.copy(mode='copy'))
+    fc_a = helpers.block_named(optimizer, '/fc').factors['A']
+    assert saved['kfac/fc/A'].shape == (
+        (fc_a.dim, fc_a.rank) if low_rank else
+        (fc_a.shape[0] * (fc_a.shape[0] + 1) // 2,))
+    restored = helpers.kfac(lr=0.05, low_rank=low_rank).setup(
+        model.copy(mode='copy'))
     buffer.seek(0)
     chainer.serializers.load_npz(buffer, restored)
     assert not helpers.block_named(restored, '/conv').inverses
@@ -454,8 +462,9 @@ def test_snapshot_holds_factors_not_inverses():
         mine = helpers.block_named(restored, name)
         theirs = helpers.block_named(optimizer, name)
         for factor in theirs.factor_names:
-            numpy.testing.assert_array_equal(mine.inverses[factor],
-                                             theirs.inverses[factor])
+            numpy.testing.assert_array_equal(
+                helpers.dense(mine.inverses[factor]),
+                helpers.dense(theirs.inverses[factor]))
 
 
 def test_skipped_non_finite_step_keeps_bn_running_statistics():

@@ -80,7 +80,8 @@ def test_kron_of_factors_is_exact_fisher_for_batch_one():
     g = numpy.concatenate([model.l1.W.grad, model.l1.b.grad[:, None]],
                           axis=1).reshape(-1)
     numpy.testing.assert_allclose(
-        numpy.kron(block.factors['G'], block.factors['A']), numpy.outer(g, g),
+        numpy.kron(helpers.dense(block.factors['G']),
+                   helpers.dense(block.factors['A'])), numpy.outer(g, g),
         rtol=1e-10, atol=1e-14)
 
 
@@ -220,7 +221,10 @@ def test_batched_preconditioning_equals_block_by_block():
 
     for max_factor_dim in (None, 10):
         model = Twins()
-        optimizer = helpers.kfac(max_factor_dim=max_factor_dim).setup(model)
+        # Dense inverses: the batch is of dense ones (a low-rank inverse
+        # is applied block by block).
+        optimizer = helpers.kfac(max_factor_dim=max_factor_dim,
+                                 low_rank=False).setup(model)
         x, t = helpers.data(n=5, shape=(2, 3, 3), n_class=3)
         optimizer.update(helpers.loss_of(model), x, t)
         groups = {}
@@ -261,7 +265,8 @@ def test_diagonal_factors_are_the_diagonals_of_the_full_ones(make, limit):
         optimizer = helpers.kfac(max_factor_dim=max_factor_dim)
         optimizer.setup(model)
         optimizer.update(helpers.loss_of(model), x, t)
-        factors.append({(b.name, n): v for b in optimizer.blocks
+        factors.append({(b.name, n): helpers.dense(v)
+                        for b in optimizer.blocks
                         for n, v in b.factors.items()})
     full, limited = factors
     diagonal = 0

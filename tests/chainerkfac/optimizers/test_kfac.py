@@ -50,7 +50,7 @@ def test_direction_equals_dense_damped_solve():
 
     for name in ('conv', 'fc'):
         block = helpers.block_named(optimizer, '/' + name)
-        a, g = block.factors['A'], block.factors['G']
+        a, g = (helpers.dense(block.factors[n]) for n in 'AG')
         pi = math.sqrt((numpy.trace(a) / len(a)) / (numpy.trace(g) / len(g)))
         damped = numpy.kron(g + math.sqrt(damping) / pi * numpy.eye(len(g)),
                             a + pi * math.sqrt(damping) * numpy.eye(len(a)))

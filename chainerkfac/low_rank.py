@@ -1,0 +1,346 @@
+"""Exact low-rank Kronecker factors: the per-sample form and Woodbury.
+
+A Kronecker factor of one step is a sum of outer products of per-sample
+vectors: ``A = (1/N) Σ ã ãᵀ`` over the inputs (augmented by the bias's 1) of
+every sample, location, call and micro-batch, ``G`` likewise over the output
+gradients. With ``k`` such vectors it is ``F = U Uᵀ``, ``U`` of shape
+``(d, k)`` (the vectors scaled), and where ``k`` is below ``d`` the damped
+inverse needs no ``d × d`` matrix at all (Woodbury):
+
+    ``(U Uᵀ + γ I)⁻¹ = (I − U C⁻¹ Uᵀ) / γ``,   ``C = γ I + Uᵀ U`` (k × k),
+
+inverted by Cholesky of the ``k × k`` kernel ``Uᵀ U`` damped by γ
+(:func:`chainerkfac.linalg.damped_inverses`, with its retries), in
+``O(d k² + k³)`` instead of ``O(d³)``; and a gradient matrix ``M``
+(``o × d``) is preconditioned as ``(M − (M W) Uᵀ) / γ``, ``W = U C⁻¹``, in
+``4 o d k`` flops instead of ``2 o d²`` — also the product with the
+damping's ``γ w`` term of eq. (13), so no term of the dense result is left
+out. The result equals the dense one up to rounding (the tests compare them
+to 1e-12 in float64).
+
+:class:`LowRank` holds ``U`` while a factor is captured (the blocks of
+:mod:`chainerkfac.fisher_blocks.kronecker` build it instead of the Gram
+matrix while its rank is within :func:`rank_budget`) and through the
+accumulation's sums and scalings (:func:`add`, :func:`scaled`, which also
+take dense arrays: a sum with a dense term is dense). At the refresh
+:func:`pays` decides per factor, from the rank the step really has, whether
+the low-rank form is cheaper than the dense one — compute and, across
+processes, communication — and otherwise the factor is made dense
+(``U Uᵀ``, what the dense capture would have computed). Where it stops
+being low rank — an exponential average of factors (``factor_decay``) adds
+the ranks of the averaged factors; accumulated micro-batches and
+processes add theirs — the same rule turns it dense.
+
+Across processes (:class:`Exchange`) the factors are summed onto their
+owners by the same ReduceScatterV as the dense ones: each process writes its
+columns into its own slice of a zero ``(d, k_total)`` buffer (the slices in
+rank order), so the sum over processes is the concatenation, exactly (a sum
+with zeros rounds nothing). A process sends ``d · k_total`` elements for
+such a factor instead of the ``d (d + 1) / 2`` of the packed dense one; the
+cost model counts that, and a factor goes low rank only where every process
+captured it in that form and the totals say it pays.
+"""
+import math
+from typing import Dict, Tuple
+
+import numpy
+
+from chainer.backend import get_array_module
+
+from chainerkfac.dtypes import factor_dtype_for
+
+#: A factor is captured in per-sample form while its rank on a process is
+#: at most this fraction of its dimension over the number of processes.
+MAX_RANK_FRACTION = 0.5
+#: Cost of sending one element in the multi-process exchange, in
+#: multiply-add equivalents (MPI over shared memory or a network moves
+#: ~1e9 bytes/s against ~1e10-1e11 multiply-adds/s of a BLAS core).
+SEND_COST = 20.0
+
+
+class LowRank:
+    """A factor ``U Uᵀ`` kept as ``U`` (``columns``, shape (d, k))."""
+
+    def __init__(self, columns):
+        self.columns = columns
+
+    @property
+    def dim(self) -> int:
+        return int(self.columns.shape[0])
+
+    @property
+    def rank(self) -> int:
+        """k, the number of columns (an upper bound of the rank)."""
+        return int(self.columns.shape[1])
+
+    @property
+    def dtype(self):
+        return self.columns.dtype
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        """The shape of the factor it stands for, (d, d)."""
+        return (self.dim, self.dim)
+
+    def dense(self):
+        """``U Uᵀ`` (d, d)."""
+        return self.columns.dot(self.columns.T)
+
+    def kernel(self):
+        """``Uᵀ U`` (k, k): the matrix the damped inverse inverts."""
+        return self.columns.T.dot(self.columns)
+
+    def trace(self) -> float:
+        columns = self.columns
+        return float(get_array_module(columns).vdot(columns, columns))
+
+
+def add(a, b):
+    """``a + b`` of two factors, either low rank or dense (arrays): the
+    columns side by side if both are low rank, else the dense sum."""
+    if isinstance(a, LowRank) and isinstance(b, LowRank):
+        xp = get_array_module(a.columns)
+        return LowRank(xp.concatenate([a.columns, b.columns], axis=1))
+    if isinstance(a, LowRank):
+        return a.dense() + b
+    if isinstance(b, LowRank):
+        return a + b.dense()
+    a += b
+    return a
+
+
+def scaled(factor, scale: float):
+    """``scale · factor`` (``scale`` ≥ 0), low rank or dense; a new
+    object."""
+    if isinstance(factor, LowRank):
+        return LowRank(factor.columns *
+                       factor.columns.dtype.type(math.sqrt(scale)))
+    return factor * factor.dtype.type(scale)
+
+
+def dense(factor):
+    """The factor as a dense array."""
+    return factor.dense() if isinstance(factor, LowRank) else factor
+
+
+def mean_eigenvalue(factor) -> float:
+    """``tr(F) / dim(F)`` of a factor: low rank, dense or a diagonal."""
+    if isinstance(factor, LowRank):
+        return factor.trace() / factor.dim
+    xp = get_array_module(factor)
+    total = xp.trace(factor) if factor.ndim == 2 else factor.sum()
+    return float(total) / factor.shape[0]
+
+
+def rank_budget(dim: int, processes: int = 1) -> int:
+    """The most columns a process keeps of a ``dim × dim`` factor before
+    building the Gram matrix instead."""
+    return int(dim * MAX_RANK_FRACTION) // max(1, processes)
+
+
+def costs(dim: int, rank: int, width: int, processes: int = 1
+          ) -> Dict[str, float]:
+    """Multiply-add counts of one refresh and one preconditioning of a
+    ``dim × dim`` factor of rank ``rank`` in a block whose gradient matrix
+    has ``width`` rows (the other factor's dimension), in each form.
+
+    * dense: the Gram matrix ``U Uᵀ`` (``d² k``; what the dense capture
+      computes), the inverse (Cholesky and its inverse, ``d³``), the
+      preconditioning ``M F⁻¹`` (``o d²``), and with several processes the
+      packed factor sent (``d² / 2`` elements × :data:`SEND_COST`);
+    * low rank: the kernel ``Uᵀ U`` and ``W = U C⁻¹`` (``2 d k²``), the
+      kernel's inverse (``k³``), the preconditioning (``2 o d k``), and the
+      ``d · k`` elements of the columns sent.
+    """
+    d, k, o = float(dim), float(rank), float(width)
+    send = SEND_COST if processes > 1 else 0.0
+    return {'dense': d * d * k + d ** 3 + o * d * d + send * d * d / 2,
+            'low_rank': 2 * d * k * k + k ** 3 + 2 * o * d * k +
+            send * d * k}
+
+
+def pays(dim: int, rank: int, width: int, processes: int = 1) -> bool:
+    """Whether the low-rank form is cheaper (:func:`costs`)."""
+    if rank >= dim:
+        return False
+    cost = costs(dim, rank, width, processes)
+    return cost['low_rank'] < cost['dense']
+
+
+# -- the damped inverse --------------------------------------------------------
+class WoodburyInverse:
+    """``(U Uᵀ + γ I)⁻¹ = (I − U C⁻¹ Uᵀ) / γ`` applied without forming it.
+
+    Parameters
+    ----------
+    columns : array (d, k)
+        ``U``.
+    core_inverse : array (k, k)
+        ``C⁻¹ = (Uᵀ U + γ I)⁻¹``.
+    damping : float
+        γ.
+    """
+
+    def __init__(self, columns, core_inverse, damping: float):
+        self.columns = columns
+        self.weighted = columns.dot(core_inverse)       # W = U C⁻¹
+        self.damping = float(damping)
+
+    @property
+    def dim(self) -> int:
+        return int(self.columns.shape[0])
+
+    def left(self, matrix):
+        """``F⁻¹ · matrix`` for a (d, o) matrix."""
+        u, w = self._operands(matrix.dtype)
+        out = matrix - u.dot(w.T.dot(matrix))
+        out *= out.dtype.type(1.0 / self.damping)
+        return out
+
+    def right(self, matrix):
+        """``matrix · F⁻¹`` for an (o, d) matrix."""
+        u, w = self._operands(matrix.dtype)
+        out = matrix - matrix.dot(w).dot(u.T)
+        out *= out.dtype.type(1.0 / self.damping)
+        return out
+
+    def dense(self):
+        """The inverse as a (d, d) array (tests)."""
+        xp = get_array_module(self.columns)
+        return self.left(xp.eye(self.dim, dtype=self.columns.dtype))
+
+    def _operands(self, dtype):
+        return (self.columns.astype(dtype, copy=False),
+                self.weighted.astype(dtype, copy=False))
+
+
+def inversion_matrix(factor):
+    """What :func:`chainerkfac.linalg.damped_inverses` inverts for a
+    factor: the kernel ``Uᵀ U`` of a low-rank one (its damped inverse is
+    ``C⁻¹``), else the factor."""
+    return factor.kernel() if isinstance(factor, LowRank) else factor
+
+
+def inverse_of(factor, inverse, damping: float):
+    """The damped inverse of ``factor`` from what
+    :func:`chainerkfac.linalg.damped_inverses` returned for
+    :func:`inversion_matrix` (None stays None)."""
+    if inverse is None or not isinstance(factor, LowRank):
+        return inverse
+    return WoodburyInverse(factor.columns, inverse, damping)
+
+
+def left_multiply(inverse, matrix):
+    """``inverse · matrix``: a Woodbury inverse, a dense one or a diagonal
+    (1-D)."""
+    if isinstance(inverse, WoodburyInverse):
+        return inverse.left(matrix)
+    inverse = inverse.astype(matrix.dtype, copy=False)
+    return inverse.dot(matrix) if inverse.ndim == 2 else \
+        inverse[:, None] * matrix
+
+
+def right_multiply(matrix, inverse):
+    """``matrix · inverse``, as :func:`left_multiply`."""
+    if isinstance(inverse, WoodburyInverse):
+        return inverse.right(matrix)
+    inverse = inverse.astype(matrix.dtype, copy=False)
+    return matrix.dot(inverse) if inverse.ndim == 2 else matrix * inverse
+
+
+# -- across processes ------------------------------------------------------------
+class Exchange:
+    """One step's agreement on the form of every captured factor, and its
+    transport through the dense factors' ReduceScatterV (see the module
+    docstring).
+
+    Parameters
+    ----------
+    transport : chainerkfac.transport.Transport
+    """
+
+    def __init__(self, transport):
+        self.transport = transport
+        #: ``{(block, name): k_total}`` of the factors sent low rank.
+        self.low_rank: Dict[Tuple[object, str], int] = {}
+
+    def prepare(self, blocks, factors: Dict) -> Dict:
+        """Decide each factor's form, identically on every process, and
+        put each into it.
+
+        Parameters
+        ----------
+        blocks : list of FisherBlock
+        factors : dict
+            ``{block: {name: this process's sum, or None}}``: the same
+            blocks and names on every process (those captured anywhere),
+            None where this process captured none.
+
+        Returns
+        -------
+        dict
+            The same structure: dense arrays (None where this process
+            captured none: the caller sends zeros), and for the low-rank
+            factors :class:`LowRank` (one process) or the zero-padded
+            ``(d, k_total)`` buffer of this process's columns (several).
+        """
+        self.low_rank = {}
+        candidates = [(b, n) for b in blocks for n in factors[b]
+                      if b.low_rank_capable(n)]
+        if not candidates:
+            return factors
+        size, rank = self.transport.size, self.transport.rank
+        local = numpy.zeros((len(candidates), 1 + size), numpy.int64)
+        for i, (block, name) in enumerate(candidates):
+            value = factors[block][name]
+            if value is not None and not isinstance(value, LowRank):
+                local[i, 0] = 1                          # dense here
+            elif value is not None:
+                local[i, 1 + rank] = value.rank
+        totals = self.transport.all_sum(local.ravel()).reshape(local.shape)
+        out = {b: dict(v) for b, v in factors.items()}
+        for (block, name), row in zip(candidates, totals):
+            value = factors[block][name]
+            total = int(row[1:].sum())
+            low = not row[0] and total > 0 and pays(
+                block.factor_shapes()[name][0], total,
+                block.precondition_width(name), size)
+            if not low:
+                if isinstance(value, LowRank):
+                    out[block][name] = value.dense()
+                continue
+            self.low_rank[(block, name)] = total
+            if size > 1:
+                out[block][name] = self._padded(block, name, value, row)
+        return out
+
+    def _padded(self, block, name, value, row):
+        """This process's columns in its slice (rank order) of a zero
+        ``(d, k_total)`` buffer."""
+        like = block.params[0].array
+        xp = get_array_module(like)
+        dim = block.factor_shapes()[name][0]
+        dtype = (value.dtype if value is not None else
+                 factor_dtype_for(like.dtype))
+        buffer = xp.zeros((dim, int(row[1:].sum())), dtype=dtype)
+        if value is not None and value.rank:
+            start = int(row[1:1 + self.transport.rank].sum())
+            buffer[:, start:start + value.rank] = value.columns
+        return buffer
+
+    def receive(self, factors: Dict) -> Dict:
+        """After the reduction: the owners' low-rank factors as
+        :class:`LowRank` again (several processes)."""
+        if self.transport.size == 1:
+            return factors
+        for (block, name), _ in self.low_rank.items():
+            owned = factors.get(block)
+            if owned is not None and name in owned:
+                owned[name] = LowRank(owned[name])
+        return factors
+
+
+def held_low_rank(blocks) -> int:
+    """How many factors of ``blocks`` this process holds low rank."""
+    return sum(1 for b in blocks for f in b.factors.values()
+               if isinstance(f, LowRank))

@@ -1,0 +1,90 @@
+"""Where Chainer's optimizer hooks act in a K-FAC step.
+
+A first-order optimizer updates with the gradient its ``'pre'`` hooks
+leave; K-FAC updates with a preconditioned direction, so each hook must
+say which vector it changes. The choice keeps what a stock script's hook
+meant for SGD:
+
+* **penalties** — ``WeightDecay``, ``Lasso`` and every other ``'pre'``
+  hook (``GradientNoise``, ``GradientLARS``, a user's) act on the
+  gradient ∇L before the preconditioning, as for SGD: a penalty's gradient
+  is part of the loss's, and K-FAC preconditions the gradient of the
+  penalised loss (as it does eq. 13's own ``γ(w − μ)``).
+* **clipping** — ``GradientClipping`` and ``GradientHardClipping`` (and
+  their subclasses) bound the step: for SGD the update is ``η`` times the
+  clipped gradient, so they bound the update. On K-FAC they act on the
+  preconditioned direction ``d`` (after the bounded step's ν,
+  :mod:`chainerkfac.step_bound`), so that the update ``η d`` obeys the same
+  bound: ``‖η d‖ ≤ η · threshold`` for ``GradientClipping(threshold)``
+  (the norm over every parameter's direction, curvature blocks and plain
+  ones alike), each element of ``d`` within ``[lower, upper]`` for
+  ``GradientHardClipping``. Clipping ∇L instead would bound nothing: the
+  inverse of a damped Fisher multiplies a gradient by up to ``1/γ``.
+
+``'post'`` hooks run after the update, as for any Chainer optimizer.
+Hooks added to a parameter's own update rule run on ∇L inside the update
+and do not change K-FAC's step (its update rule reads the direction).
+
+In a multi-process run the penalties act on each process's gradient
+before the reduction (their gradients are linear in ∇L: the mean is the
+same), and the clipping hooks on the gathered directions, which every
+process holds identically.
+"""
+from typing import Iterable, List, Tuple
+
+from chainer import optimizer_hooks
+
+#: Hooks that act on the preconditioned direction (their subclasses too).
+DIRECTION_HOOKS = (optimizer_hooks.GradientClipping,
+                   optimizer_hooks.GradientHardClipping)
+
+
+def acts_on_direction(hook) -> bool:
+    """Whether a ``'pre'`` hook clips the step (else it acts on ∇L)."""
+    return isinstance(hook, DIRECTION_HOOKS)
+
+
+def _pre_hooks(optimizer) -> List:
+    # Chainer 7 keeps an optimizer's hooks in its private hookable, in
+    # registration order; Optimizer.call_hooks runs them all at once.
+    return list(optimizer._hookable._pre_update_hooks.values())
+
+
+def call_gradient_hooks(optimizer) -> None:
+    """The ``'pre'`` hooks that act on ∇L, in registration order."""
+    for hook in _pre_hooks(optimizer):
+        if not acts_on_direction(hook):
+            optimizer.call_hook(hook)
+
+
+def call_direction_hooks(optimizer,
+                         pairs: Iterable[Tuple[object, object]]) -> None:
+    """The clipping hooks on the directions, in registration order.
+
+    Parameters
+    ----------
+    optimizer : chainer.Optimizer
+        Its hooks read ``param.grad`` of its target's parameters.
+    pairs : iterable of (chainer.Parameter, array)
+        Each parameter that is updated and its direction. During the hooks
+        the direction stands in for ``param.grad`` (parameters without one
+        keep their gradient, zeros after ``reallocate_cleared_grads``, which
+        adds nothing to a norm); it is changed in place, and the gradients
+        are restored afterwards.
+    """
+    hooks = [h for h in _pre_hooks(optimizer) if acts_on_direction(h)]
+    if not hooks:
+        return
+    pairs = list(pairs)
+    saved = [param.grad for param, _ in pairs]
+    try:
+        for param, direction in pairs:
+            param.grad = direction
+        for hook in hooks:
+            optimizer.call_hook(hook)
+        for param, direction in pairs:
+            if param.grad is not direction:     # a hook that reassigns
+                direction[...] = param.grad
+    finally:
+        for (param, _), grad in zip(pairs, saved):
+            param.grad = grad
