@@ -281,8 +281,8 @@ class Exchange:
         dict
             The same structure: dense arrays (None where this process
             captured none: the caller sends zeros), and for the low-rank
-            factors :class:`LowRank` (one process) or the zero-padded
-            ``(d, k_total)`` buffer of this process's columns (several).
+            factors the zero-padded ``(d, k_total)`` buffer of this
+            process's columns (one process: its columns).
         """
         self.low_rank = {}
         candidates = [(b, n) for b in blocks for n in factors[b]
@@ -310,8 +310,7 @@ class Exchange:
                     out[block][name] = value.dense()
                 continue
             self.low_rank[(block, name)] = total
-            if size > 1:
-                out[block][name] = self._padded(block, name, value, row)
+            out[block][name] = self._padded(block, name, value, row)
         return out
 
     def _padded(self, block, name, value, row):
@@ -322,6 +321,8 @@ class Exchange:
         dim = block.factor_shapes()[name][0]
         dtype = (value.dtype if value is not None else
                  factor_dtype_for(like.dtype))
+        if self.transport.size == 1:
+            return value.columns
         buffer = xp.zeros((dim, int(row[1:].sum())), dtype=dtype)
         if value is not None and value.rank:
             start = int(row[1:1 + self.transport.rank].sum())
@@ -330,9 +331,7 @@ class Exchange:
 
     def receive(self, factors: Dict) -> Dict:
         """After the reduction: the owners' low-rank factors as
-        :class:`LowRank` again (several processes)."""
-        if self.transport.size == 1:
-            return factors
+        :class:`LowRank` again."""
         for (block, name), _ in self.low_rank.items():
             owned = factors.get(block)
             if owned is not None and name in owned:

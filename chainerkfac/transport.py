@@ -234,7 +234,9 @@ class MultiNodeTransport:
                 if name in due:
                     arrays.append(due[name])
                     owners.append(owner)
-                    symmetric.append(block.symmetric(name))
+                    # Not a square: a low-rank factor's columns.
+                    symmetric.append(block.symmetric(name) and
+                                     due[name].shape[0] == due[name].shape[-1])
                     slots.append((block, name))
         reduced = self.collectives.reduce_scatter_v(arrays, owners, symmetric)
         mine = [b for b in blocks if self.owns(b)]

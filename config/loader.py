@@ -106,6 +106,11 @@ class TrainConfig:
         One of :data:`chainerkfac.linalg.INVERSE_METHODS`: ``'cholesky'``
         (the default) or ``'newton_schulz'`` (batched GEMMs for the factors
         up to n = 1024; for GPUs).
+    kl_clip : float or null
+        The optimizer's bounded step (kfac-pytorch's ``kl_clip``).
+        ``null`` (the default here, unlike the library's): no bound, the
+        paper's update; the refresh intervals likewise default to 1 here
+        (every step), not to the library's stale default.
     n_class : int
         Number of classes of the data set (1000 for ImageNet); every label
         must lie in ``[0, n_class)``.
@@ -135,6 +140,7 @@ class TrainConfig:
     weight_rescale: Union[bool, str] = True
     max_factor_dim: Optional[int] = None
     inverse_method: str = 'cholesky'
+    kl_clip: Optional[float] = None
     n_class: int = 1000
     description: str = ''
 
@@ -173,11 +179,15 @@ def _check_type(key, value, expected):
         return value
     if expected == Optional[int] and (value is None or is_int):
         return value
+    if expected == Optional[float] and (value is None or is_int or
+                                        isinstance(value, float)):
+        return None if value is None else float(value)
     names = {float: 'a number', int: 'an integer', str: 'a string',
              bool: 'true or false', Union[int, str]:
              'a positive integer or a preset name',
              Union[bool, str]: 'true or false, or "auto"',
-             Optional[int]: 'a positive integer or null'}
+             Optional[int]: 'a positive integer or null',
+             Optional[float]: 'a positive number or null'}
     raise ConfigError(key, 'must be {}, got {!r} ({})'.format(
         names[expected], value, type(value).__name__))
 
@@ -369,7 +379,9 @@ def kfac_options(config):
     dict
         ``lr``, ``momentum``, the damping of eqs. (13)-(16), ``rho_bn``,
         ``bn_fisher``, ``fisher``, the refresh intervals, ``factor_dtype``,
-        ``weight_rescale``, ``max_factor_dim`` and ``inverse_method``.
+        ``weight_rescale``, ``max_factor_dim``, ``inverse_method`` and
+        ``kl_clip``: every option whose library default differs from the
+        paper (the stale intervals, the bounded step) is set explicitly.
     """
     return dict(
         lr=config.lr, momentum=config.momentum, damping=config.damping,
@@ -382,7 +394,7 @@ def kfac_options(config):
         factor_dtype=config.factor_dtype,
         weight_rescale=config.weight_rescale,
         max_factor_dim=config.max_factor_dim,
-        inverse_method=config.inverse_method)
+        inverse_method=config.inverse_method, kl_clip=config.kl_clip)
 
 
 def check_epochs(config, source=None):

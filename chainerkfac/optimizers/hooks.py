@@ -30,7 +30,7 @@ before the reduction (their gradients are linear in ∇L: the mean is the
 same), and the clipping hooks on the gathered directions, which every
 process holds identically.
 """
-from typing import Iterable, List, Tuple
+from typing import List
 
 from chainer import optimizer_hooks
 
@@ -57,25 +57,39 @@ def call_gradient_hooks(optimizer) -> None:
             optimizer.call_hook(hook)
 
 
-def call_direction_hooks(optimizer,
-                         pairs: Iterable[Tuple[object, object]]) -> None:
+def call_direction_hooks(optimizer, blocks, directions) -> None:
     """The clipping hooks on the directions, in registration order.
 
     Parameters
     ----------
     optimizer : chainer.Optimizer
         Its hooks read ``param.grad`` of its target's parameters.
-    pairs : iterable of (chainer.Parameter, array)
-        Each parameter that is updated and its direction. During the hooks
-        the direction stands in for ``param.grad`` (parameters without one
-        keep their gradient, zeros after ``reallocate_cleared_grads``, which
-        adds nothing to a norm); it is changed in place, and the gradients
-        are restored afterwards.
+    blocks : list of FisherBlock
+    directions : dict
+        ``{block: [direction or None per parameter]}``, changed in place
+        (a direction that is the gradient array itself, a plain block's,
+        is copied first: the gradients stay as the backward pass left
+        them).
+
+    During the hooks each direction stands in for ``param.grad``
+    (parameters without one keep their gradient, zeros after
+    ``reallocate_cleared_grads``, which adds nothing to a norm); the
+    gradients are restored afterwards.
     """
     hooks = [h for h in _pre_hooks(optimizer) if acts_on_direction(h)]
     if not hooks:
         return
-    pairs = list(pairs)
+    pairs = []
+    for block in blocks:
+        listed = directions.get(block)
+        if listed is None:
+            continue
+        for i, (param, direction) in enumerate(zip(block.params, listed)):
+            if direction is None:
+                continue
+            if direction is param.grad:
+                direction = listed[i] = direction.copy()
+            pairs.append((param, direction))
     saved = [param.grad for param, _ in pairs]
     try:
         for param, direction in pairs:

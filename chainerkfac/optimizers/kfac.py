@@ -53,6 +53,11 @@ logger = logging.getLogger(__name__)
 
 _default_lr = 0.01
 _default_momentum = 0.9
+#: The defaults' stale Fisher: every factor refreshed (and inverted) every
+#: so many K-FAC steps, with the step bounded by ``kl_clip``
+#: (``benchmarks/stock_models.py``, docs/kfac.md).
+DEFAULT_REFRESH_INTERVAL = 10
+DEFAULT_KL_CLIP = 1e-4
 
 
 class KFAC(optimizer.GradientMethod):
@@ -218,15 +223,17 @@ class KFAC(optimizer.GradientMethod):
                  damping_warmup_steps: Optional[int] = None,
                  rho_bn: float = 1.0, bn_fisher: str = 'full',
                  fisher: str = 'emp', mc_samples: int = 1,
-                 acc_iters: int = 1, refresh_interval_a=1,
-                 refresh_interval_g=1, refresh_interval_f=1,
+                 acc_iters: int = 1,
+                 refresh_interval_a=DEFAULT_REFRESH_INTERVAL,
+                 refresh_interval_g=DEFAULT_REFRESH_INTERVAL,
+                 refresh_interval_f=DEFAULT_REFRESH_INTERVAL,
                  factor_dtype: str = 'float32', factor_decay: float = 0.0,
                  weight_rescale='auto', skip_layers=(),
                  loss_reduction: str = 'mean',
                  max_factor_dim: Optional[int] = 1024,
                  inverse_method: str = 'cholesky',
                  low_rank: bool = True,
-                 kl_clip: Optional[float] = None,
+                 kl_clip: Optional[float] = DEFAULT_KL_CLIP,
                  conv_a_strategy: Optional[str] = None,
                  fisher_diff: bool = False, verbose: bool = True,
                  seed: Optional[int] = None):
@@ -563,10 +570,7 @@ class KFAC(optimizer.GradientMethod):
         self.timer.mark('precondition', self._like())
         directions = transport.all_gather(blocks, directions, present)
         self.timer.mark('all_gather', self._like())
-        hooks.call_direction_hooks(self, (
-            (p, d) for b in blocks for p, d in zip(b.params,
-                                                   directions.get(b, ()))
-            if d is not None))
+        hooks.call_direction_hooks(self, blocks, directions)
 
         finite = self.guard.check(
             [d for ds in directions.values() for d in ds], transport.agree)

@@ -69,8 +69,16 @@ def update(optimizer, model, lossfun, x, t, manual):
 
 
 def kfac(**kwargs):
+    """The tests' K-FAC: the step the oracles compute — every factor
+    refreshed at every step, no bounded step (``kl_clip=None``), no eq.
+    (20) — unless a test says otherwise; the library's defaults are
+    stale factors with the step bounded."""
     kwargs.setdefault('verbose', False)
     kwargs.setdefault('weight_rescale', False)
+    kwargs.setdefault('kl_clip', None)
+    for name in ('refresh_interval_a', 'refresh_interval_g',
+                 'refresh_interval_f'):
+        kwargs.setdefault(name, 1)
     return chainerkfac.optimizers.KFAC(**kwargs)
 
 

@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+import chainerkfac
 import config
 from chainerkfac.optimizers import options
 from config import ConfigError, TrainConfig, derive_acc_iters
@@ -98,6 +99,34 @@ def test_imagenet_configs_keep_every_factor_full(name):
     cfg = config.load(config.preset_path(name))
     assert cfg.max_factor_dim is None
     assert config.kfac_options(cfg)['max_factor_dim'] is None
+
+
+@pytest.mark.parametrize('name', config.preset_names())
+def test_imagenet_configs_keep_the_papers_update(name):
+    # The library's defaults are stale factors (interval 10) with a bounded
+    # step; the configs set the paper's: their own intervals (1, or the
+    # eq. 22 / eq. 23 presets), no bound.
+    cfg = config.load(config.preset_path(name))
+    kwargs = config.kfac_options(cfg)
+    assert kwargs['kl_clip'] is None
+    with open(config.preset_path(name)) as f:
+        written = json.load(f)
+    for key in ('refresh_interval_a', 'refresh_interval_g',
+                'refresh_interval_f'):
+        assert kwargs[key] == written.get(key, 1)
+    optimizer = chainerkfac.optimizers.KFAC(**kwargs)
+    assert optimizer.step_bound is None
+    assert optimizer.refresh_intervals['A'](0, 0) == 1
+
+
+def test_kl_clip_reaches_the_optimizer(tmp_path):
+    data = base()
+    data['kl_clip'] = 1e-3
+    cfg = config.load(write(tmp_path, data))
+    assert config.kfac_options(cfg)['kl_clip'] == 1e-3
+    data['kl_clip'] = 0
+    with pytest.raises(ConfigError, match='kl_clip'):
+        config.load(write(tmp_path, data))
 
 
 def test_max_factor_dim_reaches_the_optimizer(tmp_path):

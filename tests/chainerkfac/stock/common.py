@@ -2,9 +2,11 @@
 one-line swap.
 
 * every optimizer took 3 steps, none skipped;
-* every K-FAC block (a block with factors) was refreshed and inverted at
-  every step, and the reporter counted every K-FAC block preconditioned
-  and every other block on the plain gradient, at every step;
+* every K-FAC block (a block with factors) was refreshed and inverted
+  exactly at the steps its refresh intervals make due (the defaults: the
+  first step, the others stale), and the reporter counted every K-FAC
+  block preconditioned and every other block on the plain gradient, at
+  every step;
 * no due factor went uncaptured (no warning);
 * every parameter is finite and every parameter that had a gradient moved;
 * the registration table is sane: one row per block with its kind, no full
@@ -78,6 +80,19 @@ def train(trainee, caplog, steps=STEPS):
     return before, reporter.calls, warnings
 
 
+def refresh_steps(optimizer, kind, steps=STEPS):
+    """The steps (0-based) at which the refresh interval of ``kind``
+    (``'A'``, ``'G'``, ``'F'``) makes a factor due, every call reaching
+    the link (epoch 0)."""
+    interval = optimizer.refresh_intervals[kind]
+    due, last = [], -1
+    for t in range(steps):
+        if last < 0 or t - last >= interval(t, 0):
+            due.append(t)
+            last = t
+    return due
+
+
 def check_trained(trainee, before, reports, warnings, steps=STEPS,
                   max_factor_dim=None):
     """The checks of the module docstring; returns the optimizers'
@@ -91,20 +106,26 @@ def check_trained(trainee, before, reports, warnings, steps=STEPS,
         kfac_blocks = [b for b in optimizer.blocks if b.factor_names]
         plain_blocks = [b for b in optimizer.blocks if not b.factor_names]
         assert kfac_blocks, 'no K-FAC block at all'
+        due = {kind: refresh_steps(optimizer, kind, steps)
+               for kind in 'AGF'}
         for block in kfac_blocks:
             assert block.has_inverses(), block.name
-            for name in block.factor_names:
-                # Refreshed (captured, inverted) at every step.
-                assert block.last_refresh[name] == steps - 1, (block.name,
-                                                               name)
-                assert block.refresh_count[name] == steps, (block.name, name)
-                assert block.inverse_count[name] == steps, (block.name, name)
+            for name, kind in block.factor_kinds.items():
+                # Refreshed (captured, inverted) exactly when due.
+                steps_due = due[kind.interval]
+                assert block.last_refresh[name] == steps_due[-1], (
+                    block.name, name)
+                assert block.refresh_count[name] == len(steps_due), (
+                    block.name, name)
+                assert block.inverse_count[name] == len(steps_due), (
+                    block.name, name)
         mine = reports[k::len(optimizers)]
-        for report in mine:
+        for t, report in enumerate(mine):
             assert report['kfac/preconditioned_blocks'] == len(kfac_blocks)
             assert report['kfac/plain_blocks'] == len(plain_blocks)
             assert report['kfac/skipped_step'] == 0
-            assert report['kfac/refresh_A'] == report['kfac/refresh_G'] == 1
+            assert report['kfac/refresh_A'] == float(t in due['A'])
+            assert report['kfac/refresh_G'] == float(t in due['G'])
         tables.append(check_table(optimizer, max_factor_dim))
     for target, start in zip(trainee.targets, before):
         for name, param in target.namedparams():
