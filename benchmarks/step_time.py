@@ -189,12 +189,15 @@ class SGDStep:
 class KFACStep:
     """One K-FAC step (``acc_iters = 1``), refresh interval ``interval``,
     eq. (20) on every Conv/FC weight and every factor full (no cost guard)
-    as in the paper (and the ImageNet configs)."""
+    as in the paper (and the ImageNet configs): dense factors, the step
+    unbounded."""
 
     def __init__(self, model, interval: int, gpu: bool, lr=0.001, **kwargs):
         self.model = model
         kwargs.setdefault('weight_rescale', True)
         kwargs.setdefault('max_factor_dim', None)
+        kwargs.setdefault('low_rank', False)
+        kwargs.setdefault('kl_clip', None)
         self.optimizer = KFAC(lr=lr, momentum=0.9, damping=1e-3,
                               refresh_interval_a=interval,
                               refresh_interval_g=interval,

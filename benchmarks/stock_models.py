@@ -1,11 +1,14 @@
 """The one-line swap on Chainer's stock architectures: K-FAC's step time
 over the stock optimizer's, and accuracy against MomentumSGD at equal
-epochs on the digits — the measurements behind KFAC's defaults (issue 16).
+epochs on the digits — the measurements behind KFAC's defaults (issues 16
+and 28).
 
     python -m benchmarks.stock_models [--smoke]
         [--part timing,accuracy,stability]
         [--models ptb,mnist_mlp,...] [--limits None,4096,2048,1024,512]
         [--cycles 3] [--seeds 5] [--epochs 5] [--batch 64] [--threads 1]
+        [--dampings 1e-3,1e-2,3e-2] [--intervals 1,5,20,eq22]
+        [--kl-clip 1e-4|none] [--low-rank on|off]
         [--merge EARLIER.json ...] [--out FILE.json]
 
 **Timing** (``--part timing``). The architectures are those of the stock
@@ -13,7 +16,8 @@ tests (:mod:`tests.chainerkfac.stock.nets`, one entry per stock example,
 at the sizes listed in the table), each trained by its example's loop
 with its stock optimizer (Adam for the MLP, the VAE, PTB and DCGAN,
 ``MomentumSGD(lr=0.01, momentum=0.9)`` for the CNNs) and, on its own copy
-of the same initial model, with ``KFAC(momentum=0.9, damping=1e-2)`` at
+of the same initial model, with ``KFAC(momentum=0.9, damping=1e-2)`` (its
+bounded step, and its low-rank factors unless ``--low-rank off``) at
 each ``max_factor_dim`` of ``--limits``, at ``lr = 0`` (a step's cost does
 not depend on the learning rate; at the README's lr = 0.01 some of these
 models diverge within a few steps, whose steps are then skipped: see
@@ -30,7 +34,9 @@ precondition). So the K-FAC optimizer here runs a cycle of three steps,
 every / G only / stale (refresh-interval callables of the step), and the
 cost of any refresh interval is the amortised mix: intervals (a, g) with
 a a multiple of g make, every a steps, 1 *every* step, a/g − 1 *G only*
-steps and a − a/g *stale* steps. Intervals 1 are the *every* step alone.
+steps and a − a/g *stale* steps. Intervals 1 are the *every* step alone;
+the defaults' (:data:`chainerkfac.optimizers.kfac.DEFAULT_REFRESH_INTERVAL`
+for A, G and F) are the column *defaults*.
 
 The stock step and the K-FAC step alternate, in an order swapped every
 round (one round = one step of each); a cycle is three rounds, one of
@@ -57,22 +63,28 @@ inputs replaced by the 64 pixels (64-1000-1000-10). Each trains
 ``MomentumSGD(lr=0.01, momentum=0.9)``, with Adam (the MLP's stock
 optimizer, for reference), and with ``KFAC(lr=0.01, momentum=0.9, ...)``
 over the grid damping × refresh intervals × ``max_factor_dim`` (limits
-that give the same blocks on a net are run once), each for ``--seeds``
-seeds (initial weights and shuffling; the split is fixed). Reported: the
-validation accuracy after the last epoch, mean ± standard deviation over
-seeds, min and max, and the difference to MomentumSGD with its standard
-error (√(s₁²/n + s₂²/n)).
+that give the same blocks on a net are run once), with the bounded step
+``kl_clip`` of ``--kl-clip`` (the library's default; ``none``: unbounded),
+each for ``--seeds`` seeds (initial weights and shuffling; the split is
+fixed). The intervals are :data:`ACCURACY_INTERVALS`: fixed ones and
+``eq22``, the paper's schedule of eq. (22) (1 before epoch 5: within 5
+epochs, the same as 1). Reported: the validation accuracy after the last
+epoch, mean ± standard deviation over seeds, min and max, the difference
+to MomentumSGD with its standard error (√(s₁²/n + s₂²/n)), skipped steps,
+and the smallest ν of the bounded step.
 
-**Stability** (``--part stability``). Why the damping must grow with the
-refresh interval: for the digits MLP at each damping of the grid, with
-intervals 1 and 5, the step's squared length in the metric of the
-curvature that preconditions it, ``Σ_blocks ⟨∇E, (F + γI)⁻¹ ∇E⟩``, at
-each step of the first epoch (:func:`metric_step_sizes`).
+**Stability** (``--part stability``). The step's squared length in the
+metric of the curvature that preconditions it, ``lr² Σ_blocks ⟨∇E,
+(F + γI)⁻¹ ∇E⟩`` before the bound (``kfac/step_metric``), and ν, at each
+step of the first epoch of the digits MLP, at each damping of the grid
+with intervals 1 and 5 (:func:`metric_step_sizes`): a stale Fisher does not
+hold the new gradient, and at small damping the metric grows by orders of
+magnitude; the bound keeps the step taken at ``kl_clip``.
 
 **Candidates.** The last table joins both parts for every setting:
 accuracy on both digits nets and the step-time ratios of the MNIST MLP
-and the CIFAR VGG, the two nets of the issue's goals (≤ 3× the stock
-optimizer; accuracy no worse than MomentumSGD beyond seed noise).
+and the CIFAR VGG (issue 28's goals: ≤ 2× the stock optimizer for every
+architecture; accuracy no worse than MomentumSGD beyond seed noise).
 ``--merge`` reads an earlier run's JSON: the parts, the timing of the
 models and the accuracy settings that this run does not redo are kept
 (each timing entry is a ratio within its own run; the seeds, epochs and
@@ -86,6 +98,7 @@ import chainerkfac  # NOQA  (before chainer: NumPy-2 compatibility shims)
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import os
@@ -102,6 +115,7 @@ import chainer.links as L
 from benchmarks import _common
 from chainerkfac import fisher_blocks
 from chainerkfac.optimizers import KFAC
+from chainerkfac.optimizers import kfac as kfac_module
 from tests.chainerkfac.stock import nets
 
 LR = 0.01
@@ -110,18 +124,21 @@ MOMENTUM = 0.9
 README_DAMPING = 1e-2
 LIMITS = (None, 4096, 2048, 1024, 512)
 DAMPINGS = (1e-3, 1e-2, 3e-2)
-#: Refresh intervals (A, G = F) by name.
+#: Refresh intervals (A, G = F) by name, timed as amortised mixes.
 INTERVALS = {'1': (1, 1), '5': (5, 5), '10': (10, 10), '20': (20, 20),
              'A20/G5': (20, 5)}
-#: Today's defaults.
-OLD_DEFAULTS = {'damping': 1e-3, 'intervals': '1', 'limit': None}
+#: The defaults' intervals among them.
+DEFAULTS = str(kfac_module.DEFAULT_REFRESH_INTERVAL)
+#: The accuracy grid's intervals: the timed ones and the paper's eq. (22).
+ACCURACY_INTERVALS = dict(INTERVALS, eq22=('eq22', 'eq22'))
+ACCURACY_DEFAULT_INTERVALS = ('1', '5', '20', 'eq22')
 #: Full factors larger than this are not timed.
 MAX_TIMED_FULL = 8192
 STAGES = ('forward_backward', 'factors', 'reduce_scatter', 'inverse',
           'precondition', 'all_gather', 'update')
 PHASES = ('every', 'g_only', 'stale')
 NEVER = 10 ** 9
-GOAL_RATIO = 3.0
+GOAL_RATIO = 2.0
 GOAL_MODELS = ('mnist_mlp', 'cifar_vgg')
 
 #: The timing's architectures at the sizes of :data:`nets.STOCK`, but
@@ -217,30 +234,35 @@ def describe_blocks(signature) -> Dict:
 
 
 # -- timing -------------------------------------------------------------------
-def _kfac_for_cycle(limit):
+def _kfac_for_cycle(limit, low_rank=True):
     """K-FAC taking the cycle's step kinds, at ``lr = 0`` (see
-    :func:`time_limit`)."""
+    :func:`time_limit`), otherwise at its defaults (the bounded step)."""
     def make():
         return KFAC(lr=0.0, momentum=MOMENTUM, damping=README_DAMPING,
                     max_factor_dim=limit, refresh_interval_a=_interval_a,
                     refresh_interval_g=_interval_gf,
-                    refresh_interval_f=_interval_gf, verbose=False)
+                    refresh_interval_f=_interval_gf, low_rank=low_rank,
+                    verbose=False)
     return make
 
 
 class _Counts(chainer.Reporter):
     """Sums K-FAC's reports of inverse retries and skipped steps over
-    every optimizer of a step."""
+    every optimizer of a step, and keeps the most low-rank factors one
+    optimizer held."""
 
     def __init__(self):
         super().__init__()
         self.retries = 0
         self.skipped = 0
+        self.low_rank = 0
 
     def report(self, values, observer=None):
         if observer is None:
             self.retries += int(values.get('kfac/inverse_retries', 0))
             self.skipped += int(values.get('kfac/skipped_step', 0))
+            self.low_rank = max(self.low_rank, int(values.get(
+                'kfac/low_rank_factors', 0)))
         super().report(values, observer)
 
 
@@ -275,7 +297,8 @@ def _spread(values: Sequence[float]) -> Dict[str, float]:
             'max': float(max(values))}
 
 
-def time_limit(stock, base, limit, cycles: int) -> Dict:
+def time_limit(stock, base, limit, cycles: int, low_rank: bool = True
+               ) -> Dict:
     """One K-FAC copy at ``limit`` against the stock trainee ``base``
     (see the module docstring).
 
@@ -287,7 +310,7 @@ def time_limit(stock, base, limit, cycles: int) -> Dict:
     not the cost of training. Inverse retries and skipped steps of the
     timed steps are recorded all the same.
     """
-    kfac = stock.build().setup(_kfac_for_cycle(limit))
+    kfac = stock.build().setup(_kfac_for_cycle(limit, low_rank))
     for _ in range(3):                       # warm-up cycle
         _timed_step(kfac)
         _timed_step(base)
@@ -328,13 +351,15 @@ def time_limit(stock, base, limit, cycles: int) -> Dict:
         'samples': {'stock_s': stock_times, 'kfac_s': kfac_times},
         'inverse_retries': counts.retries,
         'skipped_steps': counts.skipped,
+        'low_rank_factors': counts.low_rank,
     }
     del kfac
     gc.collect()
     return result
 
 
-def time_model(name: str, stock, limits, cycles: int) -> List[Dict]:
+def time_model(name: str, stock, limits, cycles: int, low_rank: bool = True
+               ) -> List[Dict]:
     """Every limit of ``limits`` on one architecture."""
     numpy.random.seed(0)
     base = stock.build().setup(stock.stock_optimizer)
@@ -350,7 +375,8 @@ def time_model(name: str, stock, limits, cycles: int) -> List[Dict]:
         if signature in seen:
             entry['same_as'] = seen[signature]['limit']
             for key in ('stock_s', 'kfac_s', 'ratio', 'stages_s',
-                        'skipped', 'inverse_retries', 'skipped_steps'):
+                        'skipped', 'inverse_retries', 'skipped_steps',
+                        'low_rank_factors'):
                 if key in seen[signature]:
                     entry[key] = seen[signature][key]
         elif entry['largest_full_factor'] > MAX_TIMED_FULL:
@@ -361,7 +387,8 @@ def time_model(name: str, stock, limits, cycles: int) -> List[Dict]:
         else:
             start = time.time()
             try:
-                entry.update(time_limit(stock, base, limit, cycles))
+                entry.update(time_limit(stock, base, limit, cycles,
+                                        low_rank))
             except MemoryError as error:     # report, go on
                 entry['skipped'] = 'MemoryError: {}'.format(error)
             entry['seconds'] = time.time() - start
@@ -379,10 +406,10 @@ def _timing_line(entry) -> str:
         return head + entry.get('skipped', '?')
     r = entry['ratio']
     return head + ('stock {:.3g} s; K-FAC/stock every {:.3g}, 5 {:.3g}, '
-                   '20 {:.3g}, stale {:.3g}{}'.format(
+                   '{} (defaults) {:.3g}, 20 {:.3g}, stale {:.3g}{}'.format(
                        entry['stock_s']['median'], r['every']['median'],
-                       r['5']['median'], r['20']['median'],
-                       r['stale']['median'],
+                       r['5']['median'], DEFAULTS, r[DEFAULTS]['median'],
+                       r['20']['median'], r['stale']['median'],
                        ' (same as {})'.format(entry['same_as'])
                        if 'same_as' in entry else ''))
 
@@ -445,11 +472,14 @@ def train_digits(make_net, shape, make_optimizer, data, seed: int,
     rng = numpy.random.RandomState(seed)
     start = time.perf_counter()
     x_train = x_train.reshape((-1,) + shape)
+    scales = _Scales()
+    scales.add_observer('main', model)
     for _ in range(epochs):
         order = rng.permutation(len(x_train))
         for i in range(0, len(order), batch):
             chunk = order[i:i + batch]
-            optimizer.update(model, x_train[chunk], t_train[chunk])
+            with scales.scope({}):
+                optimizer.update(model, x_train[chunk], t_train[chunk])
         optimizer.new_epoch()
     seconds = time.perf_counter() - start
     with chainer.using_config('train', False), chainer.no_backprop_mode():
@@ -458,7 +488,23 @@ def train_digits(make_net, shape, make_optimizer, data, seed: int,
         accuracy = float(F.accuracy(y, t_val).array)
     return {'accuracy': accuracy, 'loss': loss, 'seconds': seconds,
             'skipped_steps': int(getattr(
-                getattr(optimizer, 'guard', None), 'skipped_steps', 0))}
+                getattr(optimizer, 'guard', None), 'skipped_steps', 0)),
+            'min_step_scale': min(scales.scales) if scales.scales else None}
+
+
+class _Scales(chainer.Reporter):
+    """The ν of every bounded step (``kfac/step_scale``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales = []
+        self.metrics = []
+
+    def report(self, values, observer=None):
+        if observer is None and 'kfac/step_scale' in values:
+            self.scales.append(float(values['kfac/step_scale']))
+            self.metrics.append(float(values['kfac/step_metric']))
+        super().report(values, observer)
 
 
 def _summary(runs: List[Dict]) -> Dict:
@@ -469,11 +515,15 @@ def _summary(runs: List[Dict]) -> Dict:
             'accuracy_min': float(min(acc)), 'accuracy_max': float(max(acc)),
             'loss_mean': float(numpy.mean([r['loss'] for r in runs])),
             'seconds_mean': float(numpy.mean([r['seconds'] for r in runs])),
-            'skipped_steps': int(sum(r['skipped_steps'] for r in runs))}
+            'skipped_steps': int(sum(r['skipped_steps'] for r in runs)),
+            'min_step_scale': min((r['min_step_scale'] for r in runs
+                                   if r.get('min_step_scale') is not None),
+                                  default=None)}
 
 
 def accuracy_grid(digits_nets, dampings, intervals, limits, seeds,
-                  epochs, batch, limit_samples=None) -> List[Dict]:
+                  epochs, batch, limit_samples=None,
+                  kl_clip=kfac_module.DEFAULT_KL_CLIP) -> List[Dict]:
     data = digits(limit_samples)
     results = []
     for net_name, (make_net, shape) in digits_nets.items():
@@ -493,15 +543,15 @@ def accuracy_grid(digits_nets, dampings, intervals, limits, seeds,
             runs.append(('Adam', {}, chainer.optimizers.Adam))
         for damping in dampings:
             for name in intervals:
-                a, g = INTERVALS[name]
+                a, g = ACCURACY_INTERVALS[name]
                 for limit in sorted(set(same.values()),
                                     key=lambda v: -(v or 1e9)):
                     settings = {'damping': damping, 'intervals': name,
-                                'limit': limit,
+                                'limit': limit, 'kl_clip': kl_clip,
                                 'limits': [v for v in limits
                                            if same[v] == limit]}
                     runs.append(('KFAC', settings, _kfac_maker(
-                        damping, a, g, limit)))
+                        damping, a, g, limit, kl_clip)))
         for optimizer_name, settings, make in runs:
             per_seed = [train_digits(make_net, shape, make, data, seed,
                                      epochs, batch) for seed in seeds]
@@ -515,17 +565,22 @@ def accuracy_grid(digits_nets, dampings, intervals, limits, seeds,
     return results
 
 
+def _stability_key(entry) -> tuple:
+    return (entry['damping'], entry['intervals'], entry.get('kl_clip'))
+
+
 def _accuracy_key(entry) -> tuple:
     return (entry['net'], entry['optimizer'], entry.get('damping'),
-            entry.get('intervals'), entry.get('limit'))
+            entry.get('intervals'), entry.get('limit'),
+            entry.get('kl_clip'))
 
 
-def _kfac_maker(damping, a, g, limit):
+def _kfac_maker(damping, a, g, limit, kl_clip=kfac_module.DEFAULT_KL_CLIP):
     def make():
         return KFAC(lr=LR, momentum=MOMENTUM, damping=damping,
                     refresh_interval_a=a, refresh_interval_g=g,
                     refresh_interval_f=g, max_factor_dim=limit,
-                    verbose=False)
+                    kl_clip=kl_clip, verbose=False)
     return make
 
 
@@ -545,8 +600,9 @@ def _compare_to_sgd(results) -> None:
 
 def _accuracy_line(entry) -> str:
     setting = '' if entry['optimizer'] != 'KFAC' else \
-        ' damping={} intervals={} limit={}'.format(
-            entry['damping'], entry['intervals'], entry['limit'])
+        ' damping={} intervals={} limit={} kl_clip={}'.format(
+            entry['damping'], entry['intervals'], entry['limit'],
+            entry.get('kl_clip'))
     return '{} {}{}: {:.4f} ± {:.4f} ({:.1f} s/run)'.format(
         entry['net'], entry['optimizer'], setting, entry['accuracy_mean'],
         entry['accuracy_std'], entry['seconds_mean'])
@@ -554,58 +610,56 @@ def _accuracy_line(entry) -> str:
 
 # -- the step size in the Fisher metric ---------------------------------------
 def metric_step_sizes(damping: float, intervals, steps: int, batch: int,
-                      seed: int = 0, n_units: int = 1000) -> List[float]:
-    """``Σ_blocks ⟨∇E, (F + γI)⁻¹ ∇E⟩`` at each of the first ``steps``
-    K-FAC steps of the digits MLP: the squared length of the step in the
-    metric of the curvature that preconditions it.
+                      seed: int = 0, n_units: int = 1000,
+                      kl_clip=kfac_module.DEFAULT_KL_CLIP):
+    """``(metrics, scales)``: ``kfac/step_metric`` — ``lr² Σ_blocks ⟨∇E,
+    (F + γI)⁻¹ ∇E⟩``, the squared length of the unbounded step in the
+    metric of the curvature that preconditions it — and ν at each of the
+    first ``steps`` K-FAC steps of the digits MLP.
 
     With the empirical Fisher refreshed from the very batch whose gradient
     it preconditions, ``F ⪰ ḡ ḡᵀ`` (the mean of the per-sample outer
-    products bounds that of the mean), so this stays bounded whatever γ
-    (for one exact block it is below 1); a stale F has no such bound, and
-    only γ limits it.
+    products bounds that of the mean), so the metric stays bounded
+    whatever γ (for one exact block ``⟨∇E, (F + γI)⁻¹ ∇E⟩`` is below 1); a
+    stale F has no such bound: only γ, and the bounded step, limit it.
     """
     a, g = intervals
     x_train, t_train, _, _ = digits()
     numpy.random.seed(seed)
     model = L.Classifier(nets.MLP(n_units, 10))
-    optimizer = _kfac_maker(damping, a, g, None)()
+    # Unbounded (kl_clip None): measured with a bound too large to act.
+    optimizer = _kfac_maker(damping, a, g, None, kl_clip or 1e300)()
     optimizer.setup(model)
+    reporter = _Scales()
+    reporter.add_observer('main', model)
     order = numpy.random.RandomState(seed).permutation(len(x_train))
-    sizes = []
     for s in range(steps):
         chunk = order[(s * batch) % len(order):][:batch]
-        optimizer.update(model, x_train[chunk], t_train[chunk])
-        total = 0.0
-        for block in optimizer.blocks:
-            grads = [p.grad for p in block.params]
-            # The damping of the block as the optimizer applies it.
-            directions = block.precondition(
-                grads, optimizer.damping * block.damping_scale(
-                    optimizer.rho_bn))
-            total += sum(float((gr * d).sum())
-                         for gr, d in zip(grads, directions))
-        sizes.append(total)
-    return sizes
+        with reporter.scope({}):
+            optimizer.update(model, x_train[chunk], t_train[chunk])
+    return reporter.metrics, reporter.scales
 
 
-def stability(dampings, interval_names, steps, batch, n_units=1000
-              ) -> List[Dict]:
+def stability(dampings, interval_names, steps, batch, n_units=1000,
+              kl_clip=kfac_module.DEFAULT_KL_CLIP) -> List[Dict]:
     out = []
     for damping in dampings:
         for name in interval_names:
-            sizes = metric_step_sizes(damping, INTERVALS[name], steps, batch,
-                                      n_units=n_units)
+            sizes, scales = metric_step_sizes(
+                damping, INTERVALS[name], steps, batch, n_units=n_units,
+                kl_clip=kl_clip)
             finite = [v for v in sizes if math.isfinite(v)]
             entry = {'damping': damping, 'intervals': name, 'steps': steps,
-                     'sizes': sizes,
+                     'kl_clip': kl_clip, 'sizes': sizes, 'scales': scales,
                      'median': _common.median(finite) if finite else None,
                      'max': max(finite) if finite else None,
+                     'min_scale': min(scales) if scales else None,
                      'non_finite': len(sizes) - len(finite)}
             print('digits_mlp damping={} intervals={}: step in the Fisher '
-                  'metric median {:.3g}, max {:.3g}'.format(
-                      damping, name, entry['median'] or float('nan'),
-                      entry['max'] or float('nan')), flush=True)
+                  'metric median {:.3g}, max {:.3g}, smallest ν {:.3g}'
+                  .format(damping, name, entry['median'] or float('nan'),
+                          entry['max'] or float('nan'),
+                          entry['min_scale'] or float('nan')), flush=True)
             out.append(entry)
     return out
 
@@ -617,8 +671,9 @@ def _fmt_limit(limit) -> str:
 
 def timing_table(timing: List[Dict]) -> str:
     headers = ['model', 'stock', 'max_factor_dim', 'stock s', 'every',
-               '5', '10', '20', 'A20/G5', 'stale', 'diag', 'largest full',
-               'precond GFLOP', 'retries', 'skipped', 'cycles']
+               '5', '10', '20', 'A20/G5', 'stale', 'diag', 'low rank',
+               'largest full', 'dense precond GFLOP', 'retries', 'skipped',
+               'cycles']
     rows = []
     for e in timing:
         r = e.get('ratio')
@@ -629,7 +684,8 @@ def timing_table(timing: List[Dict]) -> str:
                      e['stock_s']['median'] if r else None,
                      ratio('every'), ratio('5'), ratio('10'), ratio('20'),
                      ratio('A20/G5'), ratio('stale'),
-                     e['diagonal_factors'], e['largest_full_factor'],
+                     e['diagonal_factors'], e.get('low_rank_factors'),
+                     e['largest_full_factor'],
                      e['precondition_gflop'], e.get('inverse_retries'),
                      e.get('skipped_steps'),
                      len(e['samples']['stock_s']) if 'samples' in e
@@ -656,16 +712,18 @@ def stage_table(timing: List[Dict]) -> str:
 
 def accuracy_table(accuracy: List[Dict]) -> str:
     headers = ['net', 'optimizer', 'damping', 'intervals', 'max_factor_dim',
-               'val acc mean', 'std', 'min', 'max', 'vs SGD', '± SE']
+               'kl_clip', 'val acc mean', 'std', 'min', 'max', 'vs SGD',
+               '± SE', 'min ν', 'skipped']
     rows = []
     for e in accuracy:
         rows.append([e['net'], e['optimizer'], e.get('damping'),
                      e.get('intervals'),
                      '/'.join(_fmt_limit(v) for v in e['limits'])
-                     if 'limits' in e else None,
+                     if 'limits' in e else None, e.get('kl_clip'),
                      e['accuracy_mean'], e['accuracy_std'],
                      e['accuracy_min'], e['accuracy_max'], e.get('vs_sgd'),
-                     e.get('vs_sgd_se')])
+                     e.get('vs_sgd_se'), e.get('min_step_scale'),
+                     e.get('skipped_steps')])
     return _common.format_table(headers, rows)
 
 
@@ -677,41 +735,43 @@ def candidates(timing: List[Dict], accuracy: List[Dict]) -> List[Dict]:
         if e['optimizer'] != 'KFAC':
             continue
         for limit in e['limits']:
-            acc[(e['net'], e['damping'], e['intervals'], limit)] = e
+            acc[(e['net'], e['damping'], e['intervals'], limit,
+                 e.get('kl_clip'))] = e
     ratio = {(e['model'], e['limit']): e['ratio'] for e in timing
              if 'ratio' in e}
     limits = sorted({k[3] for k in acc} | {k[1] for k in ratio},
                     key=lambda v: -(v or 1e9))
     dampings = sorted({k[1] for k in acc})
+    clips = sorted({k[4] for k in acc}, key=lambda v: v or 0)
     out = []
-    for damping in dampings:
-        for name in INTERVALS:
-            for limit in limits:
-                row = {'damping': damping, 'intervals': name,
-                       'limit': limit}
-                for net in DIGITS_NETS:
-                    e = acc.get((net, damping, name, limit))
-                    if e is not None:
-                        row[net] = (e['accuracy_mean'], e['accuracy_std'],
-                                    e.get('vs_sgd'), e.get('vs_sgd_se'))
-                if not any(net in row for net in DIGITS_NETS):
-                    continue
-                for model in GOAL_MODELS:
-                    r = ratio.get((model, limit))
-                    if r is not None:
-                        row[model] = r[name]['median']
-                out.append(row)
+    for damping, name, limit, clip in itertools.product(
+            dampings, ACCURACY_INTERVALS, limits, clips):
+        row = {'damping': damping, 'intervals': name,
+               'limit': limit, 'kl_clip': clip}
+        for net in DIGITS_NETS:
+            e = acc.get((net, damping, name, limit, clip))
+            if e is not None:
+                row[net] = (e['accuracy_mean'], e['accuracy_std'],
+                            e.get('vs_sgd'), e.get('vs_sgd_se'))
+        if not any(net in row for net in DIGITS_NETS):
+            continue
+        for model in GOAL_MODELS:
+            r = ratio.get((model, limit))
+            if r is not None and name in r:
+                row[model] = r[name]['median']
+        out.append(row)
     return out
 
 
 def candidates_table(rows: List[Dict]) -> str:
-    headers = ['damping', 'intervals', 'max_factor_dim']
+    headers = ['damping', 'intervals', 'max_factor_dim', 'kl_clip']
     for net in DIGITS_NETS:
         headers += [net, 'vs SGD']
     headers += ['{} x'.format(m) for m in GOAL_MODELS]
     out = []
     for row in rows:
-        line = [row['damping'], row['intervals'], _fmt_limit(row['limit'])]
+        line = [row['damping'], row['intervals'], _fmt_limit(row['limit']),
+                row.get('kl_clip')]
         for net in DIGITS_NETS:
             value = row.get(net)
             line += (['{:.4f} ± {:.4f}'.format(*value[:2]),
@@ -744,13 +804,15 @@ def print_tables(data: Dict) -> None:
                                 len(data['seeds'])))
         print(accuracy_table(data['accuracy']))
     if data.get('stability'):
-        print('\nThe step in the Fisher metric, Σ ⟨∇E, (F + γI)⁻¹ ∇E⟩, '
-              'digits MLP, first {} steps'.format(
+        print('\nThe step in the Fisher metric, lr² Σ ⟨∇E, (F + γI)⁻¹ ∇E⟩ '
+              'before the bound, and ν, digits MLP, first {} steps'.format(
                   data['stability'][0]['steps']))
         print(_common.format_table(
-            ['damping', 'intervals', 'median', 'max', 'non-finite'],
-            [[e['damping'], e['intervals'], e['median'], e['max'],
-              e['non_finite']] for e in data['stability']]))
+            ['damping', 'intervals', 'kl_clip', 'median', 'max',
+             'smallest ν', 'non-finite'],
+            [[e['damping'], e['intervals'], e.get('kl_clip'), e['median'],
+              e['max'], e.get('min_scale'), e['non_finite']]
+             for e in data['stability']]))
     if data.get('candidates'):
         print('\nCandidates: digits accuracy (mean ± std; difference to '
               'MomentumSGD ± SE) and step-time ratio of the goal models')
@@ -779,10 +841,10 @@ def merge_into(data: Dict, path: str) -> None:
     data['accuracy'] = data.get('accuracy', []) + [
         e for e in earlier.get('accuracy', [])
         if _accuracy_key(e) not in keys]
-    rows = {(e['damping'], e['intervals']) for e in data.get('stability', [])}
+    rows = {_stability_key(e) for e in data.get('stability', [])}
     data['stability'] = data.get('stability', []) + [
         e for e in earlier.get('stability', [])
-        if (e['damping'], e['intervals']) not in rows]
+        if _stability_key(e) not in rows]
     data['merged_from'].append({
         'file': path, 'date': earlier.get('date'),
         'git_commit': earlier.get('git_commit'),
@@ -814,7 +876,16 @@ def parse_args(argv):
     parser.add_argument('--epochs', type=int, default=5)
     parser.add_argument('--batch', type=int, default=64)
     parser.add_argument('--dampings', default=','.join(map(str, DAMPINGS)))
-    parser.add_argument('--intervals', default=','.join(INTERVALS))
+    parser.add_argument('--intervals',
+                        default=','.join(ACCURACY_DEFAULT_INTERVALS),
+                        help='accuracy grid, of {}'.format(
+                            ','.join(ACCURACY_INTERVALS)))
+    parser.add_argument('--kl-clip', default=str(
+        kfac_module.DEFAULT_KL_CLIP),
+                        help="the accuracy and stability runs' bounded "
+                             "step ('none': unbounded)")
+    parser.add_argument('--low-rank', choices=('on', 'off'), default='on',
+                        help="the timed K-FAC's low-rank factors")
     parser.add_argument('--threads', type=int, default=1)
     parser.add_argument('--merge', action='append', default=[],
                         help='JSON of an earlier run (repeatable): its '
@@ -833,6 +904,11 @@ def main(argv=None):
         raise SystemExit('--part: unknown {}'.format(', '.join(sorted(
             unknown))))
     limits = _limits(args.limits)
+    kl_clip = None if args.kl_clip.lower() == 'none' else float(args.kl_clip)
+    unknown = set(args.intervals.split(',')) - set(ACCURACY_INTERVALS)
+    if unknown:
+        raise SystemExit('--intervals: unknown {} (known: {})'.format(
+            ', '.join(sorted(unknown)), ', '.join(ACCURACY_INTERVALS)))
     data = _common.header('stock_models', argv)
     data['merged_from'] = []
     for path in args.merge:
@@ -847,11 +923,13 @@ def main(argv=None):
             cycles = 1 if args.smoke else args.cycles
             data['cycles'] = cycles
             data['limits'] = [_fmt_limit(v) for v in limits]
+            data['low_rank'] = args.low_rank == 'on'
             # An earlier run's entries of other models are kept (--merge).
             data['timing'] = [e for e in data.get('timing', [])
                               if e['model'] not in names]
             for name in names:
-                for entry in time_model(name, timed[name], limits, cycles):
+                for entry in time_model(name, timed[name], limits, cycles,
+                                        args.low_rank == 'on'):
                     entry['measured'] = data['date']
                     data['timing'].append(entry)
                 _common.write_json(args.out, data)   # so far (long runs)
@@ -871,7 +949,7 @@ def main(argv=None):
             fresh = accuracy_grid(
                 SMOKE_DIGITS_NETS if args.smoke else DIGITS_NETS, dampings,
                 intervals, limits, seeds, epochs, args.batch,
-                limit_samples=200 if args.smoke else None)
+                limit_samples=200 if args.smoke else None, kl_clip=kl_clip)
             # An earlier run's settings not redone here are kept (--merge).
             redone = {_accuracy_key(e) for e in fresh}
             data['accuracy'] = [e for e in data.get('accuracy', [])
@@ -881,11 +959,11 @@ def main(argv=None):
             fresh = stability(
                 [float(v) for v in args.dampings.split(',')],
                 ['1', '5'], 3 if args.smoke else 22, args.batch,
-                n_units=16 if args.smoke else 1000)
-            redone = {(e['damping'], e['intervals']) for e in fresh}
+                n_units=16 if args.smoke else 1000, kl_clip=kl_clip)
+            redone = {_stability_key(e) for e in fresh}
             data['stability'] = [
                 e for e in data.get('stability', [])
-                if (e['damping'], e['intervals']) not in redone] + fresh
+                if _stability_key(e) not in redone] + fresh
     data['load_after'] = list(os.getloadavg())
     order = list(TIMED) + list(SMOKE_TIMED)
     data['timing'] = sorted(data.get('timing', []), key=lambda e: (

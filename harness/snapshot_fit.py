@@ -84,7 +84,8 @@ def _state_shapes(model, optimizer, stored):
     """``{key: (stored shape, shapes the run accepts)}`` of the optimizer
     state in a snapshot that a fresh optimizer does not have yet: every
     parameter's state entries (shaped like the parameter) and K-FAC's
-    factors (a symmetric one stored as its packed upper triangle)."""
+    factors (a symmetric one stored as its packed upper triangle, a
+    low-rank one as its d × k columns, k < d)."""
     out = {}
     params = dict(model.namedparams())
     for key, shape in stored.items():
@@ -99,9 +100,13 @@ def _state_shapes(model, optimizer, stored):
         for factor, shape in block.factor_shapes().items():
             if path + factor in stored:
                 accepted = [tuple(shape)]
+                kept = stored[path + factor]
                 if len(shape) == 2:
                     accepted.insert(0, (shape[0] * (shape[0] + 1) // 2,))
-                out[path + factor] = (stored[path + factor], accepted)
+                    if len(kept) == 2 and kept[0] == shape[0] and \
+                            kept[1] < shape[0]:
+                        accepted.append(tuple(kept))
+                out[path + factor] = (kept, accepted)
     return out
 
 

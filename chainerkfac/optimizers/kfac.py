@@ -94,7 +94,26 @@ class KFAC(optimizer.GradientMethod):
     parameters without a gradient on any process are not updated that step.
     The reporter counts, every step, the blocks preconditioned
     (``kfac/preconditioned_blocks``) and those on the plain gradient
-    (``kfac/plain_blocks``).
+    (``kfac/plain_blocks``), and the factors held low rank
+    (``kfac/low_rank_factors``).
+
+    The defaults are chosen for the one-line swap in a stock script: the
+    factors and their inverses are refreshed every
+    :data:`DEFAULT_REFRESH_INTERVAL` steps (stale in between, eqs. 22-23's
+    scheme at a fixed interval), the step is bounded in the curvature's
+    metric (``kl_clip``, which a stale Fisher needs: without it a stale
+    factor at the default damping lets the step grow by orders of
+    magnitude), and factors of few per-sample vectors go low rank. The
+    ImageNet configs set the paper's update instead (intervals 1 or the
+    eq. 22 / eq. 23 presets, no bound). ``benchmarks/stock_models.py``
+    measures the defaults' cost and accuracy (docs/kfac.md).
+
+    Chainer's optimizer hooks keep what they bound for SGD
+    (:mod:`chainerkfac.optimizers.hooks`): ``WeightDecay``, ``Lasso`` and
+    other ``'pre'`` hooks act on the gradient before the preconditioning;
+    ``GradientClipping`` and ``GradientHardClipping`` on the
+    preconditioned direction (after the bounded step), so that the update
+    is ``lr`` times a clipped vector, as SGD's is.
 
     Parameters
     ----------
@@ -102,13 +121,12 @@ class KFAC(optimizer.GradientMethod):
         η and m of eq. (19); set them per step from a Chainer extension
         (see :mod:`chainerkfac.training` for eqs. 17-18).
     damping : float
-        γ(0); the damping of eqs. (13)-(14). The default 1e-2 (with the
-        refresh intervals' default 1) is the setting measured closest to
-        MomentumSGD on the stock architectures
-        (``benchmarks/stock_models.py``): at 1e-3, and at 1e-2 with stale
-        factors, small nets diverge (a stale Fisher does not hold the new
-        gradient); stale factors want about 3e-2. The ImageNet configs set
-        the paper's schedule.
+        γ(0); the damping of eqs. (13)-(14). The default 1e-2, with the
+        stale intervals and the bounded step of the defaults, is within
+        seed noise of MomentumSGD on the digits nets
+        (``benchmarks/stock_models.py``); without the bound, stale factors
+        at 1e-2 make small nets diverge (a stale Fisher does not hold the
+        new gradient). The ImageNet configs set the paper's schedule.
     damping_target, damping_warmup_steps : float, int, optional
         γ_target and t_warmup of eqs. (15)-(16); without them γ stays fixed.
     rho_bn : float
@@ -132,6 +150,11 @@ class KFAC(optimizer.GradientMethod):
         inputs (A), from output gradients (G) and from parameter gradients
         (the BN Fisher F) every so many K-FAC steps; a callable of
         ``(iteration, epoch)`` or a preset name (``'eq22'``, ``'eq23'``).
+        Default :data:`DEFAULT_REFRESH_INTERVAL` (10) for all three: the
+        paper's presets refresh every step for the first 5 (eq. 22) or 13
+        (eq. 23) epochs, which saves nothing in the runs of a few epochs
+        that stock scripts make. 1: every step (the paper's configs
+        before their stale epochs).
     factor_dtype : {'float32', 'float16'}
         fp16 builds the factors from half-precision GEMMs with fp32
         accumulation; inverses are always fp32 (fp64 for fp64 models).
@@ -199,7 +222,11 @@ class KFAC(optimizer.GradientMethod):
         preconditioned, eq. 13's γ(w − μ) included; parameters on the plain
         gradient are neither counted nor scaled). ν and m are reported as
         ``kfac/step_scale`` and ``kfac/step_metric``
-        (:mod:`chainerkfac.step_bound`). ``None``: no bound (the paper).
+        (:mod:`chainerkfac.step_bound`). Default :data:`DEFAULT_KL_CLIP`
+        (1e-4; on the digits nets at lr 0.01 it acts at nearly every step,
+        fresh or stale, ν ≈ 0.25-0.4: the step is then the one of squared
+        metric length 1e-4, and lr matters only where the step is
+        shorter); ``None``: no bound (the paper).
     conv_a_strategy : {'unfolded', 'shifted'}, optional
         Force how convolutions form A where it applies (benchmarks); by
         default the cheaper one (:mod:`chainerkfac.fisher_blocks.patches`).

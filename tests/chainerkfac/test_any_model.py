@@ -91,7 +91,10 @@ def test_every_stock_link_type_trains_and_says_what_it_got(caplog):
     model = EveryLink()
     rng = numpy.random.RandomState(0)
     x, t = rng.randn(6, 2, 5, 5), rng.randint(0, 3, 6).astype(numpy.int32)
-    optimizer = chainerkfac.optimizers.KFAC(lr=0.05, damping=1e-2)
+    # Every step refreshed (the bookkeeping below counts the calls).
+    optimizer = chainerkfac.optimizers.KFAC(
+        lr=0.05, damping=1e-2, refresh_interval_a=1, refresh_interval_g=1,
+        refresh_interval_f=1)
     optimizer.setup(model)
     unused_before = model.unused.W.array.copy()
     for step in range(5):

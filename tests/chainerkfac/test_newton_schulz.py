@@ -100,7 +100,7 @@ def test_real_factors_of_a_model():
     """The factors of a conv + BN + FC model after two K-FAC steps, in
     fp32, against fp64 Cholesky."""
     model = helpers.ConvNet(in_ch=3, out_ch=8, bn=True, size=8)
-    optimizer = helpers.kfac(max_factor_dim=None)
+    optimizer = helpers.kfac(max_factor_dim=None, low_rank=False)
     optimizer.setup(model)
     x, t = helpers.data(n=16, shape=(3, 8, 8))
     for _ in range(2):

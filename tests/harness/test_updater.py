@@ -156,7 +156,10 @@ def test_warnings_of_one_kfac_step_number_it_alike(caplog):
     import re
     np.random.seed(0)
     model = models.SoftLabelClassifier(models.SmallResNet(8, 4, 3))
-    optimizer = chainerkfac.optimizers.KFAC(verbose=False)
+    # Every step refreshed: the poisoned step's factors are inverted.
+    optimizer = chainerkfac.optimizers.KFAC(
+        refresh_interval_a=1, refresh_interval_g=1, refresh_interval_f=1,
+        verbose=False)
     optimizer.setup(model)
     updater = AugmentedUpdater(
         Batches([batch(1), batch(2)], 16), optimizer, OneProcess(), 1, 100,
@@ -200,8 +203,10 @@ def test_monte_carlo_labels_come_from_the_data_stream(monkeypatch):
     as the augmentation does: any number of processes draws alike."""
     np.random.seed(0)
     model = models.SoftLabelClassifier(models.SmallResNet(8, 4, 3))
-    optimizer = chainerkfac.optimizers.KFAC(fisher='mc', verbose=False,
-                                            seed=123)
+    # Every step refreshed: every step draws labels.
+    optimizer = chainerkfac.optimizers.KFAC(
+        fisher='mc', refresh_interval_a=1, refresh_interval_g=1,
+        refresh_interval_f=1, verbose=False, seed=123)
     optimizer.setup(model)
     updater = AugmentedUpdater(
         Batches([batch(1), batch(2)], 16), optimizer, OneProcess(), 1, 100,

@@ -20,7 +20,9 @@ def exact_factors(model, x, t):
     optimizer = helpers.kfac(fisher='exact', lr=0.0, momentum=0.0)
     optimizer.setup(model)
     optimizer.update(helpers.loss_of(model), x, t)
-    return {block.name: block.factors for block in optimizer.blocks}
+    return {block.name: {n: helpers.dense(f) for n, f in
+                         block.factors.items()}
+            for block in optimizer.blocks}
 
 
 def augmented_ggn(model, x, link):

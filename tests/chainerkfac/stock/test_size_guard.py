@@ -37,9 +37,10 @@ def test_linear_with_30000_inputs_gets_a_diagonal_a(caplog):
     w0 = model.predictor.W.array.copy()
     b0 = model.predictor.b.array.copy()
     damping = 1e-2
+    # The whole step (no bound): the oracle below computes it.
     optimizer = chainerkfac.optimizers.KFAC(
         lr=1.0, momentum=0.0, damping=damping, max_factor_dim=4096,
-        weight_rescale=False, verbose=False)
+        weight_rescale=False, kl_clip=None, verbose=False)
     optimizer.setup(model)
     tracemalloc.start()
     try:
