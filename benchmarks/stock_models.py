@@ -405,13 +405,13 @@ def _timing_line(entry) -> str:
     if 'ratio' not in entry:
         return head + entry.get('skipped', '?')
     r = entry['ratio']
-    return head + ('stock {:.3g} s; K-FAC/stock every {:.3g}, 5 {:.3g}, '
-                   '{} (defaults) {:.3g}, 20 {:.3g}, stale {:.3g}{}'.format(
-                       entry['stock_s']['median'], r['every']['median'],
-                       r['5']['median'], DEFAULTS, r[DEFAULTS]['median'],
-                       r['20']['median'], r['stale']['median'],
-                       ' (same as {})'.format(entry['same_as'])
-                       if 'same_as' in entry else ''))
+    names = ['every', '5', '10', '20', 'stale']
+    return head + 'stock {:.3g} s; K-FAC/stock {}{}'.format(
+        entry['stock_s']['median'], ', '.join(
+            '{}{} {:.3g}'.format(n, ' (defaults)' if n == DEFAULTS else '',
+                                 r[n]['median']) for n in names),
+        ' (same as {})'.format(entry['same_as']) if 'same_as' in entry
+        else '')
 
 
 # -- accuracy on the digits ---------------------------------------------------

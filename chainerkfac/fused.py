@@ -27,9 +27,12 @@ def regularized_grad(grad, weight, damping: float, mean: float = 0.0):
     """∇E = ∇L + γ (w − μ) of eq. (13)."""
     xp = get_array_module(grad)
     if xp is numpy:
+        # One temporary (the kernel's order: g + d·(w − μ)).
+        out = weight - mean if mean else weight * damping
         if mean:
-            return grad + damping * (weight - mean)
-        return grad + damping * weight
+            out *= damping
+        out += grad
+        return out
     return _kernels().regularized(grad, weight, grad.dtype.type(damping),
                                   grad.dtype.type(mean))
 
@@ -41,10 +44,14 @@ def momentum_step(weight, velocity, direction, lr: float, momentum: float,
     ``w ← new``."""
     xp = get_array_module(weight)
     if xp is numpy:
-        new = weight + (momentum * velocity - lr * direction)
+        # The kernel's arithmetic with two temporaries (each fresh array
+        # of a large parameter costs a pass of page faults).
+        new = momentum * velocity
+        new -= lr * direction
+        new += weight
         if rescale_norm is not None:
             new *= rescale_norm / (numpy.linalg.norm(new) + RESCALE_EPS)
-        velocity[...] = new - weight
+        numpy.subtract(new, weight, out=velocity)
         weight[...] = new
         return
     kernels = _kernels()

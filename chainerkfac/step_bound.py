@@ -47,16 +47,27 @@ import numpy
 from chainer.backend import get_array_module
 
 
-def metric_term(regularized: Sequence, directions: Sequence) -> float:
-    """``Σ_p ⟨d_p, ∇E_p⟩`` of one block in float64 (pairs whose direction
-    is None — a parameter without a gradient anywhere — are left out)."""
-    total = 0.0
-    for grad, direction in zip(regularized, directions):
+def metric_term(block, grads: Sequence, directions: Sequence,
+                damping: float) -> float:
+    """``Σ_p ⟨d_p, ∇E_p⟩`` of one block, ``∇E = ∇L + γ(w − μ)`` (μ from
+    :meth:`~chainerkfac.fisher_blocks.FisherBlock.regularization_means`),
+    as ``⟨d, ∇L⟩ + γ⟨d, w⟩ − γμ Σd``: dot products of the arrays as they
+    are, without forming ∇E again, summed on the device and read once.
+    Parameters whose direction or gradient is None (no gradient anywhere)
+    are left out."""
+    total = None
+    for param, grad, direction, mean in zip(
+            block.params, grads, directions, block.regularization_means()):
         if direction is None or grad is None:
             continue
         xp = get_array_module(direction)
-        total += float(xp.sum(direction * grad, dtype=numpy.float64))
-    return total
+        flat = direction.ravel()
+        term = xp.dot(flat, grad.ravel()) + damping * xp.dot(
+            flat, param.array.ravel())
+        if mean:
+            term = term - damping * mean * flat.sum()
+        total = term if total is None else total + term
+    return 0.0 if total is None else float(total)
 
 
 def scale_of(metric: float, kl_clip: float) -> float:
@@ -98,9 +109,11 @@ class StepBound:
 
         Parameters
         ----------
-        terms : iterable of (block, ∇E list, direction list)
+        terms : iterable of (block, gradient list, direction list,
+                damping)
             The blocks whose term this process adds (each block counted on
-            exactly one process).
+            exactly one process), with their reduced gradients ∇L and
+            damping γ.
         scaled : iterable of direction lists
             Every direction list this process holds for a block with
             curvature (redundant owners scale their copies too).
@@ -115,8 +128,7 @@ class StepBound:
         float
             ν.
         """
-        partial = sum(metric_term(grads, directions)
-                      for _, grads, directions in terms)
+        partial = sum(metric_term(*term) for term in terms)
         total = float(sum_over_processes(
             numpy.array([partial], numpy.float64))[0])
         self.metric = lr * lr * total

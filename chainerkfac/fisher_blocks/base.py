@@ -441,12 +441,17 @@ class FisherBlock:
         return all(n in self.inverses for n in self.factor_names)
 
     # -- stage 5: precondition ----------------------------------------------
+    def regularization_means(self) -> List[float]:
+        """μ of eq. (13) for each parameter: where the damping's term
+        ``γ(w − μ)`` pulls it (0; BatchNormalization's γ: 1)."""
+        return [0.0] * len(self.params)
+
     def regularized_grads(self, grads: Sequence, damping: float) -> List:
         """∇E = ∇L + γ(w − μ) of eq. (13) for each parameter, the vector
-        :meth:`precondition` preconditions (μ = 0; a block whose parameter
-        is pulled elsewhere overrides this)."""
-        return [regularized_grad(g, p.array, damping)
-                for g, p in zip(grads, self.params)]
+        :meth:`precondition` preconditions."""
+        return [regularized_grad(g, p.array, damping, mean=mean)
+                for g, p, mean in zip(grads, self.params,
+                                      self.regularization_means())]
 
     def precondition(self, grads: Sequence, damping: float) -> List:
         """Return ``(F + γI)⁻¹ ∇E`` for this block's parameters.

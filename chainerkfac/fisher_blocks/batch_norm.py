@@ -15,7 +15,6 @@ from chainer.backend import get_array_module
 from chainerkfac import linalg
 from chainerkfac.fisher_blocks.base import (BlockOptions, FactorKind,
                                             FisherBlock, Unsupported)
-from chainerkfac.fused import regularized_grad
 
 BN_FISHER_MODES = ('full', 'diag')
 
@@ -117,11 +116,9 @@ class BatchNormalizationBlock(FisherBlock):
         # A 1-D factor (diagonal Fisher) is inverted elementwise.
         return {name: (value, damping) for name, value in candidates.items()}
 
-    def regularized_grads(self, grads, damping):
+    def regularization_means(self):
         # γ is pulled towards μ = 1 (eq. 13), β towards 0.
-        return [regularized_grad(grads[0], self.link.gamma.array, damping,
-                                 mean=1.0),
-                regularized_grad(grads[1], self.link.beta.array, damping)]
+        return [1.0, 0.0]
 
     def precondition(self, grads, damping):
         xp = get_array_module(grads[0])

@@ -56,7 +56,7 @@ _default_momentum = 0.9
 #: The defaults' stale Fisher: every factor refreshed (and inverted) every
 #: so many K-FAC steps, with the step bounded by ``kl_clip``
 #: (``benchmarks/stock_models.py``, docs/kfac.md).
-DEFAULT_REFRESH_INTERVAL = 10
+DEFAULT_REFRESH_INTERVAL = 20
 DEFAULT_KL_CLIP = 1e-4
 
 
@@ -150,7 +150,7 @@ class KFAC(optimizer.GradientMethod):
         inputs (A), from output gradients (G) and from parameter gradients
         (the BN Fisher F) every so many K-FAC steps; a callable of
         ``(iteration, epoch)`` or a preset name (``'eq22'``, ``'eq23'``).
-        Default :data:`DEFAULT_REFRESH_INTERVAL` (10) for all three: the
+        Default :data:`DEFAULT_REFRESH_INTERVAL` (20) for all three: the
         paper's presets refresh every step for the first 5 (eq. 22) or 13
         (eq. 23) epochs, which saves nothing in the runs of a few epochs
         that stock scripts make. 1: every step (the paper's configs
@@ -731,15 +731,9 @@ class KFAC(optimizer.GradientMethod):
         every process scales alike, before any update."""
         curved = [b for b in directions
                   if b.factor_names and b.has_inverses()]
-        terms = []
-        for block in curved:
-            if not self.transport.sends(block):
-                continue
-            damping = self.damping * block.damping_scale(self.rho_bn)
-            filled = [g if g is not None else p.array * 0
-                      for g, p in zip(grads[block], block.params)]
-            terms.append((block, block.regularized_grads(filled, damping),
-                          directions[block]))
+        terms = [(b, grads[b], directions[b],
+                  self.damping * b.damping_scale(self.rho_bn))
+                 for b in curved if self.transport.sends(b)]
         self.step_bound.apply(terms, [directions[b] for b in curved],
                               self.lr, self.transport.all_sum_float)
 

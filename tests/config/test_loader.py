@@ -103,7 +103,7 @@ def test_imagenet_configs_keep_every_factor_full(name):
 
 @pytest.mark.parametrize('name', config.preset_names())
 def test_imagenet_configs_keep_the_papers_update(name):
-    # The library's defaults are stale factors (interval 10) with a bounded
+    # The library's defaults are stale factors (interval 20) with a bounded
     # step; the configs set the paper's: their own intervals (1, or the
     # eq. 22 / eq. 23 presets), no bound.
     cfg = config.load(config.preset_path(name))
