@@ -49,6 +49,6 @@ def test_ptb_bptt_loop(caplog):
                  '/predictor/l2/upward', '/predictor/l2/lateral',
                  '/predictor/l3'):
         assert 'Linear (K-FAC)' in rows[name]
-    # The example's gradient clipping ran at every step (on ∇L, before
-    # the preconditioning).
+    # The example's gradient clipping ran at every step (on the
+    # preconditioned direction: chainerkfac.optimizers.hooks).
     assert clipped == [0, 1, 2]
