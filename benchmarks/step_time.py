@@ -7,6 +7,8 @@ its factor capture by layer type; or the inverse stage alone.
         [--profile] [--conv-a auto|shifted|unfolded] [--inverse-only
         [--inverse-methods cholesky,newton_schulz]
         [--newton-schulz-max-dim N]] [--peer]
+        [--batches 32,64,128,256] [--workspace-sizes 8MiB,64MiB,1GiB]
+        [--autotune]
 
 For each model (CPU: the small ResNet at batch 128, 32x32, and ResNet-50 at
 batch 8, 224x224; ``--gpu``: the same small ResNet and ResNet-50 at batch
@@ -90,12 +92,29 @@ kfac-pytorch on torchvision's ResNet-50 at the same batch and size, in the
 same process (:mod:`benchmarks.peer_pytorch`; skipped, with the reason in
 the JSON, where PyTorch, torchvision or kfac-pytorch cannot be imported),
 recorded as ``peer_pytorch`` and tabled beside ours.
+
+**Throughput sweep** (``--batches``, ``--workspace-sizes``): the step
+timing again at each per-GPU batch and each cuDNN workspace limit
+(``chainer.backends.cuda.set_max_workspace_size``; ``--autotune`` times
+cuDNN's algorithms, ``chainer.config.autotune``), and, with ``--peer``, the
+peer at each batch in the same run; reported as images per second: SGD,
+K-FAC every step, K-FAC stale (its steady state alone, and amortised over
+a refresh cycle: ``batch · k / (t_every + (k − 1) t_stale)`` from the
+medians), beside PyTorch SGD and kfac-pytorch's inverse method, every step
+and stale (amortised the same way), in a table and a PNG beside the JSON
+(``--out`` with ``.png``). Why a workspace limit matters: with more
+workspace cuDNN's heuristics may pick algorithms (FFT, FFT tiling,
+Winograd non-fused) that launch several kernels per convolution and need
+hundreds of MiB, which costs host time where the step is host-bound and
+GPU time where the heuristics misjudge; timing (``--autotune``) picks by
+measurement. The sweep measures which limit is fastest on a machine.
 """
 import argparse
 import collections
 import cProfile
 import gc
 import io
+import os
 import pstats
 import sys
 import time
@@ -646,6 +665,137 @@ def run_peer(data: Dict, specs: Dict[str, Dict], interval: int) -> str:
     return peer_pytorch.table(data['peer_pytorch'], ours)
 
 
+# -- the throughput sweep ------------------------------------------------------
+#: images/s keys: ours, then the peer's.
+THROUGHPUT = ('sgd', 'kfac_every', 'kfac_stale', 'kfac_stale_amortised')
+PEER_THROUGHPUT = ('sgd', 'kfac_inverse', 'kfac_inverse_stale',
+                   'kfac_inverse_stale_amortised')
+
+
+def images_per_second(median_s: Dict[str, float], batch: int,
+                      interval: int, every: str, stale: str
+                      ) -> Dict[str, float]:
+    """Images per second of each timed step, and of the stale variant
+    amortised over a refresh cycle of ``interval`` steps (one every-step
+    step and ``interval − 1`` stale ones, from the medians)."""
+    out = {k: batch / v for k, v in median_s.items()
+           if v and not k.endswith('_refresh')}
+    if median_s.get(every) and median_s.get(stale):
+        cycle = median_s[every] + (interval - 1) * median_s[stale]
+        out[stale + '_amortised'] = batch * interval / cycle
+    return out
+
+
+def sweep(args, specs: Dict[str, Dict], xp, target: str,
+          kfac_options: Dict) -> List[Dict]:
+    """The step timing of every model at each batch of ``--batches`` and
+    each limit of ``--workspace-sizes``; with ``--peer``, the peer at each
+    batch (once: our workspace limit is not its)."""
+    from chainer.backends import cuda
+    rows = []
+    limits = args.workspace_sizes or [None]
+    if args.workspace_sizes and not cuda.cudnn_enabled:
+        print('note: Chainer has no cuDNN here, so the workspace limits '
+              'change nothing', flush=True)
+    for limit in limits:
+        if limit is not None:
+            cuda.set_max_workspace_size(limit)
+        for name, spec in specs.items():
+            for batch in args.batches or [spec['batch']]:
+                spec = dict(spec, batch=batch)
+                print('timing {} (batch {}, workspace {}, {} rounds)...'
+                      .format(name, batch, _words(limit), spec['rounds']),
+                      flush=True)
+                result = measure(name, spec, args.variants, args.interval,
+                                 spec['rounds'], spec['warmup'], xp,
+                                 target=target, kfac_options=kfac_options)
+                result['workspace_bytes'] = limit
+                result['images_per_s'] = images_per_second(
+                    result['median_s'], batch, args.interval, 'kfac_every',
+                    'kfac_stale')
+                if args.peer and limit == limits[0]:
+                    from benchmarks import peer_pytorch
+                    peer = peer_pytorch.run(batch, spec['size'],
+                                            spec['rounds'], spec['warmup'],
+                                            args.interval)
+                    result['peer_pytorch'] = peer
+                    if 'skipped' not in peer:
+                        result['peer_images_per_s'] = images_per_second(
+                            peer['median_s'], batch, args.interval,
+                            'kfac_inverse', 'kfac_inverse_stale')
+                rows.append(result)
+    return rows
+
+
+def sweep_table(data: Dict) -> str:
+    """Images per second at each batch and workspace limit, ours beside
+    the peer's."""
+    rows = []
+    peer_seen = False
+    for r in data['sweep']:
+        ours, theirs = r['images_per_s'], r.get('peer_images_per_s', {})
+        peer_seen = peer_seen or bool(theirs)
+        rows.append([r['model'], r['batch'], _words(r['workspace_bytes'])] +
+                    [ours.get(k) for k in THROUGHPUT] +
+                    [theirs.get(k) for k in PEER_THROUGHPUT])
+    headers = (['model', 'batch', 'workspace'] +
+               ['{} img/s'.format(k) for k in THROUGHPUT] +
+               ['peer {} img/s'.format(k) for k in PEER_THROUGHPUT])
+    skipped = [r['peer_pytorch']['skipped'] for r in data['sweep']
+               if 'skipped' in r.get('peer_pytorch', {})]
+    note = ('\nPeer (PyTorch, kfac-pytorch): skipped: {}'.format(skipped[0])
+            if skipped else '')
+    return ('Throughput, images per second from the medians ({}; '
+            'autotune {}; stale amortised over {} steps)\n{}{}'.format(
+                _device_words(data), 'on' if data['autotune'] else 'off',
+                data['refresh_interval'],
+                _common.format_table(headers, rows), note))
+
+
+def _png_path(out: str) -> str:
+    root, _ = os.path.splitext(out)
+    return root + '.png'
+
+
+def sweep_figure(data: Dict, path: str) -> None:
+    """Images/s against the batch: ours (solid), the peer's (dashed), one
+    panel per model; a line per workspace limit for ours."""
+    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    models_ = sorted({r['model'] for r in data['sweep']})
+    figure = Figure(figsize=(6 * len(models_), 4.5))
+    FigureCanvasAgg(figure)
+    for i, model in enumerate(models_):
+        axes = figure.add_subplot(1, len(models_), i + 1)
+        rows = [r for r in data['sweep'] if r['model'] == model]
+        for limit in sorted({r['workspace_bytes'] or 0 for r in rows}):
+            mine = [r for r in rows if (r['workspace_bytes'] or 0) == limit]
+            suffix = ('' if len({r['workspace_bytes'] for r in rows}) == 1
+                      else ', workspace {}'.format(_words(limit or None)))
+            for key in THROUGHPUT:
+                points = [(r['batch'], r['images_per_s'][key]) for r in mine
+                          if key in r['images_per_s']]
+                if points:
+                    axes.plot(*zip(*points), marker='o',
+                              label='chainerkfac {}{}'.format(key, suffix))
+        for key in PEER_THROUGHPUT:
+            points = [(r['batch'], r['peer_images_per_s'][key]) for r in rows
+                      if key in r.get('peer_images_per_s', {})]
+            if points:
+                axes.plot(*zip(*points), marker='s', linestyle='--',
+                          label='PyTorch {}'.format(key))
+        axes.set_xscale('log', base=2)
+        axes.set_xlabel('per-GPU batch')
+        axes.set_ylabel('images / s')
+        axes.set_title('{} ({})'.format(model, _device_words(data)))
+        axes.legend(fontsize='x-small')
+    figure.tight_layout()
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    figure.savefig(path + '.tmp.png', dpi=120)
+    os.replace(path + '.tmp.png', path)
+
+
 def _device_words(data: Dict) -> str:
     if data['gpu']:
         return 'GPU, synchronised'
@@ -701,7 +851,19 @@ def parse_args(argv):
                         help='then time PyTorch SGD and kfac-pytorch on '
                         "torchvision's ResNet-50 in this run (needs --gpu; "
                         'skipped where they cannot be imported)')
+    parser.add_argument('--batches', type=_int_list, default=None,
+                        help='comma-separated per-GPU batch sizes: time '
+                        'each and report images/s (a table and a PNG)')
+    parser.add_argument('--workspace-sizes', type=_byte_list, default=None,
+                        help="comma-separated cuDNN workspace limits (e.g. "
+                        "'8MiB,64MiB,1GiB'): time each")
+    parser.add_argument('--autotune', action='store_true',
+                        help='time cuDNN\'s convolution algorithms and take '
+                        'the fastest (chainer.config.autotune)')
     args = parser.parse_args(argv)
+    if (args.batches or args.workspace_sizes) and args.inverse_only:
+        parser.error('--batches and --workspace-sizes time steps, not '
+                     '--inverse-only')
     if args.peer and (not args.gpu or args.inverse_only):
         parser.error('--peer needs --gpu, and the step timing (not '
                      '--inverse-only)')
@@ -727,6 +889,46 @@ def parse_args(argv):
     else:
         args.variants = VARIANTS if args.gpu else CPU_VARIANTS
     return args
+
+
+_UNITS = {'': 1, 'B': 1, 'KIB': 1 << 10, 'MIB': 1 << 20, 'GIB': 1 << 30}
+
+
+def _int_list(text: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(',')]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            'expected comma-separated integers, got {!r}'.format(text))
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            'every batch must be at least 1 (got {!r})'.format(text))
+    return values
+
+
+def _byte_list(text: str) -> List[int]:
+    """``'8MiB,1GiB,4096'`` -> bytes."""
+    values = []
+    for item in text.split(','):
+        item = item.strip()
+        number = item.rstrip('BbIiKkMmGg')
+        unit = item[len(number):].upper()
+        if unit not in _UNITS or not number.isdigit():
+            raise argparse.ArgumentTypeError(
+                '{!r}: a size is bytes, or a whole number of KiB, MiB or '
+                'GiB (e.g. 8MiB)'.format(item))
+        values.append(int(number) * _UNITS[unit])
+    return values
+
+
+def _words(nbytes: Optional[int]) -> str:
+    if nbytes is None:
+        return 'default'
+    for unit in ('GiB', 'MiB', 'KiB'):
+        if nbytes >= _UNITS[unit.upper()] and \
+                nbytes % _UNITS[unit.upper()] == 0:
+            return '{}{}'.format(nbytes // _UNITS[unit.upper()], unit)
+    return '{}B'.format(nbytes)
 
 
 def _specs(args) -> Dict[str, Dict]:
@@ -764,7 +966,8 @@ def main(argv=None):
     # conv_a_strategy); 'auto' leaves the library's choice.
     kfac_options = ({} if args.conv_a == 'auto' else
                     {'conv_a_strategy': args.conv_a})
-    with _common.limit_blas_threads(args.threads):
+    with _common.limit_blas_threads(args.threads), \
+            chainer.using_config('autotune', args.autotune):
         data['blas_threads'] = _common.blas_threads()
         if args.inverse_only:
             data['inverse'] = []
@@ -775,6 +978,14 @@ def main(argv=None):
                     name, spec, args.rounds or 5, xp, target, kfac_options,
                     args.inverse_methods, args.newton_schulz_max_dim)
             text = inverse_table(data)
+        elif args.batches or args.workspace_sizes:
+            data['variants'] = list(args.variants)
+            data['autotune'] = args.autotune
+            data['sweep'] = sweep(args, specs, xp, target, kfac_options)
+            text = sweep_table(data)
+            png = _png_path(args.out)
+            sweep_figure(data, png)
+            text += '\nwrote {}'.format(png)
         else:
             data['variants'] = list(args.variants)
             data['results'] = []
