@@ -665,7 +665,7 @@ def run_peer(data: Dict, specs: Dict[str, Dict], interval: int) -> str:
     return peer_pytorch.table(data['peer_pytorch'], ours)
 
 
-# -- the throughput sweep ------------------------------------------------------
+# -- the throughput sweep -----------------------------------------------------
 #: images/s keys: ours, then the peer's.
 THROUGHPUT = ('sgd', 'kfac_every', 'kfac_stale', 'kfac_stale_amortised')
 PEER_THROUGHPUT = ('sgd', 'kfac_inverse', 'kfac_inverse_stale',
