@@ -26,10 +26,15 @@ same fixed batch:
   (``factor_dtype='float16'``);
 * ``kfac_newton_schulz``: every step, the factors up to n = 1024
   inverted by the batched Newton–Schulz iteration
-  (``inverse_method='newton_schulz'``).
+  (``inverse_method='newton_schulz'``);
+* ``sgd_graph`` (``--gpu``, opt-in): the momentum SGD step through
+  :class:`chainerkfac.graphs.StepGraph`, captured once as a CUDA graph
+  and replayed (its counts of eager / captured / replayed steps are
+  recorded as ``graph_stats``).
 
 The CPU runs ``sgd``, ``kfac_every`` and ``kfac_stale`` by default,
-``--gpu`` all six (``--variants`` picks any subset that has ``sgd``).
+``--gpu`` the first six (``--variants`` picks any subset that has
+``sgd``).
 
 After warm-up steps, the variants are timed in *rounds* (one step of each,
 in an order rotated every round), so that the machine's noise hits all
@@ -139,8 +144,10 @@ KFAC_VARIANTS = {
     'kfac_fp16': {'factor_dtype': 'float16'},
     'kfac_newton_schulz': {'inverse_method': 'newton_schulz'},
 }
-VARIANTS = ('sgd',) + tuple(KFAC_VARIANTS)
+VARIANTS = ('sgd',) + tuple(KFAC_VARIANTS) + ('sgd_graph',)
 CPU_VARIANTS = ('sgd', 'kfac_every', 'kfac_stale')
+#: --gpu's default: every variant but the opt-in CUDA-graph one.
+GPU_VARIANTS = VARIANTS[:-1]
 #: Every-step variants whose capture is timed by layer type.
 CAPTURE_VARIANTS = ('kfac_every', 'kfac_diag_bn', 'kfac_fp16')
 STAGES = ('forward_backward', 'factors', 'reduce_scatter', 'inverse',
@@ -203,6 +210,25 @@ class SGDStep:
         self.synchronize()
         self.stage_times = {'forward_backward': middle - start,
                             'update': time.perf_counter() - middle}
+
+
+class SGDGraphStep:
+    """Momentum SGD through :class:`chainerkfac.graphs.StepGraph` (GPU
+    only): eager for the warm-up steps, then captured once and replayed;
+    timed as a whole step (no stage split: a replay has none)."""
+
+    def __init__(self, model, lr=0.01):
+        from chainerkfac import graphs
+        self.optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
+        self.optimizer.setup(model)
+        self.graph = graphs.StepGraph(
+            lambda x, t: self.optimizer.update(model, x, t),
+            graphs.ChainerOptimizer(self.optimizer))
+        self.stage_times = {}
+        self.refreshed = False
+
+    def __call__(self, x, t):
+        self.graph(x, t)
 
 
 class KFACStep:
@@ -296,6 +322,8 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             model.to_device('@cupy:0')
         if variant == 'sgd':
             steps[variant] = SGDStep(model, synchronize)
+        elif variant == 'sgd_graph':
+            steps[variant] = SGDGraphStep(model)
         else:
             steps[variant] = KFACStep(
                 model, interval if variant == 'kfac_stale' else 1, gpu,
@@ -338,8 +366,9 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             capture[variant] = time_capture(steps[variant], x, t,
                                             spec['capture_steps'],
                                             synchronize, steps.get('sgd'))
-    n_kfac = sum(1 for b in steps[_kfac_variant(variants)].optimizer.blocks
-                 if b.factor_names)
+    kfac_variant = _kfac_variant(variants)
+    n_kfac = None if kfac_variant is None else sum(
+        1 for b in steps[kfac_variant].optimizer.blocks if b.factor_names)
     result = {
         'model': name, 'arch': spec['arch'], 'model_kwargs': spec['kwargs'],
         'batch': spec['batch'], 'input': [3, spec['size'], spec['size']],
@@ -356,14 +385,16 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
         'capture_by_type_s': capture,
     }
     result['extra_over_sgd'] = extra_over_sgd(result)
-    if profile:
+    if 'sgd_graph' in steps:
+        result['graph_stats'] = dict(steps['sgd_graph'].graph.stats)
+    if profile and kfac_variant is not None:
         result['profile'] = profile_step(steps[_kfac_variant(variants)], x, t)
     result['goals'] = goals(result, target)
     return result
 
 
 def _kfac_variant(variants):
-    return next(v for v in variants if v != 'sgd')
+    return next((v for v in variants if v in KFAC_VARIANTS), None)
 
 
 def _batch(spec, xp):
@@ -817,8 +848,9 @@ def parse_args(argv):
                         'resnet50 with --inverse-only)'.format(','.join(FULL)))
     parser.add_argument('--variants', default=None,
                         help='comma-separated subset of {}, with sgd '
-                        '(default: {} on CPU, all with --gpu)'.format(
-                            ','.join(VARIANTS), ','.join(CPU_VARIANTS)))
+                        '(default: {} on CPU, all but sgd_graph with '
+                        '--gpu)'.format(','.join(VARIANTS),
+                                        ','.join(CPU_VARIANTS)))
     parser.add_argument('--rounds', type=int, default=None,
                         help='timed rounds of the small ResNet (default 21); '
                         'with --inverse-only, repeats (default 5)')
@@ -887,7 +919,9 @@ def parse_args(argv):
                          .format(', '.join(VARIANTS[1:]), args.variants))
         args.variants = tuple(v for v in VARIANTS if v in variants)
     else:
-        args.variants = VARIANTS if args.gpu else CPU_VARIANTS
+        args.variants = GPU_VARIANTS if args.gpu else CPU_VARIANTS
+    if 'sgd_graph' in args.variants and not args.gpu:
+        parser.error('the sgd_graph variant (CUDA graphs) needs --gpu')
     return args
 
 

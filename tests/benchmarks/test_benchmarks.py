@@ -132,7 +132,8 @@ def test_step_time_rejects_variants_without_sgd():
     from benchmarks import step_time
     with pytest.raises(SystemExit):
         step_time.parse_args(['--variants', 'kfac_every,kfac_fp16'])
-    assert step_time.parse_args(['--gpu']).variants == step_time.VARIANTS
+    assert step_time.parse_args(['--gpu']).variants == \
+        step_time.GPU_VARIANTS
 
 
 def test_capture_timer_times_each_layer_type_and_unwraps():
@@ -299,3 +300,9 @@ def test_step_time_throughput_arithmetic_and_table():
         step_time.parse_args(['--batches', '0'])
     with pytest.raises(SystemExit):
         step_time.parse_args(['--inverse-only', '--batches', '8'])
+    with pytest.raises(SystemExit):     # CUDA graphs need a GPU
+        step_time.parse_args(['--variants', 'sgd,sgd_graph'])
+    assert 'sgd_graph' not in step_time.parse_args(['--gpu']).variants
+    assert step_time.parse_args(
+        ['--gpu', '--variants', 'sgd,sgd_graph']).variants == (
+            'sgd', 'sgd_graph')
