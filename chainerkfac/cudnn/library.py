@@ -172,6 +172,12 @@ class CuDNNError(RuntimeError):
             self.message, ''.join('\n  ' + i for i in self._infos))
 
 
+class LibraryNotFound(OSError):
+    """No ``libcudnn.so.9`` could be opened at all (as opposed to one that
+    opens but lacks a function :data:`PROTOTYPES` binds: a plain
+    :class:`OSError` naming the functions)."""
+
+
 class Library:
     """The bound functions of one cuDNN, and where it came from.
 
@@ -286,8 +292,11 @@ def load(folders=None) -> Library:
 
     Raises
     ------
-    OSError
+    LibraryNotFound
         Nothing loadable was found; the message says what was tried.
+    OSError
+        A library was opened but does not export every function of
+        :data:`PROTOTYPES`; the message names them.
     """
     tried = []
     for folder in candidates() if folders is None else folders:
@@ -299,7 +308,8 @@ def load(folders=None) -> Library:
             continue
         return bind(cdll, os.path.join(folder, SONAME) if folder
                     else _loaded_path(cdll))
-    raise OSError('no {} found: tried {}'.format(SONAME, '; '.join(tried)))
+    raise LibraryNotFound('no {} found: tried {}'.format(
+        SONAME, '; '.join(tried)))
 
 
 def _loaded_path(cdll: ctypes.CDLL) -> str:
