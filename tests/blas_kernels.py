@@ -65,7 +65,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--mpiexec', default='mpiexec')
     parser.add_argument('--sizes', default='1,2,3,4',
-                        help='process counts of the distributed tests')
+                        help='process counts of the distributed tests with '
+                        'one BLAS thread')
+    parser.add_argument('--sizes-two-threads', default='1,2',
+                        help='the same with two BLAS threads per process '
+                        '(more ranks than that oversubscribe small '
+                        'machines)')
     args = parser.parse_args(argv)
     default = current_kernel()
     kernels = other_kernels(default)
@@ -73,7 +78,8 @@ def main(argv=None):
         default, ', '.join(kernels)), flush=True)
     failed = []
     # One kernel with one BLAS thread, the other with two.
-    for kernel, threads in zip(kernels, (1, 2)):
+    for kernel, threads, sizes in zip(kernels, (1, 2),
+                                      (args.sizes, args.sizes_two_threads)):
         env = dict(os.environ, OPENBLAS_CORETYPE=kernel,
                    OPENBLAS_NUM_THREADS=str(threads),
                    OMP_NUM_THREADS=str(threads))
@@ -87,7 +93,7 @@ def main(argv=None):
             [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
              '-m', 'not mpi and not slow'] + SINGLE,
             [sys.executable, '-m', 'tests.run_mpi', '--mpiexec',
-             args.mpiexec, '--sizes', args.sizes] + MPI]
+             args.mpiexec, '--sizes', sizes] + MPI]
         for command in commands:
             label = 'OPENBLAS_CORETYPE={} OPENBLAS_NUM_THREADS={}'.format(
                 kernel, threads)
