@@ -187,9 +187,10 @@ def test_ptb_with_its_clipping_and_lr_trains():
 @pytest.mark.slow
 def test_nin_at_the_stock_lr_fits_its_batch_at_the_defaults():
     # Unbounded (test_findings.py) the loss goes 7.0 → ~113 at the first
-    # step; the defaults bound that step.
+    # step; the defaults bound that step. Measured: 7.03, 6.07, 4.51,
+    # 2.47, 1.53, 2.50.
     losses = test_findings._nin_losses(
         lambda: chainerkfac.optimizers.KFAC(lr=0.01, momentum=0.9,
                                             damping=1e-2, verbose=False))
-    assert max(losses) < 2 * losses[0]
+    assert test_findings._fits(losses)
     assert losses[-1] < losses[0]
