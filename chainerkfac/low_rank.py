@@ -230,22 +230,31 @@ def inverse_of(factor, inverse, damping: float):
     return WoodburyInverse(factor.columns, inverse, damping)
 
 
-def left_multiply(inverse, matrix):
+def left_multiply(inverse, matrix, overwrite: bool = False):
     """``inverse · matrix``: a Woodbury inverse, a dense one or a diagonal
-    (1-D)."""
+    (1-D); with ``overwrite``, a diagonal scales ``matrix`` in place."""
     if isinstance(inverse, WoodburyInverse):
         return inverse.left(matrix)
     inverse = inverse.astype(matrix.dtype, copy=False)
-    return inverse.dot(matrix) if inverse.ndim == 2 else \
-        inverse[:, None] * matrix
+    if inverse.ndim == 2:
+        return inverse.dot(matrix)
+    if overwrite:
+        matrix *= inverse[:, None]
+        return matrix
+    return inverse[:, None] * matrix
 
 
-def right_multiply(matrix, inverse):
+def right_multiply(matrix, inverse, overwrite: bool = False):
     """``matrix · inverse``, as :func:`left_multiply`."""
     if isinstance(inverse, WoodburyInverse):
         return inverse.right(matrix)
     inverse = inverse.astype(matrix.dtype, copy=False)
-    return matrix.dot(inverse) if inverse.ndim == 2 else matrix * inverse
+    if inverse.ndim == 2:
+        return matrix.dot(inverse)
+    if overwrite:
+        matrix *= inverse
+        return matrix
+    return matrix * inverse
 
 
 # -- across processes ------------------------------------------------------------

@@ -155,6 +155,24 @@ class KroneckerBlock(FisherBlock):
     def precondition(self, grads, damping):
         weight = self.link.W.array
         regularized = self.regularized_grads(grads, damping)
+        a_inv = self.inverses.get('A')
+        if self.has_inverses() and getattr(a_inv, 'ndim', 0) == 1:
+            # A diagonal: the bias's column does not mix with W's. Each is
+            # preconditioned on its own, in place (no concatenated copy:
+            # the largest layers are those whose A is kept diagonal).
+            g_inv = self.inverses['G']
+            matrix = low_rank.left_multiply(
+                g_inv, regularized[0].reshape(self.out_size, -1),
+                overwrite=True)
+            out = [low_rank.right_multiply(
+                matrix, a_inv[:matrix.shape[1]], overwrite=True).reshape(
+                    weight.shape)]
+            if self.has_bias:
+                bias = low_rank.left_multiply(
+                    g_inv, regularized[1][:, None], overwrite=True)
+                out.append(low_rank.right_multiply(
+                    bias, a_inv[-1:], overwrite=True)[:, 0])
+            return out
         matrix = regularized[0].reshape(self.out_size, -1)
         if self.has_bias:
             grad_b = regularized[1]
@@ -162,7 +180,7 @@ class KroneckerBlock(FisherBlock):
             matrix = xp.concatenate([matrix, grad_b[:, None]], axis=1)
         if self.has_inverses():
             matrix = low_rank.left_multiply(self.inverses['G'], matrix)
-            matrix = low_rank.right_multiply(matrix, self.inverses['A'])
+            matrix = low_rank.right_multiply(matrix, a_inv)
         if self.has_bias:
             return [matrix[:, :-1].reshape(weight.shape), matrix[:, -1]]
         return [matrix.reshape(weight.shape)]
