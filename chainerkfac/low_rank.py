@@ -263,17 +263,17 @@ class Exchange:
     transport through the dense factors' ReduceScatterV (see the module
     docstring).
 
-    Parameters
+    Attributes
     ----------
-    transport : chainerkfac.transport.Transport
+    low_rank : dict
+        ``{(block, name): k_total}`` of the factors sent low rank at the
+        last step.
     """
 
-    def __init__(self, transport):
-        self.transport = transport
-        #: ``{(block, name): k_total}`` of the factors sent low rank.
+    def __init__(self):
         self.low_rank: Dict[Tuple[object, str], int] = {}
 
-    def prepare(self, blocks, factors: Dict) -> Dict:
+    def prepare(self, blocks, factors: Dict, transport) -> Dict:
         """Decide each factor's form, identically on every process, and
         put each into it.
 
@@ -284,6 +284,7 @@ class Exchange:
             ``{block: {name: this process's sum, or None}}``: the same
             blocks and names on every process (those captured anywhere),
             None where this process captured none.
+        transport : chainerkfac.transport.Transport
 
         Returns
         -------
@@ -298,7 +299,7 @@ class Exchange:
                       if b.low_rank_capable(n)]
         if not candidates:
             return factors
-        size, rank = self.transport.size, self.transport.rank
+        size, rank = transport.size, transport.rank
         local = numpy.zeros((len(candidates), 1 + size), numpy.int64)
         for i, (block, name) in enumerate(candidates):
             value = factors[block][name]
@@ -306,7 +307,7 @@ class Exchange:
                 local[i, 0] = 1                          # dense here
             elif value is not None:
                 local[i, 1 + rank] = value.rank
-        totals = self.transport.all_sum(local.ravel()).reshape(local.shape)
+        totals = transport.all_sum(local.ravel()).reshape(local.shape)
         out = {b: dict(v) for b, v in factors.items()}
         for (block, name), row in zip(candidates, totals):
             value = factors[block][name]
@@ -319,24 +320,8 @@ class Exchange:
                     out[block][name] = value.dense()
                 continue
             self.low_rank[(block, name)] = total
-            out[block][name] = self._padded(block, name, value, row)
+            out[block][name] = _padded(block, name, value, row, rank)
         return out
-
-    def _padded(self, block, name, value, row):
-        """This process's columns in its slice (rank order) of a zero
-        ``(d, k_total)`` buffer."""
-        like = block.params[0].array
-        xp = get_array_module(like)
-        dim = block.factor_shapes()[name][0]
-        dtype = (value.dtype if value is not None else
-                 factor_dtype_for(like.dtype))
-        if self.transport.size == 1:
-            return value.columns
-        buffer = xp.zeros((dim, int(row[1:].sum())), dtype=dtype)
-        if value is not None and value.rank:
-            start = int(row[1:1 + self.transport.rank].sum())
-            buffer[:, start:start + value.rank] = value.columns
-        return buffer
 
     def receive(self, factors: Dict) -> Dict:
         """After the reduction: the owners' low-rank factors as
@@ -346,6 +331,24 @@ class Exchange:
             if owned is not None and name in owned:
                 owned[name] = LowRank(owned[name])
         return factors
+
+
+def _padded(block, name, value, row, rank):
+    """This process's columns in its slice (rank order) of a zero
+    ``(d, k_total)`` buffer, ``row`` the columns of every process; one
+    process: its columns."""
+    if len(row) == 2:
+        return value.columns
+    like = block.params[0].array
+    xp = get_array_module(like)
+    dim = block.factor_shapes()[name][0]
+    dtype = (value.dtype if value is not None else
+             factor_dtype_for(like.dtype))
+    buffer = xp.zeros((dim, int(row[1:].sum())), dtype=dtype)
+    if value is not None and value.rank:
+        start = int(row[1:1 + rank].sum())
+        buffer[:, start:start + value.rank] = value.columns
+    return buffer
 
 
 def held_low_rank(blocks) -> int:

@@ -335,8 +335,8 @@ class KFAC(optimizer.GradientMethod):
         self._table_shown = False
         self._warned_uncaptured: set = set()
         self._inverse_stacks: Dict = {}
-        #: Stage 3's agreement on low-rank factors (set up at the start).
-        self._exchange = Exchange(self.transport)
+        #: Stage 3's agreement on the form of low-rank factors.
+        self._exchange = Exchange()
 
     # -- set-up ---------------------------------------------------------------
     def create_update_rule(self):
@@ -420,7 +420,6 @@ class KFAC(optimizer.GradientMethod):
         Returns whether the transport replaced this process's parameters."""
         changed = self.transport.setup(self)
         self._started = True
-        self._exchange = Exchange(self.transport)
         for block in self.blocks:
             block.processes = self.transport.size
         state.reconcile(self)
@@ -580,7 +579,7 @@ class KFAC(optimizer.GradientMethod):
                  for b in blocks}
         factors = self._exchange.prepare(blocks, {
             b: {n: captured[b][n][0] if n in captured[b] else None
-                for n in counts[b]} for b in blocks})
+                for n in counts[b]} for b in blocks}, transport)
         factors = {b: {n: v if v is not None else self._local_factor(b, n)
                        for n, v in f.items()} for b, f in factors.items()}
         self.timer.mark('factors', self._like())
