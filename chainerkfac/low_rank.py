@@ -167,7 +167,7 @@ def pays(dim: int, rank: int, width: int, processes: int = 1) -> bool:
     return cost['low_rank'] < cost['dense']
 
 
-# -- the damped inverse --------------------------------------------------------
+# -- the damped inverse -------------------------------------------------------
 class WoodburyInverse:
     """``(U Uᵀ + γ I)⁻¹ = (I − U C⁻¹ Uᵀ) / γ`` applied without forming it.
 
@@ -257,7 +257,7 @@ def right_multiply(matrix, inverse, overwrite: bool = False):
     return matrix * inverse
 
 
-# -- across processes ------------------------------------------------------------
+# -- across processes ---------------------------------------------------------
 class Exchange:
     """One step's agreement on the form of every captured factor, and its
     transport through the dense factors' ReduceScatterV (see the module

@@ -22,7 +22,7 @@ from tests.chainerkfac import helpers
 TOLERANCE = 1e-12
 
 
-# -- the algebra ---------------------------------------------------------------
+# -- the algebra --------------------------------------------------------------
 @pytest.mark.parametrize('dim,rank', [(30, 4), (12, 11), (8, 1)])
 def test_woodbury_equals_the_dense_damped_inverse(dim, rank):
     rng = numpy.random.RandomState(dim)
@@ -78,7 +78,7 @@ def test_cost_model():
     assert low_rank.rank_budget(1000, 4) == 125
 
 
-# -- whole runs: low rank against dense ----------------------------------------
+# -- whole runs: low rank against dense ---------------------------------------
 class WideMLP(chainer.Chain):
     """20 → 16 → 3 with tanh, float64: batch 4 gives A and G of the first
     layer rank 4 (d = 21 and 16), low rank."""
