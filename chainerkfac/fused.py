@@ -44,15 +44,9 @@ def momentum_step(weight, velocity, direction, lr: float, momentum: float,
     ``w ← new``."""
     xp = get_array_module(weight)
     if xp is numpy:
-        # The kernel's arithmetic with two temporaries (each fresh array
-        # of a large parameter costs a pass of page faults).
-        new = momentum * velocity
-        new -= lr * direction
-        new += weight
-        if rescale_norm is not None:
-            new *= rescale_norm / (numpy.linalg.norm(new) + RESCALE_EPS)
-        numpy.subtract(new, weight, out=velocity)
-        weight[...] = new
+        _momentum_step_cpu(weight.reshape(-1), velocity.reshape(-1),
+                           numpy.ascontiguousarray(direction).reshape(-1),
+                           lr, momentum, rescale_norm)
         return
     kernels = _kernels()
     dtype = weight.dtype.type
@@ -66,6 +60,40 @@ def momentum_step(weight, velocity, direction, lr: float, momentum: float,
     norm = kernels.norm(velocity)
     kernels.rescaled(norm, dtype(rescale_norm), dtype(RESCALE_EPS), weight,
                      velocity)
+
+
+#: Elements per piece of :func:`_momentum_step_cpu`: its temporaries stay
+#: in the cache. (Whole-array temporaries of a large parameter cost a pass
+#: of page faults each and the memory traffic of every intermediate: 0.22 s
+#: for AlexNet's fc6, 38M weights, on one core, against 0.11 s for Chainer's
+#: MomentumSGD update.)
+PIECE = 1 << 15
+
+
+def _momentum_step_cpu(weight, velocity, direction, lr, momentum,
+                       rescale_norm) -> None:
+    """:func:`momentum_step` on flat NumPy arrays, piece by piece, with the
+    kernels' arithmetic element for element (same operations, same
+    order): the unscaled new weight, then with eq. (20) its norm over the
+    whole array and the rescaled one."""
+    pieces = [slice(start, start + PIECE)
+              for start in range(0, weight.size, PIECE)]
+    for piece in pieces:
+        new = momentum * velocity[piece]
+        new -= lr * direction[piece]
+        new += weight[piece]
+        if rescale_norm is None:
+            numpy.subtract(new, weight[piece], out=velocity[piece])
+            weight[piece] = new
+        else:
+            velocity[piece] = new
+    if rescale_norm is None:
+        return
+    factor = rescale_norm / (numpy.linalg.norm(velocity) + RESCALE_EPS)
+    for piece in pieces:
+        new = velocity[piece] * factor
+        numpy.subtract(new, weight[piece], out=velocity[piece])
+        weight[piece] = new
 
 
 def all_finite(arrays: Sequence) -> bool:
