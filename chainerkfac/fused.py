@@ -76,8 +76,9 @@ def _momentum_step_cpu(weight, velocity, direction, lr, momentum,
     kernels' arithmetic element for element (same operations, same
     order): the unscaled new weight, then with eq. (20) its norm over the
     whole array and the rescaled one."""
-    pieces = [slice(start, start + PIECE)
-              for start in range(0, weight.size, PIECE)]
+    pieces = ([slice(None)] if weight.size <= PIECE else
+              [slice(start, start + PIECE)
+               for start in range(0, weight.size, PIECE)])
     for piece in pieces:
         new = momentum * velocity[piece]
         new -= lr * direction[piece]
