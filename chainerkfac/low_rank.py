@@ -118,6 +118,31 @@ def scaled(factor, scale: float):
     return factor * factor.dtype.type(scale)
 
 
+def columns_of(vectors, scale: float, append_ones: bool = False) -> LowRank:
+    """The low-rank factor ``scale · Σ v vᵀ`` of the vectors ``v``, the
+    columns of ``vectors`` (d', k), with a row of ones appended (a layer's
+    bias) when asked, in the factor dtype."""
+    xp = get_array_module(vectors)
+    dtype = factor_dtype_for(vectors.dtype)
+    root = dtype.type(math.sqrt(scale))
+    rows = vectors.shape[0] + int(append_ones)
+    out = xp.empty((rows, vectors.shape[1]), dtype=dtype)
+    xp.multiply(vectors, root, out=out[:vectors.shape[0]])
+    if append_ones:
+        out[-1] = root
+    return LowRank(out)
+
+
+def worth_keeping(factor, width: int):
+    """``factor``, or its dense form if it is low rank but no longer pays
+    (an average of low-rank factors whose ranks add up: ``factor_decay``);
+    ``width`` as in :func:`costs`."""
+    if isinstance(factor, LowRank) and not pays(factor.dim, factor.rank,
+                                                width):
+        return factor.dense()
+    return factor
+
+
 def dense(factor):
     """The factor as a dense array."""
     return factor.dense() if isinstance(factor, LowRank) else factor

@@ -374,6 +374,18 @@ class FisherBlock:
         (:mod:`chainerkfac.low_rank`)."""
         return False
 
+    def _columns_fit(self, factor: str, columns: int) -> bool:
+        """Whether ``columns`` more per-sample vectors of ``factor`` are
+        kept as such (within :func:`chainerkfac.low_rank.rank_budget`;
+        else the call's Gram matrix is formed)."""
+        if factor not in self._collect or \
+                not self.low_rank_capable(factor):
+            return False
+        held = self.captured_rank(factor)
+        dim = self.factor_shapes()[factor][0]
+        return held is not None and held + columns <= \
+            low_rank.rank_budget(dim, self.processes)
+
     def precondition_width(self, factor: str) -> int:
         """Rows of the gradient matrix that ``factor``'s inverse multiplies
         (the other Kronecker factor's dimension): the cost model's ``o``."""

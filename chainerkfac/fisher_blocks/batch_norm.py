@@ -13,6 +13,7 @@ import chainer.functions.normalization.batch_normalization as bn_module
 from chainer.backend import get_array_module
 
 from chainerkfac import linalg
+from chainerkfac import low_rank
 from chainerkfac.fisher_blocks.base import (BlockOptions, FactorKind,
                                             FisherBlock, Unsupported)
 
@@ -106,7 +107,9 @@ class BatchNormalizationBlock(FisherBlock):
             inv_std.astype(dtype, copy=False)
         rows = get_array_module(x).concatenate([g_gamma, g_beta], axis=1)
         # Per-sample gradients N·f: F = (1/N) Σ (N f)(N f)ᵀ = N Σ f fᵀ.
-        if self.mode == 'full':
+        if self._columns_fit('F', n):
+            value = low_rank.columns_of(rows.T, float(n))
+        elif self.mode == 'full':
             value = linalg.gram(rows, float(n), self.factor_dtype)
         else:
             value = (rows ** 2).sum(axis=0) * dtype.type(n)
@@ -114,7 +117,15 @@ class BatchNormalizationBlock(FisherBlock):
 
     def inverse_requests(self, candidates, damping):
         # A 1-D factor (diagonal Fisher) is inverted elementwise.
-        return {name: (value, damping) for name, value in candidates.items()}
+        return {name: (low_rank.worth_keeping(value, 1), damping)
+                for name, value in candidates.items()}
+
+    def low_rank_capable(self, factor):
+        # The full Fisher of N per-sample gradients has rank N at most.
+        return self._options.low_rank and self.mode == 'full'
+
+    def precondition_width(self, factor):
+        return 1
 
     def regularization_means(self):
         # γ is pulled towards μ = 1 (eq. 13), β towards 0.
@@ -124,9 +135,8 @@ class BatchNormalizationBlock(FisherBlock):
         xp = get_array_module(grads[0])
         vector = xp.concatenate(self.regularized_grads(grads, damping))
         if self.has_inverses():
-            inverse = self.inverses['F'].astype(vector.dtype, copy=False)
-            vector = (inverse.dot(vector) if self.mode == 'full'
-                      else inverse * vector)
+            vector = low_rank.left_multiply(self.inverses['F'],
+                                            vector[:, None])[:, 0]
         c = self.channels
         return [vector[:c], vector[c:]]
 

@@ -123,16 +123,9 @@ class KroneckerBlock(FisherBlock):
             return {}
         damping_a, damping_g = self.trace_split(a, g, damping)
         split = {'A': (a, damping_a), 'G': (g, damping_g)}
-        out = {}
-        for name in candidates:
-            factor, used = split[name]
-            if isinstance(factor, low_rank.LowRank) and not low_rank.pays(
-                    factor.dim, factor.rank, self.precondition_width(name)):
-                # An average of low-rank factors whose ranks add up to more
-                # than pays (factor_decay): dense from now on.
-                factor = factor.dense()
-            out[name] = (factor, used)
-        return out
+        return {name: (low_rank.worth_keeping(
+            split[name][0], self.precondition_width(name)), split[name][1])
+            for name in candidates}
 
     # -- low rank (chainerkfac.low_rank) -----------------------------------
     def low_rank_capable(self, factor):
@@ -140,17 +133,6 @@ class KroneckerBlock(FisherBlock):
 
     def precondition_width(self, factor):
         return self.out_size if factor == 'A' else self.in_size
-
-    def _columns_fit(self, factor: str, columns: int) -> bool:
-        """Whether ``columns`` more per-sample vectors of ``factor`` are
-        kept as such (else the call's Gram matrix is formed)."""
-        if factor not in self._collect or \
-                not self.low_rank_capable(factor):
-            return False
-        held = self.captured_rank(factor)
-        dim = self.in_size if factor == 'A' else self.out_size
-        return held is not None and held + columns <= \
-            low_rank.rank_budget(dim, self.processes)
 
     def precondition(self, grads, damping):
         weight = self.link.W.array
@@ -197,8 +179,8 @@ class LinearBlock(KroneckerBlock):
         rows = x.reshape(x.shape[0], -1)
         if self._columns_fit('A', x.shape[0]):
             # A = U Uᵀ, U the inputs (and the bias's 1) over √N.
-            self._accumulate('A', low_rank.LowRank(_columns(
-                rows.T, 1.0 / x.shape[0], self.has_bias)))
+            self._accumulate('A', low_rank.columns_of(
+                rows.T, 1.0 / x.shape[0], self.has_bias))
             return
         if 'A' in self.diagonal:
             value = linalg.diagonal_gram(rows, 1.0 / x.shape[0],
@@ -212,8 +194,8 @@ class LinearBlock(KroneckerBlock):
         gy = out_grad[0]
         # Per-sample gradient N·gy; G = (1/N) Σ (N gy)(N gy)ᵀ = N Σ gy gyᵀ.
         if self._columns_fit('G', gy.shape[0]):
-            self._accumulate('G', low_rank.LowRank(_columns(
-                gy.T, float(gy.shape[0]))))
+            self._accumulate('G', low_rank.columns_of(
+                gy.T, float(gy.shape[0])))
             return
         if 'G' in self.diagonal:
             value = linalg.diagonal_gram(gy, float(gy.shape[0]))
@@ -248,9 +230,9 @@ class Convolution2DBlock(KroneckerBlock):
         oh, ow = geometry.out_size(*x.shape[2:])
         if self._columns_fit('A', x.shape[0] * oh * ow):
             # A = U Uᵀ, U the patches (and the bias's 1) over √N.
-            self._accumulate('A', low_rank.LowRank(_columns(
+            self._accumulate('A', low_rank.columns_of(
                 patches.unfolded(x, geometry), 1.0 / x.shape[0],
-                self.has_bias)))
+                self.has_bias))
             return
         # Summed over locations, averaged over the batch.
         if 'A' in self.diagonal:
@@ -274,9 +256,9 @@ class Convolution2DBlock(KroneckerBlock):
         # Per-sample gradients N·gy, averaged over batch and locations:
         # (1/(N·T)) Σ (N gy)(N gy)ᵀ = (N/T) Σ gy gyᵀ.
         if self._columns_fit('G', n * locations):
-            self._accumulate('G', low_rank.LowRank(_columns(
+            self._accumulate('G', low_rank.columns_of(
                 patches.unfolded(gy, patches.POINTWISE),
-                float(n) / locations)))
+                float(n) / locations))
             return
         if 'G' in self.diagonal:
             value = patches.channel_square_sums(gy, float(n) / locations)
@@ -284,21 +266,6 @@ class Convolution2DBlock(KroneckerBlock):
             value = patches.channel_gram(gy, float(n) / locations,
                                          self.factor_dtype)
         self._accumulate('G', value)
-
-
-def _columns(vectors, scale: float, append_ones: bool = False):
-    """``U`` (d, k) of a low-rank factor ``scale · Σ v vᵀ`` from the
-    vectors as columns (d', k), with a row of ones appended for the bias,
-    in the factor dtype."""
-    xp = get_array_module(vectors)
-    dtype = linalg.factor_dtype_for(vectors.dtype)
-    root = dtype.type(math.sqrt(scale))
-    rows = vectors.shape[0] + int(append_ones)
-    out = xp.empty((rows, vectors.shape[1]), dtype=dtype)
-    xp.multiply(vectors, root, out=out[:vectors.shape[0]])
-    if append_ones:
-        out[-1] = root
-    return out
 
 
 def batch_key(block):

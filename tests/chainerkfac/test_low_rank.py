@@ -97,22 +97,30 @@ class WideMLP(chainer.Chain):
 
 class SmallConv(chainer.Chain):
     """A convolution whose A (3·3·3 + 1) and G (16) see few columns, a
-    grouped one (plain gradient either way), then a Linear."""
+    grouped one (plain gradient either way), then a Linear; with ``bn``,
+    a BatchNormalization after the convolution (its full Fisher, 32 × 32,
+    has one column per sample)."""
 
     in_shape = (3, 4, 4)
 
-    def __init__(self, stride=2, pad=1, dilate=1, bias=True):
+    def __init__(self, stride=2, pad=1, dilate=1, bias=True, bn=False):
         super().__init__()
         with helpers.float64_links(), self.init_scope():
             self.conv = L.Convolution2D(3, 16, 3, stride, pad,
                                         nobias=not bias, dilate=dilate)
+            if bn:
+                self.bn = L.BatchNormalization(16)
             self.grouped = L.Convolution2D(16, 16, 1, groups=4)
             self.fc = L.Linear(None, 3)
+        self.use_bn = bn
         with helpers.float64_links():
-            self.fc(self.features(numpy.zeros((1,) + self.in_shape)))
+            self.fc(self.features(numpy.zeros((2,) + self.in_shape)))
 
     def features(self, x):
-        return F.relu(self.grouped(F.tanh(self.conv(x))))
+        h = self.conv(x)
+        if self.use_bn:
+            h = self.bn(h)
+        return F.relu(self.grouped(F.tanh(h)))
 
     def forward(self, x):
         return self.fc(self.features(x))
@@ -182,6 +190,19 @@ def test_linear_equals_dense(bias):
     (2, 1, 1, True), (2, 0, 1, False), (1, 0, 1, True), (2, 2, 2, True)])
 def test_convolution_equals_dense(stride, pad, dilate, bias):
     _compare(lambda: SmallConv(stride, pad, dilate, bias))
+
+
+def test_batch_normalization_full_fisher_equals_dense():
+    """BN's full Fisher of N per-sample gradients of (γ, β) is low rank
+    too (2C = 32, 2 samples)."""
+    numpy.random.seed(0)
+    optimizer = helpers.kfac(lr=0.1).setup(SmallConv(bn=True))
+    model = optimizer.target
+    x, t = _batches(model.in_shape, 1)[0]
+    optimizer.update(helpers.loss_of(model), x, t)
+    assert isinstance(helpers.block_named(optimizer, '/bn').factors['F'],
+                      low_rank.LowRank)
+    _compare(lambda: SmallConv(bn=True), rho_bn=2.0)
 
 
 def test_weight_decay_momentum_and_clipping_hooks():
