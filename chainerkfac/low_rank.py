@@ -1,9 +1,11 @@
-"""Exact low-rank Kronecker factors: the per-sample form and Woodbury.
+"""Exact low-rank factors: the per-sample form and Woodbury.
 
 A Kronecker factor of one step is a sum of outer products of per-sample
 vectors: ``A = (1/N) Σ ã ãᵀ`` over the inputs (augmented by the bias's 1) of
 every sample, location, call and micro-batch, ``G`` likewise over the output
-gradients. With ``k`` such vectors it is ``F = U Uᵀ``, ``U`` of shape
+gradients, and BatchNormalization's full Fisher ``F = N Σ f fᵀ`` over the
+per-sample gradients of (γ, β). With ``k`` such vectors it is
+``F = U Uᵀ``, ``U`` of shape
 ``(d, k)`` (the vectors scaled), and where ``k`` is below ``d`` the damped
 inverse needs no ``d × d`` matrix at all (Woodbury):
 
@@ -19,7 +21,8 @@ out. The result equals the dense one up to rounding (the tests compare them
 to 1e-12 in float64).
 
 :class:`LowRank` holds ``U`` while a factor is captured (the blocks of
-:mod:`chainerkfac.fisher_blocks.kronecker` build it instead of the Gram
+:mod:`chainerkfac.fisher_blocks.kronecker` and
+:mod:`~chainerkfac.fisher_blocks.batch_norm` build it instead of the Gram
 matrix while its rank is within :func:`rank_budget`) and through the
 accumulation's sums and scalings (:func:`add`, :func:`scaled`, which also
 take dense arrays: a sum with a dense term is dense). At the refresh

@@ -205,8 +205,9 @@ class KFAC(optimizer.GradientMethod):
         bound by launches; slower on a CPU.
     low_rank : bool
         Exact low-rank factors (:mod:`chainerkfac.low_rank`): a Kronecker
-        factor estimated in a step from k per-sample vectors (batch ×
-        locations × calls × micro-batches × processes) with k well below
+        factor (or a full BatchNormalization Fisher) estimated in a step
+        from k per-sample vectors (batch × locations × calls ×
+        micro-batches × processes) with k well below
         its dimension d is kept as those vectors, inverted by Woodbury
         (O(d k²) instead of O(d³)) and applied in O(d k) per gradient row
         instead of O(d²), wherever a cost model (compute and, across
