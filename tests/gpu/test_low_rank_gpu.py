@@ -1,12 +1,13 @@
 """Low-rank factors and the bounded step on the GPU: the same float64 runs
 as on the CPU (tests/chainerkfac/test_low_rank.py, test_step_bound.py),
 with CuPy arrays, against the CPU run and against the GPU's dense run."""
+import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
+
 import numpy
 import pytest
 
 import chainer
 
-import chainerkfac
 from tests.chainerkfac import helpers
 from tests.chainerkfac import test_low_rank
 from tests.gpu import support

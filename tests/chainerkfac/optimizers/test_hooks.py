@@ -9,7 +9,6 @@ import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
 import numpy
 import pytest
 
-import chainer
 import chainer.functions as F
 from chainer import optimizer_hooks
 
