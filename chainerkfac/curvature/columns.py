@@ -72,9 +72,9 @@ from chainerkfac import capture as capture_module
 
 logger = logging.getLogger(__name__)
 
-#: Elements of the largest stacked gradient propagated at once (2**25:
-#: 128 MiB in float32); the passes are split into chunks below it.
-MAX_ELEMENTS = 2 ** 25
+#: Elements of the largest stacked gradient propagated at once (2**26:
+#: 256 MiB in float32); the passes are split into chunks below it.
+MAX_ELEMENTS = 2 ** 26
 
 #: Functions linear in their inputs with the identity (+1) or its negative
 #: (-1) as the Jacobian w.r.t. each input of the output's shape.
