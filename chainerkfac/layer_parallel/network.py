@@ -7,6 +7,8 @@ layers in order with Chainer's autodiff (the layer-serial reference); MGRIT
 """
 from typing import Optional, Tuple, Union
 
+import numpy
+
 import chainer
 import chainer.functions as F
 import chainer.links as L
@@ -232,6 +234,13 @@ class ResidualODE(chainer.Chain):
     def xp(self):
         """NumPy or CuPy: where the parameters live."""
         return backend.get_array_module(self.opening.W.array)
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on the device (for timings; nothing on
+        the CPU)."""
+        xp = self.xp
+        if xp is not numpy:
+            xp.cuda.get_current_stream().synchronize()
 
 
 def _accumulate(param: chainer.Parameter, grad) -> None:
