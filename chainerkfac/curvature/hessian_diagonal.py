@@ -116,13 +116,14 @@ def residual_diagonals(graph, loss, passes) -> Dict[str, object]:
         roots = xp.sqrt(xp.abs(flat))
         signs = xp.sign(flat)
 
-        def make(part, features=features, roots=roots, signs=signs,
-                 shape=residual.shape):
+        def make(part):   # used within this iteration only
             chosen = xp.asarray(features[part])
-            columns = xp.zeros((len(chosen),) + flat.shape, flat.dtype)
-            rows = xp.arange(len(chosen))
-            columns[rows, :, chosen] = roots[:, chosen].T
-            return (columns.reshape((len(chosen),) + shape),
+            k = len(chosen)
+            # (pass, feature, sample): pass k has feature chosen[k] alone.
+            columns = xp.zeros((k, flat.shape[1], n), flat.dtype)
+            columns[xp.arange(k), chosen] = roots[:, chosen].T
+            return (columns.transpose(0, 2, 1).reshape(
+                (k,) + residual.shape),
                     signs[:, chosen].T)
         for slot, grads, weights in passes.run(u, len(features), make):
             _add(out, slot.path, slot.square_sum(grads, weights))
