@@ -7,7 +7,6 @@ tests/gpu/test_layer_parallel_mpi_gpu.py."""
 import numpy
 import pytest
 
-
 from chainerkfac.optimizers import KFAC
 from chainerkfac import layer_parallel as lp
 from chainerkfac.layer_parallel import perf_model

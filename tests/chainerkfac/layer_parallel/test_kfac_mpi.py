@@ -10,7 +10,6 @@ and none is left waiting in a collective.
 """
 import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
 
-import numpy
 import pytest
 from mpi4py import MPI
 
