@@ -1,6 +1,7 @@
-"""The README's code: the worked example of a Fisher block (run against
-per-sample gradients) and the library used from a script in another
-directory."""
+"""The documentation's code: the worked example of a Fisher block in
+docs/kfac.md (run against per-sample gradients) and the library used from a
+script in another directory. The links of every page are checked in
+tests/test_docs.py."""
 import os
 import re
 import subprocess
@@ -21,10 +22,10 @@ from tests.chainerkfac import helpers
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def readme_python_blocks(section):
-    """The ```python blocks of one README section (up to the next heading
-    of the same or a higher level)."""
-    with open(os.path.join(REPO, 'README.md')) as f:
+def readme_python_blocks(section, page='docs/kfac.md'):
+    """The ```python blocks of one section of a documentation page (up to
+    the next heading of the same or a higher level)."""
+    with open(os.path.join(REPO, page)) as f:
         text = f.read()
     start = text.index(section)
     level = section.split()[0]
@@ -38,8 +39,8 @@ def readme_python_blocks(section):
 def readme_block():
     saved = dict(registry._REGISTRY)
     namespace = {}
-    for code in readme_python_blocks('### Adding a Fisher block'):
-        exec(compile(code, 'README.md', 'exec'), namespace)
+    for code in readme_python_blocks('## Adding a Fisher block'):
+        exec(compile(code, 'docs/kfac.md', 'exec'), namespace)
     yield namespace
     registry._REGISTRY.clear()
     registry._REGISTRY.update(saved)
