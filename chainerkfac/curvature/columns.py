@@ -23,9 +23,8 @@ rows by a rule of its type (:func:`transpose_jacobian`):
 * **shapes**: reshapes and sums or means over non-sample axes;
 * **pooling**: max pooling adds every pass's gradients at the inputs its
   recorded indexes chose, one window position at a time; average pooling
-  runs
-  its own backward with the input's shape stretched to ``K·N`` rows (both
-  where the forward did not run in cuDNN, which keeps no indexes);
+  runs its own backward with the input's shape stretched to ``K·N`` rows
+  (both where the forward did not run in cuDNN, which keeps no indexes);
 * **its own backward once per pass** for every other function: exactly
   what ``K`` separate passes do through it.
 
