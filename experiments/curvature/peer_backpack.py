@@ -220,6 +220,8 @@ def main(argv=None):
         'experiments', 'results', 'curvature', 'peer_backpack.json'))
     args = parser.parse_args(argv)
     data = _common.header('peer_backpack', argv, gpu=args.gpu)
+    data['command'] = ' '.join(
+        ['python', '-m', 'experiments.curvature.peer_backpack'] + argv)
     data['peer_backpack'] = peer = run(
         args.networks.split(','), args.batch, args.repetitions,
         args.exact_repetitions, args.threads, args.gpu)
