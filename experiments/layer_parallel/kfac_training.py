@@ -193,12 +193,11 @@ def main(argv=None):
     if args.worker:
         worker(args)
         return
-    forwarded = [a for a in raw if a not in ('--worker',)]
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, 'runs.json')
-        common.launch(args.processes, 'experiments.layer_parallel.'
-                      'kfac_training', forwarded + ['--worker', '--result',
-                                                    result],
+        common.launch(args.processes,
+                      'experiments.layer_parallel.kfac_training',
+                      list(raw) + ['--worker', '--result', result],
                       timeout=args.timeout)
         with open(result) as f:
             results = json.load(f)
