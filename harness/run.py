@@ -25,7 +25,8 @@ import models
 from chainerkfac import training as kfac_training
 from chainerkfac.training import FisherDiffLog, TimeToAccuracy
 from harness import data as data_module
-from harness import evaluation, resume, run_dir, snapshots, triggers
+from harness import evaluation, preemption, resume, run_dir, snapshots
+from harness import triggers
 from harness.mpi import raise_together
 from harness.updater import AugmentedUpdater, BatchConverter
 
@@ -133,7 +134,27 @@ def _save_final_model(out, network, stopped=None):
         flush=True)
 
 
-def train(args, comm, optimizer_name, out, cfg):
+def _report_stop(stop, out, updater):
+    """Rank 0's account of a run stopped by a signal, its snapshot
+    written (times from this process's clock)."""
+    now = time.monotonic()
+    timing = 'the snapshot written {:.1f} s after the step boundary'.format(
+        now - stop.stopped_at)
+    if stop.received is not None:
+        timing = '{:.1f} s from the signal to the step boundary, {}'.format(
+            stop.stopped_at - stop.received_at, timing)
+    print('stopped by {}{} at the end of step {} (iteration {}, epoch '
+          '{:.4f}): {} written; {}. Exit status {}: continue with --resume '
+          'latest'.format(
+              stop.stopping.name, '' if stop.received is not None else
+              ' (received by another process)', updater.steps,
+              updater.iteration, updater.epoch_detail,
+              os.path.join(out, snapshots.SNAPSHOT_PREFIX.format(
+                  step=updater.steps)), timing, preemption.RESUME_STATUS),
+          flush=True)
+
+
+def train(args, comm, optimizer_name, out, cfg, stop=None):
     """Train one model; return a summary dict (on every process).
 
     The model and the optimizer are built first, and a snapshot to resume
@@ -152,6 +173,10 @@ def train(args, comm, optimizer_name, out, cfg):
     out : str
         The run directory.
     cfg : config.TrainConfig
+    stop : harness.preemption.StopRequest or None
+        Installed for the signals that stop the run at the next step
+        boundary, snapshotted (see :mod:`harness.preemption`); the summary
+        then has ``'preempted': True``.
     """
     acc_iters = cfg.acc_iters(comm.size)
     n_class = args.n_class or cfg.n_class
@@ -182,14 +207,15 @@ def train(args, comm, optimizer_name, out, cfg):
         continues=bool(resumed))
     try:
         return _train(args, comm, optimizer_name, out, cfg, acc_iters, model,
-                      device, optimizer, schedule, resumed)
+                      device, optimizer, schedule, resumed,
+                      stop or preemption.StopRequest(()))
     finally:
         if lock is not None:
             lock.release()
 
 
 def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
-           optimizer, schedule, resumed):
+           optimizer, schedule, resumed, stop):
     """The rest of :func:`train`, in the claimed run directory."""
     batch = cfg.batch_size_per_process
     n_class = args.n_class or cfg.n_class
@@ -213,7 +239,7 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
         train_iter, optimizer, comm, acc_iters, cfg.epochs, converter,
         args.seed, cfg.alpha_mixup if augmenting else 0.0, n_class,
         augmenting, device)
-    trainer = training.Trainer(updater, triggers.EpochLimit(cfg.epochs),
+    trainer = training.Trainer(updater, triggers.StopTrigger(cfg.epochs, stop),
                                out=out)
     trainer.extend(schedule, trigger=triggers.StepBoundary())
     # BN running statistics are per process; average them before evaluating.
@@ -234,7 +260,8 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
         args.compress_snapshots, facts={'optimizer': optimizer_name})
     snapshots.extend_trainer(
         trainer, comm, writer, comm.rank, args.keep_snapshots,
-        trigger=triggers.EpochAtStepBoundary(args.snapshot_every))
+        trigger=triggers.SnapshotTrigger(args.snapshot_every, comm, stop),
+        name=snapshots.STEP_NAME)
     # Every process runs the observers and the LogReport (which averages
     # the training values over processes); rank 0 writes and prints.
     for observer, trigger in observers(optimizer, optimizer_name,
@@ -267,6 +294,13 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
                           'iteration {}'.format(updater.epoch_detail,
                                                 updater.iteration))
         raise
+    if stop.stopping is not None and not updater.finished:
+        if comm.rank == 0:
+            _report_stop(stop, out, updater)
+        return {'optimizer': optimizer_name, 'preempted': True,
+                'epoch_detail': updater.epoch_detail,
+                'iteration': updater.iteration,
+                'elapsed_time': time.time() - start}
     if comm.rank == 0:
         _save_final_model(out, model.predictor)
     comm.mpi_comm.Barrier()

@@ -1,0 +1,229 @@
+"""A scheduler's signal stops a run under ``mpiexec -n 2`` and ``-n 3`` at
+the end of the optimizer step in progress, snapshotted, with exit status
+75; resumed with ``--resume latest`` until done, the run ends bit for bit
+as the uninterrupted one: weights, BatchNormalization statistics, the
+optimizer state (the final snapshot of every rank, key by key), the log
+apart from timings, ``fisher_diff.jsonl``.
+
+The stops fall at points drawn from seeds 0-9 (``signal_at``: during an
+accumulation, a refresh step, an evaluation, a snapshot write; received
+by one rank or by all; SIGUSR1 or SIGTERM), one after the other in one
+chain of resumed runs per number of processes. Snapshots are taken every
+3 iterations, so most stops and resumes fall inside an epoch. Then the
+signal as a scheduler sends it: SIGUSR1 to ``mpiexec``, which forwards it
+to every rank and to the ranks' loader processes (which must survive it);
+and SIGKILL right after the signal, which falls back to the newest whole
+snapshot.
+"""
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+
+import numpy
+import pytest
+
+from tests import launch
+from tests.scripts import imagenet_like
+from tests.scripts.conftest import command, kill, read_log, run, weights
+
+#: Global batch 24 = 4 per process x 2 processes x 3 micro-batches, or x 3
+#: processes x 2; 48 images: 2 steps per epoch, 8 steps in all.
+CONFIG = {'global_batch_size': 24, 'batch_size_per_process': 4,
+          'epochs': 4}
+STEPS = 8
+RESUME_STATUS = 75
+#: Values of the log that depend on the machine's speed.
+TIMING = ('elapsed_time', 'images_per_sec')
+PHASES = ('micro', 'refresh', 'evaluate', 'write')
+#: The seeds of the stop points of each chain.
+CHAINS = {2: range(0, 6), 3: range(6, 10)}
+
+
+def preempt_command(dataset, out, *extra):
+    config = imagenet_like.write_config(dataset['root'], 'preempt.json',
+                                        **CONFIG)
+    return command(dataset, out, '--fisher-diff', '--snapshot-every', '3it',
+                   '--keep-snapshots', '0', '--loaderjob', '0', *extra,
+                   config=config)
+
+
+def stop_point(seed, nproc):
+    """``signal_at``'s PHASE:N:RANKS:SIGNAL of one seed: each phase in
+    turn; an occurrence early in the resumed run (a micro-batch inside an
+    accumulation); one rank or all; SIGUSR1 or SIGTERM."""
+    rng = random.Random(seed)
+    phase = PHASES[seed % len(PHASES)]
+    acc_iters = CONFIG['global_batch_size'] // (
+        CONFIG['batch_size_per_process'] * nproc)
+    n = rng.choice([i for i in range(2, 2 * acc_iters + 1)
+                    if (i - 1) % acc_iters]) if phase == 'micro' else 1
+    ranks = rng.choice(['all'] + [str(r) for r in range(nproc)])
+    return '{}:{}:{}:{}'.format(phase, n, ranks, rng.choice(['USR1',
+                                                             'TERM']))
+
+
+def signal_at(cmd, spec):
+    """``cmd`` (``python train_imagenet.py ...``) under ``signal_at``."""
+    assert cmd[1].endswith('train_imagenet.py')
+    return [cmd[0], '-m', 'tests.scripts.signal_at', spec, '--'] + cmd[2:]
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(dataset, tmp_path_factory):
+    """``{nproc: dir}`` of the runs never stopped."""
+    out = {}
+    for nproc in CHAINS:
+        directory = str(tmp_path_factory.mktemp('uninterrupted{}'.format(
+            nproc)))
+        result = run(preempt_command(dataset, directory), nproc)
+        assert result.returncode == 0, result.stdout[-3000:]
+        out[nproc] = directory
+    return out
+
+
+def final_snapshot(directory, rank):
+    return os.path.join(directory, 'snapshot_step_{}.rank{}'.format(
+        STEPS, rank))
+
+
+def without_timing(entries):
+    return [{k: v for k, v in e.items() if k not in TIMING}
+            for e in entries]
+
+
+def assert_same_run(reference, out, nproc):
+    """Bit for bit, timings apart."""
+    want, got = read_log(reference), read_log(out)
+    assert len(got) == CONFIG['epochs']
+    assert without_timing(got) == without_timing(want)
+    final = weights(os.path.join(out, 'model_final.npz'))
+    expected = weights(os.path.join(reference, 'model_final.npz'))
+    assert sorted(final) == sorted(expected)
+    for key in expected:
+        numpy.testing.assert_array_equal(final[key], expected[key], key)
+    for rank in range(nproc):
+        with numpy.load(final_snapshot(reference, rank)) as a, \
+                numpy.load(final_snapshot(out, rank)) as b:
+            assert sorted(a.files) == sorted(b.files)
+            for key in a.files:
+                if key == '_snapshot_elapsed_time':
+                    continue
+                if key == 'extensions/LogReport/_log':
+                    assert without_timing(json.loads(str(b[key]))) == \
+                        without_timing(json.loads(str(a[key])))
+                    continue
+                numpy.testing.assert_array_equal(b[key], a[key],
+                                                 'rank {}: {}'.format(
+                                                     rank, key))
+    with open(os.path.join(reference, 'fisher_diff.jsonl')) as f, \
+            open(os.path.join(out, 'fisher_diff.jsonl')) as g:
+        assert g.read() == f.read()
+
+
+def resume_until_done(dataset, out, nproc, tries=3):
+    for _ in range(tries):
+        result = run(preempt_command(dataset, out, '--resume', 'latest'),
+                     nproc)
+        if result.returncode == 0:
+            return result
+        assert result.returncode == RESUME_STATUS, result.stdout[-3000:]
+    raise AssertionError('not done after {} resumes'.format(tries))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('nproc', sorted(CHAINS))
+def test_stopped_at_random_points_and_resumed_ends_bit_for_bit(
+        dataset, uninterrupted, tmp_path, nproc):
+    out = str(tmp_path)
+    seeds = list(CHAINS[nproc])
+    for i, seed in enumerate(seeds):
+        spec = stop_point(seed, nproc)
+        extra = ('--resume', 'latest') if i else ()
+        result = run(signal_at(preempt_command(dataset, out, *extra), spec),
+                     nproc)
+        phase = spec.split(':')[0]
+        assert 'in {} #'.format(phase) in result.stdout, (spec, result.stdout[
+            -3000:])
+        if i:
+            assert 'resumed from' in result.stdout
+        if result.returncode == 0:
+            # The signal came in the run's last step: the run is complete.
+            assert i == len(seeds) - 1 and '"final_top1"' in result.stdout
+            break
+        assert result.returncode == RESUME_STATUS, (spec, result.stdout[
+            -3000:])
+        assert 'stopped by SIG' in result.stdout, spec
+    else:
+        resume_until_done(dataset, out, nproc)
+    assert_same_run(uninterrupted[nproc], out, nproc)
+
+
+def start(cmd, nproc, log):
+    """``mpiexec -n nproc cmd`` in its own session, output to ``log``."""
+    return subprocess.Popen(
+        [launch.MPIEXEC, '-n', str(nproc)] + cmd, env=launch.mpi_env(),
+        cwd=launch.REPO, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True)
+
+
+def wait_for_snapshot(out, step, nproc, process, timeout=240):
+    deadline = time.time() + timeout
+    while not all(os.path.exists(os.path.join(out, 'snapshot_step_{}.rank{}'
+                                              .format(step, r)))
+                  for r in range(nproc)):
+        assert process.poll() is None, 'the run ended before step {}'.format(
+            step)
+        assert time.time() < deadline, 'no snapshot after {} s'.format(
+            timeout)
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_signal_forwarded_by_mpiexec_stops_every_rank_and_its_loaders(
+        dataset, uninterrupted, tmp_path):
+    """SIGUSR1 to ``mpiexec``, as a scheduler sends it: Open MPI forwards
+    it to the ranks and to their children; the loader processes
+    (``--loaderjob 1``) hold it blocked and live on to the stop."""
+    out, nproc = str(tmp_path / 'run'), 3
+    with open(str(tmp_path / 'output'), 'w') as log:
+        process = start(preempt_command(dataset, out, '--loaderjob', '1'),
+                        nproc, log)
+        wait_for_snapshot(out, 2, nproc, process)
+        os.kill(process.pid, signal.SIGUSR1)
+        assert process.wait(timeout=120) == RESUME_STATUS
+    with open(str(tmp_path / 'output')) as f:
+        output = f.read()
+    assert 'stopped by SIGUSR1 at the end of step' in output, output[-3000:]
+    resume_until_done(dataset, out, nproc)
+    assert_same_run(uninterrupted[nproc], out, nproc)
+
+
+@pytest.mark.slow
+def test_sigkill_right_after_the_signal_falls_back_to_a_whole_snapshot(
+        dataset, uninterrupted, tmp_path):
+    """The scheduler's SIGKILL 50 ms after its SIGUSR1: the snapshot of
+    the stop is not written, or not whole (a temporary file, or one rank's
+    file only); ``--resume latest`` takes the newest whole one."""
+    out, nproc = str(tmp_path / 'run'), 2
+    with open(str(tmp_path / 'output'), 'w') as log:
+        process = start(preempt_command(dataset, out), nproc, log)
+        wait_for_snapshot(out, 3, nproc, process)
+        os.kill(process.pid, signal.SIGUSR1)
+        time.sleep(0.05)
+        kill(process)
+    result = resume_until_done(dataset, out, nproc)
+    assert 'resumed from' in result.stdout
+    assert_same_run(uninterrupted[nproc], out, nproc)
+
+
+def test_stop_points_cover_every_phase_one_rank_and_both_signals():
+    """The seeds' draws (what the chains above exercise)."""
+    points = [stop_point(seed, nproc).split(':')
+              for nproc, seeds in CHAINS.items() for seed in seeds]
+    assert len(points) >= 10
+    assert {p[0] for p in points} == set(PHASES)
+    assert any(p[2] not in ('all', '0') for p in points)
+    assert {p[3] for p in points} == {'USR1', 'TERM'}
