@@ -33,6 +33,12 @@ latest`` (docs/imagenet.md, "Running under a batch scheduler").
 scikit-learn's handwritten digits, a small ResNet trained with K-FAC and
 with momentum SGD side by side, a summary table and the figures.
 """
+if __name__ == '__main__':
+    # A scheduler's signal during the imports (seconds) waits for its
+    # handler (main) instead of ending the process.
+    from harness import preemption
+    preemption.hold()
+
 import argparse
 import json
 import math

@@ -89,8 +89,9 @@ def prepare_process(loaderjob, stop=None):
     loaderjob : int or None
         ``--loaderjob`` (``None``: :func:`default_loaderjob`).
     stop : harness.preemption.StopRequest or None
-        Installed first (a signal from now on is recorded); the loaders
-        inherit its signals blocked (see :func:`harness.preemption.
+        Installed first (a signal from now on is recorded, one held back
+        since the start, :func:`harness.preemption.hold`, too); the
+        loaders inherit its signals blocked (see :func:`harness.preemption.
         held_in_children`).
 
     Returns
@@ -103,6 +104,7 @@ def prepare_process(loaderjob, stop=None):
     if stop is not None:
         stop.install()
         signals = stop.signals
+    preemption.release()
     use_bundled_open_mpi_help()
     if loaderjob is None:
         loaderjob = default_loaderjob()

@@ -38,13 +38,28 @@ process, or processes started by ``srun``).
 import signal
 import time
 
-import numpy
-
 #: Exit status of a run stopped by a signal, its snapshot written:
 #: ``EX_TEMPFAIL`` (``sysexits.h``), "resume me".
 RESUME_STATUS = 75
 #: ``--preempt-signals`` by default.
 DEFAULT_SIGNALS = 'TERM,USR1'
+#: Held back while ``train_imagenet.py`` starts (:func:`hold`): the
+#: signals schedulers send ahead of the end.
+HELD_AT_START = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def hold():
+    """Block :data:`HELD_AT_START` in this process until :func:`release`:
+    a signal that arrives while the imports take their seconds, before any
+    handler is installed, waits for it instead of ending the process
+    (SIGUSR1's default action)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, HELD_AT_START)
+
+
+def release():
+    """Unblock :data:`HELD_AT_START`: a signal held back is handled now,
+    by the handler installed meanwhile or by its default action."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_START)
 
 
 def parse_signals(text):
@@ -156,6 +171,7 @@ def agree(comm, request, clock_due=False):
         Stop now; a snapshot is due by the clock. On a stop,
         ``request.stopping`` is set.
     """
+    import numpy        # here: train_imagenet.py imports this module first
     flags = numpy.array([request.received or 0,
                          clock_due and comm.rank == 0], numpy.int32)
     if comm.size > 1:

@@ -54,14 +54,36 @@ def start(cmd, nproc=1):
                             start_new_session=True)
 
 
+def session_processes(session):
+    """Process ids of the session ``session`` (mpiexec's, from
+    :func:`start`): Open MPI puts every rank in a process group of its
+    own, so a signal to mpiexec's group does not reach them."""
+    found = []
+    for entry in os.listdir('/proc'):
+        if not entry.isdigit():
+            continue
+        try:
+            with open('/proc/{}/stat'.format(entry)) as f:
+                fields = f.read().rsplit(')', 1)[1].split()
+        except OSError:             # gone meanwhile
+            continue
+        if int(fields[3]) == session:
+            found.append(int(entry))
+    return found
+
+
 def kill(process):
-    """SIGKILL the whole run (mpiexec and every rank)."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """SIGKILL the whole run: mpiexec and every rank (and their loader
+    processes) at once, as a scheduler's SIGKILL does."""
+    for pid in session_processes(process.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     process.wait()
-    time.sleep(0.5)     # let orphaned ranks, if any, see the signal
+    deadline = time.time() + 30
+    while session_processes(process.pid) and time.time() < deadline:
+        time.sleep(0.05)
 
 
 def read_log(out):

@@ -227,3 +227,63 @@ def test_stop_points_cover_every_phase_one_rank_and_both_signals():
     assert {p[0] for p in points} == set(PHASES)
     assert any(p[2] not in ('all', '0') for p in points)
     assert {p[3] for p in points} == {'USR1', 'TERM'}
+
+
+def job_env(dataset, out, tmp_path, nproc, **variables):
+    """The environment of a job script (docs/jobs) driven by a stand-in
+    scheduler: the run of :func:`preempt_command` on ``nproc`` processes,
+    and a requeue that leaves a file."""
+    cmd = preempt_command(dataset, out)
+    at = cmd.index('--out')
+    env = launch.mpi_env()
+    env.update(OUT=out, ARGS=' '.join(cmd[2:at] + cmd[at + 2:]),
+               LAUNCH='{} -n {} {} {}'.format(launch.MPIEXEC, nproc, *cmd[:2]),
+               REQUEUE='touch {}'.format(tmp_path / 'requeued'),
+               SLURM_JOB_ID='1', **variables)
+    return env
+
+
+def run_job(script, env, log, signal_after=None):
+    """``bash script`` as the scheduler starts it; ``signal_after``:
+    ``(out, step, nproc)``, SIGUSR1 to the script once that snapshot is
+    whole (Slurm's ``--signal=B:USR1@...``)."""
+    job = subprocess.Popen(['bash', os.path.join(launch.REPO, script)],
+                           env=env, cwd=launch.REPO, stdout=log,
+                           stderr=subprocess.STDOUT, start_new_session=True)
+    if signal_after is not None:
+        wait_for_snapshot(*signal_after, job)
+        os.kill(job.pid, signal.SIGUSR1)
+    return job.wait(timeout=240)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('script', ['docs/jobs/slurm.sh', 'docs/jobs/pbs.sh'])
+def test_job_script_requeues_on_the_resume_status_and_the_run_ends_alike(
+        dataset, uninterrupted, tmp_path, script):
+    """The stand-in scheduler: Slurm's signal to the script (forwarded to
+    mpiexec by its trap), or the PBS script's own clock (2 s after the
+    start, in the imports or the first steps); the job exits 0 having
+    asked for a requeue; the requeued job resumes and completes."""
+    out, nproc = str(tmp_path / 'run'), 2
+    requeued = tmp_path / 'requeued'
+    with open(str(tmp_path / 'job1'), 'w') as log:
+        if script.endswith('slurm.sh'):
+            status = run_job(script, job_env(dataset, out, tmp_path, nproc),
+                             log, signal_after=(out, 2, nproc))
+        else:
+            status = run_job(script, job_env(
+                dataset, out, tmp_path, nproc, WALLTIME_S='12',
+                LEAD_S='10'), log)
+    with open(str(tmp_path / 'job1')) as f:
+        output = f.read()
+    assert status == 0, output[-3000:]
+    assert 'stopped by SIGUSR1' in output and requeued.exists(), \
+        output[-3000:]
+    requeued.unlink()
+    with open(str(tmp_path / 'job2'), 'w') as log:
+        status = run_job(script, job_env(dataset, out, tmp_path, nproc), log)
+    with open(str(tmp_path / 'job2')) as f:
+        output = f.read()
+    assert status == 0 and 'resumed from' in output, output[-3000:]
+    assert not requeued.exists()
+    assert_same_run(uninterrupted[nproc], out, nproc)
