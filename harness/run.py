@@ -138,10 +138,10 @@ def _report_stop(stop, out, updater):
     """Rank 0's account of a run stopped by a signal, its snapshot
     written (times from this process's clock)."""
     now = time.monotonic()
-    timing = 'the snapshot written {:.1f} s after the step boundary'.format(
+    timing = 'the snapshot written {:.2f} s after the step boundary'.format(
         now - stop.stopped_at)
     if stop.received is not None:
-        timing = '{:.1f} s from the signal to the step boundary, {}'.format(
+        timing = '{:.2f} s from the signal to the step boundary, {}'.format(
             stop.stopped_at - stop.received_at, timing)
     print('stopped by {}{} at the end of step {} (iteration {}, epoch '
           '{:.4f}): {} written; {}. Exit status {}: continue with --resume '
