@@ -4,6 +4,8 @@ per-step agreement costs.
     python -m benchmarks.preemption [--smoke] [--out FILE.json]
         [--repeats 3] [--archs small,resnet50] [--agreement-sizes 2,4]
 
+(``--agreement-sizes ''`` skips the agreement.)
+
 **Signal to exit.** ``train_imagenet.py`` runs under ``mpiexec`` with
 K-FAC (``config/bs32k.json``'s settings, 32 images per process, factors
 refreshed every step) on synthetic JPEGs in ImageNet's layout: the small
@@ -215,7 +217,7 @@ def main(argv=None):
     data['stops'] = [measure_stops(arch, repeats, 3, args.timeout)
                      for arch in archs]
     sizes = [2] if args.smoke else [int(s) for s in
-                                    args.agreement_sizes.split(',')]
+                                    args.agreement_sizes.split(',') if s]
     data['agreement'] = [measure_agreement(size, 200 if args.smoke
                                            else 2000) for size in sizes]
     steps = {s['arch']: s['step_s'] for s in data['stops']}

@@ -6,7 +6,10 @@ and leaves the run directory: ``config.json``, ``log``, snapshots (the last
 ``--keep-snapshots`` per process, the final one included),
 ``model_final.npz`` (the bare network's weights and BatchNormalization
 statistics: ``chainer.serializers.load_npz(path, models.ResNet50(1000))``),
-``fisher_diff.jsonl`` and ``time_to_accuracy.json`` when asked for.
+``fisher_diff.jsonl`` and ``time_to_accuracy.json`` when asked for. A run
+stopped by a scheduler's signal (:mod:`harness.preemption`) leaves the
+snapshot of the step where all processes stopped instead of
+``model_final.npz``, and its summary says ``'preempted': True``.
 """
 import os
 import sys

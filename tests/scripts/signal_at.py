@@ -5,7 +5,8 @@ during a given phase, on some processes only.
     python -m tests.scripts.signal_at PHASE:N:RANKS:SIGNAL -- ARGS...
 
 ``PHASE`` is where the ``N``-th (from 1, counted in this process since it
-started) occurrence sends it, before the work of that occurrence:
+started) occurrence sends it, before the work of that occurrence (``N+``:
+that one and every later one):
 
 * ``micro``: a micro-batch of the updater (its ``N``-th
   ``update_core``; inside an accumulation unless it starts a step);
@@ -38,7 +39,8 @@ class Sender:
     def __init__(self, spec):
         phase, n, ranks, name = spec.split(':')
         self.phase = phase
-        self.n = int(n)
+        self.repeat = n.endswith('+')
+        self.n = int(n.rstrip('+'))
         self.active = ranks == 'all' or _rank() in {
             int(r) for r in ranks.split(',')}
         self.signal = signal.Signals['SIG' + name]
@@ -48,10 +50,11 @@ class Sender:
         if phase != self.phase:
             return False
         self.seen += 1
-        if not (self.active and self.seen == self.n):
+        if not (self.active and (self.seen == self.n or
+                                 self.repeat and self.seen > self.n)):
             return False
         print('signal_at: rank {} sends itself {} in {} #{}{}'.format(
-            _rank(), self.signal.name, phase, self.n, where),
+            _rank(), self.signal.name, phase, self.seen, where),
             file=sys.stderr, flush=True)
         os.kill(os.getpid(), self.signal)
         return True

@@ -53,13 +53,18 @@ def preempt_command(dataset, out, *extra):
 def stop_point(seed, nproc):
     """``signal_at``'s PHASE:N:RANKS:SIGNAL of one seed: each phase in
     turn; an occurrence early in the resumed run (a micro-batch inside an
-    accumulation); one rank or all; SIGUSR1 or SIGTERM."""
+    accumulation; every write from the first: a second signal arrives
+    while the stop's snapshot is written); one rank or all; SIGUSR1 or
+    SIGTERM."""
     rng = random.Random(seed)
     phase = PHASES[seed % len(PHASES)]
     acc_iters = CONFIG['global_batch_size'] // (
         CONFIG['batch_size_per_process'] * nproc)
     n = rng.choice([i for i in range(2, 2 * acc_iters + 1)
                     if (i - 1) % acc_iters]) if phase == 'micro' else 1
+    if phase == 'write':
+        n = '1+'
+
     ranks = rng.choice(['all'] + [str(r) for r in range(nproc)])
     return '{}:{}:{}:{}'.format(phase, n, ranks, rng.choice(['USR1',
                                                              'TERM']))
@@ -181,22 +186,36 @@ def wait_for_snapshot(out, step, nproc, process, timeout=240):
         time.sleep(0.02)
 
 
+def snapshot_steps(out, rank):
+    suffix = '.rank{}'.format(rank)
+    return sorted(int(n[len('snapshot_step_'):-len(suffix)])
+                  for n in os.listdir(out)
+                  if n.startswith('snapshot_step_') and n.endswith(suffix))
+
+
 @pytest.mark.slow
 def test_signal_forwarded_by_mpiexec_stops_every_rank_and_its_loaders(
         dataset, uninterrupted, tmp_path):
     """SIGUSR1 to ``mpiexec``, as a scheduler sends it: Open MPI forwards
     it to the ranks and to their children; the loader processes
-    (``--loaderjob 1``) hold it blocked and live on to the stop."""
+    (``--loaderjob 1``) hold it blocked and live on to the stop. Snapshots
+    every 0.3 s by rank 0's clock: every rank writes the same ones."""
     out, nproc = str(tmp_path / 'run'), 3
     with open(str(tmp_path / 'output'), 'w') as log:
-        process = start(preempt_command(dataset, out, '--loaderjob', '1'),
+        process = start(preempt_command(dataset, out, '--loaderjob', '1',
+                                        '--snapshot-every', '0.005min'),
                         nproc, log)
-        wait_for_snapshot(out, 2, nproc, process)
+        deadline = time.time() + 240
+        while not (os.path.isdir(out) and snapshot_steps(out, nproc - 1)):
+            assert process.poll() is None and time.time() < deadline
+            time.sleep(0.02)
         os.kill(process.pid, signal.SIGUSR1)
         assert process.wait(timeout=120) == RESUME_STATUS
     with open(str(tmp_path / 'output')) as f:
         output = f.read()
     assert 'stopped by SIGUSR1 at the end of step' in output, output[-3000:]
+    steps = snapshot_steps(out, 0)
+    assert all(snapshot_steps(out, r) == steps for r in range(nproc))
     resume_until_done(dataset, out, nproc)
     assert_same_run(uninterrupted[nproc], out, nproc)
 
@@ -224,6 +243,7 @@ def test_stop_points_cover_every_phase_one_rank_and_both_signals():
     points = [stop_point(seed, nproc).split(':')
               for nproc, seeds in CHAINS.items() for seed in seeds]
     assert len(points) >= 10
+    assert all(p[1] == '1+' for p in points if p[0] == 'write')
     assert {p[0] for p in points} == set(PHASES)
     assert any(p[2] not in ('all', '0') for p in points)
     assert {p[3] for p in points} == {'USR1', 'TERM'}
