@@ -11,9 +11,9 @@ accumulated micro-batches follow from the config's global mini-batch
 (``processes × batch × acc_iters``). Validation top-1 is evaluated over all
 processes after every epoch. The output directory gets ``config.json``
 (resolved config + run facts), ``log`` (JSON per epoch), the last
-``--keep-snapshots`` per-process snapshots ``snapshot_step_S.rankR`` (after
-optimizer step S; the final one included), ``model_final.npz`` (the network's weights),
-``fisher_diff.jsonl`` (with ``--fisher-diff``) and
+``--keep-snapshots`` per-process snapshots ``snapshot_step_S.rankR``
+(after optimizer step S; the final one included), ``model_final.npz`` (the
+network's weights), ``fisher_diff.jsonl`` (with ``--fisher-diff``) and
 ``time_to_accuracy.json`` (with ``--target-acc``). ``--resume`` continues
 from a snapshot, on the same or another number of processes, once every
 file of it has been read whole and found to fit the model and the

@@ -76,4 +76,3 @@ def create_multi_node_optimizer(kfac_optimizer: KFAC, comm) -> KFAC:
                            'before the first optimizer.update')
     distribute(kfac_optimizer, comm)
     return kfac_optimizer
-

@@ -774,4 +774,3 @@ class KFAC(optimizer.GradientMethod):
             self._begin_step()
             self.guard.forget()
             self._checkpoint_due = True
-

@@ -120,4 +120,3 @@ def test_kfac_run_ending_inside_a_step_flushes_it(references):
     with numpy.load(os.path.join(references[1],
                                  'snapshot_step_5.rank0')) as snap:
         assert int(snap['updater/optimizer:main/t']) == 5
-
