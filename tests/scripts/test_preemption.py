@@ -144,6 +144,7 @@ def test_stopped_at_random_points_and_resumed_ends_bit_for_bit(
         dataset, uninterrupted, tmp_path, nproc):
     out = str(tmp_path)
     seeds = list(CHAINS[nproc])
+    stops = 0
     for i, seed in enumerate(seeds):
         spec = stop_point(seed, nproc)
         extra = ('--resume', 'latest') if i else ()
@@ -155,14 +156,18 @@ def test_stopped_at_random_points_and_resumed_ends_bit_for_bit(
         if i:
             assert 'resumed from' in result.stdout
         if result.returncode == 0:
-            # The signal came in the run's last step: the run is complete.
-            assert i == len(seeds) - 1 and '"final_top1"' in result.stdout
+            # The signal came in the run's last step (the last seed's, or
+            # on a loaded machine a writer thread's signal handled a step
+            # late): the run is complete.
+            assert '"final_top1"' in result.stdout, result.stdout[-3000:]
             break
         assert result.returncode == RESUME_STATUS, (spec, result.stdout[
             -3000:])
         assert 'stopped by SIG' in result.stdout, spec
+        stops += 1
     else:
         resume_until_done(dataset, out, nproc)
+    assert stops >= len(seeds) - 2
     assert_same_run(uninterrupted[nproc], out, nproc)
 
 
