@@ -10,10 +10,12 @@ test-kernels``)::
 
     python -m tests.blas_kernels --mpiexec .venv/bin/mpiexec
 
-Each pass checks, in a child process, that OpenBLAS really runs the
-forced kernel (``OPENBLAS_CORETYPE`` is ignored by a build without
-dynamic architecture selection: then the pass fails, rather than
-repeating the default run).
+Each pass checks, in a child process, that OpenBLAS really runs another
+kernel than the default (``OPENBLAS_CORETYPE`` is ignored by a build
+without dynamic architecture selection: then the pass fails, rather than
+repeating the default run). A build may run a neighbour of the kernel
+asked for (NumPy 2's OpenBLAS runs Katmai for Prescott); the pass says
+which.
 """
 import argparse
 import os
@@ -84,9 +86,11 @@ def main(argv=None):
                    OPENBLAS_NUM_THREADS=str(threads),
                    OMP_NUM_THREADS=str(threads))
         running = current_kernel(env)
-        if running.lower() != kernel.lower():
-            print('OPENBLAS_CORETYPE={} is not honoured: OpenBLAS runs {}'
-                  .format(kernel, running), flush=True)
+        print('OPENBLAS_CORETYPE={}: OpenBLAS runs {}'.format(
+            kernel, running), flush=True)
+        if running.lower() == default.lower():
+            print('OPENBLAS_CORETYPE={} is not honoured'.format(kernel),
+                  flush=True)
             failed.append(kernel)
             continue
         commands = [

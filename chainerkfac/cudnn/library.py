@@ -23,6 +23,8 @@ import os
 from typing import (Callable, Dict, Iterator, List, Mapping, NamedTuple,
                     Optional)
 
+from chainerkfac._binding import LibraryNotFound, bind_prototypes
+
 #: cuDNN major version whose legacy API this backend binds.
 MAJOR = 9
 SONAME = 'libcudnn.so.9'
@@ -172,12 +174,6 @@ class CuDNNError(RuntimeError):
             self.message, ''.join('\n  ' + i for i in self._infos))
 
 
-class LibraryNotFound(OSError):
-    """No ``libcudnn.so.9`` could be opened at all (as opposed to one that
-    opens but lacks a function :data:`PROTOTYPES` binds: a plain
-    :class:`OSError` naming the functions)."""
-
-
 class Library:
     """The bound functions of one cuDNN, and where it came from.
 
@@ -276,14 +272,7 @@ def _open(folder: Optional[str]) -> ctypes.CDLL:
 def bind(cdll: ctypes.CDLL, path: str) -> Library:
     """Bind every function of :data:`PROTOTYPES` from an open library
     (:class:`Library` names those it lacks)."""
-    functions = {}
-    for name, prototype in PROTOTYPES.items():
-        function = getattr(cdll, name, None)
-        if function is not None:
-            function.argtypes = prototype.argtypes
-            function.restype = prototype.restype
-            functions[name] = function
-    return Library(functions, path)
+    return Library(bind_prototypes(cdll, PROTOTYPES), path)
 
 
 def load(folders=None) -> Library:

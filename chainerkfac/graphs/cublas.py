@@ -24,6 +24,8 @@ import importlib.util
 import os
 from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple
 
+from chainerkfac._binding import LibraryNotFound, bind_prototypes
+
 #: Newest first: CUDA 13's cuBLAS, then CUDA 12's.
 SONAMES = ('libcublas.so.13', 'libcublas.so.12')
 
@@ -160,14 +162,9 @@ def candidates() -> Iterator[str]:
 
 
 def bind(cdll: ctypes.CDLL, path: str) -> Library:
-    functions = {}
-    for name, prototype in PROTOTYPES.items():
-        function = getattr(cdll, name, None)
-        if function is not None:
-            function.argtypes = prototype.argtypes
-            function.restype = prototype.restype
-            functions[name] = function
-    return Library(functions, path)
+    """Bind every function of :data:`PROTOTYPES` from an open library
+    (:class:`Library` names those it lacks)."""
+    return Library(bind_prototypes(cdll, PROTOTYPES), path)
 
 
 def load(paths=None) -> Library:
@@ -176,8 +173,11 @@ def load(paths=None) -> Library:
 
     Raises
     ------
-    OSError
+    LibraryNotFound
         None loads; the message says what was tried.
+    OSError
+        One loads but does not export every function of
+        :data:`PROTOTYPES`; the message names them.
     """
     tried = []
     for path in candidates() if paths is None else paths:
@@ -187,4 +187,4 @@ def load(paths=None) -> Library:
             tried.append(str(error))
             continue
         return bind(cdll, path)
-    raise OSError('no cuBLAS found: {}'.format('; '.join(tried)))
+    raise LibraryNotFound('no cuBLAS found: {}'.format('; '.join(tried)))
