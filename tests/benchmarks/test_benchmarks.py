@@ -306,3 +306,15 @@ def test_step_time_throughput_arithmetic_and_table():
     assert step_time.parse_args(
         ['--gpu', '--variants', 'sgd,sgd_graph']).variants == (
             'sgd', 'sgd_graph')
+    with pytest.raises(SystemExit):     # K-FAC's replayed stale steps too
+        step_time.parse_args(['--variants', 'sgd,kfac_stale_graph'])
+    assert 'kfac_stale_graph' not in step_time.parse_args(['--gpu']).variants
+    # the GPU's batch limits of the inverse stage, 0 for none batched
+    assert step_time.parse_args(
+        ['--gpu', '--inverse-only', '--batched-max-dims', '0,256']
+    ).batched_max_dims == [0, 256]
+    for bad in (['--inverse-only', '--batched-max-dims', '64'],
+                ['--gpu', '--batched-max-dims', '64'],
+                ['--gpu', '--inverse-only', '--batched-max-dims', '-1']):
+        with pytest.raises(SystemExit):
+            step_time.parse_args(bad)
