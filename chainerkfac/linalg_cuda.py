@@ -43,11 +43,12 @@ logger = logging.getLogger(__name__)
 #: 0.144 s on 8, 0.130 s on 16 and 0.134 s on 32 (2026-11-23); the 27
 #: factors of n >= 2048 alone 0.092 s on 16.
 N_STREAMS = 16
-#: The largest factor inverted in a batch of its size (0: none). Larger
-#: factors keep potrf + potri, whose blocked algorithms suit them; the
-#: limit is to be set by ``benchmarks.step_time --inverse-only
-#: --batched-max-dims`` on a GPU (not measured yet).
-BATCHED_MAX_DIM = 512
+#: The largest factor inverted in a batch of its size (0: none, every
+#: factor by potrf + potri, whose blocked algorithms suit large ones).
+#: 0 until a GPU has run the batches (tests/gpu) and
+#: ``benchmarks.step_time --gpu --inverse-only --batched-max-dims`` has
+#: chosen the limit; ResNet-50 batches 100 of its 161 factors at 512.
+BATCHED_MAX_DIM = 0
 #: The fewest factors of one size that make a batch.
 BATCH_MIN = 2
 
