@@ -136,6 +136,13 @@ def parse_args(argv=None):
                              "or 'pure_nccl' (default with --gpu)")
     parser.add_argument('--gpu', action='store_true',
                         help='one GPU per process (intra-node rank)')
+    parser.add_argument('--cuda-graphs', action='store_true',
+                        help='capture steady-state steps (K-FAC steps that '
+                             'refresh no factor, the baselines\' steps) as '
+                             'CUDA graphs and replay them (--gpu, one '
+                             'process, no accumulation; opt-in until '
+                             'measured equal on a GPU); the summary counts '
+                             'eager, captured and replayed steps')
     parser.add_argument('--arch', choices=models.ARCHS, default='resnet50')
     parser.add_argument('--depth', type=small_resnet_depth, default=8,
                         help='depth of --arch small (6n+2: 8, 14, 20, ...)')
@@ -247,6 +254,9 @@ def parse_args(argv=None):
     if args.demo and (args.resume or args.init_weights_from):
         parser.error('--demo trains two new runs: no --resume or '
                      '--init-weights-from')
+    if args.cuda_graphs and not args.gpu:
+        parser.error('--cuda-graphs replays GPU work: it needs --gpu (the '
+                     'arrays would be NumPy arrays)')
     if args.crop_size > args.resize:
         parser.error('--crop-size {} is larger than --resize {}: the crop is '
                      'cut from the resized image'.format(args.crop_size,

@@ -25,6 +25,7 @@ from chainer.training import extensions
 import augment
 import config as config_module
 import models
+from chainerkfac import graphs
 from chainerkfac import training as kfac_training
 from chainerkfac.training import FisherDiffLog, TimeToAccuracy
 from harness import data as data_module
@@ -37,13 +38,19 @@ OPTIMIZERS = ('kfac', 'sgd', 'lars')
 
 
 def build_optimizer(name, cfg, comm, acc_iters, args):
-    """The optimizer and its learning-rate schedule extension."""
+    """The optimizer and its learning-rate schedule extension. With
+    ``--cuda-graphs`` (one process: :func:`check_cuda_graphs`) K-FAC keeps
+    its local transport and the baselines get no communicator, so that
+    their steps can be replayed (:mod:`chainerkfac.graphs`)."""
+    distributed = not args.cuda_graphs
     if name == 'kfac':
         optimizer = chainerkfac.optimizers.KFAC(
             acc_iters=acc_iters, fisher_diff=args.fisher_diff,
             verbose=comm.rank == 0, seed=args.seed + comm.rank,
             **config_module.kfac_options(cfg))
-        optimizer = chainerkfac.create_multi_node_optimizer(optimizer, comm)
+        if distributed:
+            optimizer = chainerkfac.create_multi_node_optimizer(optimizer,
+                                                                comm)
         schedule = kfac_training.PolynomialLRDecay(
             cfg.lr, cfg.p_decay, cfg.e_start, cfg.e_end,
             momentum_init=cfg.momentum)
@@ -69,7 +76,7 @@ def build_optimizer(name, cfg, comm, acc_iters, args):
     # skipped-step guard are the optimizer's.
     optimizer = chainerkfac.optimizers.GuardedOptimizer(
         chainer.optimizers.MomentumSGD(lr=lr, momentum=momentum), acc_iters,
-        comm)
+        comm if distributed else None)
     schedule = kfac_training.LinearWarmupLR(
         lr, warmup_start, warmup_epochs=args.warmup_epochs,
         decay=kfac_training.polynomial_decay(
@@ -81,6 +88,22 @@ def _given(value, default):
     """An option's value, or ``default`` if it was not given (0 is a value:
     ``--baseline-momentum 0`` is plain SGD)."""
     return default if value is None else value
+
+
+def check_cuda_graphs(n_processes, acc_iters):
+    """Raise ValueError, saying why, where ``--cuda-graphs`` cannot apply
+    (what :mod:`chainerkfac.graphs` does not capture yet: several
+    processes, steps of several micro-batches)."""
+    if n_processes > 1:
+        raise ValueError(
+            '--cuda-graphs: the steps of {} processes are not captured yet '
+            '(their collectives and the agreement on a skipped step); run '
+            'one process, or drop --cuda-graphs'.format(n_processes))
+    if acc_iters > 1:
+        raise ValueError(
+            '--cuda-graphs: a step of {} accumulated micro-batches is not '
+            'captured yet; use a config whose global batch is one '
+            "process's batch, or drop --cuda-graphs".format(acc_iters))
 
 
 def attach_hooks(name, optimizer, args):
@@ -184,6 +207,8 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
     acc_iters = cfg.acc_iters(comm.size)
     n_class = args.n_class or cfg.n_class
     kfac = optimizer_name == 'kfac'
+    if args.cuda_graphs:
+        check_cuda_graphs(comm.size, acc_iters)
     if kfac:
         config_module.check_epochs(cfg, args.config)
     numpy.random.seed(args.seed)   # same initial weights on every rank
@@ -238,8 +263,13 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
     augmenting = not args.no_augment
     converter = BatchConverter(data.mean, args.skip_bad_images,
                                labels_on_host=True)
+    stepper = optimizer
+    if args.cuda_graphs:
+        # Only the updater steps through the graphs; snapshots, schedules
+        # and observers see the optimizer itself.
+        stepper = graphs.graphed(optimizer)
     updater = AugmentedUpdater(
-        train_iter, optimizer, comm, acc_iters, cfg.epochs, converter,
+        train_iter, stepper, comm, acc_iters, cfg.epochs, converter,
         args.seed, cfg.alpha_mixup if augmenting else 0.0, n_class,
         augmenting, device)
     trainer = training.Trainer(updater, triggers.StopTrigger(cfg.epochs, stop),
@@ -310,6 +340,9 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
     summary = {'optimizer': optimizer_name, 'epochs': updater.epoch,
                'elapsed_time': time.time() - start,
                'reached': target.reached if target else None}
+    if args.cuda_graphs:
+        # eager / captured / replayed steps, and why a step ran eagerly
+        summary['cuda_graphs'] = dict(stepper.stats)
     if comm.rank == 0:
         log = run_dir.load_log(out)
         accuracies = [e.get('validation/main/accuracy') for e in log]

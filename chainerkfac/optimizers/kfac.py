@@ -257,6 +257,10 @@ class KFAC(optimizer.GradientMethod):
         self.rescale = WeightRescale(weight_rescale)
         #: The skipped-step guard (:attr:`StepGuard.skipped` after a step).
         self.guard = StepGuard()
+        #: γ as a device scalar for stage 5, or None (the host float):
+        #: set by a CUDA-graph replay (:mod:`chainerkfac.graphs.kfac_step`)
+        #: so that the damping schedule needs no new capture.
+        self.device_damping = None
         #: Stages 3 and 6 (see :mod:`chainerkfac.transport`).
         self.transport = LocalTransport()
         #: The gradients arrive averaged over processes already
@@ -521,7 +525,8 @@ class KFAC(optimizer.GradientMethod):
         self.timer.mark('all_gather', self._like())
 
         finite = self.guard.check(
-            [d for ds in directions.values() for d in ds], transport.agree)
+            [d for ds in directions.values() for d in ds],
+            transport.agree if transport.size > 1 else None)
         step = self.t
         self.t += 1
         if finite:
@@ -538,10 +543,7 @@ class KFAC(optimizer.GradientMethod):
             for name in counts[block]:
                 block.mark_refreshed(name, step)
                 refreshed.add(block.factor_kinds[name].interval)
-        self._report(refreshed, retries, step)
-        if self._damping_rate is not None:
-            self.damping = equations.damping_step(
-                self.damping, self.damping_target, self._damping_rate)
+        self._close_step(refreshed, retries, step)
         self.timer.mark('update', self._like())
         self.call_hooks('post')
         self.guard.checkpoint(self.target)
@@ -637,7 +639,7 @@ class KFAC(optimizer.GradientMethod):
                 continue
             stack = self._inverse_stacks.setdefault(
                 key, kronecker.InverseStack())
-            damping = self.damping * members[0].damping_scale(self.rho_bn)
+            damping = self._block_damping(members[0])
             out = kronecker.precondition_batch(
                 members, [grads[b] for b in members], damping, stack)
             directions.update(zip(members, out))
@@ -649,13 +651,39 @@ class KFAC(optimizer.GradientMethod):
 
     def _precondition(self, block, grads):
         """Stage 5: ``(F + γI)⁻¹ ∇E`` of one owned block."""
-        damping = self.damping * block.damping_scale(self.rho_bn)
+        damping = self._block_damping(block)
         filled = [g if g is not None else p.array * 0
                   for g, p in zip(grads, block.params)]
         out = block.precondition(filled, damping)
         return [d if g is not None else None for d, g in zip(out, grads)]
 
+    def _block_damping(self, block):
+        """γ of a block in stage 5: a float, or a device scalar
+        (:attr:`device_damping`)."""
+        scale = block.damping_scale(self.rho_bn)
+        if self.device_damping is None:
+            return self.damping * scale
+        return self.device_damping * scale
+
     # -- between steps --------------------------------------------------------
+    def _close_step(self, refreshed, retries: int, step: int) -> None:
+        """The step's report and the damping schedule (eqs. 15-16)."""
+        self._report(refreshed, retries, step)
+        if self._damping_rate is not None:
+            self.damping = equations.damping_step(
+                self.damping, self.damping_target, self._damping_rate)
+
+    def finish_replayed_step(self) -> None:
+        """The host side of a step that refreshed nothing and whose device
+        work a CUDA graph replayed (:mod:`chainerkfac.graphs.kfac_step`):
+        what :meth:`update` does on the host for such a step, but the
+        update rules' ``t``, which the caller advances."""
+        step = self.t
+        self.t += 1
+        self.fisher_diffs = {}
+        self._close_step(set(), 0, step)
+        self._begin_step()
+
     def _begin_step(self) -> None:
         """Decide the factors due at the coming step and start capturing
         them (the graph too, until the first step: eq. 20 'auto' and the
@@ -732,14 +760,14 @@ class KFAC(optimizer.GradientMethod):
             'kfac/refresh_G': float('G' in refreshed),
             'kfac/refresh_F': float('F' in refreshed),
             'kfac/inverse_retries': float(retries),
-            'kfac/skipped_step': float(self.guard.skipped),
+            'kfac/skipped_step': self.guard.observation(),
             'kfac/preconditioned_blocks': float(preconditioned),
             'kfac/plain_blocks': float(len(self.blocks) - preconditioned),
         }
         for (layer, factor), value in self.fisher_diffs.items():
             observation['kfac/diff/{}{}'.format(factor, layer)] = value
         chainer.reporter.report(observation)
-        if self.guard.skipped:
+        if self.guard.checks_on_host and self.guard.skipped:
             logger.warning('K-FAC step %d: non-finite preconditioned '
                            'gradient, update skipped (weights and running '
                            'statistics unchanged)', step)

@@ -96,3 +96,10 @@ def test_values_at_the_edges_are_kept():
             args.epochs, args.keep_snapshots) == (1, 'epoch', 1, 0)
     assert args.baseline_momentum == 0.0 and args.warmup_epochs == 0.0
     assert args.target_acc == 1.0 and args.depth == 14
+
+
+def test_cuda_graphs_need_the_gpu(capsys):
+    err = refused(capsys, '--cuda-graphs')
+    assert '--cuda-graphs' in err and '--gpu' in err
+    assert train_imagenet.parse_args(LISTS + ['--gpu', '--cuda-graphs'])\
+        .cuda_graphs
