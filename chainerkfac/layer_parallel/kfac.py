@@ -15,6 +15,8 @@ layer-parallel training of a :class:`.ResidualODE`:
   input, the forward state ``u_n``; ``G`` from the gradient w.r.t. its
   output ``K_n u_n + b_n``, ``h σ' ⊙ ū_{n+1}`` from the adjoint state; the
   opening layer and the classifier are Chainer calls as usual;
+* **process-local otherwise** — with one replica each process's optimizer
+  holds its own layers' blocks alone (``process_local``: nothing to share);
 * **data replicas** — with a :class:`.ProcessGrid` of several replicas the
   optimizer is distributed over the grid's data group
   (:func:`chainerkfac.create_multi_node_optimizer` on a ChainerMN
@@ -77,7 +79,11 @@ def setup_kfac(optimizer: KFAC, mgrit, grid=None,
     optimizer.skip_layers = tuple(_as_tuple(optimizer.skip_layers)) + \
         tuple(others)
     optimizer.setup(net)
-    if grid is not None and grid.n_replicas > 1:
+    if grid is None or grid.n_replicas == 1:
+        # Every process's blocks are its own layers': its factors are
+        # process-local by design, whatever the number of processes.
+        optimizer.process_local = True
+    else:
         from chainerkfac import communicators
         from chainerkfac.multi_node_optimizer import \
             create_multi_node_optimizer

@@ -70,7 +70,7 @@ def test_layer_parallel_kfac_on_the_gpu_equals_serial_kfac(layer_procs):
     net, reference_net = common.dense_net(n_layers=16), \
         common.dense_net(n_layers=16)
     x, t = common.batch(net, size=12)
-    reference = KFAC(**options).setup(reference_net)
+    reference = KFAC(process_local=True, **options).setup(reference_net)
     net.to_device(support.device())
     mgrit = lp.MGRIT(net, comm=grid.layer_comm, tol=1e-14, max_iter=60)
     optimizer = lp.setup_kfac(KFAC(**options), mgrit, grid,

@@ -52,7 +52,7 @@ def test_converged_layer_parallel_kfac_is_serial_kfac(layer_procs, name):
     training = lp.SimultaneousTraining(
         lp.MGRIT(net, comm=grid.layer_comm, tol=1e-14, max_iter=60),
         KFAC(**OPTIONS), m1=60, m2=60, grid=grid)
-    reference = KFAC(**OPTIONS).setup(reference_net)
+    reference = KFAC(process_local=True, **OPTIONS).setup(reference_net)
     failures = []
     for _ in range(5):
         result = training.step(*grid.local_batch(x, t))
