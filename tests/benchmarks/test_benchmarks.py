@@ -265,8 +265,11 @@ def test_step_time_throughput_sweep_smoke(tmp_path):
         # images/s is the batch over the median step
         assert ips['sgd'] == pytest.approx(r['batch'] / r['median_s']['sgd'])
         # the amortised cycle lies between its every-step and stale parts
-        assert ips['kfac_every'] <= ips['kfac_stale_amortised'] <= \
-            ips['kfac_stale']
+        # (which of the two is faster is a timing: at batch 4 on a loaded
+        # machine either can be)
+        low, high = sorted((ips['kfac_every'], ips['kfac_stale']))
+        assert low <= ips['kfac_stale_amortised'] * (1 + 1e-12) and \
+            ips['kfac_stale_amortised'] <= high * (1 + 1e-12)
         assert 'peer_pytorch' not in r     # --peer needs --gpu
 
 
