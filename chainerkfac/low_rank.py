@@ -50,6 +50,7 @@ import numpy
 
 from chainer.backend import get_array_module
 
+from chainerkfac import linalg
 from chainerkfac.dtypes import factor_dtype_for
 
 #: A factor is captured in per-sample form while its rank on a process is
@@ -87,11 +88,11 @@ class LowRank:
 
     def dense(self):
         """``U Uᵀ`` (d, d)."""
-        return self.columns.dot(self.columns.T)
+        return linalg.matmul(self.columns, self.columns.T)
 
     def kernel(self):
         """``Uᵀ U`` (k, k): the matrix the damped inverse inverts."""
-        return self.columns.T.dot(self.columns)
+        return linalg.matmul(self.columns.T, self.columns)
 
     def trace(self) -> float:
         columns = self.columns
@@ -211,7 +212,7 @@ class WoodburyInverse:
 
     def __init__(self, columns, core_inverse, damping: float):
         self.columns = columns
-        self.weighted = columns.dot(core_inverse)       # W = U C⁻¹
+        self.weighted = linalg.matmul(columns, core_inverse)    # W = U C⁻¹
         self.damping = float(damping)
 
     @property
@@ -221,14 +222,14 @@ class WoodburyInverse:
     def left(self, matrix):
         """``F⁻¹ · matrix`` for a (d, o) matrix."""
         u, w = self._operands(matrix.dtype)
-        out = matrix - u.dot(w.T.dot(matrix))
+        out = matrix - linalg.matmul(u, linalg.matmul(w.T, matrix))
         out *= out.dtype.type(1.0 / self.damping)
         return out
 
     def right(self, matrix):
         """``matrix · F⁻¹`` for an (o, d) matrix."""
         u, w = self._operands(matrix.dtype)
-        out = matrix - matrix.dot(w).dot(u.T)
+        out = matrix - linalg.matmul(linalg.matmul(matrix, w), u.T)
         out *= out.dtype.type(1.0 / self.damping)
         return out
 
@@ -265,7 +266,7 @@ def left_multiply(inverse, matrix, overwrite: bool = False):
         return inverse.left(matrix)
     inverse = inverse.astype(matrix.dtype, copy=False)
     if inverse.ndim == 2:
-        return inverse.dot(matrix)
+        return linalg.matmul(inverse, matrix)
     if overwrite:
         matrix *= inverse[:, None]
         return matrix
@@ -278,7 +279,7 @@ def right_multiply(matrix, inverse, overwrite: bool = False):
         return inverse.right(matrix)
     inverse = inverse.astype(matrix.dtype, copy=False)
     if inverse.ndim == 2:
-        return matrix.dot(inverse)
+        return linalg.matmul(matrix, inverse)
     if overwrite:
         matrix *= inverse
         return matrix
