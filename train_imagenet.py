@@ -136,13 +136,18 @@ def parse_args(argv=None):
                              "or 'pure_nccl' (default with --gpu)")
     parser.add_argument('--gpu', action='store_true',
                         help='one GPU per process (intra-node rank)')
-    parser.add_argument('--cuda-graphs', action='store_true',
+    parser.add_argument('--cuda-graphs', nargs='?', const='on',
+                        default='auto', choices=('auto', 'on', 'off'),
                         help='capture steady-state steps (K-FAC steps that '
                              'refresh no factor, the baselines\' steps) as '
-                             'CUDA graphs and replay them (--gpu, one '
-                             'process, no accumulation; opt-in until '
-                             'measured equal on a GPU); the summary counts '
-                             'eager, captured and replayed steps')
+                             'CUDA graphs and replay them. auto (default): '
+                             'on with --gpu where they can be captured (one '
+                             'process, no accumulation, cuDNN serving '
+                             'Chainer), else off, the start-up line says '
+                             'why; on (or the bare flag): refuse a run where '
+                             'they cannot; off: every step eager. The '
+                             'summary counts eager, captured and replayed '
+                             'steps')
     parser.add_argument('--arch', choices=models.ARCHS, default='resnet50')
     parser.add_argument('--depth', type=small_resnet_depth, default=8,
                         help='depth of --arch small (6n+2: 8, 14, 20, ...)')
@@ -254,7 +259,7 @@ def parse_args(argv=None):
     if args.demo and (args.resume or args.init_weights_from):
         parser.error('--demo trains two new runs: no --resume or '
                      '--init-weights-from')
-    if args.cuda_graphs and not args.gpu:
+    if args.cuda_graphs == 'on' and not args.gpu:
         parser.error('--cuda-graphs replays GPU work: it needs --gpu (the '
                      'arrays would be NumPy arrays)')
     if args.crop_size > args.resize:

@@ -37,12 +37,12 @@ from harness.updater import AugmentedUpdater, BatchConverter
 OPTIMIZERS = ('kfac', 'sgd', 'lars')
 
 
-def build_optimizer(name, cfg, comm, acc_iters, args):
-    """The optimizer and its learning-rate schedule extension. With
-    ``--cuda-graphs`` (one process: :func:`check_cuda_graphs`) K-FAC keeps
-    its local transport and the baselines get no communicator, so that
-    their steps can be replayed (:mod:`chainerkfac.graphs`)."""
-    distributed = not args.cuda_graphs
+def build_optimizer(name, cfg, comm, acc_iters, args, use_graphs=False):
+    """The optimizer and its learning-rate schedule extension. With CUDA
+    graphs (``use_graphs``: one process, :func:`cuda_graphs`) K-FAC keeps its
+    local transport and the baselines get no communicator, so that their
+    steps can be replayed (:mod:`chainerkfac.graphs`)."""
+    distributed = not use_graphs
     if name == 'kfac':
         optimizer = chainerkfac.optimizers.KFAC(
             acc_iters=acc_iters, fisher_diff=args.fisher_diff,
@@ -90,20 +90,42 @@ def _given(value, default):
     return default if value is None else value
 
 
-def check_cuda_graphs(n_processes, acc_iters):
-    """Raise ValueError, saying why, where ``--cuda-graphs`` cannot apply
-    (what :mod:`chainerkfac.graphs` does not capture yet: several
-    processes, steps of several micro-batches)."""
-    if n_processes > 1:
-        raise ValueError(
-            '--cuda-graphs: the steps of {} processes are not captured yet '
-            '(their collectives and the agreement on a skipped step); run '
-            'one process, or drop --cuda-graphs'.format(n_processes))
-    if acc_iters > 1:
-        raise ValueError(
-            '--cuda-graphs: a step of {} accumulated micro-batches is not '
-            'captured yet; use a config whose global batch is one '
-            "process's batch, or drop --cuda-graphs".format(acc_iters))
+def cuda_graphs(mode, gpu, n_processes, acc_iters, cudnn_serves):
+    """Whether the steps are replayed as CUDA graphs, and why (the
+    start-up line). ``mode`` is ``--cuda-graphs``: ``'auto'`` turns them on
+    where :mod:`chainerkfac.graphs` captures the whole step (``--gpu``, one
+    process, no accumulation, convolutions on cuDNN: Chainer's own im2col
+    path calls CuPy's cuBLAS, which CuPy refuses during a capture),
+    ``'off'`` never, ``'on'`` or refuses.
+
+    Raises
+    ------
+    ValueError
+        With ``mode='on'`` where the steps cannot be captured, saying why.
+    """
+    if mode == 'off':
+        return False, 'off (--cuda-graphs off)'
+    why_not = None
+    if not gpu:
+        why_not = 'no --gpu'
+    elif n_processes > 1:
+        why_not = ('the steps of {} processes are not captured yet (their '
+                   'collectives and the agreement on a skipped step)'
+                   .format(n_processes))
+    elif acc_iters > 1:
+        why_not = ('a step of {} accumulated micro-batches is not captured '
+                   'yet'.format(acc_iters))
+    elif not cudnn_serves:
+        why_not = ("cuDNN does not serve Chainer (see the cuDNN line), and "
+                   "Chainer's im2col convolutions call CuPy's cuBLAS, "
+                   'which a capture refuses')
+    if why_not is None:
+        return True, 'on (steady-state steps replayed; --cuda-graphs off ' \
+                     'for eager steps)'
+    if mode == 'on':
+        raise ValueError('--cuda-graphs: ' + why_not + '; use '
+                         '--cuda-graphs auto or off')
+    return False, 'off: ' + why_not
 
 
 def attach_hooks(name, optimizer, args):
@@ -207,8 +229,9 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
     acc_iters = cfg.acc_iters(comm.size)
     n_class = args.n_class or cfg.n_class
     kfac = optimizer_name == 'kfac'
-    if args.cuda_graphs:
-        check_cuda_graphs(comm.size, acc_iters)
+    use_graphs, graphs_why = cuda_graphs(
+        args.cuda_graphs, args.gpu, comm.size, acc_iters,
+        args.gpu and chainer.backends.cuda.cudnn_enabled)
     if kfac:
         config_module.check_epochs(cfg, args.config)
     numpy.random.seed(args.seed)   # same initial weights on every rank
@@ -219,7 +242,7 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
     device.use()
     model.to_device(device)
     optimizer, schedule = build_optimizer(optimizer_name, cfg, comm,
-                                          acc_iters, args)
+                                          acc_iters, args, use_graphs)
     optimizer.setup(model)
     attach_hooks(optimizer_name, optimizer, args)
     resumed = resume.starting_point(
@@ -227,6 +250,7 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
         args.init_weights_from)
     if comm.rank == 0:
         print('cuDNN: {}'.format(chainerkfac.cudnn.describe()), flush=True)
+        print('CUDA graphs: {}'.format(graphs_why), flush=True)
     if not kfac:
         comm.bcast_data(model)
     lock = run_dir.claim(
@@ -236,14 +260,14 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
     try:
         return _train(args, comm, optimizer_name, out, cfg, acc_iters, model,
                       device, optimizer, schedule, resumed,
-                      stop or preemption.StopRequest(()))
+                      stop or preemption.StopRequest(()), use_graphs)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
-           optimizer, schedule, resumed, stop):
+           optimizer, schedule, resumed, stop, use_graphs):
     """The rest of :func:`train`, in the claimed run directory."""
     batch = cfg.batch_size_per_process
     n_class = args.n_class or cfg.n_class
@@ -264,7 +288,7 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
     converter = BatchConverter(data.mean, args.skip_bad_images,
                                labels_on_host=True)
     stepper = optimizer
-    if args.cuda_graphs:
+    if use_graphs:
         # Only the updater steps through the graphs; snapshots, schedules
         # and observers see the optimizer itself.
         stepper = graphs.graphed(optimizer)
@@ -340,7 +364,7 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
     summary = {'optimizer': optimizer_name, 'epochs': updater.epoch,
                'elapsed_time': time.time() - start,
                'reached': target.reached if target else None}
-    if args.cuda_graphs:
+    if use_graphs:
         # eager / captured / replayed steps, and why a step ran eagerly
         summary['cuda_graphs'] = dict(stepper.stats)
     if comm.rank == 0:
