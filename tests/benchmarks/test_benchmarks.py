@@ -191,6 +191,29 @@ def test_dist_scaling_output_feeds_analysis_scaling(tmp_path):
     assert loaded['results'][0]['processes'] == 1
 
 
+def test_shard_update_smoke(tmp_path):
+    data, stdout = run_benchmark('shard_update', tmp_path)
+    check_header(data, 'shard_update')
+    assert 'Weight-update sharding' in stdout
+    [result] = data['results']
+    assert result['processes'] == 2 and positive(result['parameters'])
+    for name in ('momentum_sgd', 'lars', 'kfac'):
+        entry = result['optimizers'][name]
+        for variant in ('unsharded', 'sharded'):
+            figures = entry[variant]
+            for key in ('step_s', 'update_s'):
+                assert positive(figures[key]), (name, variant, key)
+            assert len(figures['state_bytes_per_rank']) == 2
+            assert figures['state_bytes_max'] == max(
+                figures['state_bytes_per_rank'])
+        assert positive(entry['sharded']['all_gather_s'])
+        # Each process holds part of the state, together all of it.
+        unsharded = entry['unsharded']['state_bytes_per_rank']
+        sharded = entry['sharded']['state_bytes_per_rank']
+        assert unsharded[0] == unsharded[1] == sum(sharded), name
+        assert all(positive(v) for v in entry['ratios'].values())
+
+
 def test_convergence_smoke(tmp_path):
     run_dir = tmp_path / 'runs'
     data, stdout = run_benchmark('convergence', tmp_path, '--run-dir',
