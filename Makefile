@@ -26,7 +26,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # help about: mpi-abort ... help-mpi-api.txt: No such file or directory"
 # after every error instead of Open MPI's message (train_imagenet.py also
 # sets it for itself when it is unset). Each venv has its own Open MPI.
-test test-fast test-mpi demo: export OPAL_PREFIX := $(abspath $(VENV))
+test test-fast test-mpi test-kernels demo: export OPAL_PREFIX := $(abspath $(VENV))
 test-numpy2: export OPAL_PREFIX := $(abspath $(VENV_NP2))
 # Open MPI 5 inside containers: allow root and more ranks than cores.
 # Users of a real cluster never need these.
@@ -36,7 +36,7 @@ export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 export OMPI_MCA_btl_vader_single_copy_mechanism := none
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv venv-np2 test test-fast test-mpi test-numpy2 test-gpu demo clean
+.PHONY: venv venv-np2 test test-fast test-mpi test-kernels test-numpy2 test-gpu demo clean
 
 venv: $(VENV)/.installed
 
@@ -69,6 +69,13 @@ test-fast: venv
 
 test-mpi: venv
 	$(PY) -m tests.run_mpi --mpiexec $(MPIEXEC)
+
+# The numerical tests again with OpenBLAS forced onto two kernels other
+# than this CPU's default (one and two BLAS threads): a test that depends
+# on the machine's floating-point kernels fails here, on the developer's
+# machine, before it fails on a user's (docs/tests.md).
+test-kernels: venv
+	$(PY) -m tests.blas_kernels --mpiexec $(MPIEXEC)
 
 # The fast single-process tests (tests/chainerkfac/test_compat.py among
 # them) again on NumPy 2 / Python 3.12. `-p chainerkfac._compat` applies the

@@ -7,6 +7,8 @@ its factor capture by layer type; or the inverse stage alone.
         [--profile] [--conv-a auto|shifted|unfolded] [--inverse-only
         [--inverse-methods cholesky,newton_schulz]
         [--newton-schulz-max-dim N]] [--peer]
+        [--batches 32,64,128,256] [--workspace-sizes 8MiB,64MiB,1GiB]
+        [--autotune]
 
 For each model (CPU: the small ResNet at batch 128, 32x32, and ResNet-50 at
 batch 8, 224x224; ``--gpu``: the same small ResNet and ResNet-50 at batch
@@ -24,10 +26,15 @@ same fixed batch:
   (``factor_dtype='float16'``);
 * ``kfac_newton_schulz``: every step, the factors up to n = 1024
   inverted by the batched Newton–Schulz iteration
-  (``inverse_method='newton_schulz'``).
+  (``inverse_method='newton_schulz'``);
+* ``sgd_graph`` (``--gpu``, opt-in): the momentum SGD step through
+  :class:`chainerkfac.graphs.StepGraph`, captured once as a CUDA graph
+  and replayed (its counts of eager / captured / replayed steps are
+  recorded as ``graph_stats``).
 
 The CPU runs ``sgd``, ``kfac_every`` and ``kfac_stale`` by default,
-``--gpu`` all six (``--variants`` picks any subset that has ``sgd``).
+``--gpu`` the first six (``--variants`` picks any subset that has
+``sgd``).
 
 After warm-up steps, the variants are timed in *rounds* (one step of each,
 in an order rotated every round), so that the machine's noise hits all
@@ -90,12 +97,29 @@ kfac-pytorch on torchvision's ResNet-50 at the same batch and size, in the
 same process (:mod:`benchmarks.peer_pytorch`; skipped, with the reason in
 the JSON, where PyTorch, torchvision or kfac-pytorch cannot be imported),
 recorded as ``peer_pytorch`` and tabled beside ours.
+
+**Throughput sweep** (``--batches``, ``--workspace-sizes``): the step
+timing again at each per-GPU batch and each cuDNN workspace limit
+(``chainer.backends.cuda.set_max_workspace_size``; ``--autotune`` times
+cuDNN's algorithms, ``chainer.config.autotune``), and, with ``--peer``, the
+peer at each batch in the same run; reported as images per second: SGD,
+K-FAC every step, K-FAC stale (its steady state alone, and amortised over
+a refresh cycle: ``batch · k / (t_every + (k − 1) t_stale)`` from the
+medians), beside PyTorch SGD and kfac-pytorch's inverse method, every step
+and stale (amortised the same way), in a table and a PNG beside the JSON
+(``--out`` with ``.png``). Why a workspace limit matters: with more
+workspace cuDNN's heuristics may pick algorithms (FFT, FFT tiling,
+Winograd non-fused) that launch several kernels per convolution and need
+hundreds of MiB, which costs host time where the step is host-bound and
+GPU time where the heuristics misjudge; timing (``--autotune``) picks by
+measurement. The sweep measures which limit is fastest on a machine.
 """
 import argparse
 import collections
 import cProfile
 import gc
 import io
+import os
 import pstats
 import sys
 import time
@@ -120,8 +144,10 @@ KFAC_VARIANTS = {
     'kfac_fp16': {'factor_dtype': 'float16'},
     'kfac_newton_schulz': {'inverse_method': 'newton_schulz'},
 }
-VARIANTS = ('sgd',) + tuple(KFAC_VARIANTS)
+VARIANTS = ('sgd',) + tuple(KFAC_VARIANTS) + ('sgd_graph',)
 CPU_VARIANTS = ('sgd', 'kfac_every', 'kfac_stale')
+#: --gpu's default: every variant but the opt-in CUDA-graph one.
+GPU_VARIANTS = VARIANTS[:-1]
 #: Every-step variants whose capture is timed by layer type.
 CAPTURE_VARIANTS = ('kfac_every', 'kfac_diag_bn', 'kfac_fp16')
 STAGES = ('forward_backward', 'factors', 'reduce_scatter', 'inverse',
@@ -184,6 +210,25 @@ class SGDStep:
         self.synchronize()
         self.stage_times = {'forward_backward': middle - start,
                             'update': time.perf_counter() - middle}
+
+
+class SGDGraphStep:
+    """Momentum SGD through :class:`chainerkfac.graphs.StepGraph` (GPU
+    only): eager for the warm-up steps, then captured once and replayed;
+    timed as a whole step (no stage split: a replay has none)."""
+
+    def __init__(self, model, lr=0.01):
+        from chainerkfac import graphs
+        self.optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
+        self.optimizer.setup(model)
+        self.graph = graphs.StepGraph(
+            lambda x, t: self.optimizer.update(model, x, t),
+            graphs.ChainerOptimizer(self.optimizer))
+        self.stage_times = {}
+        self.refreshed = False
+
+    def __call__(self, x, t):
+        self.graph(x, t)
 
 
 class KFACStep:
@@ -277,6 +322,8 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             model.to_device('@cupy:0')
         if variant == 'sgd':
             steps[variant] = SGDStep(model, synchronize)
+        elif variant == 'sgd_graph':
+            steps[variant] = SGDGraphStep(model)
         else:
             steps[variant] = KFACStep(
                 model, interval if variant == 'kfac_stale' else 1, gpu,
@@ -319,8 +366,9 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             capture[variant] = time_capture(steps[variant], x, t,
                                             spec['capture_steps'],
                                             synchronize, steps.get('sgd'))
-    n_kfac = sum(1 for b in steps[_kfac_variant(variants)].optimizer.blocks
-                 if b.factor_names)
+    kfac_variant = _kfac_variant(variants)
+    n_kfac = None if kfac_variant is None else sum(
+        1 for b in steps[kfac_variant].optimizer.blocks if b.factor_names)
     result = {
         'model': name, 'arch': spec['arch'], 'model_kwargs': spec['kwargs'],
         'batch': spec['batch'], 'input': [3, spec['size'], spec['size']],
@@ -337,14 +385,16 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
         'capture_by_type_s': capture,
     }
     result['extra_over_sgd'] = extra_over_sgd(result)
-    if profile:
+    if 'sgd_graph' in steps:
+        result['graph_stats'] = dict(steps['sgd_graph'].graph.stats)
+    if profile and kfac_variant is not None:
         result['profile'] = profile_step(steps[_kfac_variant(variants)], x, t)
     result['goals'] = goals(result, target)
     return result
 
 
 def _kfac_variant(variants):
-    return next(v for v in variants if v != 'sgd')
+    return next((v for v in variants if v in KFAC_VARIANTS), None)
 
 
 def _batch(spec, xp):
@@ -646,6 +696,137 @@ def run_peer(data: Dict, specs: Dict[str, Dict], interval: int) -> str:
     return peer_pytorch.table(data['peer_pytorch'], ours)
 
 
+# -- the throughput sweep -----------------------------------------------------
+#: images/s keys: ours, then the peer's.
+THROUGHPUT = ('sgd', 'kfac_every', 'kfac_stale', 'kfac_stale_amortised')
+PEER_THROUGHPUT = ('sgd', 'kfac_inverse', 'kfac_inverse_stale',
+                   'kfac_inverse_stale_amortised')
+
+
+def images_per_second(median_s: Dict[str, float], batch: int,
+                      interval: int, every: str, stale: str
+                      ) -> Dict[str, float]:
+    """Images per second of each timed step, and of the stale variant
+    amortised over a refresh cycle of ``interval`` steps (one every-step
+    step and ``interval − 1`` stale ones, from the medians)."""
+    out = {k: batch / v for k, v in median_s.items()
+           if v and not k.endswith('_refresh')}
+    if median_s.get(every) and median_s.get(stale):
+        cycle = median_s[every] + (interval - 1) * median_s[stale]
+        out[stale + '_amortised'] = batch * interval / cycle
+    return out
+
+
+def sweep(args, specs: Dict[str, Dict], xp, target: str,
+          kfac_options: Dict) -> List[Dict]:
+    """The step timing of every model at each batch of ``--batches`` and
+    each limit of ``--workspace-sizes``; with ``--peer``, the peer at each
+    batch (once: our workspace limit is not its)."""
+    from chainer.backends import cuda
+    rows = []
+    limits = args.workspace_sizes or [None]
+    if args.workspace_sizes and not cuda.cudnn_enabled:
+        print('note: Chainer has no cuDNN here, so the workspace limits '
+              'change nothing', flush=True)
+    for limit in limits:
+        if limit is not None:
+            cuda.set_max_workspace_size(limit)
+        for name, spec in specs.items():
+            for batch in args.batches or [spec['batch']]:
+                spec = dict(spec, batch=batch)
+                print('timing {} (batch {}, workspace {}, {} rounds)...'
+                      .format(name, batch, _words(limit), spec['rounds']),
+                      flush=True)
+                result = measure(name, spec, args.variants, args.interval,
+                                 spec['rounds'], spec['warmup'], xp,
+                                 target=target, kfac_options=kfac_options)
+                result['workspace_bytes'] = limit
+                result['images_per_s'] = images_per_second(
+                    result['median_s'], batch, args.interval, 'kfac_every',
+                    'kfac_stale')
+                if args.peer and limit == limits[0]:
+                    from benchmarks import peer_pytorch
+                    peer = peer_pytorch.run(batch, spec['size'],
+                                            spec['rounds'], spec['warmup'],
+                                            args.interval)
+                    result['peer_pytorch'] = peer
+                    if 'skipped' not in peer:
+                        result['peer_images_per_s'] = images_per_second(
+                            peer['median_s'], batch, args.interval,
+                            'kfac_inverse', 'kfac_inverse_stale')
+                rows.append(result)
+    return rows
+
+
+def sweep_table(data: Dict) -> str:
+    """Images per second at each batch and workspace limit, ours beside
+    the peer's."""
+    rows = []
+    peer_seen = False
+    for r in data['sweep']:
+        ours, theirs = r['images_per_s'], r.get('peer_images_per_s', {})
+        peer_seen = peer_seen or bool(theirs)
+        rows.append([r['model'], r['batch'], _words(r['workspace_bytes'])] +
+                    [ours.get(k) for k in THROUGHPUT] +
+                    [theirs.get(k) for k in PEER_THROUGHPUT])
+    headers = (['model', 'batch', 'workspace'] +
+               ['{} img/s'.format(k) for k in THROUGHPUT] +
+               ['peer {} img/s'.format(k) for k in PEER_THROUGHPUT])
+    skipped = [r['peer_pytorch']['skipped'] for r in data['sweep']
+               if 'skipped' in r.get('peer_pytorch', {})]
+    note = ('\nPeer (PyTorch, kfac-pytorch): skipped: {}'.format(skipped[0])
+            if skipped else '')
+    return ('Throughput, images per second from the medians ({}; '
+            'autotune {}; stale amortised over {} steps)\n{}{}'.format(
+                _device_words(data), 'on' if data['autotune'] else 'off',
+                data['refresh_interval'],
+                _common.format_table(headers, rows), note))
+
+
+def _png_path(out: str) -> str:
+    root, _ = os.path.splitext(out)
+    return root + '.png'
+
+
+def sweep_figure(data: Dict, path: str) -> None:
+    """Images/s against the batch: ours (solid), the peer's (dashed), one
+    panel per model; a line per workspace limit for ours."""
+    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    models_ = sorted({r['model'] for r in data['sweep']})
+    figure = Figure(figsize=(6 * len(models_), 4.5))
+    FigureCanvasAgg(figure)
+    for i, model in enumerate(models_):
+        axes = figure.add_subplot(1, len(models_), i + 1)
+        rows = [r for r in data['sweep'] if r['model'] == model]
+        for limit in sorted({r['workspace_bytes'] or 0 for r in rows}):
+            mine = [r for r in rows if (r['workspace_bytes'] or 0) == limit]
+            suffix = ('' if len({r['workspace_bytes'] for r in rows}) == 1
+                      else ', workspace {}'.format(_words(limit or None)))
+            for key in THROUGHPUT:
+                points = [(r['batch'], r['images_per_s'][key]) for r in mine
+                          if key in r['images_per_s']]
+                if points:
+                    axes.plot(*zip(*points), marker='o',
+                              label='chainerkfac {}{}'.format(key, suffix))
+        for key in PEER_THROUGHPUT:
+            points = [(r['batch'], r['peer_images_per_s'][key]) for r in rows
+                      if key in r.get('peer_images_per_s', {})]
+            if points:
+                axes.plot(*zip(*points), marker='s', linestyle='--',
+                          label='PyTorch {}'.format(key))
+        axes.set_xscale('log', base=2)
+        axes.set_xlabel('per-GPU batch')
+        axes.set_ylabel('images / s')
+        axes.set_title('{} ({})'.format(model, _device_words(data)))
+        axes.legend(fontsize='x-small')
+    figure.tight_layout()
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    figure.savefig(path + '.tmp.png', dpi=120)
+    os.replace(path + '.tmp.png', path)
+
+
 def _device_words(data: Dict) -> str:
     if data['gpu']:
         return 'GPU, synchronised'
@@ -667,8 +848,9 @@ def parse_args(argv):
                         'resnet50 with --inverse-only)'.format(','.join(FULL)))
     parser.add_argument('--variants', default=None,
                         help='comma-separated subset of {}, with sgd '
-                        '(default: {} on CPU, all with --gpu)'.format(
-                            ','.join(VARIANTS), ','.join(CPU_VARIANTS)))
+                        '(default: {} on CPU, all but sgd_graph with '
+                        '--gpu)'.format(','.join(VARIANTS),
+                                        ','.join(CPU_VARIANTS)))
     parser.add_argument('--rounds', type=int, default=None,
                         help='timed rounds of the small ResNet (default 21); '
                         'with --inverse-only, repeats (default 5)')
@@ -701,7 +883,19 @@ def parse_args(argv):
                         help='then time PyTorch SGD and kfac-pytorch on '
                         "torchvision's ResNet-50 in this run (needs --gpu; "
                         'skipped where they cannot be imported)')
+    parser.add_argument('--batches', type=_int_list, default=None,
+                        help='comma-separated per-GPU batch sizes: time '
+                        'each and report images/s (a table and a PNG)')
+    parser.add_argument('--workspace-sizes', type=_byte_list, default=None,
+                        help="comma-separated cuDNN workspace limits (e.g. "
+                        "'8MiB,64MiB,1GiB'): time each")
+    parser.add_argument('--autotune', action='store_true',
+                        help='time cuDNN\'s convolution algorithms and take '
+                        'the fastest (chainer.config.autotune)')
     args = parser.parse_args(argv)
+    if (args.batches or args.workspace_sizes) and args.inverse_only:
+        parser.error('--batches and --workspace-sizes time steps, not '
+                     '--inverse-only')
     if args.peer and (not args.gpu or args.inverse_only):
         parser.error('--peer needs --gpu, and the step timing (not '
                      '--inverse-only)')
@@ -725,8 +919,50 @@ def parse_args(argv):
                          .format(', '.join(VARIANTS[1:]), args.variants))
         args.variants = tuple(v for v in VARIANTS if v in variants)
     else:
-        args.variants = VARIANTS if args.gpu else CPU_VARIANTS
+        args.variants = GPU_VARIANTS if args.gpu else CPU_VARIANTS
+    if 'sgd_graph' in args.variants and not args.gpu:
+        parser.error('the sgd_graph variant (CUDA graphs) needs --gpu')
     return args
+
+
+_UNITS = {'': 1, 'B': 1, 'KIB': 1 << 10, 'MIB': 1 << 20, 'GIB': 1 << 30}
+
+
+def _int_list(text: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(',')]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            'expected comma-separated integers, got {!r}'.format(text))
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            'every batch must be at least 1 (got {!r})'.format(text))
+    return values
+
+
+def _byte_list(text: str) -> List[int]:
+    """``'8MiB,1GiB,4096'`` -> bytes."""
+    values = []
+    for item in text.split(','):
+        item = item.strip()
+        number = item.rstrip('BbIiKkMmGg')
+        unit = item[len(number):].upper()
+        if unit not in _UNITS or not number.isdigit():
+            raise argparse.ArgumentTypeError(
+                '{!r}: a size is bytes, or a whole number of KiB, MiB or '
+                'GiB (e.g. 8MiB)'.format(item))
+        values.append(int(number) * _UNITS[unit])
+    return values
+
+
+def _words(nbytes: Optional[int]) -> str:
+    if nbytes is None:
+        return 'default'
+    for unit in ('GiB', 'MiB', 'KiB'):
+        if nbytes >= _UNITS[unit.upper()] and \
+                nbytes % _UNITS[unit.upper()] == 0:
+            return '{}{}'.format(nbytes // _UNITS[unit.upper()], unit)
+    return '{}B'.format(nbytes)
 
 
 def _specs(args) -> Dict[str, Dict]:
@@ -764,7 +1000,8 @@ def main(argv=None):
     # conv_a_strategy); 'auto' leaves the library's choice.
     kfac_options = ({} if args.conv_a == 'auto' else
                     {'conv_a_strategy': args.conv_a})
-    with _common.limit_blas_threads(args.threads):
+    with _common.limit_blas_threads(args.threads), \
+            chainer.using_config('autotune', args.autotune):
         data['blas_threads'] = _common.blas_threads()
         if args.inverse_only:
             data['inverse'] = []
@@ -775,6 +1012,14 @@ def main(argv=None):
                     name, spec, args.rounds or 5, xp, target, kfac_options,
                     args.inverse_methods, args.newton_schulz_max_dim)
             text = inverse_table(data)
+        elif args.batches or args.workspace_sizes:
+            data['variants'] = list(args.variants)
+            data['autotune'] = args.autotune
+            data['sweep'] = sweep(args, specs, xp, target, kfac_options)
+            text = sweep_table(data)
+            png = _png_path(args.out)
+            sweep_figure(data, png)
+            text += '\nwrote {}'.format(png)
         else:
             data['variants'] = list(args.variants)
             data['results'] = []

@@ -20,14 +20,19 @@ math type follows from it and the data type:
 
 After the algorithm is chosen the descriptor takes the algorithm's own math
 type, as CuPy 13 did (cuDNN needs the pair to match).
-"""
-import contextlib
 
+**Plans.** The descriptors, the algorithm and its workspace size are built
+once per shape and direction (:mod:`chainerkfac.cudnn.plans`); a call is
+then the launch alone, with its workspace from the runtime's buffer for the
+current stream (:meth:`~chainerkfac.cudnn.runtime.Runtime.workspace`).
+"""
 from chainerkfac.cudnn import algorithms
 from chainerkfac.cudnn import constants as C
 from chainerkfac.cudnn import not_served
+from chainerkfac.cudnn import plans
 from chainerkfac.cudnn import runtime
 from chainerkfac.cudnn.algorithms import AlgorithmKey
+from chainerkfac.cudnn.descriptors import scalars
 from chainerkfac.cudnn.library import CuDNNError
 
 _TENSOR_CORE_MODES = ('always', 'auto', 'never')
@@ -63,39 +68,16 @@ def _check_output(what, array):
             what))
 
 
-@contextlib.contextmanager
-def _call(what, out, d_layout, w_layout, dtype, tensor_core_mode,
-          **described):
-    """The scope of one convolution call: the layouts and the output
-    checked, the math type chosen, then :func:`runtime.call`; a cuDNN error
-    gets the call's shapes and parameters (``described``) added. Yields the
-    call and the math type."""
-    _check_layouts(what, d_layout, w_layout)
-    _check_output(what, out)
-    math = math_type(dtype, tensor_core_mode)
-    try:
-        with runtime.call(dtype) as c:
-            yield c, math
-    except CuDNNError as error:
-        error.add_info('in {}: {}'.format(what, ', '.join(
-            '{}={}'.format(k, _describe(v)) for k, v in described.items())))
-        raise
-
-
 def _describe(value):
     if hasattr(value, 'shape') and hasattr(value, 'dtype'):
         return 'shape {} {}'.format(tuple(value.shape), value.dtype)
     return repr(value)
 
 
-def _key(direction, timed, x, W, y, pad, stride, dilation, groups, math,
-         deterministic):
-    rt = runtime.current()
-    return AlgorithmKey(
-        direction, bool(timed), rt.arrays.device_id(), tuple(x.shape),
-        tuple(W.shape), tuple(y.shape), x.dtype.name, tuple(pad),
-        tuple(stride), tuple(dilation), int(groups), math,
-        bool(deterministic), rt.max_workspace_size)
+def _add_context(error, what, described):
+    """A cuDNN error gets the call's shapes and parameters."""
+    error.add_info('in {}: {}'.format(what, ', '.join(
+        '{}={}'.format(k, _describe(v)) for k, v in described.items())))
 
 
 #: Per direction: cuDNN's timed search, its heuristics and the launch. The
@@ -114,41 +96,81 @@ _CALLS = {
 }
 
 
-def _convolve(c, direction, key, first, second, conv_desc, out):
-    """Choose the algorithm (cached per ``key``: timed with the maximum
-    workspace if ``key.timed``, else cuDNN's heuristics) and launch one
-    convolution call in the scope ``c`` (:func:`runtime.call`). ``first``,
-    ``second`` and ``out`` are (descriptor, pointer) pairs in cuDNN's
-    operand order: ``x, W → y`` (forward), ``x, gy → gW`` (backward
-    filter), ``W, gy → gx`` (backward data)."""
-    rt = runtime.current()
-    find, heuristics, launch = _CALLS[direction]
+def _build(d, rt, direction, timed, deterministic, tensor_core, x, W, y,
+           pad, stride, dilation, groups, bias, arrays):
+    """The plan of one direction on one shape, its descriptors made with
+    ``d`` (``x``, ``W``, ``y`` as the forward convolution sees them: input,
+    weights, output): descriptors, the algorithm (cached per
+    :class:`AlgorithmKey`: timed with the maximum workspace if ``timed``,
+    else cuDNN's heuristics) and the convolution descriptor set to the
+    algorithm's own math type (cuDNN needs the pair to match). ``arrays``
+    are the call's pointers in cuDNN's operand order, for the timed
+    search."""
+    lib = rt.lib
+    math = math_type(x.dtype, tensor_core)
+    plan = plans.Plan(d)
+    plan.x, plan.y = d.tensor(x.shape, x.dtype), d.tensor(y.shape, y.dtype)
+    plan.w = d.filter(W.shape, W.dtype)
+    plan.conv = d.convolution(pad, stride, dilation, groups, x.dtype, math)
+    descs = {'forward': (plan.x, plan.w, plan.y),
+             'backward_filter': (plan.x, plan.y, plan.w),
+             'backward_data': (plan.w, plan.y, plan.x)}[direction]
+    find, heuristics, _ = _CALLS[direction]
+    handle = rt.handle()
 
     def ask():
-        if key.timed:
-            workspace = c.arrays.alloc(rt.max_workspace_size)
+        if timed:
+            workspace = rt.arrays.alloc(rt.max_workspace_size)
+            first, second, out = zip(descs, arrays)
             return algorithms.query(
-                c.lib, find,
-                (c.handle,) + first + second + (conv_desc,) + out,
+                lib, find, (handle,) + first + second + (plan.conv,) + out,
                 (workspace.ptr, workspace.nbytes))
-        return algorithms.query(c.lib, heuristics, (
-            c.handle, first[0], second[0], conv_desc, out[0]))
+        return algorithms.query(lib, heuristics, (
+            handle, descs[0], descs[1], plan.conv, descs[2]))
 
+    key = AlgorithmKey(
+        direction, timed, rt.arrays.device_id(), tuple(x.shape),
+        tuple(W.shape), tuple(y.shape), x.dtype.name, pad, stride, dilation,
+        int(groups), math, deterministic, rt.max_workspace_size)
     algo = algorithms.cached(rt.algorithms, key, ask)
-    # The descriptor takes the algorithm's own math type (cuDNN needs the
-    # pair to match).
-    c.lib.call('cudnnSetConvolutionMathType', conv_desc, algo.math_type)
-    workspace = c.arrays.alloc(algo.memory)
-    c.lib.call(launch, c.handle, c.one, *first, *second, conv_desc,
-               algo.algo, workspace.ptr, workspace.nbytes, c.zero, *out)
+    lib.call('cudnnSetConvolutionMathType', plan.conv, algo.math_type)
+    plan.algo, plan.workspace = algo.algo, algo.memory
+    # The bias is added to the call's output: y (forward), x (backward
+    # data).
+    channels = (y if direction == 'forward' else x).shape[1]
+    plan.b = (d.tensor((1, channels) + (1,) * (x.ndim - 2), x.dtype)
+              if bias else None)
+    return plan
 
 
-def _add_bias(c, b, y, y_desc):
+def _plan(direction, timed, deterministic, tensor_core, x, W, y, pad,
+          stride, dilation, groups, bias, arrays):
+    rt = runtime.current()
+    key = (direction, x.shape, W.shape, y.shape, x.dtype.char, pad, stride,
+           dilation, groups, timed, deterministic, tensor_core, bias,
+           rt.arrays.device_id(), rt.max_workspace_size)
+    return rt, rt.plans.get(
+        key, _build, rt, direction, timed, deterministic, tensor_core, x, W,
+        y, pad, stride, dilation, groups, bias, arrays)
+
+
+def _launch(rt, plan, direction, first, second, out, one, zero):
+    """One convolution call: ``first``, ``second`` and ``out`` are (plan
+    descriptor, pointer) pairs in cuDNN's operand order: ``x, W → y``
+    (forward), ``x, gy → gW`` (backward filter), ``W, gy → gx`` (backward
+    data)."""
+    workspace = rt.workspace(plan.workspace)
+    rt.lib.call(_CALLS[direction][2], rt.handle(), one, *first, *second,
+                plan.conv, plan.algo, workspace.ptr, workspace.nbytes, zero,
+                *out)
+
+
+def _add_bias(rt, plan, b, y, one):
     """``y += b`` broadcast over every axis but the channels (axis 1)."""
-    b = c.arrays.contiguous(b)
-    b_desc = c.d.tensor((1, b.size) + (1,) * (y.ndim - 2), b.dtype)
-    c.lib.call('cudnnAddTensor', c.handle, c.one, b_desc,
-               c.arrays.pointer(b), c.one, y_desc, c.arrays.pointer(y))
+    arrays = rt.arrays
+    b = arrays.contiguous(b)
+    rt.lib.call('cudnnAddTensor', rt.handle(), one, plan.b, arrays.pointer(b),
+                one, plan.y, arrays.pointer(y))
 
 
 def convolution_forward(x, W, b, y, pad, stride, dilation, groups, *,
@@ -169,22 +191,27 @@ def convolution_forward(x, W, b, y, pad, stride, dilation, groups, *,
     tensor_core : str
         ``chainer.config.use_cudnn_tensor_core``: the math type.
     """
-    with _call('convolution_forward', y, d_layout, w_layout, x.dtype,
-               tensor_core, x=x, W=W, b=b, y=y, pad=pad, stride=stride,
-               dilation=dilation, groups=groups, auto_tune=auto_tune,
-               tensor_core=tensor_core) as (c, math):
-        x, W = c.arrays.contiguous(x), c.arrays.contiguous(W)
-        d = c.d
-        x_desc, y_desc = d.tensor(x.shape, x.dtype), d.tensor(y.shape, y.dtype)
-        w_desc = d.filter(W.shape, W.dtype)
-        conv_desc = d.convolution(pad, stride, dilation, groups, x.dtype, math)
-        _convolve(c, 'forward', _key(
-            'forward', auto_tune, x, W, y, pad, stride, dilation, groups,
-            math, False), (x_desc, c.arrays.pointer(x)),
-            (w_desc, c.arrays.pointer(W)), conv_desc,
-            (y_desc, c.arrays.pointer(y)))
+    what = 'convolution_forward'
+    _check_layouts(what, d_layout, w_layout)
+    _check_output(what, y)
+    try:
+        arrays = runtime.current().arrays
+        x, W = arrays.contiguous(x), arrays.contiguous(W)
+        p = arrays.pointer
+        pointers = (p(x), p(W), p(y))
+        rt, plan = _plan('forward', bool(auto_tune), False,
+                         tensor_core, x, W, y, tuple(pad), tuple(stride),
+                         tuple(dilation), groups, b is not None, pointers)
+        one, zero = scalars(x.dtype)
+        _launch(rt, plan, 'forward', (plan.x, pointers[0]),
+                (plan.w, pointers[1]), (plan.y, pointers[2]), one, zero)
         if b is not None:
-            _add_bias(c, b, y, y_desc)
+            _add_bias(rt, plan, b, y, one)
+    except CuDNNError as error:
+        _add_context(error, what, dict(
+            x=x, W=W, b=b, y=y, pad=pad, stride=stride, dilation=dilation,
+            groups=groups, auto_tune=auto_tune, tensor_core=tensor_core))
+        raise
 
 
 def convolution_backward_filter(x, gy, gW, pad, stride, dilation, groups, *,
@@ -196,22 +223,28 @@ def convolution_backward_filter(x, gy, gW, pad, stride, dilation, groups, *,
     ``deterministic`` (``chainer.config.cudnn_deterministic``) takes only
     deterministic algorithms, from the heuristics (never timed), as CuPy 13.
     """
-    with _call('convolution_backward_filter', gW, d_layout, w_layout,
-               x.dtype, tensor_core, x=x, gy=gy, gW=gW, pad=pad,
-               stride=stride, dilation=dilation, groups=groups,
-               deterministic=deterministic, auto_tune=auto_tune,
-               tensor_core=tensor_core) as (c, math):
-        x, gy = c.arrays.contiguous(x), c.arrays.contiguous(gy)
-        d = c.d
-        x_desc = d.tensor(x.shape, x.dtype)
-        gy_desc = d.tensor(gy.shape, gy.dtype)
-        w_desc = d.filter(gW.shape, gW.dtype)
-        conv_desc = d.convolution(pad, stride, dilation, groups, x.dtype, math)
-        _convolve(c, 'backward_filter', _key(
-            'backward_filter', auto_tune and not deterministic, x, gW, gy,
-            pad, stride, dilation, groups, math, deterministic),
-            (x_desc, c.arrays.pointer(x)), (gy_desc, c.arrays.pointer(gy)),
-            conv_desc, (w_desc, c.arrays.pointer(gW)))
+    what = 'convolution_backward_filter'
+    _check_layouts(what, d_layout, w_layout)
+    _check_output(what, gW)
+    try:
+        arrays = runtime.current().arrays
+        x, gy = arrays.contiguous(x), arrays.contiguous(gy)
+        p = arrays.pointer
+        pointers = (p(x), p(gy), p(gW))
+        rt, plan = _plan('backward_filter',
+                         bool(auto_tune and not deterministic),
+                         bool(deterministic), tensor_core, x, gW, gy,
+                         tuple(pad), tuple(stride), tuple(dilation), groups,
+                         False, pointers)
+        one, zero = scalars(x.dtype)
+        _launch(rt, plan, 'backward_filter', (plan.x, pointers[0]),
+                (plan.y, pointers[1]), (plan.w, pointers[2]), one, zero)
+    except CuDNNError as error:
+        _add_context(error, what, dict(
+            x=x, gy=gy, gW=gW, pad=pad, stride=stride, dilation=dilation,
+            groups=groups, deterministic=deterministic, auto_tune=auto_tune,
+            tensor_core=tensor_core))
+        raise
 
 
 def convolution_backward_data(W, x, b, y, pad, stride, dilation, groups, *,
@@ -221,19 +254,30 @@ def convolution_backward_data(W, x, b, y, pad, stride, dilation, groups, *,
     """``y = deconv(x, W) (+ b)``: the transposed convolution, i.e. the
     gradient of a convolution's input (``x`` has the convolution output's
     shape, ``y`` its input's)."""
-    with _call('convolution_backward_data', y, d_layout, w_layout, x.dtype,
-               tensor_core, W=W, x=x, b=b, y=y, pad=pad, stride=stride,
-               dilation=dilation, groups=groups, deterministic=deterministic,
-               auto_tune=auto_tune, tensor_core=tensor_core) as (c, math):
-        x, W = c.arrays.contiguous(x), c.arrays.contiguous(W)
-        d = c.d
-        x_desc, y_desc = d.tensor(x.shape, x.dtype), d.tensor(y.shape, y.dtype)
-        w_desc = d.filter(W.shape, W.dtype)
-        conv_desc = d.convolution(pad, stride, dilation, groups, x.dtype, math)
-        _convolve(c, 'backward_data', _key(
-            'backward_data', auto_tune and not deterministic, y, W, x, pad,
-            stride, dilation, groups, math, deterministic),
-            (w_desc, c.arrays.pointer(W)), (x_desc, c.arrays.pointer(x)),
-            conv_desc, (y_desc, c.arrays.pointer(y)))
+    what = 'convolution_backward_data'
+    _check_layouts(what, d_layout, w_layout)
+    _check_output(what, y)
+    try:
+        arrays = runtime.current().arrays
+        x, W = arrays.contiguous(x), arrays.contiguous(W)
+        p = arrays.pointer
+        pointers = (p(W), p(x), p(y))
+        # The plan is the forward convolution's: input y, output x.
+        rt, plan = _plan('backward_data',
+                         bool(auto_tune and not deterministic),
+                         bool(deterministic), tensor_core, y, W, x,
+                         tuple(pad), tuple(stride), tuple(dilation), groups,
+                         b is not None, pointers)
+        one, zero = scalars(x.dtype)
+        _launch(rt, plan, 'backward_data', (plan.w, pointers[0]),
+                (plan.y, pointers[1]), (plan.x, pointers[2]), one, zero)
         if b is not None:
-            _add_bias(c, b, y, y_desc)
+            rt.lib.call('cudnnAddTensor', rt.handle(), one, plan.b,
+                        arrays.pointer(arrays.contiguous(b)), one, plan.x,
+                        pointers[2])
+    except CuDNNError as error:
+        _add_context(error, what, dict(
+            W=W, x=x, b=b, y=y, pad=pad, stride=stride, dilation=dilation,
+            groups=groups, deterministic=deterministic, auto_tune=auto_tune,
+            tensor_core=tensor_core))
+        raise

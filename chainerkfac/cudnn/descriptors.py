@@ -1,9 +1,10 @@
-"""cuDNN descriptors for one call, all destroyed when the call returns.
+"""cuDNN descriptors, made together and destroyed together.
 
-As CuPy 13 does, each call describes its arrays afresh (a descriptor is a
-small host-side struct; creating one costs about a microsecond) and
-destroys them in a ``finally``, so nothing leaks when cuDNN refuses a call.
-Arrays are C-contiguous (the callers make them so) and NCHW.
+A :class:`Descriptors` makes the descriptors of one plan
+(:mod:`chainerkfac.cudnn.plans`: one shape of one operation) and destroys
+them all when the plan is dropped, or at once when building the plan fails,
+so nothing leaks when cuDNN refuses a shape. Arrays are C-contiguous (the
+callers make them so) and NCHW.
 """
 import ctypes
 from typing import List, Sequence, Tuple
@@ -40,12 +41,19 @@ def c_strides(shape: Sequence[int]) -> List[int]:
     return strides[::-1]
 
 
+def _scalars(ctype) -> Tuple[object, object]:
+    return ctypes.byref(ctype(1.0)), ctypes.byref(ctype(0.0))
+
+
+# Made once: cuDNN only reads them, on the host, during a call.
+_SCALARS = {'d': _scalars(ctypes.c_double), 'f': _scalars(ctypes.c_float),
+            'e': _scalars(ctypes.c_float)}
+
+
 def scalars(dtype) -> Tuple[object, object]:
     """``(one, zero)`` as cuDNN's ``alpha`` / ``beta`` for data of
     ``dtype``: ``double`` for float64, ``float`` otherwise."""
-    ctype = ctypes.c_double if numpy.dtype(dtype).char == 'd' else \
-        ctypes.c_float
-    return ctypes.byref(ctype(1.0)), ctypes.byref(ctype(0.0))
+    return _SCALARS.get(numpy.dtype(dtype).char, _SCALARS['f'])
 
 
 def _ints(values) -> ctypes.Array:
@@ -69,6 +77,10 @@ class Descriptors:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Destroy every descriptor made so far (the newest first)."""
         made, self._made = self._made, []
         for kind, value in reversed(made):
             self._lib.destroy(kind, value)

@@ -12,6 +12,7 @@ import weakref
 
 import numpy
 
+from chainerkfac.cudnn import plans
 from chainerkfac.cudnn import runtime
 
 
@@ -46,6 +47,11 @@ class DropoutStates:
         lib.call('cudnnSetDropoutDescriptor', self._desc, handle,
                  float(dropout_ratio), None, 0, 0)
 
+    def _plan(self, rt, array):
+        key = ('dropout', array.shape, array.dtype.char,
+               rt.arrays.device_id())
+        return rt.plans.get(key, _build, rt, array)
+
     def forward(self, handle, x, dropout_ratio):
         """Drop elements of ``x`` with probability ``dropout_ratio`` and
         scale the rest by ``1 / (1 − ratio)``.
@@ -55,30 +61,39 @@ class DropoutStates:
         reserve_space, y
             ``reserve_space`` (bytes holding the mask) for :meth:`backward`.
         """
-        with runtime.call(x.dtype, handle) as c:
-            lib, arrays = c.lib, c.arrays
-            self._set_ratio(lib, c.handle, dropout_ratio)
-            x = arrays.contiguous(x)
-            y = arrays.empty(x.shape, x.dtype)
-            desc = c.d.as_4d(x)
-            reserve = arrays.empty(
-                (lib.size('cudnnDropoutGetReserveSpaceSize', desc),),
-                numpy.int8)
-            lib.call('cudnnDropoutForward', c.handle, self._desc, desc,
-                     arrays.pointer(x), desc, arrays.pointer(y),
-                     arrays.pointer(reserve), reserve.size)
+        rt = runtime.current()
+        arrays = rt.arrays
+        x = arrays.contiguous(x)
+        plan = self._plan(rt, x)
+        handle = rt.handle(handle)
+        self._set_ratio(rt.lib, handle, dropout_ratio)
+        y = arrays.empty(x.shape, x.dtype)
+        reserve = arrays.empty((plan.reserve,), numpy.int8)
+        rt.lib.call('cudnnDropoutForward', handle, self._desc, plan.x,
+                    arrays.pointer(x), plan.x, arrays.pointer(y),
+                    arrays.pointer(reserve), reserve.size)
         return reserve, y
 
     def backward(self, handle, dy, dropout_ratio, reserve_space):
         """``dy`` masked and scaled as the forward pass that returned
         ``reserve_space``."""
-        with runtime.call(dy.dtype, handle) as c:
-            arrays = c.arrays
-            self._set_ratio(c.lib, c.handle, dropout_ratio)
-            dy = arrays.contiguous(dy)
-            dx = arrays.empty(dy.shape, dy.dtype)
-            desc = c.d.as_4d(dy)
-            c.lib.call('cudnnDropoutBackward', c.handle, self._desc, desc,
-                       arrays.pointer(dy), desc, arrays.pointer(dx),
-                       arrays.pointer(reserve_space), reserve_space.size)
+        rt = runtime.current()
+        arrays = rt.arrays
+        dy = arrays.contiguous(dy)
+        plan = self._plan(rt, dy)
+        handle = rt.handle(handle)
+        self._set_ratio(rt.lib, handle, dropout_ratio)
+        dx = arrays.empty(dy.shape, dy.dtype)
+        rt.lib.call('cudnnDropoutBackward', handle, self._desc, plan.x,
+                    arrays.pointer(dy), plan.x, arrays.pointer(dx),
+                    arrays.pointer(reserve_space), reserve_space.size)
         return dx
+
+
+def _build(d, rt, array):
+    """The ``(shape[0], size / shape[0], 1, 1)`` view of ``array`` and the
+    size of its mask."""
+    plan = plans.Plan(d)
+    plan.x = d.as_4d(array)
+    plan.reserve = rt.lib.size('cudnnDropoutGetReserveSpaceSize', plan.x)
+    return plan

@@ -5,9 +5,10 @@
 CuPy's ``cupy.cuda.cudnn`` and ``cupy.cudnn`` only when all of these hold,
 and otherwise records why not for :func:`describe`:
 
-1. ``CHAINERKFAC_CUDNN=1`` in the environment (opt-in until the GPU test
-   suite has passed with the backend on; the default will then flip to on,
-   with ``CHAINERKFAC_CUDNN=0`` to turn it off);
+1. ``CHAINERKFAC_CUDNN=1`` in the environment, or the variable unset and
+   :data:`DEFAULT` ``'1'`` (it is ``'0'``: opt-in until the GPU test suite
+   has passed with the backend on; the flip to on by default is that one
+   constant, and ``CHAINERKFAC_CUDNN=0`` then turns it off);
 2. Chainer has not been imported yet (Chainer decides whether cuDNN exists
    once, when ``chainer.backends.cuda`` is imported);
 3. CuPy >= 14 imports (CuPy 13 and older have their own ``cupy.cudnn``)
@@ -15,6 +16,7 @@ and otherwise records why not for :func:`describe`:
 4. a cuDNN 9 loads, exports every function the backend binds, and was
    built for the CUDA major version CuPy runs.
 """
+import atexit
 import logging
 import os
 import sys
@@ -26,7 +28,14 @@ from chainerkfac.cudnn import lowlevel
 from chainerkfac.cudnn import runtime
 
 ENV_VAR = 'CHAINERKFAC_CUDNN'
+#: What an unset (or empty) ``CHAINERKFAC_CUDNN`` means: ``'0'`` (off)
+#: until the GPU suite has passed with the backend on; then ``'1'``.
+DEFAULT = '0'
 MIN_CUPY_MAJOR = 14
+#: Which path serves Chainer's convolutions, batch normalization and
+#: pooling when this backend does not (the start-up line says it).
+OWN_PATH = ("Chainer's own path (convolutions as im2col + cuBLAS, batch "
+            'normalization and pooling as CuPy kernels)')
 
 logger = logging.getLogger(__name__)
 
@@ -70,19 +79,23 @@ def install(environ: Optional[MutableMapping[str, str]] = None,
     if modules.get('cupy.cudnn') is highlevel:
         return True
     _status = _check(environ, modules, import_cupy, load)
-    if _status.installed or environ.get(ENV_VAR, '') in ('', '0'):
+    if _status.installed:
+        atexit.register(runtime.current().close)
+    if _status.installed or environ.get(ENV_VAR, '') != '1':
         logger.debug('chainerkfac.cudnn: %s', _status.reason)
-    else:
+    else:   # asked for and refused
         logger.warning('chainerkfac.cudnn not installed: %s', _status.reason)
     return _status.installed
 
 
 def _check(environ, modules, import_cupy, load) -> Status:
-    value = environ.get(ENV_VAR, '')
-    if value in ('', '0'):
-        return Status(False, '{}={!r}: off (set {}=1 to turn it on; opt-in '
+    given = environ.get(ENV_VAR, '')
+    value = given or DEFAULT
+    if value == '0':
+        return Status(False, '{}: off (set {}=1 to turn it on; opt-in '
                              'until the GPU suite has passed with it)'.format(
-                                 ENV_VAR, value, ENV_VAR))
+                                 '{}={!r}'.format(ENV_VAR, given) if given
+                                 else ENV_VAR + ' unset', ENV_VAR))
     if value != '1':
         return Status(False, '{}={!r} is neither 0 nor 1'.format(
             ENV_VAR, value))
@@ -151,7 +164,8 @@ def describe() -> str:
             text += ' (but Chainer has cuDNN off: CHAINER_CUDNN=0)'
         return text
     own = _cupy_own_cudnn()
-    return own if own else 'none: ' + _status.reason
+    return own if own else 'none, {} serves Chainer: {}'.format(
+        OWN_PATH, _status.reason)
 
 
 def _math_words() -> str:

@@ -23,6 +23,8 @@ import os
 from typing import (Callable, Dict, Iterator, List, Mapping, NamedTuple,
                     Optional)
 
+from chainerkfac._binding import LibraryNotFound, bind_prototypes
+
 #: cuDNN major version whose legacy API this backend binds.
 MAJOR = 9
 SONAME = 'libcudnn.so.9'
@@ -270,14 +272,7 @@ def _open(folder: Optional[str]) -> ctypes.CDLL:
 def bind(cdll: ctypes.CDLL, path: str) -> Library:
     """Bind every function of :data:`PROTOTYPES` from an open library
     (:class:`Library` names those it lacks)."""
-    functions = {}
-    for name, prototype in PROTOTYPES.items():
-        function = getattr(cdll, name, None)
-        if function is not None:
-            function.argtypes = prototype.argtypes
-            function.restype = prototype.restype
-            functions[name] = function
-    return Library(functions, path)
+    return Library(bind_prototypes(cdll, PROTOTYPES), path)
 
 
 def load(folders=None) -> Library:
@@ -286,8 +281,11 @@ def load(folders=None) -> Library:
 
     Raises
     ------
-    OSError
+    LibraryNotFound
         Nothing loadable was found; the message says what was tried.
+    OSError
+        A library was opened but does not export every function of
+        :data:`PROTOTYPES`; the message names them.
     """
     tried = []
     for folder in candidates() if folders is None else folders:
@@ -299,7 +297,8 @@ def load(folders=None) -> Library:
             continue
         return bind(cdll, os.path.join(folder, SONAME) if folder
                     else _loaded_path(cdll))
-    raise OSError('no {} found: tried {}'.format(SONAME, '; '.join(tried)))
+    raise LibraryNotFound('no {} found: tried {}'.format(
+        SONAME, '; '.join(tried)))
 
 
 def _loaded_path(cdll: ctypes.CDLL) -> str:

@@ -7,8 +7,10 @@ fused activation; the unused z / y / dz descriptors are ``x``'s and their
 data NULL, as CuPy 13 passed them), which updates the running mean and
 variance in place (``running = decay · running + (1 − decay) · batch``, the
 variance unbiased) and saves the batch mean and inverse standard deviation
-for the backward pass. Its workspace and reserve space are asked of cuDNN on every
-call (CuPy 13 asked only for NHWC float16); the reserve space is handed to
+for the backward pass. Its workspace and reserve sizes are asked of cuDNN
+once per shape (the plan, :mod:`chainerkfac.cudnn.plans`; CuPy 13 asked
+only for NHWC float16); the workspace is the runtime's buffer for the
+current stream, the reserve space a new allocation per call, handed to
 Chainer, which gives it back to :func:`batch_normalization_backward`.
 
 ``is_for_conv2d`` describes ``x`` as NCHW (``CUDNN_BATCHNORM_SPATIAL`` or
@@ -23,14 +25,19 @@ import warnings
 
 from chainerkfac.cudnn import constants as C
 from chainerkfac.cudnn import not_served
+from chainerkfac.cudnn import plans
 from chainerkfac.cudnn import runtime
+from chainerkfac.cudnn.descriptors import scalars
 
 
-def _x_descriptor(d, x, is_for_conv2d):
+def _x_descriptor(d, shape, dtype, is_for_conv2d):
     if is_for_conv2d:
-        return d.tensor(x.shape, x.dtype)
-    channels = x.shape[-1] if x.ndim else 1
-    return d.tensor_4d(x.size // channels, channels, 1, 1, x.dtype)
+        return d.tensor(shape, dtype)
+    channels = shape[-1] if shape else 1
+    size = 1
+    for extent in shape:
+        size *= extent
+    return d.tensor_4d(size // channels, channels, 1, 1, dtype)
 
 
 def _check_layout(what, d_layout):
@@ -51,40 +58,66 @@ def _check_overflow(lib, handle, mode, debug):
                           lib.error_string(status.value)))
 
 
+def _build(d, rt, shape, dtype, is_for_conv2d, mode, training):
+    """The plan of BN on ``x`` of ``shape``: its descriptor, the derived
+    one of the parameters and their dtype, and (``training``) the
+    workspace and reserve sizes of the forward and backward calls."""
+    lib = rt.lib
+    plan = plans.Plan(d)
+    plan.x = _x_descriptor(d, shape, dtype, is_for_conv2d)
+    plan.bn, plan.param_dtype = d.derived_bn(plan.x, mode)
+    if training:
+        handle, ops, x = rt.handle(), C.CUDNN_BATCHNORM_OPS_BN, plan.x
+        plan.forward_workspace = lib.size(
+            'cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize',
+            handle, mode, ops, x, x, x, plan.bn, None)
+        plan.reserve = lib.size(
+            'cudnnGetBatchNormalizationTrainingExReserveSpaceSize', handle,
+            mode, ops, None, x)
+        plan.backward_workspace = lib.size(
+            'cudnnGetBatchNormalizationBackwardExWorkspaceSize', handle,
+            mode, ops, x, x, x, x, x, plan.bn, None)
+    return plan
+
+
+def _plan(x, is_for_conv2d, mode, training):
+    rt = runtime.current()
+    key = ('batch_normalization', x.shape, x.dtype.char, bool(is_for_conv2d),
+           mode, training, rt.arrays.device_id())
+    return rt, rt.plans.get(key, _build, rt, x.shape, x.dtype, is_for_conv2d,
+                            mode, training)
+
+
 def _forward_training(x, gamma, beta, running_mean, running_var, mean,
                       inv_std, eps, decay, is_for_conv2d, cudnn_mode, debug,
                       d_layout):
     _check_layout('batch_normalization_forward_training', d_layout)
     if (mean is None) != (inv_std is None):
         raise ValueError('Both mean and inv_std must be None if one is.')
-    with runtime.call(x.dtype) as c:
-        lib, arrays, handle = c.lib, c.arrays, c.handle
-        x = arrays.contiguous(x)
-        y = arrays.empty(x.shape, x.dtype)
-        x_desc = _x_descriptor(c.d, x, is_for_conv2d)
-        bn_desc, param_dtype = c.d.derived_bn(x_desc, cudnn_mode)
-        gamma = arrays.contiguous(gamma.astype(param_dtype, copy=False))
-        beta = arrays.contiguous(beta.astype(param_dtype, copy=False))
-        mean_tmp = running_mean.astype(param_dtype, copy=False)
-        var_tmp = running_var.astype(param_dtype, copy=False)
-        if mean is None:
-            mean = arrays.empty(gamma.shape, param_dtype)
-            inv_std = arrays.empty(gamma.shape, param_dtype)
-        ops = C.CUDNN_BATCHNORM_OPS_BN
-        workspace = arrays.alloc(lib.size(
-            'cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize',
-            handle, cudnn_mode, ops, x_desc, x_desc, x_desc, bn_desc, None))
-        reserve = arrays.alloc(lib.size(
-            'cudnnGetBatchNormalizationTrainingExReserveSpaceSize',
-            handle, cudnn_mode, ops, None, x_desc))
-        lib.call('cudnnBatchNormalizationForwardTrainingEx', handle,
-                 cudnn_mode, ops, c.one, c.zero, x_desc, arrays.pointer(x),
-                 x_desc, None, x_desc, arrays.pointer(y), bn_desc,
-                 arrays.pointer(gamma), arrays.pointer(beta), 1.0 - decay,
-                 arrays.pointer(mean_tmp), arrays.pointer(var_tmp), eps,
-                 arrays.pointer(mean), arrays.pointer(inv_std), None,
-                 workspace.ptr, workspace.nbytes, reserve.ptr, reserve.nbytes)
-        _check_overflow(lib, handle, cudnn_mode, debug)
+    arrays = runtime.current().arrays
+    x = arrays.contiguous(x)
+    rt, plan = _plan(x, is_for_conv2d, cudnn_mode, True)
+    param_dtype = plan.param_dtype
+    y = arrays.empty(x.shape, x.dtype)
+    gamma = arrays.contiguous(gamma.astype(param_dtype, copy=False))
+    beta = arrays.contiguous(beta.astype(param_dtype, copy=False))
+    mean_tmp = running_mean.astype(param_dtype, copy=False)
+    var_tmp = running_var.astype(param_dtype, copy=False)
+    if mean is None:
+        mean = arrays.empty(gamma.shape, param_dtype)
+        inv_std = arrays.empty(gamma.shape, param_dtype)
+    one, zero = scalars(x.dtype)
+    workspace = rt.workspace(plan.forward_workspace)
+    # The reserve space travels to the backward pass: one per call.
+    reserve = arrays.alloc(plan.reserve)
+    handle, p = rt.handle(), arrays.pointer
+    rt.lib.call('cudnnBatchNormalizationForwardTrainingEx', handle,
+                cudnn_mode, C.CUDNN_BATCHNORM_OPS_BN, one, zero, plan.x,
+                p(x), plan.x, None, plan.x, p(y), plan.bn, p(gamma), p(beta),
+                1.0 - decay, p(mean_tmp), p(var_tmp), eps, p(mean),
+                p(inv_std), None, workspace.ptr, workspace.nbytes,
+                reserve.ptr, reserve.nbytes)
+    _check_overflow(rt.lib, handle, cudnn_mode, debug)
     if mean_tmp is not running_mean:
         running_mean[...] = mean_tmp
         running_var[...] = var_tmp
@@ -128,20 +161,18 @@ def batch_normalization_forward_inference(
     """``y = gamma (x − mean) / sqrt(var + eps) + beta`` with fixed
     statistics."""
     _check_layout('batch_normalization_forward_inference', d_layout)
-    with runtime.call(x.dtype) as c:
-        arrays = c.arrays
-        x = arrays.contiguous(x)
-        y = arrays.empty(x.shape, x.dtype)
-        x_desc = _x_descriptor(c.d, x, is_for_conv2d)
-        bn_desc, param_dtype = c.d.derived_bn(x_desc, cudnn_mode)
-        gamma, beta, mean, var = (
-            arrays.contiguous(a.astype(param_dtype, copy=False))
-            for a in (gamma, beta, mean, var))
-        c.lib.call('cudnnBatchNormalizationForwardInference', c.handle,
-                   cudnn_mode, c.one, c.zero, x_desc, arrays.pointer(x),
-                   x_desc, arrays.pointer(y), bn_desc, arrays.pointer(gamma),
-                   arrays.pointer(beta), arrays.pointer(mean),
-                   arrays.pointer(var), eps)
+    arrays = runtime.current().arrays
+    x = arrays.contiguous(x)
+    rt, plan = _plan(x, is_for_conv2d, cudnn_mode, False)
+    y = arrays.empty(x.shape, x.dtype)
+    gamma, beta, mean, var = (
+        arrays.contiguous(a.astype(plan.param_dtype, copy=False))
+        for a in (gamma, beta, mean, var))
+    one, zero = scalars(x.dtype)
+    p = arrays.pointer
+    rt.lib.call('cudnnBatchNormalizationForwardInference', rt.handle(),
+                cudnn_mode, one, zero, plan.x, p(x), plan.x, p(y), plan.bn,
+                p(gamma), p(beta), p(mean), p(var), eps)
     return y
 
 
@@ -156,32 +187,26 @@ def batch_normalization_backward(
         ``ggamma`` and ``gbeta`` in ``gamma``'s dtype.
     """
     _check_layout('batch_normalization_backward', d_layout)
-    with runtime.call(x.dtype) as c:
-        lib, arrays, handle = c.lib, c.arrays, c.handle
-        x, gy = arrays.contiguous(x), arrays.contiguous(gy)
-        gx = arrays.empty(x.shape, x.dtype)
-        x_desc = _x_descriptor(c.d, x, is_for_conv2d)
-        bn_desc, param_dtype = c.d.derived_bn(x_desc, cudnn_mode)
-        gamma_cast = arrays.contiguous(gamma.astype(param_dtype, copy=False))
-        ggamma = arrays.empty(gamma_cast.shape, param_dtype)
-        gbeta = arrays.empty(gamma_cast.shape, param_dtype)
-        ops = C.CUDNN_BATCHNORM_OPS_BN
-        workspace = arrays.alloc(lib.size(
-            'cudnnGetBatchNormalizationBackwardExWorkspaceSize', handle,
-            cudnn_mode, ops, x_desc, x_desc, x_desc, x_desc, x_desc, bn_desc,
-            None))
-        reserve_ptr, reserve_nbytes = ((reserve_space.ptr,
-                                        reserve_space.nbytes)
-                                       if reserve_space is not None
-                                       else (None, 0))
-        lib.call('cudnnBatchNormalizationBackwardEx', handle, cudnn_mode, ops,
-                 c.one, c.zero, c.one, c.zero, x_desc, arrays.pointer(x),
-                 x_desc, None,
-                 x_desc, arrays.pointer(gy), x_desc, None, x_desc,
-                 arrays.pointer(gx), bn_desc, arrays.pointer(gamma_cast),
-                 None, arrays.pointer(ggamma), arrays.pointer(gbeta), eps,
-                 arrays.pointer(mean), arrays.pointer(inv_std), None,
-                 workspace.ptr, workspace.nbytes, reserve_ptr, reserve_nbytes)
-        _check_overflow(lib, handle, cudnn_mode, debug)
+    arrays = runtime.current().arrays
+    x, gy = arrays.contiguous(x), arrays.contiguous(gy)
+    rt, plan = _plan(x, is_for_conv2d, cudnn_mode, True)
+    param_dtype = plan.param_dtype
+    gx = arrays.empty(x.shape, x.dtype)
+    gamma_cast = arrays.contiguous(gamma.astype(param_dtype, copy=False))
+    ggamma = arrays.empty(gamma_cast.shape, param_dtype)
+    gbeta = arrays.empty(gamma_cast.shape, param_dtype)
+    workspace = rt.workspace(plan.backward_workspace)
+    reserve_ptr, reserve_nbytes = ((reserve_space.ptr, reserve_space.nbytes)
+                                   if reserve_space is not None
+                                   else (None, 0))
+    one, zero = scalars(x.dtype)
+    handle, p = rt.handle(), arrays.pointer
+    rt.lib.call('cudnnBatchNormalizationBackwardEx', handle, cudnn_mode,
+                C.CUDNN_BATCHNORM_OPS_BN, one, zero, one, zero, plan.x, p(x),
+                plan.x, None, plan.x, p(gy), plan.x, None, plan.x, p(gx),
+                plan.bn, p(gamma_cast), None, p(ggamma), p(gbeta), eps,
+                p(mean), p(inv_std), None, workspace.ptr, workspace.nbytes,
+                reserve_ptr, reserve_nbytes)
+    _check_overflow(rt.lib, handle, cudnn_mode, debug)
     return (gx, ggamma.astype(gamma.dtype, copy=False),
             gbeta.astype(gamma.dtype, copy=False))

@@ -1,15 +1,15 @@
 """What the backend's calls share: the bound library, the array module, one
-cuDNN handle per device, Chainer's workspace limit and the algorithms
-chosen so far.
+cuDNN handle per thread and device, Chainer's workspace limit, the
+algorithms chosen so far, the per-shape plans and the workspace buffers.
 
 The functions Chainer calls (:mod:`chainerkfac.cudnn.highlevel`) find it
 through :func:`current`; :func:`chainerkfac.cudnn.install` activates one
 over CuPy, the tests one over a recording fake library and NumPy arrays.
 """
-import contextlib
-from typing import Dict, Iterator, NamedTuple, Optional, Tuple
+import threading
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from chainerkfac.cudnn.descriptors import Descriptors, scalars
+from chainerkfac.cudnn import plans
 
 #: CuPy 13's default (``cupyx.cudnn._max_workspace_size``); Chainer sets
 #: another through ``chainer.backends.cuda.set_max_workspace_size``.
@@ -73,33 +73,94 @@ class Runtime:
     ----------
     lib : chainerkfac.cudnn.library.Library
     arrays : CupyArrays
+    plan_capacity : int
+        Plans kept (:data:`chainerkfac.cudnn.plans.CAPACITY`).
     """
 
-    def __init__(self, lib, arrays):
+    def __init__(self, lib, arrays, plan_capacity: int = plans.CAPACITY):
         self.lib = lib
         self.arrays = arrays
         #: Bytes of workspace a convolution may use (Chainer's maximum).
         self.max_workspace_size = DEFAULT_MAX_WORKSPACE_SIZE
         #: Algorithms chosen so far, by :class:`~chainerkfac.cudnn.
-        #: algorithms.AlgorithmKey`.
+        #: algorithms.AlgorithmKey` (a few numbers each, as CuPy 13's).
         self.algorithms: Dict[object, object] = {}
-        self._handles: Dict[int, int] = {}
+        #: Per-shape plans (:mod:`chainerkfac.cudnn.plans`).
+        self.plans = plans.PlanCache(lib, plan_capacity)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._handles: List[int] = []
+        self._workspaces: Dict[Tuple[int, int], Workspace] = {}
+        self._retired: List[Workspace] = []
 
     def handle(self, handle: Optional[int] = None) -> int:
-        """The current device's cuDNN handle (or ``handle``, one a caller
-        made), set to the current stream.
+        """This thread's cuDNN handle on the current device (or
+        ``handle``, one a caller made), on the current stream.
 
-        cuDNN launches on the stream its handle was last given; CuPy's
-        current stream changes under ``with stream:``, so every call sets
-        it again (a host-side call, no synchronisation), as CuPy 13 did.
+        cuDNN launches on the stream its handle was last given, and CuPy's
+        current stream changes under ``with stream:``; each thread has its
+        own handles (one per device), so no other thread can move them to
+        another stream between this call and the launch, and each handle
+        remembers its stream: ``cudnnSetStream`` runs only when the stream
+        changed. A caller's own handle is set every time.
         """
-        if handle is None:
-            device = self.arrays.device_id()
-            handle = self._handles.get(device)
-            if handle is None:
-                handle = self._handles[device] = self.lib.create('')
-        self.lib.call('cudnnSetStream', handle, self.arrays.stream())
-        return handle
+        stream = self.arrays.stream()
+        if handle is not None:
+            self.lib.call('cudnnSetStream', handle, stream)
+            return handle
+        mine = getattr(self._local, 'handles', None)
+        if mine is None:
+            mine = self._local.handles = {}
+        device = self.arrays.device_id()
+        entry = mine.get(device)
+        if entry is None:
+            entry = mine[device] = [self.lib.create(''), None]
+            with self._lock:
+                self._handles.append(entry[0])
+        if entry[1] != stream:
+            self.lib.call('cudnnSetStream', entry[0], stream)
+            entry[1] = stream
+        return entry[0]
+
+    def handles(self) -> List[int]:
+        """Every handle made so far, of all threads."""
+        with self._lock:
+            return list(self._handles)
+
+    def workspace(self, nbytes: int) -> Workspace:
+        """At least ``nbytes`` of device memory for a call on the current
+        stream: one buffer per device and stream, kept and reused by every
+        call there (the calls on one stream run one after another), grown
+        when a call needs more. A grown-out buffer is kept too (a captured
+        CUDA graph may still use it) until :meth:`release_workspaces`."""
+        if nbytes == 0:
+            return Workspace(0, 0, None)
+        key = (self.arrays.device_id(), self.arrays.stream())
+        workspace = self._workspaces.get(key)
+        if workspace is None or workspace.nbytes < nbytes:
+            with self._lock:
+                if workspace is not None:
+                    self._retired.append(workspace)
+                workspace = self._workspaces[key] = self.arrays.alloc(
+                    nbytes)
+        return workspace
+
+    def release_workspaces(self) -> None:
+        """Let the memory pool have the workspaces back (no captured graph
+        may use them any more)."""
+        with self._lock:
+            self._workspaces.clear()
+            self._retired.clear()
+
+    def close(self) -> None:
+        """Destroy every plan's descriptors and every handle (at exit)."""
+        self.plans.close()
+        self.release_workspaces()
+        with self._lock:
+            handles, self._handles = self._handles, []
+        self._local = threading.local()
+        for handle in handles:
+            self.lib.destroy('', handle)
 
 
 _current: Optional[Runtime] = None
@@ -116,30 +177,6 @@ def current() -> Runtime:
     if _current is None:
         raise RuntimeError('chainerkfac.cudnn is not installed')
     return _current
-
-
-class Call(NamedTuple):
-    """What one cuDNN call needs (:func:`call`)."""
-
-    lib: object          # chainerkfac.cudnn.library.Library
-    arrays: object       # CupyArrays, or the tests' NumPy stand-in
-    handle: int          # set to the current stream
-    one: object          # alpha = 1 and beta = 0 for the data's dtype
-    zero: object
-    d: Descriptors       # destroyed when the call's scope closes
-
-
-@contextlib.contextmanager
-def call(dtype, handle: Optional[int] = None) -> Iterator[Call]:
-    """The scope of one cuDNN call on data of ``dtype``, in the active
-    runtime: its library and arrays, the handle set to the current stream
-    (``handle`` if the caller made one), the scalars and the call's
-    descriptors."""
-    rt = current()
-    handle = rt.handle(handle)
-    one, zero = scalars(dtype)
-    with Descriptors(rt.lib) as d:
-        yield Call(rt.lib, rt.arrays, handle, one, zero, d)
 
 
 def activate(runtime: Optional[Runtime]) -> Optional[Runtime]:

@@ -132,7 +132,8 @@ def test_step_time_rejects_variants_without_sgd():
     from benchmarks import step_time
     with pytest.raises(SystemExit):
         step_time.parse_args(['--variants', 'kfac_every,kfac_fp16'])
-    assert step_time.parse_args(['--gpu']).variants == step_time.VARIANTS
+    assert step_time.parse_args(['--gpu']).variants == \
+        step_time.GPU_VARIANTS
 
 
 def test_capture_timer_times_each_layer_type_and_unwraps():
@@ -268,3 +269,63 @@ def test_conv_a_option_forces_a_strategy_where_it_applies(strategy,
     assert ('_shifted_gram' in stride_one) == (strategy == 'shifted')
     assert {name for name, stride in used if stride == 2} == {
         '_unfolded_gram'}
+
+
+def test_step_time_throughput_sweep_smoke(tmp_path):
+    data, stdout = run_benchmark('step_time', tmp_path, '--batches', '4,8',
+                                 '--workspace-sizes', '8MiB,1GiB')
+    check_header(data, 'step_time')
+    assert 'Throughput, images per second' in stdout
+    assert (tmp_path / 'step_time.png').stat().st_size > 0
+    sweep = data['sweep']
+    assert [(r['batch'], r['workspace_bytes']) for r in sweep] == [
+        (4, 8 << 20), (8, 8 << 20), (4, 1 << 30), (8, 1 << 30)]
+    for r in sweep:
+        ips = r['images_per_s']
+        assert set(ips) == {'sgd', 'kfac_every', 'kfac_stale',
+                            'kfac_stale_amortised'}
+        assert all(positive(v) for v in ips.values())
+        # images/s is the batch over the median step
+        assert ips['sgd'] == pytest.approx(r['batch'] / r['median_s']['sgd'])
+        # the amortised cycle lies between its every-step and stale parts
+        assert ips['kfac_every'] <= ips['kfac_stale_amortised'] <= \
+            ips['kfac_stale']
+        assert 'peer_pytorch' not in r     # --peer needs --gpu
+
+
+def test_step_time_throughput_arithmetic_and_table():
+    from benchmarks import step_time
+    ips = step_time.images_per_second(
+        {'sgd': 0.1, 'kfac_inverse': 0.4, 'kfac_inverse_stale': 0.2,
+         'kfac_inverse_stale_refresh': 0.5}, 32, 4, 'kfac_inverse',
+        'kfac_inverse_stale')
+    assert ips['sgd'] == pytest.approx(320)
+    assert ips['kfac_inverse_stale'] == pytest.approx(160)
+    assert ips['kfac_inverse_stale_amortised'] == pytest.approx(
+        32 * 4 / (0.4 + 3 * 0.2))
+    assert 'kfac_inverse_stale_refresh' not in ips
+    row = {'model': 'resnet50', 'batch': 32, 'workspace_bytes': None,
+           'images_per_s': {'sgd': 100.0},
+           'peer_pytorch': {'median_s': {'sgd': 0.1}},
+           'peer_images_per_s': ips}
+    text = step_time.sweep_table({'sweep': [row], 'gpu': True,
+                                  'autotune': True, 'refresh_interval': 4})
+    assert '| resnet50 |    32 | default   |' in text
+    assert 'autotune on' in text and '320' in text
+    assert step_time._byte_list('8MiB,1GiB,4096,2KiB') == [
+        8 << 20, 1 << 30, 4096, 2048]
+    assert step_time._words(64 << 20) == '64MiB'
+    import argparse
+    for bad in ('8MB', 'lots', '1.5GiB'):
+        with pytest.raises(argparse.ArgumentTypeError, match='KiB, MiB'):
+            step_time._byte_list(bad)
+    with pytest.raises(SystemExit):
+        step_time.parse_args(['--batches', '0'])
+    with pytest.raises(SystemExit):
+        step_time.parse_args(['--inverse-only', '--batches', '8'])
+    with pytest.raises(SystemExit):     # CUDA graphs need a GPU
+        step_time.parse_args(['--variants', 'sgd,sgd_graph'])
+    assert 'sgd_graph' not in step_time.parse_args(['--gpu']).variants
+    assert step_time.parse_args(
+        ['--gpu', '--variants', 'sgd,sgd_graph']).variants == (
+            'sgd', 'sgd_graph')

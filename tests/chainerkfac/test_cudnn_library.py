@@ -23,9 +23,12 @@ from chainerkfac.cudnn.descriptors import Descriptors
 
 
 def _load():
+    """The cuDNN found here, or why none is. Only "none can be opened"
+    skips: a library that opens but lacks a function the backend binds
+    raises here, so the module fails to import and the run fails."""
     try:
         return library.load(), None
-    except OSError as error:
+    except library.LibraryNotFound as error:
         return None, str(error)
 
 

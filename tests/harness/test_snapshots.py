@@ -54,23 +54,29 @@ def test_failed_write_leaves_no_file_and_names_path_and_bytes(tmp_path):
     assert writer.take_failure() is None       # reported once
 
 
-class SlowUpdater(chainer.training.updaters.StandardUpdater):
-    """Iterations that take a few milliseconds (the writer thread runs
-    meanwhile, as beside a real training step)."""
+class HookedUpdater(chainer.training.updaters.StandardUpdater):
+    """A StandardUpdater that calls ``before(iteration)`` (the number of
+    iterations done) before each update: the tests decide when the writer
+    thread's work happens, instead of relying on its timing."""
+
+    def __init__(self, *args, before=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.before = before
 
     def update_core(self):
-        time.sleep(0.003)
+        if self.before is not None:
+            self.before(self.iteration)
         super().update_core()
 
 
-def trainer_with_snapshots(out, writer, epochs=6):
+def trainer_with_snapshots(out, writer, epochs=6, before=None):
     """SGD on 40 one-sample iterations per epoch, a snapshot per epoch."""
     model = L.Classifier(L.Linear(2, 2))
     optimizer = chainer.optimizers.SGD()
     optimizer.setup(model)
     data = [(np.ones(2, np.float32), np.int32(1))] * 40
-    updater = SlowUpdater(chainer.iterators.SerialIterator(data, 1),
-                          optimizer)
+    updater = HookedUpdater(chainer.iterators.SerialIterator(data, 1),
+                            optimizer, before=before)
     trainer = chainer.training.Trainer(updater, (epochs, 'epoch'), out=out)
     snapshots.extend_trainer(trainer, OneProcess, writer, rank=0, keep=2,
                              trigger=(1, 'epoch'))
@@ -80,19 +86,59 @@ def trainer_with_snapshots(out, writer, epochs=6):
 def test_failed_background_write_stops_the_run_before_the_next_snapshot(
         tmp_path):
     """Not at the next snapshot, an epoch later (iteration 80, where the
-    failure used to surface): in the iterations after the write failed
-    (here at once), with the file and the bytes."""
+    failure used to surface), but in the iteration in which the failed
+    write is over, with the file and the bytes. The write of the epoch-1
+    snapshot (iteration 40) is held until the 45th iteration, which waits
+    for it to fail: the run must stop at that iteration's end, whatever
+    the threads' timing."""
+    release = threading.Event()
+
     def failing(f, target):
+        assert release.wait(60)
         raise OSError(errno.ENOSPC, 'No space left on device')
+
+    def before(done):
+        if done == 44:
+            release.set()
+            writer.join()      # the write has failed before this update
+
     writer = snapshots.AtomicThreadWriter(savefun=failing)
-    trainer = trainer_with_snapshots(str(tmp_path), writer)
+    trainer = trainer_with_snapshots(str(tmp_path), writer, before=before)
     with pytest.raises(snapshots.SnapshotWriteError) as info:
         trainer.run()
-    assert 40 <= trainer.updater.iteration < 80
+    assert trainer.updater.iteration == 45
     assert 'snapshot_epoch_1.rank0' in str(info.value)
     assert 'No space left on device' in str(info.value)
     assert 'bytes' in str(info.value)
     assert [n for n in os.listdir(str(tmp_path)) if 'snapshot' in n] == []
+
+
+def test_a_write_in_progress_does_not_stop_the_run(tmp_path):
+    """While the write is held the run goes on (iterations 41-44 above);
+    a write that then succeeds leaves the run to its end."""
+    release = threading.Event()
+    seen_busy = []
+
+    def held(f, target):
+        assert release.wait(60)
+        np.savez(f, **target)
+
+    def before(done):
+        if 40 < done < 45:
+            seen_busy.append(writer.busy)
+        if done == 44:
+            release.set()
+
+    writer = snapshots.AtomicThreadWriter(savefun=held)
+    trainer = trainer_with_snapshots(str(tmp_path), writer, epochs=2,
+                                     before=before)
+    trainer.run()
+    snapshots.finish(OneProcess, writer)
+    assert seen_busy == [True] * 4
+    assert trainer.updater.iteration == 80
+    assert sorted(n for n in os.listdir(str(tmp_path))
+                  if 'snapshot' in n) == ['snapshot_epoch_1.rank0',
+                                          'snapshot_epoch_2.rank0']
 
 
 def test_snapshot_larger_than_the_free_space_stops_the_run_at_once(

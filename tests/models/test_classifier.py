@@ -68,5 +68,14 @@ def test_classifier_reports_loss_and_accuracy():
     expected = soft_label_cross_entropy(model.y, soft).array
     assert loss.array == expected
     assert 'main/accuracy' in observation
+    # The loss reaches the weights: the classifier's gradient is that of
+    # the loss written out on the predictor's logits (Chainer fills a
+    # gradient with NaN until a backward pass writes it: clear first).
+    model.cleargrads()
     loss.backward()
-    assert model.predictor.fc.W.grad is not None
+    got = model.predictor.fc.W.grad.copy()
+    model.cleargrads()
+    soft_label_cross_entropy(model.predictor(x), soft).backward()
+    expected = model.predictor.fc.W.grad
+    assert np.isfinite(expected).all() and abs(expected).max() > 0
+    np.testing.assert_array_equal(got, expected)   # the same operations

@@ -55,7 +55,7 @@ def test_killed_run_resumes_bit_for_bit(dataset, references, tmp_path,
         assert time.time() < deadline, 'no snapshot after 240 s'
         time.sleep(0.05)
     time.sleep(numpy.random.RandomState(nproc).uniform(0, 0.5))
-    kill(process)
+    kill(process, tmp_path)
     locked = os.path.exists(str(tmp_path / 'run.lock'))
     result = run(reference_command(dataset, tmp_path, '--resume', 'latest'),
                  nproc)

@@ -1,0 +1,190 @@
+"""A cuBLAS handle of our own, bound with ctypes, for GEMMs that a CUDA
+graph may capture.
+
+CuPy 14 refuses cuBLAS while a stream is being captured
+(``NotImplementedError: calling cuBLAS API during stream capture is
+currently unsupported``, raised by its ``setStream``), so Chainer's
+``F.linear`` and K-FAC's preconditioning GEMMs cannot be captured through
+CuPy. cuBLAS itself can be: a handle set to the capturing stream with
+``cublasSetStream_v2`` and given a workspace of its own with
+``cublasSetWorkspace_v2`` (no allocation inside cuBLAS during capture)
+captures ``cublas<t>gemm`` (probed on an H100 with CuPy 14.2 and
+``libcublas.so.13``: the replay with changed inputs matched
+``cupy.matmul`` exactly). This module binds those few functions, as
+:mod:`chainerkfac.cudnn.library` binds cuDNN's; :mod:`chainerkfac.graphs.
+gemm` uses them.
+
+Which library (:func:`candidates`): the ``libcublas`` already mapped into
+this process (CuPy's: one cuBLAS build per process), then the
+``nvidia-cublas`` / ``nvidia-cublas-cu12`` wheels' ``nvidia/cublas/lib``,
+then the system loader path, each soname of :data:`SONAMES` in turn.
+"""
+import ctypes
+import importlib.util
+import os
+from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple
+
+from chainerkfac._binding import LibraryNotFound, bind_prototypes
+
+#: Newest first: CUDA 13's cuBLAS, then CUDA 12's.
+SONAMES = ('libcublas.so.13', 'libcublas.so.12')
+
+CUBLAS_STATUS_SUCCESS = 0
+CUBLAS_STATUS_NOT_INITIALIZED = 1
+CUBLAS_OP_N = 0
+CUBLAS_OP_T = 1
+#: cublasMath_t: the default, and exact IEEE arithmetic (no TF32).
+CUBLAS_DEFAULT_MATH = 0
+CUBLAS_PEDANTIC_MATH = 2
+
+_p = ctypes.c_void_p
+_i = ctypes.c_int
+_ll = ctypes.c_longlong
+
+
+class Prototype(NamedTuple):
+    argtypes: tuple
+    restype: object = ctypes.c_int   # cublasStatus_t
+
+
+def _gemm(strided: bool) -> Prototype:
+    # handle, transa, transb, m, n, k, alpha, A, lda, [strideA], B, ldb,
+    # [strideB], beta, C, ldc, [strideC, batchCount]
+    a = (_p, _i) + ((_ll,) if strided else ())
+    tail = (_p, _p, _i) + ((_ll, _i) if strided else ())
+    return Prototype((_p, _i, _i, _i, _i, _i, _p) + a + a + tail)
+
+
+#: C name -> prototype, as in cuBLAS's ``cublas_api.h`` (12.x and 13.x).
+PROTOTYPES: Dict[str, Prototype] = {
+    'cublasCreate_v2': Prototype((ctypes.POINTER(ctypes.c_void_p),)),
+    'cublasDestroy_v2': Prototype((_p,)),
+    'cublasGetVersion_v2': Prototype((_p, ctypes.POINTER(ctypes.c_int))),
+    'cublasGetStatusString': Prototype((_i,), ctypes.c_char_p),
+    'cublasSetStream_v2': Prototype((_p, _p)),
+    'cublasSetWorkspace_v2': Prototype((_p, _p, ctypes.c_size_t)),
+    'cublasSetMathMode': Prototype((_p, _i)),
+    'cublasSgemm_v2': _gemm(False),
+    'cublasDgemm_v2': _gemm(False),
+    'cublasSgemmStridedBatched': _gemm(True),
+    'cublasDgemmStridedBatched': _gemm(True),
+}
+
+
+class CublasError(RuntimeError):
+    """A cuBLAS call returned a status other than success."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(status, message)
+        self.status = status
+        self.message = message
+
+    def __str__(self):
+        return 'cuBLAS Error: ' + self.message
+
+
+class Library:
+    """The bound functions of one cuBLAS.
+
+    Parameters
+    ----------
+    functions : mapping
+        C name -> callable for every name of :data:`PROTOTYPES` (ctypes
+        functions, or the tests' stand-ins).
+    path : str
+    """
+
+    def __init__(self, functions: Mapping[str, Callable], path: str):
+        missing = sorted(set(PROTOTYPES) - set(functions))
+        if missing:
+            raise OSError('{} does not export {}'.format(
+                path, ', '.join(missing)))
+        self._functions = dict(functions)
+        self.path = path
+
+    def call(self, name: str, *args) -> None:
+        """Call ``name``; raise :class:`CublasError` on a failed status."""
+        status = self._functions[name](*args)
+        if status != CUBLAS_STATUS_SUCCESS:
+            raise CublasError(status, '{} in {}'.format(
+                self.status_string(status), name))
+
+    def status_string(self, status: int) -> str:
+        text = self._functions['cublasGetStatusString'](status)
+        return text.decode() if isinstance(text, bytes) else str(text)
+
+    def create(self) -> int:
+        """A new handle (on the current device)."""
+        out = ctypes.c_void_p()
+        self.call('cublasCreate_v2', ctypes.byref(out))
+        return out.value
+
+    def version(self, handle: int) -> int:
+        out = ctypes.c_int()
+        self.call('cublasGetVersion_v2', handle, ctypes.byref(out))
+        return out.value
+
+
+def _loaded() -> List[str]:
+    """The libcublas files mapped into this process (CuPy's)."""
+    try:
+        with open('/proc/self/maps') as maps:
+            paths = {line.split(None, 5)[5].strip() for line in maps
+                     if len(line.split(None, 5)) == 6 and
+                     os.path.basename(line.split(None, 5)[5].strip())
+                     in SONAMES}
+    except OSError:
+        return []
+    return sorted(paths)
+
+
+def wheel_folders() -> List[str]:
+    """``nvidia/cublas/lib`` of the cuBLAS wheels on ``sys.path``."""
+    try:
+        spec = importlib.util.find_spec('nvidia.cublas')
+    except (ImportError, ValueError):
+        return []
+    if spec is None:
+        return []
+    return [os.path.join(p, 'lib')
+            for p in (spec.submodule_search_locations or ())]
+
+
+def candidates() -> Iterator[str]:
+    """Paths (or sonames for the loader) to try, in order."""
+    yield from _loaded()
+    for folder in wheel_folders():
+        for name in SONAMES:
+            path = os.path.join(folder, name)
+            if os.path.isfile(path):
+                yield path
+    yield from SONAMES
+
+
+def bind(cdll: ctypes.CDLL, path: str) -> Library:
+    """Bind every function of :data:`PROTOTYPES` from an open library
+    (:class:`Library` names those it lacks)."""
+    return Library(bind_prototypes(cdll, PROTOTYPES), path)
+
+
+def load(paths=None) -> Library:
+    """Open and bind the first cuBLAS of ``paths`` (default
+    :func:`candidates`).
+
+    Raises
+    ------
+    LibraryNotFound
+        None loads; the message says what was tried.
+    OSError
+        One loads but does not export every function of
+        :data:`PROTOTYPES`; the message names them.
+    """
+    tried = []
+    for path in candidates() if paths is None else paths:
+        try:
+            cdll = ctypes.CDLL(path)
+        except OSError as error:
+            tried.append(str(error))
+            continue
+        return bind(cdll, path)
+    raise LibraryNotFound('no cuBLAS found: {}'.format('; '.join(tried)))

@@ -1,0 +1,244 @@
+"""Row-major GEMMs on our own cuBLAS handle (:mod:`chainerkfac.graphs.
+cublas`), which a CUDA graph may capture, and Chainer's ``F.linear``
+routed through them.
+
+:class:`Gemm` keeps one handle per thread and device, sets it to CuPy's
+current stream only when the stream changed, and gives it a workspace of
+its own for each stream (:data:`WORKSPACE_BYTES`; cuBLAS then allocates
+nothing while a stream is captured). :meth:`Gemm.matmul` computes
+``op(a) @ op(b)`` for C-contiguous float32 / float64 matrices (2-D) or
+equal-length stacks of them (3-D, strided batched), in exact IEEE
+arithmetic (``CUBLAS_PEDANTIC_MATH``: no TF32, as CuPy's default).
+
+cuBLAS is column-major: a C-contiguous ``r x c`` matrix is the
+column-major ``c x r`` matrix with leading dimension ``c``, its transpose.
+So ``C = op(A) op(B)`` (row-major) is computed as ``Cᵀ = op(B)ᵀ op(A)ᵀ``
+(column-major): the operands swap, each keeps its own transposition flag.
+
+:func:`route_linear` makes Chainer's ``LinearFunction``,
+``LinearGradData`` and ``LinearGradWeight`` (``F.linear`` and its
+gradients) use :meth:`Gemm.matmul` for the arrays it serves, so a step
+with a Linear layer has no CuPy cuBLAS call left; other arrays (NumPy, or
+a dtype it does not serve) take Chainer's own code. It patches those three
+``forward`` methods and restores them on exit (a ``with`` block).
+"""
+import contextlib
+import ctypes
+import threading
+from typing import Dict, Optional, Tuple
+
+import numpy
+
+from chainerkfac.graphs import cublas
+
+#: Workspace per handle and stream (cuBLAS's own default on Hopper is 32
+#: MiB; the probe captured sgemm with this size).
+WORKSPACE_BYTES = 32 * 1024 * 1024
+
+_GEMMS = {'f': ('cublasSgemm_v2', 'cublasSgemmStridedBatched',
+                ctypes.c_float),
+          'd': ('cublasDgemm_v2', 'cublasDgemmStridedBatched',
+                ctypes.c_double)}
+_SCALARS = {char: (ctypes.byref(ctype(1.0)), ctypes.byref(ctype(0.0)))
+            for char, (_, _, ctype) in _GEMMS.items()}
+
+
+class CupyArrays:
+    """What :class:`Gemm` needs from CuPy (the tests pass a NumPy twin)."""
+
+    def __init__(self, cupy):
+        self._cupy = cupy
+
+    def serves(self, array) -> bool:
+        return isinstance(array, self._cupy.ndarray)
+
+    def empty(self, shape, dtype):
+        return self._cupy.empty(shape, dtype)
+
+    def pointer(self, array) -> int:
+        return array.data.ptr
+
+    def alloc(self, nbytes: int):
+        memory = self._cupy.cuda.alloc(nbytes)
+        return memory.ptr, memory
+
+    def device_id(self) -> int:
+        return self._cupy.cuda.runtime.getDevice()
+
+    def stream(self) -> int:
+        return self._cupy.cuda.get_current_stream().ptr
+
+
+class Gemm:
+    """GEMMs on this process's own cuBLAS handles (module docstring).
+
+    Parameters
+    ----------
+    lib : chainerkfac.graphs.cublas.Library
+    arrays : CupyArrays
+    """
+
+    def __init__(self, lib, arrays):
+        self.lib = lib
+        self.arrays = arrays
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._handles = []
+        # (handle, stream) -> (pointer, owner): kept for the process (a
+        # captured graph may use it)
+        self._workspaces: Dict[Tuple[int, int], Tuple[int, object]] = {}
+
+    def handle(self) -> int:
+        """This thread's handle on the current device, on the current
+        stream, with its workspace for that stream."""
+        mine = getattr(self._local, 'handles', None)
+        if mine is None:
+            mine = self._local.handles = {}
+        device = self.arrays.device_id()
+        entry = mine.get(device)
+        if entry is None:
+            handle = self.lib.create()
+            self.lib.call('cublasSetMathMode', handle,
+                          cublas.CUBLAS_PEDANTIC_MATH)
+            entry = mine[device] = [handle, None]
+            with self._lock:
+                self._handles.append(handle)
+        stream = self.arrays.stream()
+        if entry[1] != stream:
+            handle = entry[0]
+            self.lib.call('cublasSetStream_v2', handle, stream)
+            # cublasSetStream resets the workspace to cuBLAS's own pool:
+            # give it ours for this stream, after.
+            key = (handle, stream)
+            with self._lock:
+                if key not in self._workspaces:
+                    self._workspaces[key] = self.arrays.alloc(
+                        WORKSPACE_BYTES)
+                pointer, _ = self._workspaces[key]
+            self.lib.call('cublasSetWorkspace_v2', handle, pointer,
+                          WORKSPACE_BYTES)
+            entry[1] = stream
+        return entry[0]
+
+    def serves(self, *arrays) -> bool:
+        """Whether :meth:`matmul` takes these operands: device arrays of
+        one dtype, float32 or float64, C-contiguous, 2-D or 3-D alike."""
+        first = arrays[0]
+        return (all(self.arrays.serves(a) for a in arrays) and
+                first.dtype.char in _GEMMS and first.ndim in (2, 3) and
+                all(a.dtype == first.dtype and a.ndim == first.ndim and
+                    a.flags.c_contiguous for a in arrays))
+
+    def matmul(self, a, b, transa: bool = False, transb: bool = False,
+               out=None):
+        """``op(a) @ op(b)`` (``op`` transposes the last two axes when
+        asked) into ``out`` or a new array; see :meth:`serves`."""
+        if not self.serves(a, b):
+            raise TypeError('Gemm.matmul takes C-contiguous float32 or '
+                            'float64 device arrays of one dtype, both 2-D '
+                            'or both 3-D (got {} {} and {} {})'.format(
+                                a.shape, a.dtype, b.shape, b.dtype))
+        rows_a, cols_a = a.shape[-2:]
+        rows_b, cols_b = b.shape[-2:]
+        m, k = (cols_a, rows_a) if transa else (rows_a, cols_a)
+        k_b, n = (cols_b, rows_b) if transb else (rows_b, cols_b)
+        batch = a.shape[0] if a.ndim == 3 else None
+        if k != k_b or (batch is not None and b.shape[0] != batch):
+            raise ValueError('matmul: shapes {} and {} do not match (transa='
+                             '{}, transb={})'.format(a.shape, b.shape,
+                                                     transa, transb))
+        shape = (m, n) if batch is None else (batch, m, n)
+        if out is None:
+            out = self.arrays.empty(shape, a.dtype)
+        elif tuple(out.shape) != shape or not self.serves(a, out):
+            raise ValueError('matmul: out must be C-contiguous {} {}'.format(
+                shape, a.dtype))
+        single, strided, _ = _GEMMS[a.dtype.char]
+        one, zero = _SCALARS[a.dtype.char]
+        p = self.arrays.pointer
+        ops = (cublas.CUBLAS_OP_T if transb else cublas.CUBLAS_OP_N,
+               cublas.CUBLAS_OP_T if transa else cublas.CUBLAS_OP_N)
+        handle = self.handle()
+        if batch is None:
+            self.lib.call(single, handle, *ops, n, m, k, one, p(b), cols_b,
+                          p(a), cols_a, zero, p(out), n)
+        elif batch:
+            self.lib.call(strided, handle, *ops, n, m, k, one, p(b), cols_b,
+                          rows_b * cols_b, p(a), cols_a, rows_a * cols_a,
+                          zero, p(out), n, m * n, batch)
+        return out
+
+    def close(self) -> None:
+        """Destroy every handle (at exit) and let the workspaces go."""
+        with self._lock:
+            handles, self._handles = self._handles, []
+            self._workspaces.clear()
+        self._local = threading.local()
+        for handle in handles:
+            self.lib.call('cublasDestroy_v2', handle)
+
+
+_gemm: Optional[Gemm] = None
+
+
+def default() -> Gemm:
+    """The process's :class:`Gemm` over CuPy and the cuBLAS of
+    :func:`chainerkfac.graphs.cublas.load` (made on first use; closed at
+    exit)."""
+    global _gemm
+    if _gemm is None:
+        import atexit
+        import cupy
+        _gemm = Gemm(cublas.load(), CupyArrays(cupy))
+        atexit.register(_gemm.close)
+    return _gemm
+
+
+@contextlib.contextmanager
+def route_linear(gemm: Optional[Gemm] = None):
+    """Within the block, Chainer's Linear and its gradients compute with
+    ``gemm`` (default :func:`default`) for the arrays it serves (module
+    docstring)."""
+    import chainer
+    from chainer.functions.connection import linear as chainer_linear
+    gemm = gemm or default()
+    classes = (chainer_linear.LinearFunction, chainer_linear.LinearGradData,
+               chainer_linear.LinearGradWeight)
+    originals = [c.forward for c in classes]
+
+    def linear_forward(self, inputs):
+        x, W = inputs[:2]
+        if not gemm.serves(x, W) or x.ndim != 2:
+            return originals[0](self, inputs)
+        self._config_use_ideep = chainer.config.use_ideep
+        y = gemm.matmul(x, W, transb=True)
+        if len(inputs) == 3:
+            y += inputs[2]
+        self.retain_inputs((0, 1))
+        return y,
+
+    def grad_data_forward(self, inputs):
+        W, gy = inputs
+        if not gemm.serves(W, gy) or W.ndim != 2:
+            return originals[1](self, inputs)
+        self._config_use_ideep = chainer.config.use_ideep
+        self.retain_inputs((0, 1))
+        return gemm.matmul(gy, W),
+
+    def grad_weight_forward(self, inputs):
+        x, gy = inputs
+        if (not gemm.serves(x, gy) or x.ndim != 2 or
+                numpy.dtype(self._w_dtype) != x.dtype):
+            return originals[2](self, inputs)
+        self._config_use_ideep = chainer.config.use_ideep
+        self.retain_inputs((0, 1))
+        return gemm.matmul(gy, x, transa=True),
+
+    for cls, forward in zip(classes, (linear_forward, grad_data_forward,
+                                      grad_weight_forward)):
+        cls.forward = forward
+    try:
+        yield gemm
+    finally:
+        for cls, forward in zip(classes, originals):
+            cls.forward = forward

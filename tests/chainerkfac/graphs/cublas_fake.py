@@ -1,0 +1,113 @@
+"""A cuBLAS stand-in that computes on the CPU: the GEMMs read and write
+memory through their pointers with cuBLAS's column-major semantics, so the
+row-major mapping of :mod:`chainerkfac.graphs.gemm` is checked against
+NumPy; every call is recorded. And a NumPy stand-in for
+:class:`chainerkfac.graphs.gemm.CupyArrays`."""
+import ctypes
+
+import numpy
+
+from chainerkfac.graphs import cublas
+
+
+def _memory(ptr, count, dtype):
+    buffer = (ctypes.c_byte * (count * dtype.itemsize)).from_address(ptr)
+    return numpy.frombuffer(buffer, dtype=dtype)
+
+
+def _col_major(ptr, rows, cols, ld, dtype, offset=0):
+    """The ``rows x cols`` column-major matrix at ``ptr`` with leading
+    dimension ``ld``: element (i, j) at ``i + j·ld``."""
+    flat = _memory(ptr, offset + ld * (cols - 1) + rows, dtype)[offset:]
+    return numpy.lib.stride_tricks.as_strided(
+        flat, (rows, cols), (dtype.itemsize, ld * dtype.itemsize))
+
+
+class FakeCublas:
+    def __init__(self):
+        self.calls = []
+        self.live = set()
+        self._next = 0x100
+
+    def library(self):
+        functions = {name: self._function(name)
+                     for name in cublas.PROTOTYPES}
+        return cublas.Library(functions, 'fake libcublas.so.13')
+
+    def named(self, name):
+        return [args for n, args in self.calls if n == name]
+
+    def _function(self, name):
+        prototype = cublas.PROTOTYPES[name]
+
+        def function(*args):
+            assert len(args) == len(prototype.argtypes), name
+            for argtype, arg in zip(prototype.argtypes, args):
+                argtype.from_param(arg)
+            return self._run(name, args)
+        return function
+
+    def _run(self, name, args):
+        if name == 'cublasGetStatusString':
+            return b'CUBLAS_STATUS_' + str(args[0]).encode()
+        self.calls.append((name, args))
+        if name == 'cublasCreate_v2':
+            self._next += 0x10
+            args[0]._obj.value = self._next
+            self.live.add(self._next)
+        elif name == 'cublasDestroy_v2':
+            self.live.remove(args[0])
+        elif 'gemm' in name:
+            self._gemm(name, args)
+        return 0
+
+    def _gemm(self, name, args):
+        dtype = numpy.dtype('f' if name.startswith('cublasS') else 'd')
+        ctype = ctypes.c_float if dtype.char == 'f' else ctypes.c_double
+        strided = name.endswith('StridedBatched')
+        _, ta, tb, m, n, k, alpha = args[:7]
+        rest = list(args[7:])
+        if strided:
+            a, lda, sa, b, ldb, sb, beta, c, ldc, sc, count = rest
+        else:
+            (a, lda, b, ldb, beta, c, ldc), sa, sb, sc, count = \
+                rest, 0, 0, 0, 1
+        alpha = ctypes.cast(alpha, ctypes.POINTER(ctype)).contents.value \
+            if isinstance(alpha, int) else alpha._obj.value
+        beta = beta._obj.value
+        for i in range(count):
+            shape_a = (k, m) if ta else (m, k)
+            shape_b = (n, k) if tb else (k, n)
+            A = _col_major(a, *shape_a, lda, dtype, i * sa)
+            B = _col_major(b, *shape_b, ldb, dtype, i * sb)
+            C = _col_major(c, m, n, ldc, dtype, i * sc)
+            opa = A.T if ta else A
+            opb = B.T if tb else B
+            C[...] = alpha * opa.dot(opb) + (beta * C if beta else 0)
+
+
+class NumpyArrays:
+    """:class:`chainerkfac.graphs.gemm.CupyArrays` over NumPy."""
+
+    def __init__(self):
+        self.current_stream = 0x5000
+        self.allocations = []
+
+    def serves(self, array):
+        return isinstance(array, numpy.ndarray)
+
+    def empty(self, shape, dtype):
+        return numpy.full(shape, numpy.nan, dtype)
+
+    def pointer(self, array):
+        return array.ctypes.data
+
+    def alloc(self, nbytes):
+        self.allocations.append(nbytes)
+        return 0x9000 + len(self.allocations), None
+
+    def device_id(self):
+        return 0
+
+    def stream(self):
+        return self.current_stream

@@ -1,0 +1,115 @@
+"""chainerkfac.graphs.gemm on a CPU against a computing cuBLAS stand-in
+(tests/chainerkfac/graphs/cublas_fake.py): the row-major GEMMs equal
+NumPy's for every transposition, 2-D and batched; the handle's stream and
+workspace; Chainer's Linear routed through it gives Chainer's own results.
+Exact comparisons: the stand-in and NumPy compute the same products in
+float64 (BLAS), the tolerance covers their different summation orders."""
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+
+from chainerkfac.graphs import cublas
+from chainerkfac.graphs import gemm as gemm_module
+from tests.chainerkfac.graphs.cublas_fake import FakeCublas, NumpyArrays
+
+
+@pytest.fixture
+def gemm():
+    fake = FakeCublas()
+    g = gemm_module.Gemm(fake.library(), NumpyArrays())
+    g.fake = fake
+    yield g
+    g.close()
+    assert not fake.live
+
+
+def _relative(got, expected):
+    return float(abs(got - expected).max() / abs(expected).max())
+
+
+@pytest.mark.parametrize('dtype, tol', [(numpy.float64, 1e-14),
+                                        (numpy.float32, 1e-6)])
+@pytest.mark.parametrize('transa', [False, True])
+@pytest.mark.parametrize('transb', [False, True])
+@pytest.mark.parametrize('batch', [None, 3])
+def test_matmul_equals_numpy(gemm, dtype, tol, transa, transb, batch):
+    rng = numpy.random.RandomState(0)
+    m, k, n = 5, 7, 4
+    lead = () if batch is None else (batch,)
+    a = rng.randn(*(lead + ((k, m) if transa else (m, k)))).astype(dtype)
+    b = rng.randn(*(lead + ((n, k) if transb else (k, n)))).astype(dtype)
+    got = gemm.matmul(a, b, transa, transb)
+    op_a = numpy.swapaxes(a, -1, -2) if transa else a
+    op_b = numpy.swapaxes(b, -1, -2) if transb else b
+    assert got.shape == lead + (m, n) and got.dtype == dtype
+    assert _relative(got, numpy.matmul(op_a, op_b)) < tol
+    name = ('cublasDgemm' if dtype == numpy.float64 else 'cublasSgemm') + (
+        '_v2' if batch is None else 'StridedBatched')
+    call, = gemm.fake.named(name)
+    # the operands swapped, each with its own flag
+    assert call[1:3] == (cublas.CUBLAS_OP_T if transb else cublas.CUBLAS_OP_N,
+                         cublas.CUBLAS_OP_T if transa else cublas.CUBLAS_OP_N)
+
+
+def test_handle_stream_workspace_and_math(gemm):
+    fake, arrays = gemm.fake, gemm.arrays
+    a = numpy.ones((2, 2))
+    for _ in range(3):
+        gemm.matmul(a, a)
+    arrays.current_stream = 0x6000
+    gemm.matmul(a, a)
+    assert len(fake.named('cublasCreate_v2')) == 1
+    math, = fake.named('cublasSetMathMode')
+    assert math[1] == cublas.CUBLAS_PEDANTIC_MATH    # no TF32
+    assert [s[1] for s in fake.named('cublasSetStream_v2')] == [0x5000,
+                                                              0x6000]
+    # after each stream change, a workspace of its own for that stream
+    names = [n for n, _ in fake.calls if n.startswith('cublasSet')]
+    assert names == ['cublasSetMathMode', 'cublasSetStream_v2',
+                     'cublasSetWorkspace_v2', 'cublasSetStream_v2',
+                     'cublasSetWorkspace_v2']
+    spaces = fake.named('cublasSetWorkspace_v2')
+    assert spaces[0][1] != spaces[1][1]
+    assert {s[2] for s in spaces} == {gemm_module.WORKSPACE_BYTES}
+    arrays.current_stream = 0x5000
+    gemm.matmul(a, a)                 # back: the first stream's workspace
+    assert fake.named('cublasSetWorkspace_v2')[-1][1] == spaces[0][1]
+    assert len(arrays.allocations) == 2
+
+
+def test_refuses_what_it_does_not_serve(gemm):
+    with pytest.raises(TypeError, match='C-contiguous'):
+        gemm.matmul(numpy.ones((2, 3), 'f'), numpy.ones((3, 2)))
+    with pytest.raises(TypeError):
+        gemm.matmul(numpy.ones((4, 4))[:, :2], numpy.ones((2, 2)))
+    with pytest.raises(ValueError, match='do not match'):
+        gemm.matmul(numpy.ones((2, 3)), numpy.ones((2, 3)))
+    assert not gemm.serves(numpy.ones((2, 2), 'e'))
+
+
+def test_linear_routed_through_it(gemm):
+    rng = numpy.random.RandomState(1)
+    x = rng.randn(6, 5)
+    W = rng.randn(4, 5)
+    b = rng.randn(4)
+    gy = rng.randn(6, 4)
+
+    def run():
+        xv, Wv, bv = (chainer.Variable(v.copy()) for v in (x, W, b))
+        y = F.linear(xv, Wv, bv)
+        y.grad = gy.copy()
+        y.backward()
+        return y.array, xv.grad, Wv.grad, bv.grad
+
+    expected = run()
+    with gemm_module.route_linear(gemm):
+        got = run()
+    for g, e in zip(got, expected):
+        assert _relative(g, e) < 1e-14
+    names = [n for n, _ in gemm.fake.calls if 'gemm' in n]
+    assert names == ['cublasDgemm_v2'] * 3   # y, gx, gW
+    # restored: Chainer's own path again
+    run()
+    assert len([n for n, _ in gemm.fake.calls if 'gemm' in n]) == 3

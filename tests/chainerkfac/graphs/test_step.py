@@ -1,0 +1,151 @@
+"""StepGraph's decisions on a CPU, against a CuPy stand-in that emulates
+stream capture (tests/chainerkfac/graphs/cupy_graph_fake.py): warm-up,
+capture, replay with new inputs, the host bookkeeping of a replay,
+refusals and their reasons, what drops a graph, a failed capture. The
+optimizer adapter is checked on real Chainer optimizers."""
+import logging
+
+import numpy
+import pytest
+
+import chainer
+import chainer.links as L
+
+from chainerkfac.graphs import step as graphs_step
+from tests.chainerkfac.graphs.cupy_graph_fake import FakeCupy
+
+
+class Counting:
+    """A routing context that counts its uses."""
+
+    def __init__(self):
+        self.entered = 0
+
+    def __call__(self):
+        import contextlib
+        self.entered += 1
+        return contextlib.nullcontext()
+
+
+def _setup(optimizer=None, warmup=2):
+    fake = FakeCupy()
+    link = L.Linear(3, 2)
+    optimizer = optimizer or chainer.optimizers.MomentumSGD(lr=0.1)
+    optimizer.setup(link)
+    weights = numpy.zeros(4)
+    state = {'sync': False}
+
+    def step(x):
+        # host work of a Chainer update, then device work that reads the
+        # input and a host value baked into the kernel (lr)
+        optimizer.t += 1
+        for param in link.params():
+            param.update_rule.t += 1
+        lr = optimizer.lr
+        if state['sync']:
+            fake.synchronize()
+        fake.kernel(lambda: weights[:x.size].__isub__(lr * x))
+
+    routing = Counting()
+    graph = graphs_step.StepGraph(
+        step, graphs_step.ChainerOptimizer(optimizer), warmup=warmup,
+        cupy=fake, route_linear=routing)
+    return fake, graph, optimizer, weights, state, routing
+
+
+def _x(fake, value):
+    return fake.asarray(numpy.full(4, float(value)))
+
+
+def test_warmup_capture_replay_equal_eager():
+    fake, graph, optimizer, weights, _, routing = _setup()
+    modes = [graph(_x(fake, v)) for v in range(1, 7)]
+    assert modes == ['eager', 'eager', 'captured', 'replayed', 'replayed',
+                     'replayed']
+    # every step applied once, the replays with their own inputs
+    numpy.testing.assert_array_equal(weights, -0.1 * sum(range(1, 7)))
+    assert optimizer.t == 6
+    assert all(p.update_rule.t == 6 for p in optimizer.target.params())
+    assert routing.entered == 3          # eager steps and the capture
+    assert graph.stats['replayed'] == 3 and graph.stats['captured'] == 1
+    log = fake.log
+    begin = [e for e in log if e[0] == 'begin_capture']
+    assert begin == [('begin_capture', 'side2', begin[0][2])]
+    assert begin[0][2].startswith('private pool')   # the graph's own pool
+    # each capture or launch: the side stream waits for the main stream,
+    # the main stream for it after
+    launches = [i for i, e in enumerate(log) if e[0] == 'launch']
+    assert len(launches) == 4
+    previous = -1
+    for i in launches:
+        assert ('wait', 'side2', 'main') in log[previous + 1:i]
+        assert log[i + 1] == ('wait', 'main', 'side2')
+        previous = i
+
+
+def test_hyperparameters_changed_recaptures():
+    fake, graph, optimizer, weights, _, _ = _setup()
+    for v in range(3):
+        graph(_x(fake, 1))
+    optimizer.lr = 0.5
+    assert graph(_x(fake, 1)) == 'captured'       # no warm-up again
+    assert graph(_x(fake, 1)) == 'replayed'
+    numpy.testing.assert_allclose(weights, -(3 * 0.1 + 2 * 0.5))
+    assert graph.stats['dropped: hyperparameters changed'] == 1
+
+
+def test_signature_change_warms_up_again():
+    fake, graph, _, _, _, _ = _setup()
+    for _ in range(3):
+        graph(_x(fake, 1))
+    small = fake.asarray(numpy.ones(2))
+    assert [graph(small) for _ in range(3)] == ['eager', 'eager',
+                                                'captured']
+    assert graph.stats['dropped: input signature changed'] == 1
+
+
+def test_refusals_run_eagerly_and_drop_the_graph():
+    fake, graph, optimizer, weights, _, _ = _setup()
+    for _ in range(4):
+        graph(_x(fake, 1))
+    assert graph(numpy.ones(4)) == 'eager'         # a NumPy array
+    assert graph.stats['eager: inputs are not CuPy arrays'] == 1
+    assert graph.stats['dropped: an eager step ran'] == 1
+    assert graph(_x(fake, 1)) == 'captured'
+    numpy.testing.assert_allclose(weights, -0.1 * 6)
+    assert optimizer.t == 6
+
+
+def test_failed_capture_restores_host_state_and_runs_eagerly(caplog):
+    fake, graph, optimizer, weights, state, _ = _setup()
+    state['sync'] = True
+    with caplog.at_level(logging.WARNING):
+        modes = [graph(_x(fake, 1)) for _ in range(4)]
+    assert modes == ['eager'] * 4
+    assert 'could not be captured' in caplog.text
+    assert 'cudaErrorStreamCaptureUnsupported' in caplog.text
+    assert graph.stats['capture failed'] == 1     # not tried again
+    assert graph.stats['eager: its capture failed before'] == 1
+    # the failed capture's host effects were undone: 4 steps, not 5
+    assert optimizer.t == 4
+    numpy.testing.assert_allclose(weights, -0.4)
+
+
+def test_adapter_refuses_what_it_cannot_replay():
+    adam = graphs_step.ChainerOptimizer(chainer.optimizers.Adam())
+    adam.optimizer.setup(L.Linear(2, 2))
+    assert 'AdamRule' in adam.refusal()
+    sgd = chainer.optimizers.MomentumSGD()
+    sgd.setup(L.Linear(2, 2))
+    adapter = graphs_step.ChainerOptimizer(sgd)
+    assert adapter.refusal() is None
+    before = adapter.baked()
+    sgd.lr = 0.5
+    assert adapter.baked() != before
+    sgd.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
+    assert 'WeightDecay' in adapter.refusal()
+    fake, graph, *_ = _setup(optimizer=chainer.optimizers.Adam())
+    assert graph(_x(fake, 1)) == 'eager'
+    assert any('AdamRule' in k for k in graph.stats)
+    with pytest.raises(ValueError, match='warmup'):
+        graphs_step.StepGraph(lambda: None, adapter, warmup=0, cupy=fake)
