@@ -222,9 +222,10 @@ def _median_or_inf(values: List[Optional[float]]) -> float:
 
 
 def summarise(runs: List[Dict], grid: Dict) -> Dict:
-    """Per optimizer: every LR's medians, the best LR and its figures."""
+    """Per optimizer (each key of ``grid``, matched against the runs'
+    ``optimizer``): every LR's medians, the best LR and its figures."""
     out = {}
-    for name in OPTIMIZERS:
+    for name in grid:
         per_lr = []
         for lr in grid[name]:
             mine = [r for r in runs if r['optimizer'] == name and

@@ -57,7 +57,7 @@ SMOKE = {'model': 'small', 'depth': 8, 'width': 4, 'batch': 4, 'size': 16,
 STALE_INTERVAL = 100000
 
 
-# -- inside the mpiexec job -----------------------------------------------------------
+# -- inside the mpiexec job ---------------------------------------------------
 def worker(spec: Dict, out: str) -> int:
     """One rank of the job; rank 0 writes the launch's figures to ``out``."""
     import chainerkfac  # before chainer: NumPy-2 compatibility shims

@@ -62,7 +62,7 @@ def build_optimizer(name, cfg, comm, acc_iters, args):
         # MLPerf-0.6 LARS at 32K (seed 002, Table 1), trust coefficient
         # 1e-3: scaled momentum with base LR 31.2 and momentum 0.9, unscaled
         # with 29.0 and 0.929; scaled linearly to other batch sizes.
-        form = args.lars_momentum or cfg.lars_momentum
+        form = cfg.lars_momentum     # --lars-momentum applied already
         base_lr, base_momentum = LARS_TABLE1[form]
         lr = _given(args.baseline_lr,
                     base_lr * cfg.global_batch_size / 32768)
@@ -294,14 +294,18 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
 
 
 def resolve_config(args, comm):
-    """The config of ``--config`` with ``--epochs`` applied, checked against
+    """The config of ``--config`` with ``--epochs`` and ``--lars-momentum``
+    applied (the run's ``config.json`` says what it used), checked against
     the number of processes (every error raised once, naming the key)."""
     cfg, error = None, None
     try:
         cfg = config_module.load(args.config)
-        if args.epochs is not None:
+        overrides = {key: value for key, value in (
+            ('epochs', args.epochs), ('lars_momentum', args.lars_momentum))
+            if value is not None}
+        if overrides:
             cfg = config_module.from_dict(
-                dict(config_module.to_dict(cfg), epochs=args.epochs),
+                dict(config_module.to_dict(cfg), **overrides),
                 source=args.config)
         cfg.acc_iters(comm.size)   # raises with the numbers if impossible
     except (OSError, ValueError) as e:

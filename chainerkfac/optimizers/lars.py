@@ -13,9 +13,10 @@ of 1 where either norm is zero, e.g. a zero-initialised weight). Then
 
 * ``'scaled'`` (Figure 5, the MLPerf-0.6 reference):
   ``v ← m v + (g + β w)``, ``w ← w − λ v``;
-* ``'unscaled'`` (Figure 6, You et al. 2017; Chainer's ``MomentumSGD``
-  with its ``GradientLARS`` hook):
-  ``v ← m v + λ (g + β w)``, ``w ← w − v``.
+* ``'unscaled'`` (Figure 6, You et al. 2017):
+  ``v ← m v + λ (g + β w)``, ``w ← w − v``; Chainer's ``MomentumSGD``
+  with learning rate ``η · ε`` and its ``GradientLARS`` hook takes these
+  steps where no norm is zero and nothing is excluded.
 
 The two differ when λ changes between steps (a learning-rate schedule,
 the trust ratio itself): Figure 5's velocity holds raw gradients that the

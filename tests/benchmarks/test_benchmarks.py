@@ -240,6 +240,30 @@ def test_convergence_smoke(tmp_path):
     assert positive(data['acc_iters'])
 
 
+def test_lars_table1_smoke(tmp_path):
+    run_dir = tmp_path / 'runs'
+    data, stdout = run_benchmark('lars_table1', tmp_path, '--run-dir',
+                                 str(run_dir))
+    check_header(data, 'lars_table1')
+    assert 'Table 1 at small scale' in stdout
+    assert data['failed'] == []
+    settings = ('lars_scaled_m0.9', 'lars_unscaled_m0.9',
+                'lars_unscaled_m0.929', 'kfac')
+    assert {r['optimizer'] for r in data['runs']} == set(settings)
+    for run in data['runs']:
+        with open(os.path.join(run['dir'], 'log')) as f:
+            log = json.load(f)
+        with open(os.path.join(run['dir'], 'config.json')) as f:
+            config = json.load(f)
+        setting = data['settings'][run['optimizer']]
+        if setting['optimizer'] == 'lars':
+            assert config['lars_momentum'] == setting['form']
+            assert log[-1]['momentum'] == setting['momentum']
+        assert positive(run['best_top1'])
+    for name in settings:
+        assert data['summary'][name]['best']['lr'] in data['lr_grid'][name]
+
+
 @pytest.mark.parametrize('strategy', ['shifted', 'unfolded'])
 def test_conv_a_option_forces_a_strategy_where_it_applies(strategy,
                                                           monkeypatch):

@@ -2,6 +2,7 @@
 --lars-momentum``: two processes with and without sharding train alike,
 and a sharded snapshot resumes on one unsharded process (the velocities
 are merged from every process's file)."""
+import json
 import os
 
 import numpy
@@ -97,6 +98,8 @@ def test_lars_momentum_comes_from_the_config_or_the_option(dataset,
         result = run(command(dataset, out, '--optimizer', 'lars',
                              *extra, config=config))
         assert result.returncode == 0, result.stdout[-3000:]
+        with open(str(out / 'config.json')) as f:
+            assert json.load(f)['lars_momentum'] == form
         finals[form, source] = _final(out)
     same = finals['scaled', 'config'], finals['scaled', 'option']
     assert max_relative_diff(*same) == 0

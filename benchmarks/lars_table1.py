@@ -1,0 +1,234 @@
+"""Table 1 of the MLPerf-0.6 seed at small scale: LARS with scaled and
+unscaled momentum, and K-FAC, in epochs and time to a target top-1.
+
+    python -m benchmarks.lars_table1 [--smoke] [--out FILE.json]
+        [--run-dir DIR] [--target 0.9] [--epochs 20] [--seeds 0,1,2]
+        [--jobs 2]
+
+The seed's Table 1 (ResNet-50, batch 32K, 2048 TPU cores) compares LARS
+with the MLPerf reference's scaled momentum (Figure 5: 72.8 epochs at
+momentum 0.9) against the unscaled momentum of You et al. (Figure 6: 70.6
+epochs at 0.9, 64 epochs at 0.929). Here the same three rows, plus K-FAC,
+train the small ResNet on the demo data (scikit-learn's digits as an
+ImageNet-format list, 1,500 training and 297 validation images, 16x16
+crops) at a global batch of 1,024 — two thirds of the data per step, the
+largest power-of-two multiple of the 32-image micro-batch below the
+training set (32 x 32 accumulated on one process) — with
+``train_imagenet.py --optimizer lars --lars-momentum ...`` and
+``--optimizer kfac`` (``config/demo.json`` at this batch: the paper's
+schemes, running mixup and random erasing). Every run is one process, one
+BLAS thread; ``--jobs`` runs go side by side.
+
+**Schedules.** LARS: the harness's linear warm-up (here over
+:data:`WARMUP_EPOCHS` epochs: a quarter of the budget, between Table 1's
+18/64 and 25/72.8), then polynomial (power 2) decay to the last epoch,
+trust coefficient 1e-3, weight decay 1e-4, biases and BN excluded (the
+MLPerf reference). K-FAC: eq. (17) decay to the last epoch, damping
+warm-up.
+
+**Learning rates, equal budget.** Each row gets the same number of
+learning rates (:data:`LR_GRID`, a factor-2 grid whose centre pilot runs
+at this batch chose) times the same seeds; its best has the fewest median
+epochs to target over the seeds (a run that never reaches it counts as
+infinite; ties: higher median best top-1).
+
+**Figures.** Per row at its best learning rate: epochs to target (each
+seed's, the median), wall time to target, best top-1; the table is
+printed, written to the JSON, and ``analysis.curves`` plots the best-LR
+runs into ``RUN_DIR/curves.png``. Wall times compare within this run
+only.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Dict
+
+from benchmarks import _common
+from benchmarks import convergence
+
+#: The rows: Table 1's three LARS settings, then K-FAC.
+SETTINGS = {
+    'lars_scaled_m0.9': {'optimizer': 'lars', 'form': 'scaled',
+                         'momentum': 0.9,
+                         'label': 'LARS scaled, m=0.9 (Fig. 5)'},
+    'lars_unscaled_m0.9': {'optimizer': 'lars', 'form': 'unscaled',
+                           'momentum': 0.9,
+                           'label': 'LARS unscaled, m=0.9 (Fig. 6)'},
+    'lars_unscaled_m0.929': {'optimizer': 'lars', 'form': 'unscaled',
+                             'momentum': 0.929,
+                             'label': 'LARS unscaled, m=0.929 (Fig. 6)'},
+    'kfac': {'optimizer': 'kfac', 'label': 'K-FAC'},
+}
+#: Table 1 of the seed, for the printed comparison: (epochs, benchmark s).
+SEED_TABLE1 = {'lars_scaled_m0.9': (72.8, 76.9),
+               'lars_unscaled_m0.9': (70.6, 72.4),
+               'lars_unscaled_m0.929': (64.0, 67.1)}
+LARS_GRID = (4.0, 8.0, 16.0)
+LR_GRID = {name: (LARS_GRID if s['optimizer'] == 'lars' else
+                  (0.01, 0.02, 0.04)) for name, s in SETTINGS.items()}
+SMOKE_LR_GRID = {name: (8.0 if s['optimizer'] == 'lars' else 0.02,)
+                 for name, s in SETTINGS.items()}
+GLOBAL_BATCH = 1024
+WARMUP_EPOCHS = 5
+EPOCHS = 20
+RUN_TIMEOUT_S = 3600
+SMOKE = dict(convergence.SMOKE, global_batch_size=64)
+
+
+def write_configs(run_dir: str, grid: Dict, epochs: int,
+                  smoke: bool) -> Dict:
+    """One config per K-FAC learning rate and one for LARS, from
+    ``config/demo.json`` at this batch, the decay of eq. (17) ending
+    after the last epoch."""
+    import chainerkfac  # NOQA  (before chainer)
+    import config as config_module
+    base = config_module.to_dict(config_module.load(
+        os.path.join(_common.ROOT, 'config', 'demo.json')))
+    base.update(global_batch_size=SMOKE['global_batch_size'] if smoke
+                else GLOBAL_BATCH, epochs=epochs, e_end=epochs + 1.0)
+    os.makedirs(os.path.join(run_dir, 'configs'), exist_ok=True)
+    paths = {}
+    for name, setting in SETTINGS.items():
+        for lr in grid[name]:
+            if setting['optimizer'] == 'kfac':
+                paths[name, lr] = convergence._save_config(
+                    config_module, dict(base, lr=lr), run_dir,
+                    'kfac_lr{:g}'.format(lr))
+            else:
+                paths[name, lr] = convergence._save_config(
+                    config_module, base, run_dir, 'lars')
+    return paths
+
+
+def job(name: str, lr: float, seed: int, cfg: str, data: Dict,
+        run_dir: str, epochs: int, target: float, smoke: bool) -> Dict:
+    setting = SETTINGS[name]
+    directory = os.path.join(run_dir, '{}_lr{:g}_seed{}'.format(
+        name, lr, seed))
+    cmd = convergence.command(setting['optimizer'], lr, seed, cfg, data,
+                              directory, epochs, target, smoke)
+    # Later options win: the row's label, form, momentum and warm-up.
+    cmd += ['--label', '{} lr={:g} seed {}'.format(setting['label'], lr,
+                                                    seed)]
+    if setting['optimizer'] == 'lars':
+        cmd += ['--lars-momentum', setting['form'], '--baseline-momentum',
+                str(setting['momentum']), '--warmup-epochs',
+                str(min(WARMUP_EPOCHS, epochs))]
+    return {'name': os.path.basename(directory), 'optimizer': name,
+            'lr': lr, 'seed': seed, 'dir': directory, 'command': cmd}
+
+
+def tables(data: Dict) -> str:
+    rows = []
+    for name in SETTINGS:
+        summary = data['summary'][name]
+        best = summary['best']
+        seed_epochs, seed_time = SEED_TABLE1.get(name, (None, None))
+        rows.append([
+            SETTINGS[name]['label'], best['lr'],
+            ' / '.join('-' if e is None else '{:.2f}'.format(e)
+                       for e in best['epochs_to_target']),
+            best['median_epochs_to_target'],
+            best['median_time_to_target_s'], best['median_best_top1'],
+            '{}/{}'.format(best['reached'], len(best['seeds'])),
+            seed_epochs, seed_time])
+    grid = []
+    for name in SETTINGS:
+        for entry in data['summary'][name]['lrs']:
+            grid.append([SETTINGS[name]['label'], entry['lr'],
+                         entry['median_epochs_to_target'],
+                         entry['median_best_top1'],
+                         '{}/{}'.format(entry['reached'],
+                                        len(entry['seeds']))])
+    return ('Table 1 at small scale: epochs to top-1 {:g} on the digits, '
+            'global batch {} (1 process x {} x {} accumulated), at most {} '
+            'epochs, seeds {}\n{}\n\nEvery learning rate:\n{}'.format(
+                data['target'], data['global_batch_size'],
+                data['batch_per_process'], data['acc_iters'],
+                data['epochs'], ','.join(map(str, data['seeds'])),
+                _common.format_table(
+                    ['setting', 'best lr', 'epochs to target per seed',
+                     'median epochs', 'median time to target [s]',
+                     'median best top-1', 'reached', 'seed: epochs (32K)',
+                     'seed: benchmark [s]'], rows),
+                _common.format_table(
+                    ['setting', 'lr', 'median epochs', 'median best top-1',
+                     'reached'], grid)))
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog='python -m benchmarks.lars_table1', description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--smoke', action='store_true',
+                        help='a slice of the data, 1 epoch, 1 LR, 1 seed')
+    parser.add_argument('--out', default='result/lars_table1.json',
+                        help='JSON output (default result/lars_table1.json)')
+    parser.add_argument('--run-dir', default='result/lars_table1_runs',
+                        help='where the run directories go')
+    parser.add_argument('--target', type=float, default=0.9,
+                        help='target validation top-1 (fraction)')
+    parser.add_argument('--epochs', type=int, default=None,
+                        help='epochs per run (default {}; smoke 1)'.format(
+                            EPOCHS))
+    parser.add_argument('--seeds', default=None,
+                        help='comma-separated seeds (default 0,1,2; smoke 0)')
+    parser.add_argument('--jobs', type=int, default=2,
+                        help='runs side by side (default 2)')
+    args = parser.parse_args(argv)
+    if not 0 < args.target <= 1:
+        parser.error('--target is a fraction in (0, 1]')
+    return args
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    epochs = args.epochs or (SMOKE['epochs'] if args.smoke else EPOCHS)
+    seeds = [int(s) for s in (args.seeds or ('0' if args.smoke else
+                                             '0,1,2')).split(',')]
+    grid = SMOKE_LR_GRID if args.smoke else LR_GRID
+    run_dir = os.path.abspath(args.run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    data_paths = convergence.prepare_data(run_dir, args.smoke)
+    configs = write_configs(run_dir, grid, epochs, args.smoke)
+    with open(configs['kfac', grid['kfac'][0]]) as f:
+        cfg = json.load(f)
+    jobs = [job(name, lr, seed, configs[name, lr], data_paths, run_dir,
+                epochs, args.target, args.smoke)
+            for seed in seeds for name in SETTINGS for lr in grid[name]]
+    print('{} runs, {} at a time, in {}'.format(len(jobs), args.jobs,
+                                                run_dir), flush=True)
+    start = time.time()
+    convergence.run_all(jobs, args.jobs, RUN_TIMEOUT_S)
+    runs = [convergence.read_run(j) for j in jobs]
+    failed = [r['dir'] for r in runs if r['returncode'] != 0]
+    data = _common.header('lars_table1', argv)
+    data.update(
+        smoke=args.smoke, target=args.target, epochs=epochs, seeds=seeds,
+        settings=SETTINGS, seed_table1=SEED_TABLE1,
+        warmup_epochs=min(WARMUP_EPOCHS, epochs),
+        global_batch_size=cfg['global_batch_size'],
+        batch_per_process=cfg['batch_size_per_process'], processes=1,
+        acc_iters=cfg['global_batch_size'] // cfg['batch_size_per_process'],
+        lr_grid={k: list(v) for k, v in grid.items()}, jobs=args.jobs,
+        total_wall_s=time.time() - start, runs=runs, failed=failed)
+    data['summary'] = convergence.summarise(runs, grid)
+    data['curves'] = convergence.write_curves(runs, data['summary'],
+                                              run_dir, args.target)
+    print(_common.describe_machine(data))
+    print(tables(data))
+    if data['curves']:
+        print('curves: {}'.format(data['curves']))
+    if failed:
+        print('FAILED runs (see stdout.txt inside): {}'.format(
+            ', '.join(failed)))
+    _common.write_json(args.out, data)
+    print('wrote {}'.format(args.out))
+    return 1 if failed else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
