@@ -261,16 +261,23 @@ def main(argv=None):
                                          _common.usable_cores()),
                 statistic='median over rounds of the slowest rank',
                 results=[])
+    data['failed'] = []
     for p in counts:
         print('mpiexec -n {}{} ...'.format(
             p, ' (oversubscribed)' if p > _common.usable_cores() else ''),
             flush=True)
-        data['results'].append(launch(p, args, args.timeout))
+        try:
+            data['results'].append(launch(p, args, args.timeout))
+        except RuntimeError as error:
+            # The other launches' figures still count.
+            print(error, flush=True)
+            data['failed'].append({'processes': p, 'error': str(error)})
     print(_common.describe_machine(data))
-    print(tables(data))
+    if data['results']:
+        print(tables(data))
     _common.write_json(args.out, data)
     print('wrote {}'.format(args.out))
-    return 0
+    return 1 if data['failed'] else 0
 
 
 if __name__ == '__main__':
