@@ -27,11 +27,16 @@ rounds of the slowest rank):
 
 * ``step``: the wall time of ``optimizer.update(model, x, t)`` (forward,
   backward, communication, update);
-* ``update``: the stage that applies the update (all parameters
-  unsharded; the owned ones sharded), ``all_gather``: the AllGatherV (K-FAC
-  unsharded: of the preconditioned gradients; sharded: of the weights),
-  ``mean``: the baselines' gradient average (all-reduce unsharded,
-  reduce-scatter sharded);
+* ``update rules``: the update rules alone (``param.update()``, K-FAC's
+  with a direction given) over the parameters the process updates — all
+  of them unsharded, its own sharded — timed apart from the step after
+  the rounds: no communication, no waiting for another rank;
+* ``update``: the step's stage that applies the update (it includes the
+  check that every process's direction is finite, a synchronisation, and
+  the baselines' per-parameter hooks), ``all_gather``: the AllGatherV
+  (K-FAC unsharded: of the preconditioned gradients; sharded: of the
+  weights), ``mean``: the baselines' gradient average (all-reduce
+  unsharded, reduce-scatter sharded; it waits for the slowest backward);
 * ``state``: bytes of the optimizer state (the update rules' velocities)
   on the process holding the most, against the unsharded process's.
 """
@@ -104,7 +109,32 @@ def worker(spec: Dict, out: str) -> int:
         return {'wall': time.perf_counter() - start,
                 'stages': dict(optimizer.stage_times)}
 
-    records, state, n_params = {}, {}, 0
+    def updated_here(model, optimizer):
+        """The parameters this process updates."""
+        if isinstance(optimizer, KFAC):
+            return [p for b in optimizer.blocks
+                    if not optimizer.shard_update or
+                    optimizer.transport.updates(b) for p in b.params]
+        params = [p for _, p in sorted(model.namedparams())]
+        if not optimizer.sharded:
+            return params
+        return [params[i] for i in optimizer.owners.params_of(comm.rank)]
+
+    def update_compute(model, optimizer):
+        """Seconds of the update rules alone on the parameters this
+        process updates (no communication, no waiting for others)."""
+        params = updated_here(model, optimizer)
+        times = []
+        for _ in range(spec['rounds']):
+            start = time.perf_counter()
+            for param in params:
+                if isinstance(optimizer, KFAC):
+                    param.update_rule.direction = param.grad
+                param.update()
+            times.append(time.perf_counter() - start)
+        return _common.median(times)
+
+    records, state, compute, n_params = {}, {}, {}, 0
     for name in OPTIMIZERS:
         pair = {v: make(name, v == 'sharded') for v in VARIANTS}
         for variant in VARIANTS:
@@ -117,11 +147,12 @@ def worker(spec: Dict, out: str) -> int:
                 records[name][variant].append(step(*pair[variant]))
         state[name] = {v: sharding.state_nbytes(pair[v][0].params())
                        for v in VARIANTS}
+        compute[name] = {v: update_compute(*pair[v]) for v in VARIANTS}
         n_params = sum(p.size for p in pair['sharded'][0].params())
         del pair
         gc.collect()
 
-    gathered = comm.mpi_comm.gather((records, state), root=0)
+    gathered = comm.mpi_comm.gather((records, state, compute), root=0)
     if comm.rank == 0:
         _common.write_json(out, summarise_launch(gathered, comm.size,
                                                  n_params))
@@ -137,7 +168,7 @@ def summarise_launch(gathered: List, size: int, n_params: int) -> Dict:
     for name in OPTIMIZERS:
         entry = {}
         for variant in VARIANTS:
-            per_rank = [records[name][variant] for records, _ in gathered]
+            per_rank = [records[name][variant] for records, _, _ in gathered]
             rounds = len(per_rank[0])
 
             def slowest(value):
@@ -148,9 +179,12 @@ def summarise_launch(gathered: List, size: int, n_params: int) -> Dict:
                 if stage in per_rank[0][0]['stages']:
                     figures[stage + '_s'] = slowest(
                         lambda r, s=stage: r['stages'].get(s, 0.0))
-            states = [state[name][variant] for _, state in gathered]
+            states = [state[name][variant] for _, state, _ in gathered]
             figures['state_bytes_max'] = int(max(states))
             figures['state_bytes_per_rank'] = [int(s) for s in states]
+            computes = [c[name][variant] for _, _, c in gathered]
+            figures['update_compute_s_max'] = max(computes)
+            figures['update_compute_s_per_rank'] = computes
             entry[variant] = figures
         plain, sharded = entry['unsharded'], entry['sharded']
         entry['ratios'] = {
@@ -159,6 +193,8 @@ def summarise_launch(gathered: List, size: int, n_params: int) -> Dict:
             'update_and_all_gather': (
                 (sharded['update_s'] + sharded['all_gather_s']) /
                 (plain['update_s'] + plain.get('all_gather_s', 0.0))),
+            'update_compute': sharded['update_compute_s_max'] /
+            plain['update_compute_s_max'],
             'state': sharded['state_bytes_max'] / max(
                 plain['state_bytes_max'], 1)}
         result['optimizers'][name] = entry
@@ -202,9 +238,11 @@ def tables(data: Dict) -> str:
             rows.append([
                 result['processes'], name, plain['step_s'],
                 sharded['step_s'], entry['ratios']['step'],
+                plain['update_compute_s_max'],
+                sharded['update_compute_s_max'],
+                entry['ratios']['update_compute'],
                 plain['update_s'], sharded['update_s'],
                 plain.get('all_gather_s'), sharded['all_gather_s'],
-                entry['ratios']['update_and_all_gather'],
                 plain['state_bytes_max'] / 2 ** 20,
                 sharded['state_bytes_max'] / 2 ** 20,
                 entry['ratios']['state']])
@@ -215,9 +253,10 @@ def tables(data: Dict) -> str:
                     data['input'][2], data['rounds'],
                     _common.format_table(
                         ['P', 'optimizer', 'step [s]', 'sharded', 'ratio',
-                         'update [s]', 'sharded', 'all-gather [s]',
-                         'sharded', 'update+gather ratio',
-                         'state [MiB/proc]', 'sharded', 'ratio'], rows)))
+                         'update rules [s]', 'sharded', 'ratio',
+                         'update stage [s]', 'sharded', 'all-gather [s]',
+                         'sharded', 'state [MiB/proc]', 'sharded', 'ratio'],
+                        rows)))
 
 
 def parse_args(argv):

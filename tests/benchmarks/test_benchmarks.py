@@ -202,7 +202,7 @@ def test_shard_update_smoke(tmp_path):
         entry = result['optimizers'][name]
         for variant in ('unsharded', 'sharded'):
             figures = entry[variant]
-            for key in ('step_s', 'update_s'):
+            for key in ('step_s', 'update_s', 'update_compute_s_max'):
                 assert positive(figures[key]), (name, variant, key)
             assert len(figures['state_bytes_per_rank']) == 2
             assert figures['state_bytes_max'] == max(
