@@ -55,9 +55,9 @@ class GuardedOptimizer:
         optimizer's hooks must act on each parameter alone
         (``call_for_each_param``: WeightDecay, Lasso, GradientHardClipping,
         GradientLARS, ...; not GradientClipping, which needs the norm of
-        the whole gradient), and dynamic loss scaling is refused. After a
-        step ``param.grad`` is the mean gradient on the parameter's owner
-        only. One process: no effect.
+        the whole gradient), loss scaling and an optimizer with its own
+        ``update`` are refused. After a step ``param.grad`` is the mean
+        gradient on the parameter's owner only. One process: no effect.
 
     Attributes
     ----------
@@ -210,24 +210,36 @@ class GuardedOptimizer:
         if not self.guard.check([g for g in reduced if g is not None],
                                 self._agree):
             return False
-        # Only the owned parameters' rules run; the others count the step
-        # (``rule.t``: Adam's bias correction) so that every process and
-        # every snapshot file agree on it.
-        others = [p.update_rule for i, p in enumerate(params)
-                  if not owners.owns(rank, i) and p.update_rule is not None
-                  and p.update_rule.enabled]
-        for rule in others:
-            rule.enabled = False
-        try:
-            optimizer.update()
-        finally:
-            for rule in others:
-                rule.enabled = True
-                rule.t += 1
+        self._update_owned([p for i, p in enumerate(params)
+                            if owners.owns(rank, i)],
+                           [p for i, p in enumerate(params)
+                            if not owners.owns(rank, i)])
         self.timer.mark('update')
         sharding.all_gather_weights(collectives, params, owners.owners, rank)
         self.timer.mark('all_gather')
         return True
+
+    def _update_owned(self, owned, others) -> None:
+        """Chainer's ``GradientMethod.update`` for the parameters this
+        process owns: the optimizer's hooks (each acts on one parameter:
+        checked at the start) and the update rules run on those only; the
+        others' rules count the step (``rule.t``: Adam's bias correction),
+        so every process and every snapshot file agree on it."""
+        optimizer = self.actual_optimizer
+        pre, post = _hooks(optimizer)
+        for hook in pre.values():
+            for param in owned:
+                hook(param.update_rule, param)
+        optimizer.t += 1
+        for param in owned:
+            param.update()
+        for param in others:
+            rule = param.update_rule
+            if rule is not None and rule.enabled:
+                rule.t += 1
+        for hook in post.values():
+            for param in owned:
+                hook(param.update_rule, param)
 
     def _start_sharding(self) -> None:
         """At the first sharded step: check that sharding can give the
@@ -241,11 +253,14 @@ class GuardedOptimizer:
                 'GuardedOptimizer: shard_update is on for ranks {} only: '
                 'all processes must agree'.format(
                     [r for r, f in enumerate(flags) if f]))
-        hookable = getattr(optimizer, '_hookable', None)  # Chainer's own
-        hooks = [] if hookable is None else (
-            list(hookable._pre_update_hooks.items()) +
-            list(hookable._post_update_hooks.items()))
-        whole = [name for name, hook in hooks
+        if type(optimizer).update is not chainer.GradientMethod.update:
+            raise ValueError(
+                'GuardedOptimizer(shard_update=True): {} has its own update '
+                '(the sharded step runs chainer.GradientMethod.update on the '
+                'owned parameters)'.format(type(optimizer).__name__))
+        pre, post = _hooks(optimizer)
+        whole = [name for name, hook in list(pre.items()) +
+                 list(post.items())
                  if not getattr(hook, 'call_for_each_param', False)]
         if whole:
             raise ValueError(
@@ -253,10 +268,10 @@ class GuardedOptimizer:
                 '{} see the whole model (not call_for_each_param); with a '
                 'sharded update a process holds the mean gradient of its '
                 'own parameters only'.format(', '.join(whole)))
-        if getattr(optimizer, '_loss_scaling_is_dynamic', False):
+        if optimizer._loss_scale is not None:
             raise ValueError(
-                'GuardedOptimizer(shard_update=True): dynamic loss scaling '
-                'decides from every gradient; use a fixed loss scale')
+                'GuardedOptimizer(shard_update=True): loss scaling is not '
+                'supported (dynamic scaling decides from every gradient)')
         named = sorted(optimizer.target.namedparams())
         params = [p for _, p in named]
         self.owners = sharding.ParameterOwners.balanced(
@@ -282,3 +297,10 @@ class GuardedOptimizer:
             self._checkpoint_due = True
             if self._shard is not None:
                 self._drop_unowned_state()
+
+
+def _hooks(optimizer):
+    """The optimizer's pre- and post-update hooks, ``{name: hook}`` each
+    (Chainer keeps them in its ``_hookable``; there is no public reader)."""
+    hookable = optimizer._hookable
+    return hookable._pre_update_hooks, hookable._post_update_hooks
