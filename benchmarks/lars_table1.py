@@ -40,9 +40,14 @@ for the 29 steps of 20 epochs at this batch: it reached at most 0.78
 **Figures.** The default target, 0.8 top-1, is one the pilots' LARS
 reached with epochs to spare (at 1,024 images a step, 20 epochs are 29
 steps). Per row: epochs to target (each seed's, the median), wall time
-to target, best top-1; the table is printed, written to the JSON, and
-``analysis.curves`` plots every run into ``RUN_DIR/curves.png``. Wall
-times compare within this run only.
+to target, best top-1; the table is printed and written to the JSON.
+``RUN_DIR/table1.png`` shows per row the validation top-1 against epochs
+(median over the seeds, their range shaded) and the epochs to target
+(each seed, the median); ``analysis.curves`` plots every run into
+``RUN_DIR/curves.png``. ``--replot FILE.json`` redraws the table and
+``table1.png`` from an earlier run's JSON and run directories. Wall times
+compare within one run only, and only where the machine's load held: the
+runs of a row do not run side by side with the same others.
 """
 import argparse
 import json
@@ -159,6 +164,73 @@ def tables(data: Dict) -> str:
                     rows)))
 
 
+def write_figure(data: Dict, path: str) -> str:
+    """``table1.png``: per row, top-1 against epochs (median over seeds,
+    their range shaded) and the epochs to target (seeds and median)."""
+    import numpy
+    from analysis import _io
+    figure = _io.new_figure(figsize=(12, 4.8))
+    curves, bars = figure.subplots(1, 2, gridspec_kw={'width_ratios':
+                                                      (3, 2)})
+    names = list(SETTINGS)
+    for row, name in enumerate(names):
+        series = []
+        for run in data['runs']:
+            if run['optimizer'] != name:
+                continue
+            with open(os.path.join(run['dir'], 'log')) as f:
+                log = json.load(f)
+            series.append([(e['epoch'], 100 * e['validation/main/accuracy'])
+                           for e in log if 'validation/main/accuracy' in e])
+        length = min(len(s) for s in series)
+        epochs = [e for e, _ in series[0][:length]]
+        values = numpy.array([[a for _, a in s[:length]] for s in series])
+        color = 'C{}'.format(row)
+        curves.plot(epochs, numpy.median(values, axis=0), color=color,
+                    label=SETTINGS[name]['label'])
+        curves.fill_between(epochs, values.min(axis=0), values.max(axis=0),
+                            color=color, alpha=0.15)
+        best = data['summary'][name]['best']
+        reached = [e for e in best['epochs_to_target'] if e is not None]
+        bars.scatter(reached, [row] * len(reached), color=color, zorder=3)
+        if best['median_epochs_to_target'] is not None:
+            bars.barh(row, best['median_epochs_to_target'], color=color,
+                      alpha=0.35)
+        if name in SEED_TABLE1:
+            bars.annotate('seed 002, 32K: {:g} epochs'.format(
+                SEED_TABLE1[name][3]), (0.3, row + 0.3), fontsize=8)
+    curves.axhline(100 * data['target'], color='gray', linestyle='--',
+                   linewidth=1)
+    curves.set_xlabel('epoch')
+    curves.set_ylabel('validation top-1 [%] (median, range of {} seeds)'
+                      .format(len(data['seeds'])))
+    curves.legend(loc='lower right', fontsize=8)
+    curves.grid(alpha=0.3)
+    bars.set_yticks(range(len(names)))
+    bars.set_yticklabels([SETTINGS[n]['label'] for n in names], fontsize=8)
+    bars.invert_yaxis()
+    bars.set_xlabel('epochs to {:g} % top-1 (dots: seeds, bar: median)'
+                    .format(100 * data['target']))
+    bars.grid(axis='x', alpha=0.3)
+    figure.suptitle('Table 1 of the MLPerf-0.6 seed at small scale: digits, '
+                    'global batch {}'.format(data['global_batch_size']))
+    figure.tight_layout()
+    tmp = path + '.tmp.png'
+    figure.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+    return path
+
+
+def replot(path: str, run_dir: str) -> int:
+    with open(path) as f:
+        data = json.load(f)
+    print(tables(data))
+    png = write_figure(data, os.path.join(data.get('run_dir', run_dir),
+                                          'table1.png'))
+    print('figure: {}'.format(png))
+    return 0
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog='python -m benchmarks.lars_table1', description=__doc__,
@@ -178,6 +250,9 @@ def parse_args(argv):
                         help='comma-separated seeds (default 0,1,2; smoke 0)')
     parser.add_argument('--jobs', type=int, default=2,
                         help='runs side by side (default 2)')
+    parser.add_argument('--replot', metavar='JSON',
+                        help="redraw the table and table1.png from an "
+                        "earlier run's JSON (its run directories)")
     args = parser.parse_args(argv)
     if not 0 < args.target <= 1:
         parser.error('--target is a fraction in (0, 1]')
@@ -187,6 +262,8 @@ def parse_args(argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.replot:
+        return replot(args.replot, os.path.abspath(args.run_dir))
     epochs = args.epochs or (SMOKE['epochs'] if args.smoke else EPOCHS)
     seeds = [int(s) for s in (args.seeds or ('0' if args.smoke else
                                              '0,1,2')).split(',')]
@@ -215,14 +292,19 @@ def main(argv=None):
         batch_per_process=cfg['batch_size_per_process'], processes=1,
         acc_iters=cfg['global_batch_size'] // cfg['batch_size_per_process'],
         lr_grid={k: list(v) for k, v in grid.items()}, jobs=args.jobs,
-        total_wall_s=time.time() - start, runs=runs, failed=failed)
+        run_dir=run_dir, total_wall_s=time.time() - start, runs=runs,
+        failed=failed)
     data['summary'] = convergence.summarise(runs, grid)
     data['curves'] = convergence.write_curves(runs, data['summary'],
                                               run_dir, args.target)
+    data['figure'] = None if failed else write_figure(
+        data, os.path.join(run_dir, 'table1.png'))
     print(_common.describe_machine(data))
     print(tables(data))
     if data['curves']:
         print('curves: {}'.format(data['curves']))
+    if data['figure']:
+        print('figure: {}'.format(data['figure']))
     if failed:
         print('FAILED runs (see stdout.txt inside): {}'.format(
             ', '.join(failed)))

@@ -262,6 +262,7 @@ def test_lars_table1_smoke(tmp_path):
         assert positive(run['best_top1'])
     for name in settings:
         assert data['summary'][name]['best']['lr'] in data['lr_grid'][name]
+    assert os.path.getsize(data['figure']) > 0
 
 
 @pytest.mark.parametrize('strategy', ['shifted', 'unfolded'])
