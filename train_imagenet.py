@@ -11,9 +11,9 @@ accumulated micro-batches follow from the config's global mini-batch
 (``processes × batch × acc_iters``). Validation top-1 is evaluated over all
 processes after every epoch. The output directory gets ``config.json``
 (resolved config + run facts), ``log`` (JSON per epoch), the last
-``--keep-snapshots`` per-process snapshots ``snapshot_epoch_E.rankR`` (the
-final one included), ``model_final.npz`` (the network's weights),
-``fisher_diff.jsonl`` (with ``--fisher-diff``) and
+``--keep-snapshots`` per-process snapshots ``snapshot_step_S.rankR``
+(after optimizer step S; the final one included), ``model_final.npz`` (the
+network's weights), ``fisher_diff.jsonl`` (with ``--fisher-diff``) and
 ``time_to_accuracy.json`` (with ``--target-acc``). ``--resume`` continues
 from a snapshot, on the same or another number of processes, once every
 file of it has been read whole and found to fit the model and the
@@ -23,10 +23,22 @@ fresh run refuses an earlier run's files there unless ``--overwrite``
 removes them first. A snapshot that cannot be written stops the run at
 once; ``model_final.npz`` is written anyway.
 
+A ``--preempt-signals`` signal (a batch scheduler's SIGTERM or SIGUSR1,
+received by any process or forwarded by ``mpiexec``) stops every process
+at the end of the optimizer step in progress; the snapshot is written and
+the job exits with status 75 (EX_TEMPFAIL): resume it with ``--resume
+latest`` (docs/imagenet.md, "Running under a batch scheduler").
+
 ``--demo`` runs the embedded default: an ImageNet-format dataset built from
 scikit-learn's handwritten digits, a small ResNet trained with K-FAC and
 with momentum SGD side by side, a summary table and the figures.
 """
+if __name__ == '__main__':
+    # A scheduler's signal during the imports (seconds) waits for its
+    # handler (main) instead of ending the process.
+    from harness import preemption
+    preemption.hold()
+
 import argparse
 import json
 import math
@@ -37,7 +49,9 @@ import chainerkfac  # before chainer: applies the NumPy-2 compatibility shims
 import models
 from models.small_resnet import check_size
 from harness import mpi as harness_mpi
+from harness import preemption
 from harness.run import OPTIMIZERS, resolve_config, train
+from harness.triggers import SnapshotPeriod
 
 
 #: Largest ``--seed``: ``seed + rank`` seeds NumPy's 32-bit generators.
@@ -78,6 +92,23 @@ def number(what, accept):
     return parse
 
 
+def snapshot_period(text):
+    """An ``argparse`` type: ``--snapshot-every`` (``1``, ``2000it``,
+    ``30min``)."""
+    try:
+        return SnapshotPeriod.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def signals(text):
+    """An ``argparse`` type: ``--preempt-signals`` (``TERM,USR1``)."""
+    try:
+        return preemption.parse_signals(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def small_resnet_depth(text):
     """An ``argparse`` type: a depth of ``--arch small`` (``6 n + 2``)."""
     try:
@@ -105,6 +136,13 @@ def parse_args(argv=None):
                              "or 'pure_nccl' (default with --gpu)")
     parser.add_argument('--gpu', action='store_true',
                         help='one GPU per process (intra-node rank)')
+    parser.add_argument('--cuda-graphs', action='store_true',
+                        help='capture steady-state steps (K-FAC steps that '
+                             'refresh no factor, the baselines\' steps) as '
+                             'CUDA graphs and replay them (--gpu, one '
+                             'process, no accumulation; opt-in until '
+                             'measured equal on a GPU); the summary counts '
+                             'eager, captured and replayed steps')
     parser.add_argument('--arch', choices=models.ARCHS, default='resnet50')
     parser.add_argument('--depth', type=small_resnet_depth, default=8,
                         help='depth of --arch small (6n+2: 8, 14, 20, ...)')
@@ -125,10 +163,11 @@ def parse_args(argv=None):
                         help='the run directory (one run at a time: locked '
                              'by run.lock while the run lasts)')
     parser.add_argument('--resume', help='snapshot prefix, e.g. '
-                        'result/snapshot_epoch_3 (files .rank0, .rank1, ... '
+                        'result/snapshot_step_120 (files .rank0, .rank1, ... '
                         'of any number of processes), or "latest" for the '
-                        'newest complete, undamaged snapshot in --out; it '
-                        'must fit the model and --optimizer')
+                        'newest complete, undamaged snapshot in --out, '
+                        'mid-epoch or not; it must fit the model and '
+                        '--optimizer')
     parser.add_argument('--overwrite', action='store_true',
                         help="start over in an --out that holds an earlier "
                              "run's files: they are removed first (without "
@@ -138,10 +177,20 @@ def parse_args(argv=None):
                              "from the weights of a snapshot (prefix or "
                              'file, of any --optimizer) or of a '
                              'model_final.npz')
-    parser.add_argument('--snapshot-every', type=integer(1), default=1,
-                        help='epochs between snapshots (taken at the end '
-                             'of the optimizer step in progress; the end '
-                             'of the run is always saved)')
+    parser.add_argument('--snapshot-every', type=snapshot_period,
+                        default='1',
+                        help='N epochs (1), N iterations (2000it) or M '
+                             'minutes (30min, by the clock of rank 0) '
+                             'between snapshots, taken at the end of the '
+                             'optimizer step in progress; the end of the '
+                             'run and a stop by a signal are always saved')
+    parser.add_argument('--preempt-signals', type=signals,
+                        default=preemption.DEFAULT_SIGNALS,
+                        help='signals that stop the run at the end of the '
+                             'optimizer step in progress, snapshotted, with '
+                             'exit status {} (resume with --resume latest); '
+                             "'none' for none (default: %(default)s)".format(
+                                 preemption.RESUME_STATUS))
     parser.add_argument('--keep-snapshots', type=integer(0), default=2,
                         help='snapshots kept per process, older ones are '
                              'removed (0: keep all)')
@@ -219,6 +268,9 @@ def parse_args(argv=None):
     if args.demo and (args.resume or args.init_weights_from):
         parser.error('--demo trains two new runs: no --resume or '
                      '--init-weights-from')
+    if args.cuda_graphs and not args.gpu:
+        parser.error('--cuda-graphs replays GPU work: it needs --gpu (the '
+                     'arrays would be NumPy arrays)')
     if args.crop_size > args.resize:
         parser.error('--crop-size {} is larger than --resize {}: the crop is '
                      'cut from the resized image'.format(args.crop_size,
@@ -227,20 +279,26 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    """Returns the exit status: 0 (done), :data:`harness.preemption.
+    RESUME_STATUS` (stopped by a signal, snapshotted)."""
     args = parse_args(argv)
-    # Before MPI is initialised: Open MPI's help files, the loaders' fork
-    # server.
-    args.loaderjob = harness_mpi.prepare_process(args.loaderjob)
+    # The demo trains two runs it cannot resume: signals keep their
+    # default action there.
+    stop = None if args.demo else preemption.StopRequest(args.preempt_signals)
+    # Before MPI is initialised: the signal handlers (a signal from now on
+    # stops the run at its first step boundary), Open MPI's help files,
+    # the loaders' fork server.
+    args.loaderjob = harness_mpi.prepare_process(args.loaderjob, stop)
     name = args.communicator or ('pure_nccl' if args.gpu else 'naive')
     comm = chainerkfac.create_communicator(name)
     if args.demo:
         import demo
         return demo.run_demo(args, comm)
     cfg = resolve_config(args, comm)
-    summary = train(args, comm, args.optimizer, args.out, cfg)
+    summary = train(args, comm, args.optimizer, args.out, cfg, stop)
     if comm.rank == 0:
         print(json.dumps(summary, indent=1))
-    return 0
+    return preemption.RESUME_STATUS if summary.get('preempted') else 0
 
 
 if __name__ == '__main__':

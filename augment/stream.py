@@ -303,7 +303,11 @@ class GlobalBatchIterator(chainer.dataset.Iterator):
 
     @property
     def epoch(self):
-        return self._samples(self.position) // self.n_examples
+        return self.epoch_at(self.position)
+
+    def epoch_at(self, position):
+        """The epoch count after this process's ``position``-th batch."""
+        return self._samples(position) // self.n_examples
 
     @property
     def epoch_detail(self):

@@ -30,7 +30,12 @@ same fixed batch:
 * ``sgd_graph`` (``--gpu``, opt-in): the momentum SGD step through
   :class:`chainerkfac.graphs.StepGraph`, captured once as a CUDA graph
   and replayed (its counts of eager / captured / replayed steps are
-  recorded as ``graph_stats``).
+  recorded in ``graph_stats``, the seconds of each capture in
+  ``graph_capture_s``);
+* ``kfac_stale_graph`` (``--gpu``, opt-in): ``kfac_stale`` through
+  :func:`chainerkfac.graphs.graphed`: refresh steps eager, the stale steps
+  replayed (each cycle's first captured again; counts and capture seconds
+  as for ``sgd_graph``).
 
 The CPU runs ``sgd``, ``kfac_every`` and ``kfac_stale`` by default,
 ``--gpu`` the first six (``--variants`` picks any subset that has
@@ -117,6 +122,7 @@ measurement. The sweep measures which limit is fastest on a machine.
 import argparse
 import collections
 import cProfile
+import contextlib
 import gc
 import io
 import os
@@ -133,6 +139,7 @@ import models
 from benchmarks import _common
 from chainerkfac import fisher_blocks
 from chainerkfac import linalg
+from chainerkfac import linalg_cuda
 from chainerkfac import newton_schulz
 from chainerkfac.optimizers import KFAC
 
@@ -144,10 +151,14 @@ KFAC_VARIANTS = {
     'kfac_fp16': {'factor_dtype': 'float16'},
     'kfac_newton_schulz': {'inverse_method': 'newton_schulz'},
 }
-VARIANTS = ('sgd',) + tuple(KFAC_VARIANTS) + ('sgd_graph',)
+#: The opt-in CUDA-graph variants (``--gpu``).
+GRAPH_VARIANTS = ('sgd_graph', 'kfac_stale_graph')
+VARIANTS = ('sgd',) + tuple(KFAC_VARIANTS) + GRAPH_VARIANTS
 CPU_VARIANTS = ('sgd', 'kfac_every', 'kfac_stale')
-#: --gpu's default: every variant but the opt-in CUDA-graph one.
-GPU_VARIANTS = VARIANTS[:-1]
+#: --gpu's default: every variant but the opt-in CUDA-graph ones.
+GPU_VARIANTS = VARIANTS[:-len(GRAPH_VARIANTS)]
+#: Variants with refresh steps, kept apart as ``<variant>_refresh``.
+STALE_VARIANTS = ('kfac_stale', 'kfac_stale_graph')
 #: Every-step variants whose capture is timed by layer type.
 CAPTURE_VARIANTS = ('kfac_every', 'kfac_diag_bn', 'kfac_fp16')
 STAGES = ('forward_backward', 'factors', 'reduce_scatter', 'inverse',
@@ -257,6 +268,27 @@ class KFACStep:
         self.refreshed = any(v == self.optimizer.t - 1 for v in last.values())
 
 
+class KFACGraphStep(KFACStep):
+    """:class:`KFACStep` through :func:`chainerkfac.graphs.graphed` (GPU
+    only): refresh steps eager, stale steps replayed; timed as a whole
+    step (no stage timers: a replay has none, and synchronised timers
+    would refuse the capture)."""
+
+    def __init__(self, model, interval: int, **kwargs):
+        from chainerkfac import graphs
+        super().__init__(model, interval, False, **kwargs)
+        self.stepper = graphs.graphed(self.optimizer)
+
+    def __call__(self, x, t):
+        self.stepper.update(self.model, x, t)
+        last = self.optimizer.last_refresh
+        self.refreshed = any(v == self.optimizer.t - 1 for v in last.values())
+
+    @property
+    def graph(self):
+        return self.stepper.graph
+
+
 class CaptureTimer:
     """Seconds spent in the Fisher blocks' capture calls, by layer type.
 
@@ -324,6 +356,9 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             steps[variant] = SGDStep(model, synchronize)
         elif variant == 'sgd_graph':
             steps[variant] = SGDGraphStep(model)
+        elif variant == 'kfac_stale_graph':
+            steps[variant] = KFACGraphStep(
+                model, interval, **dict(kfac_options or {}))
         else:
             steps[variant] = KFACStep(
                 model, interval if variant == 'kfac_stale' else 1, gpu,
@@ -331,8 +366,8 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
     for variant in variants:
         for _ in range(warmup):
             steps[variant](x, t)
-    keys = tuple(variants) + (('kfac_stale_refresh',)
-                              if 'kfac_stale' in variants else ())
+    keys = tuple(variants) + tuple(v + '_refresh' for v in variants
+                                   if v in STALE_VARIANTS)
     samples = {v: [] for v in keys}
     stages = {v: [] for v in keys}
     ratios = collections.defaultdict(list)
@@ -347,19 +382,20 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             synchronize()
             elapsed = time.perf_counter() - start
             key = variant
-            if variant == 'kfac_stale' and steps[variant].refreshed:
-                key = 'kfac_stale_refresh'
+            if variant in STALE_VARIANTS and steps[variant].refreshed:
+                key = variant + '_refresh'
             times[key] = elapsed
             samples[key].append(elapsed)
             stages[key].append(steps[variant].stage_times)
         sgd = times['sgd']
         for key, elapsed in times.items():
-            if key not in ('sgd', 'kfac_stale_refresh'):
+            if key != 'sgd' and not key.endswith('_refresh'):
                 ratios[key].append(elapsed / sgd)
-        if 'kfac_stale' in times and 'kfac_every' in times:
-            ratios['kfac_stale_amortised'].append(
-                (times['kfac_every'] + (interval - 1) * times['kfac_stale']) /
-                interval / sgd)
+        for stale in STALE_VARIANTS:
+            if stale in times and 'kfac_every' in times:
+                ratios[stale + '_amortised'].append(
+                    (times['kfac_every'] + (interval - 1) * times[stale]) /
+                    interval / sgd)
     capture = {}
     for variant in CAPTURE_VARIANTS:
         if variant in steps:
@@ -385,8 +421,12 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
         'capture_by_type_s': capture,
     }
     result['extra_over_sgd'] = extra_over_sgd(result)
-    if 'sgd_graph' in steps:
-        result['graph_stats'] = dict(steps['sgd_graph'].graph.stats)
+    graphed = [v for v in GRAPH_VARIANTS if v in steps]
+    if graphed:
+        result['graph_stats'] = {v: dict(steps[v].graph.stats)
+                                 for v in graphed}
+        result['graph_capture_s'] = {v: steps[v].graph.capture_seconds
+                                     for v in graphed}
     if profile and kfac_variant is not None:
         result['profile'] = profile_step(steps[_kfac_variant(variants)], x, t)
     result['goals'] = goals(result, target)
@@ -504,15 +544,18 @@ def profile_step(step: KFACStep, x, t, top: int = 20) -> str:
 def measure_inverse(name: str, spec: Dict, repeats: int, array_module,
                     target: str = 'cpu', kfac_options: Dict = None,
                     methods: Sequence[str] = ('cholesky',),
-                    newton_schulz_max_dim: Optional[int] = None
+                    newton_schulz_max_dim: Optional[int] = None,
+                    batched_max_dims: Sequence[Optional[int]] = (None,)
                     ) -> List[Dict]:
     """Capture one every-step K-FAC step's factors, then time the inverse
     stage as the optimizer runs it: every block's requests (the trace-norm
     split of the damping for Kronecker blocks, ρ_BN·γ for BN) in one
     :func:`chainerkfac.linalg.damped_inverses` call; and, apart, the same
-    per factor kind. One result per inverse method, each a separate timing
-    of the same factors; a method other than Cholesky also records its
-    largest relative deviation (Frobenius) from Cholesky's inverses."""
+    per factor kind. One result per inverse method and GPU batch limit
+    (:data:`chainerkfac.linalg_cuda.BATCHED_MAX_DIM`; None: the
+    library's), each a separate timing of the same factors; a result other
+    than the first records its largest relative deviation (Frobenius) from
+    the first's inverses (Cholesky's, when it is first)."""
     xp = array_module
     synchronize = _common.synchronizer(xp)
     x, t = _batch(spec, xp)
@@ -533,24 +576,30 @@ def measure_inverse(name: str, spec: Dict, repeats: int, array_module,
 
     reference = None
     results = []
-    for method in methods:
+    for method, max_dim in [(m, d) for m in methods
+                            for d in batched_max_dims]:
         def invert(subset):
             return linalg.damped_inverses(
                 [m for _, m, _ in subset], [d for _, _, d in subset],
                 method=method, newton_schulz_max_dim=newton_schulz_max_dim)
 
-        print('  {}...'.format(method), flush=True)
-        results.append(_time_inverse(invert, requests, repeats,
-                                     synchronize))
-        inverses = [r.inverse for r in invert(requests)]
-        if method == 'cholesky':
+        print('  {}{}...'.format(method, '' if max_dim is None else
+                                 ', batches up to n = {}'.format(max_dim)),
+              flush=True)
+        with _batched_max_dim(max_dim):
+            results.append(_time_inverse(invert, requests, repeats,
+                                         synchronize))
+            inverses = [r.inverse for r in invert(requests)]
+        if reference is None:
             reference = inverses
-        elif reference is not None:
+        else:
             results[-1]['max_rel_vs_cholesky'] = max(
                 float(xp.linalg.norm(a - b) / xp.linalg.norm(b))
                 for a, b in zip(inverses, reference)
                 if a is not None and b is not None)
         results[-1]['method'] = method
+        if max_dim is not None:
+            results[-1]['batched_max_dim'] = max_dim
         if method == 'newton_schulz':
             limit = (newton_schulz.MAX_DIM if newton_schulz_max_dim is None
                      else newton_schulz_max_dim)
@@ -571,6 +620,19 @@ def measure_inverse(name: str, spec: Dict, repeats: int, array_module,
             result['goal'] = {'goal': goal, 'value': result['median_s'],
                               'met': result['median_s'] <= goal}
     return results
+
+
+@contextlib.contextmanager
+def _batched_max_dim(max_dim: Optional[int]):
+    """Within the block, the GPU inverts equal-size factors up to
+    ``max_dim`` in batches (None: the library's limit)."""
+    saved = linalg_cuda.BATCHED_MAX_DIM
+    if max_dim is not None:
+        linalg_cuda.BATCHED_MAX_DIM = max_dim
+    try:
+        yield
+    finally:
+        linalg_cuda.BATCHED_MAX_DIM = saved
 
 
 def _time_inverse(invert, requests, repeats: int, synchronize) -> Dict:
@@ -610,15 +672,27 @@ def tables(data: Dict) -> str:
         row = [r['model'], r['batch'], med['sgd']]
         for variant in kfac:
             row += [med.get(variant), ratio.get(variant)]
-        if 'kfac_stale' in kfac:
-            row.append(ratio.get('kfac_stale_amortised'))
+        for stale in STALE_VARIANTS:
+            if stale in kfac:
+                row.append(ratio.get(stale + '_amortised'))
         rows.append(row)
     headers = ['model', 'batch', 'SGD [s]']
     for variant in kfac:
         headers += ['{} [s]'.format(variant), 'x SGD']
-    if 'kfac_stale' in kfac:
-        headers.append('amortised /{} x SGD'.format(data['refresh_interval']))
+    for stale in STALE_VARIANTS:
+        if stale in kfac:
+            headers.append('{} amortised /{} x SGD'.format(
+                stale, data['refresh_interval']))
     summary = _common.format_table(headers, rows)
+    graph_lines = ''.join(
+        '\nCUDA graphs, {} {}: {}; capture {} s (median of {})'.format(
+            r['model'], variant, dict(stats),
+            _common.median(r['graph_capture_s'][variant])
+            if r['graph_capture_s'][variant] else '-',
+            len(r['graph_capture_s'][variant]))
+        for r in results for variant, stats in
+        r.get('graph_stats', {}).items())
+    summary += graph_lines
     goal_rows = [[r['model'], key, g['value'], '<= {:g}'.format(g['goal'])
                   if key != 'fp16_over_fp32' else '< {:g}'.format(g['goal']),
                   'met' if g['met'] else 'NOT met']
@@ -666,7 +740,9 @@ def tables(data: Dict) -> str:
 
 
 def inverse_table(data: Dict) -> str:
-    rows = [[r['model'], r.get('method', 'cholesky'), r['batch'],
+    rows = [[r['model'], r.get('method', 'cholesky') + (
+                ', batches n <= {}'.format(r['batched_max_dim'])
+                if 'batched_max_dim' in r else ''), r['batch'],
              r['n_factors'], r['sum_n3'], r['max_n'], r['median_s']] +
             [r['by_kind_s'].get(k) for k in ('A', 'G', 'F')] +
             [r.get('max_rel_vs_cholesky', '-'),
@@ -681,7 +757,7 @@ def inverse_table(data: Dict) -> str:
                 _device_words(data), _common.format_table(
                     ['model', 'method', 'batch', 'factors', 'sum n^3',
                      'max n', 'total [s]', 'A [s]', 'G [s]', 'F [s]',
-                     'vs Cholesky', 'goal'], rows)))
+                     'vs first', 'goal'], rows)))
 
 
 def run_peer(data: Dict, specs: Dict[str, Dict], interval: int) -> str:
@@ -879,6 +955,12 @@ def parse_args(argv):
                         help='largest factor the newton_schulz method '
                         'iterates on (default {})'.format(
                             newton_schulz.MAX_DIM))
+    parser.add_argument('--batched-max-dims', type=_dim_list, default=None,
+                        help='with --gpu --inverse-only: comma-separated '
+                        'limits of the batched inversion of equal-size '
+                        'factors to time in turn (0: none batched; '
+                        'default: the library\'s, {})'.format(
+                            linalg_cuda.BATCHED_MAX_DIM))
     parser.add_argument('--peer', action='store_true',
                         help='then time PyTorch SGD and kfac-pytorch on '
                         "torchvision's ResNet-50 in this run (needs --gpu; "
@@ -905,6 +987,10 @@ def parse_args(argv):
     if unknown:
         parser.error('--inverse-methods: choose from {} (got {})'.format(
             ', '.join(linalg.INVERSE_METHODS), ', '.join(unknown)))
+    if args.batched_max_dims is not None and not (args.gpu and
+                                                  args.inverse_only):
+        parser.error('--batched-max-dims goes with --gpu --inverse-only '
+                     '(the CPU inverts factor by factor)')
     if not args.inverse_only and (args.inverse_methods != ['cholesky'] or
                                   args.newton_schulz_max_dim is not None):
         parser.error('--inverse-methods and --newton-schulz-max-dim go '
@@ -920,12 +1006,25 @@ def parse_args(argv):
         args.variants = tuple(v for v in VARIANTS if v in variants)
     else:
         args.variants = GPU_VARIANTS if args.gpu else CPU_VARIANTS
-    if 'sgd_graph' in args.variants and not args.gpu:
-        parser.error('the sgd_graph variant (CUDA graphs) needs --gpu')
+    graphed = [v for v in GRAPH_VARIANTS if v in args.variants]
+    if graphed and not args.gpu:
+        parser.error('the {} variant (CUDA graphs) needs --gpu'.format(
+            graphed[0]))
     return args
 
 
 _UNITS = {'': 1, 'B': 1, 'KIB': 1 << 10, 'MIB': 1 << 20, 'GIB': 1 << 30}
+
+
+def _dim_list(text: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(',')]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(
+            'expected comma-separated integers >= 0, got {!r}'.format(text))
+    return values
 
 
 def _int_list(text: str) -> List[int]:
@@ -1010,7 +1109,8 @@ def main(argv=None):
                     name, spec['batch']), flush=True)
                 data['inverse'] += measure_inverse(
                     name, spec, args.rounds or 5, xp, target, kfac_options,
-                    args.inverse_methods, args.newton_schulz_max_dim)
+                    args.inverse_methods, args.newton_schulz_max_dim,
+                    args.batched_max_dims or (None,))
             text = inverse_table(data)
         elif args.batches or args.workspace_sizes:
             data['variants'] = list(args.variants)

@@ -8,6 +8,7 @@
 * :func:`create_multi_node_optimizer` — distributed K-FAC over a ChainerMN
   communicator;
 * :func:`register_block` — Fisher blocks for more link types;
+* :mod:`chainerkfac.serializers` — ``load_npz`` with pickle off;
 * :mod:`chainerkfac.training` — Trainer extensions (schedules, run logs);
 * :mod:`chainerkfac.cudnn` — cuDNN 9 for Chainer on CuPy >= 14 (opt-in).
 """
@@ -15,6 +16,7 @@ from chainerkfac import _compat  # NOQA  (must run before chainer is imported)
 from chainerkfac import cudnn  # NOQA  (so must this: CHAINERKFAC_CUDNN=1)
 from chainerkfac import equations  # NOQA
 from chainerkfac import optimizers  # NOQA
+from chainerkfac import serializers  # NOQA
 from chainerkfac import training  # NOQA
 from chainerkfac.fisher_blocks import FactorKind  # NOQA
 from chainerkfac.fisher_blocks import FisherBlock  # NOQA

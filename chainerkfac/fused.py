@@ -9,8 +9,11 @@ parameter (three with eq. 20's norm) and the finite check is one kernel
 and one synchronisation for all arrays of a step.
 
 The NumPy twins compute the same expressions in the same order; the tests
-compare the two (CPU vs GPU in float64). Importing this module does not
-import CuPy.
+compare the two (CPU vs GPU in float64). The scalars (γ, η, m) may be
+host floats or 0-d arrays on the arrays' device, which the kernels read
+when they run (a replayed CUDA graph then takes the values of its step:
+:mod:`chainerkfac.graphs.hyper`). Importing this module does not import
+CuPy.
 """
 import functools
 from typing import Sequence
@@ -27,10 +30,11 @@ def regularized_grad(grad, weight, damping: float, mean: float = 0.0):
     """∇E = ∇L + γ (w − μ) of eq. (13)."""
     xp = get_array_module(grad)
     if xp is numpy:
+        damping = _host_scalar(damping, grad.dtype)
         if mean:
             return grad + damping * (weight - mean)
         return grad + damping * weight
-    return _kernels().regularized(grad, weight, grad.dtype.type(damping),
+    return _kernels().regularized(grad, weight, _scalar(damping, grad.dtype),
                                   grad.dtype.type(mean))
 
 
@@ -41,6 +45,8 @@ def momentum_step(weight, velocity, direction, lr: float, momentum: float,
     ``w ← new``."""
     xp = get_array_module(weight)
     if xp is numpy:
+        lr = _host_scalar(lr, weight.dtype)
+        momentum = _host_scalar(momentum, weight.dtype)
         new = weight + (momentum * velocity - lr * direction)
         if rescale_norm is not None:
             new *= rescale_norm / (numpy.linalg.norm(new) + RESCALE_EPS)
@@ -49,16 +55,35 @@ def momentum_step(weight, velocity, direction, lr: float, momentum: float,
         return
     kernels = _kernels()
     dtype = weight.dtype.type
+    lr = _scalar(lr, weight.dtype)
+    momentum = _scalar(momentum, weight.dtype)
     if rescale_norm is None:
-        kernels.momentum(direction, dtype(lr), dtype(momentum), weight,
-                         velocity)
+        kernels.momentum(direction, lr, momentum, weight, velocity)
         return
     # The unscaled new weight goes into ``velocity`` first: its norm is
     # needed before the rescaled weight can be written.
-    kernels.unscaled(weight, direction, dtype(lr), dtype(momentum), velocity)
+    kernels.unscaled(weight, direction, lr, momentum, velocity)
     norm = kernels.norm(velocity)
     kernels.rescaled(norm, dtype(rescale_norm), dtype(RESCALE_EPS), weight,
                      velocity)
+
+
+def _scalar(value, dtype):
+    """A kernel's scalar argument of ``dtype``: a host number rounded to
+    it, or a 0-d device array cast to it on the device."""
+    if isinstance(value, (int, float, numpy.generic)):
+        return numpy.dtype(dtype).type(value)
+    return value.astype(dtype, copy=False)
+
+
+def _host_scalar(value, dtype):
+    """A NumPy operand: a Python number as it is (NumPy rounds it to the
+    array's dtype), a NumPy scalar or 0-d array rounded to ``dtype``
+    first, so that it computes as the Python number would (NumPy 2 would
+    otherwise promote a float32 array to float64)."""
+    if isinstance(value, (numpy.ndarray, numpy.generic)):
+        return numpy.dtype(dtype).type(value)
+    return value
 
 
 def all_finite(arrays: Sequence) -> bool:

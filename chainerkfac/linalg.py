@@ -161,6 +161,16 @@ def half_matmul(a, b):
                         b.astype(numpy.float32)).astype(numpy.float16)
 
 
+def matmul(a, b):
+    """``a @ b`` of 2-D (or 2-D and 1-D) arrays: NumPy's ``dot``; on CuPy
+    ``cupy.matmul``, which a captured CUDA graph routes to GEMMs it may
+    capture (:func:`chainerkfac.graphs.gemm.route_matmul`)."""
+    xp = get_array_module(a)
+    if xp is numpy:
+        return a.dot(b)
+    return xp.matmul(a, b)
+
+
 class InverseResult(NamedTuple):
     """Outcome of :func:`damped_inverses` for one factor."""
     inverse: Optional[object]   # None when every try failed

@@ -9,10 +9,18 @@ One try inverts every pending factor ``M + d·I`` of a step:
   made or fails its check, ``potrs`` against the identity (≈ 7n³/3 flops,
   what ``cupyx.lapack.posv`` does) replaces ``potri``; the result is the
   same to rounding.
-* **Concurrency** — the factors are spread over :data:`N_STREAMS`
-  non-blocking CUDA streams, largest first onto the least loaded stream
-  (each stream with its own cuSOLVER handle): ResNet-50 has 161 factors,
-  most of them small and latency-bound.
+* **Batched for equal sizes** — the factors of one size and dtype, at
+  most :data:`BATCHED_MAX_DIM` and at least :data:`BATCH_MIN` of them, go
+  as one batch: cuSOLVER ``potrfBatched`` (``A = L Lᵀ``), then two cuBLAS
+  ``trsmBatched`` against the identity (``L X = I``, then ``Lᵀ Y = X``:
+  ``Y = A⁻¹``, ≈ 2n³ flops against potri's 2n³/3, in three library calls
+  for the whole size instead of a few kernels per factor; cuSOLVER has no
+  batched ``potri``). ResNet-50's 161 factors come in few sizes (64, 128,
+  256, 512 ...), most of them small and bound by launches.
+* **Concurrency** — single factors and batches are spread over
+  :data:`N_STREAMS` non-blocking CUDA streams, largest first onto the
+  least loaded stream (each stream with its own cuSOLVER and cuBLAS
+  handles).
 * **One host synchronisation per try** — every check (non-finite input,
   the ``devInfo`` of ``potrf`` / ``potri``, non-finite output) is written
   by the kernels into one small device array, read back once.
@@ -35,6 +43,14 @@ logger = logging.getLogger(__name__)
 #: 0.144 s on 8, 0.130 s on 16 and 0.134 s on 32 (2026-11-23); the 27
 #: factors of n >= 2048 alone 0.092 s on 16.
 N_STREAMS = 16
+#: The largest factor inverted in a batch of its size (0: none, every
+#: factor by potrf + potri, whose blocked algorithms suit large ones).
+#: 0 until a GPU has run the batches (tests/gpu) and
+#: ``benchmarks.step_time --gpu --inverse-only --batched-max-dims`` has
+#: chosen the limit; ResNet-50 batches 100 of its 161 factors at 512.
+BATCHED_MAX_DIM = 0
+#: The fewest factors of one size that make a batch.
+BATCH_MIN = 2
 
 # Columns of the per-factor status array written on the device.
 _INPUT_NONFINITE, _FACTOR_INFO, _INVERSE_INFO, _OUTPUT_NONFINITE = range(4)
@@ -69,15 +85,26 @@ def attempt(matrices: Sequence, dampings: Sequence[float],
     matrices = [cupy.ascontiguousarray(m) for m in matrices]
     status = cupy.zeros((len(matrices), _STATUS_COLUMNS), numpy.int32)
     ready = main.record()
-    lanes = _assign_lanes([_cost(m) for m in matrices], len(workers))
+    jobs = batches(matrices)
+    costs = [sum(_cost(matrices[k]) for k in job) for job in jobs]
+    lanes = _assign_lanes(costs, len(workers))
     for lane in sorted(set(lanes)):
         workers[lane].stream.wait_event(ready)
     inverses = [None] * len(matrices)
-    for k in sorted(range(len(matrices)), key=lambda k: -_cost(matrices[k])):
-        worker = workers[lanes[k]]
+    for j in sorted(range(len(jobs)), key=lambda j: -costs[j]):
+        worker = workers[lanes[j]]
+        job = jobs[j]
         with worker.stream:
-            inverses[k] = _invert(matrices[k], dampings[k], status, k,
-                                  worker.handle)
+            if len(job) == 1:
+                inverses[job[0]] = _invert(matrices[job[0]],
+                                           dampings[job[0]], status,
+                                           job[0], worker.handle)
+            else:
+                outs = _invert_batch([matrices[k] for k in job],
+                                     [dampings[k] for k in job], status,
+                                     job, worker)
+                for k, out in zip(job, outs):
+                    inverses[k] = out
     for lane in sorted(set(lanes)):
         main.wait_event(workers[lane].stream.record())
     flags = status.get()  # the one host synchronisation of this try
@@ -87,6 +114,26 @@ def attempt(matrices: Sequence, dampings: Sequence[float],
         ok = not row[_FACTOR_INFO:].any()
         outcomes.append((finite, inverses[k] if ok else None))
     return outcomes
+
+
+def batches(matrices: Sequence) -> List[List[int]]:
+    """The jobs of a try: lists of factor indices, each either one factor
+    or a batch of equal-size square factors of one dtype (at most
+    :data:`BATCHED_MAX_DIM`, at least :data:`BATCH_MIN` of them)."""
+    groups, jobs = {}, []
+    for k, matrix in enumerate(matrices):
+        n = matrix.shape[0]
+        if matrix.ndim == 2 and n <= BATCHED_MAX_DIM:
+            key = (n, dtypes.inverse_dtype(matrix.dtype))
+            groups.setdefault(key, []).append(k)
+        else:
+            jobs.append([k])
+    for members in groups.values():
+        if len(members) >= BATCH_MIN:
+            jobs.append(members)
+        else:
+            jobs += [[k] for k in members]
+    return sorted(jobs)
 
 
 def _cost(matrix) -> float:
@@ -131,15 +178,71 @@ def _invert(matrix, damping, status, k, handle):
     return out
 
 
+def _invert_batch(matrices, dampings, status, rows, worker):
+    """Queue the try of a batch of equal-size factors on the current
+    stream: potrfBatched, two trsmBatched against the identity, the
+    checks of each factor into its status row (no synchronisation)."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas, cusolver
+    n = matrices[0].shape[0]
+    dtype = dtypes.inverse_dtype(matrices[0].dtype)
+    count = len(matrices)
+    damped = cupy.empty((count, n, n), dtype)
+    for i, (matrix, damping) in enumerate(zip(matrices, dampings)):
+        _kernels().damp(matrix, dtype.type(damping), n,
+                        rows[i] * _STATUS_COLUMNS + _INPUT_NONFINITE,
+                        damped[i], status)
+    inverse = cupy.empty((count, n, n), dtype)
+    inverse[...] = cupy.eye(n, dtype=dtype)
+    info = cupy.zeros(count, numpy.int32)
+    factors, solutions = _pointers(damped), _pointers(inverse)
+    prefix = 'd' if dtype == numpy.float64 else 's'
+    # A = L Lᵀ (column-major lower: our row-major upper); the other
+    # triangle is cuSOLVER's workspace
+    getattr(cusolver, prefix + 'potrfBatched')(
+        worker.handle, _CUBLAS_FILL_MODE_LOWER, n, factors.data.ptr, n,
+        info.data.ptr, count)
+    one = numpy.ones((), dtype)      # alpha, read from host memory
+    trsm = getattr(cublas, prefix + 'trsmBatched')
+    for operation in (cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T):
+        # L X = I, then Lᵀ Y = X: Y = A⁻¹ (column-major, symmetric)
+        trsm(worker.blas, cublas.CUBLAS_SIDE_LEFT, _CUBLAS_FILL_MODE_LOWER,
+             operation, cublas.CUBLAS_DIAG_NON_UNIT, n, n, one.ctypes.data,
+             factors.data.ptr, n, solutions.data.ptr, n, count)
+    _kernels().batch_info(info, cupy.asarray(numpy.asarray(rows,
+                                                           numpy.int64)),
+                          status)
+    outs = []
+    for i in range(count):
+        out = cupy.empty((n, n), dtype)
+        _kernels().mirror(inverse[i], n,
+                          rows[i] * _STATUS_COLUMNS + _OUTPUT_NONFINITE,
+                          out, status)
+        outs.append(out)
+    return outs
+
+
+def _pointers(stack):
+    """The device addresses of the matrices of a C-contiguous stack
+    (B, n, n), as a device array (computed there: no copy from the
+    host)."""
+    import cupy
+    step = stack.shape[1] * stack.shape[2] * stack.itemsize
+    return (cupy.arange(stack.shape[0], dtype=numpy.uint64) *
+            numpy.uint64(step) + numpy.uint64(stack.data.ptr))
+
+
 class _Worker(object):
-    """A non-blocking stream and the cuSOLVER handle bound to it."""
+    """A non-blocking stream and the cuSOLVER and cuBLAS handles bound to
+    it (CuPy's wrappers set the cuBLAS handle to the current stream)."""
 
     def __init__(self):
         import cupy
-        from cupy_backends.cuda.libs import cusolver
+        from cupy_backends.cuda.libs import cublas, cusolver
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.handle = cusolver.create()
         cusolver.setStream(self.handle, self.stream.ptr)
+        self.blas = cublas.create()
 
 
 @functools.lru_cache(maxsize=None)
@@ -358,6 +461,13 @@ def _kernels():
             if (!isfinite(x)) atomicAdd(&status[slot], 1);
             out = x;
             ''', 'chainerkfac_mirror_upper')
+        #: ``potrfBatched``'s info of each factor of a batch, into the
+        #: factor's status row (``rows``).
+        batch_info = cupy.ElementwiseKernel(
+            'int32 info, int64 row', 'raw int32 status',
+            'if (info != 0) atomicAdd(&status[row * {} + {}], 1);'.format(
+                _STATUS_COLUMNS, _FACTOR_INFO),
+            'chainerkfac_batch_info')
         #: Diagonal Fisher: ``out = 1 / (v + d)`` with the checks of one
         #: status row: non-finite input, ``v + d <= 0`` (not positive
         #: definite), non-finite output.

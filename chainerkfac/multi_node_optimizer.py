@@ -11,9 +11,13 @@
 
 ChainerMN's own function works too: ``chainermn.create_multi_node_optimizer(
 KFAC(...), comm)`` averages the gradients itself (an all-reduce) and calls
-``KFAC.update()``, which finds the wrapper's communicator and runs the same
-algorithm on the factors (:func:`make_distributed`; its first update only
-broadcasts rank 0's parameters, as it does for any optimizer).
+``KFAC.update()``, which finds the wrapper that holds it — by identity, a
+subclass of ChainerMN's wrapper too (:mod:`chainerkfac.process_group`) —
+and runs the same algorithm on the factors over its communicator (its
+first update only broadcasts rank 0's parameters, as it does for any
+optimizer). K-FAC without a communicator in a process group of several
+processes is refused at the first update, unless built with
+``process_local=True``.
 
 Every process feeds its own part of the global mini-batch; the update equals
 the one a single process takes with ``acc_iters = comm.size`` (times the
@@ -32,14 +36,15 @@ optimizer (for a Trainer, ``chainermn.extensions.multi_node_snapshot`` with
 ``replica_sets=[[r] for r in range(comm.size)]``, or one
 ``save_npz(f'optimizer_rank{comm.rank}.npz', optimizer)`` per rank). To
 resume on another number of processes, load every old rank's file into each
-process's optimizer (``load_npz(..., strict=False)`` merges their factors);
-factors of blocks a process does not own are dropped at the first update.
+process's optimizer (``load_npz(..., strict=False)`` merges their factors;
+:func:`chainerkfac.serializers.load_npz` reads with pickle off); factors
+of blocks a process does not own are dropped at the first update.
 
 BatchNormalization's running statistics stay per process, as with
 ChainerMN (``chainermn.extensions.AllreducePersistent`` averages them).
 """
 from chainerkfac.optimizers.kfac import KFAC
-from chainerkfac.transport import MultiNodeTransport
+from chainerkfac.process_group import distribute
 
 
 def create_multi_node_optimizer(kfac_optimizer: KFAC, comm) -> KFAC:
@@ -69,18 +74,5 @@ def create_multi_node_optimizer(kfac_optimizer: KFAC, comm) -> KFAC:
     if kfac_optimizer.started:
         raise RuntimeError('create_multi_node_optimizer must be called '
                            'before the first optimizer.update')
-    make_distributed(kfac_optimizer, comm)
+    distribute(kfac_optimizer, comm)
     return kfac_optimizer
-
-
-def make_distributed(kfac_optimizer: KFAC, comm) -> None:
-    """Give ``kfac_optimizer`` a :class:`~chainerkfac.transport.
-    MultiNodeTransport` over ``comm`` and install ChainerMN's global except
-    hook (one failing process ends the job)."""
-    # Imported here: ChainerMN's communicators import mpi4py (MPI_Init),
-    # which ``import chainerkfac`` must not do.
-    from chainerkfac.communicators import install_except_hook
-    from chainerkfac.communicators.adapter import kfac_collectives
-    collectives = kfac_collectives(comm)
-    install_except_hook()
-    kfac_optimizer.transport = MultiNodeTransport(comm, collectives)

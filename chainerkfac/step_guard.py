@@ -31,6 +31,11 @@ class StepGuard:
         How many steps were skipped.
     """
 
+    #: The finite check is read on the host during the step (see
+    #: :class:`chainerkfac.device_guard.DeviceStepGuard` for the guard
+    #: whose flag stays on the device).
+    checks_on_host = True
+
     def __init__(self):
         self.skipped = False
         self.skipped_steps = 0
@@ -89,3 +94,8 @@ class StepGuard:
         self.skipped = not finite
         self.skipped_steps += int(self.skipped)
         return finite
+
+    def observation(self) -> float:
+        """The last step's flag for :func:`chainer.reporter.report` (1.0:
+        skipped)."""
+        return float(self.skipped)

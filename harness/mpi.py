@@ -8,6 +8,8 @@ import multiprocessing
 import os
 import sys
 
+from harness import preemption
+
 _HELP_FILE = os.path.join('share', 'openmpi', 'help-mpi-api.txt')
 
 
@@ -79,13 +81,18 @@ def default_loaderjob():
     return max(cores // processes_on_this_node() - 1, 0)
 
 
-def prepare_process(loaderjob):
+def prepare_process(loaderjob, stop=None):
     """Everything that must precede MPI initialisation.
 
     Parameters
     ----------
     loaderjob : int or None
         ``--loaderjob`` (``None``: :func:`default_loaderjob`).
+    stop : harness.preemption.StopRequest or None
+        Installed first (a signal from now on is recorded, one held back
+        since the start, :func:`harness.preemption.hold`, too); the
+        loaders inherit its signals blocked (see :func:`harness.preemption.
+        held_in_children`).
 
     Returns
     -------
@@ -93,11 +100,17 @@ def prepare_process(loaderjob):
         The number of loader processes per rank; if positive, the fork
         server is running.
     """
+    signals = ()
+    if stop is not None:
+        stop.install()
+        signals = stop.signals
+    preemption.release()
     use_bundled_open_mpi_help()
     if loaderjob is None:
         loaderjob = default_loaderjob()
     if loaderjob > 0:
-        start_forkserver()
+        with preemption.held_in_children(signals):
+            start_forkserver()
     return loaderjob
 
 

@@ -2,9 +2,12 @@
 
 Finding
 -------
-A snapshot is one file per process of the run that wrote it
-(:data:`harness.snapshots.SNAPSHOT_NAME`); :func:`snapshot_files` finds
-them all from the prefix ``<out>/snapshot_epoch_<E>``.
+A snapshot is one file per process of the run that wrote it, named by
+the optimizer steps taken (:data:`harness.snapshots.SNAPSHOT_PREFIX`),
+at an epoch's end or inside an epoch alike; :func:`snapshot_files` finds
+them all from the prefix ``<out>/snapshot_step_<S>`` (any prefix: a
+snapshot of an earlier version, ``snapshot_epoch_<E>``, is resumed by
+naming it).
 
 Checking
 --------
@@ -35,28 +38,30 @@ import os
 import re
 import sys
 
-import numpy
-from chainer.serializers import npz
-
+from chainerkfac import serializers
+from chainerkfac.serializers import PickledArrayError
 from chainerkfac.training import TimeToAccuracy
 from harness import run_dir, snapshot_fit
 from harness.mpi import raise_together
 from harness.snapshot_integrity import (DAMAGE, DamagedSnapshotError,
                                         verify_file, verify_files)
-from harness.snapshots import N_PROCESSES_KEY, SNAPSHOT_RE
+from harness.snapshots import N_PROCESSES_KEY, SNAPSHOT_PREFIX, SNAPSHOT_RE
 
 #: The fact of a snapshot saying its run sharded the update (written by
 #: :mod:`harness.run` through the snapshot writer's facts).
 SHARD_UPDATE_KEY = 'run/shard_update'
 
+
 def _read_n_processes(path):
     try:
-        with numpy.load(path) as data:
+        with serializers.open_npz(path) as data:
             return int(data[N_PROCESSES_KEY])
     except KeyError:
         raise ValueError('{} holds no {!r}: not a snapshot of this version of '
                          'train_imagenet.py'.format(path, N_PROCESSES_KEY)) \
             from None
+    except PickledArrayError:
+        raise
     except DAMAGE as error:
         raise DamagedSnapshotError(path, str(error)) from error
 
@@ -67,7 +72,7 @@ def snapshot_files(prefix):
     Parameters
     ----------
     prefix : str
-        ``<out>/snapshot_epoch_<E>`` (files ``<prefix>.rank<r>``).
+        ``<out>/snapshot_step_<S>`` (files ``<prefix>.rank<r>``).
 
     Returns
     -------
@@ -83,6 +88,8 @@ def snapshot_files(prefix):
         snapshot, cannot be read.
     ValueError
         That file is not a snapshot of this harness.
+    PickledArrayError
+        That file holds an object array.
     """
     directory, base = os.path.split(os.path.abspath(prefix))
     pattern = re.compile(re.escape(base) + r'\.rank(\d+)')
@@ -110,14 +117,14 @@ def candidates(out):
     error of :func:`snapshot_files`)]``."""
     if not os.path.isdir(out):
         return []
-    epochs = set()
+    steps = set()
     for name in os.listdir(out):
         match = SNAPSHOT_RE.fullmatch(name)
         if match:
-            epochs.add(int(match.group(1)))
+            steps.add(int(match.group(1)))
     out_list = []
-    for epoch in sorted(epochs, reverse=True):
-        prefix = os.path.join(out, 'snapshot_epoch_{}'.format(epoch))
+    for step in sorted(steps, reverse=True):
+        prefix = os.path.join(out, SNAPSHOT_PREFIX.format(step=step))
         try:
             out_list.append((prefix, snapshot_files(prefix)))
         except (OSError, ValueError) as error:
@@ -138,7 +145,8 @@ def latest_snapshot(out, verify=verify_files, say=warn, found=None):
     out : str
     verify : callable
         ``verify(files)`` → the :class:`DamagedSnapshotError` of the damaged
-        ones (default: :func:`verify_files`, every file here).
+        ones and the :class:`PickledArrayError` of those with an object
+        array (default: :func:`verify_files`, every file here).
     say : callable or None
         Told about every newer snapshot skipped, naming its damaged or
         missing files.
@@ -149,9 +157,18 @@ def latest_snapshot(out, verify=verify_files, say=warn, found=None):
     -------
     (str, list of str) or None
         Its prefix and files.
+
+    Raises
+    ------
+    PickledArrayError
+        A newer snapshot's file holds an object array: not damage, a file
+        made to run code; refused rather than skipped.
     """
     for prefix, files in (candidates(out) if found is None else found):
         problems = [files] if isinstance(files, Exception) else verify(files)
+        for problem in problems:
+            if isinstance(problem, PickledArrayError):
+                raise problem
         if not problems:
             return prefix, files
         if say is not None:
@@ -191,18 +208,26 @@ def find(comm, resume, out):
                 listed = [(resume, error)]
     listed = comm.mpi_comm.bcast(listed, root=0)
     if resume == 'latest':
-        chosen = latest_snapshot(out, verify, warn if comm.rank == 0 else None,
-                                 listed)
-        error = None if chosen else FileNotFoundError(
-            '--resume latest: no complete, undamaged snapshot in {}'.format(
-                out))
+        chosen, error = None, None
+        try:
+            chosen = latest_snapshot(out, verify, warn if comm.rank == 0
+                                     else None, listed)
+        except PickledArrayError as e:
+            error = e
+        if chosen is None and error is None:
+            error = FileNotFoundError(
+                '--resume latest: no complete, undamaged snapshot in {}'
+                .format(out))
         raise_together(comm, error)
         return chosen
     [(prefix, files)] = listed
     error = files if isinstance(files, Exception) else None
     if error is None:
         damaged = verify(files)
-        if damaged:
+        pickled = [e for e in damaged if isinstance(e, PickledArrayError)]
+        if pickled:
+            error = pickled[0]
+        elif damaged:
             error = OSError('--resume {}: {}; resume from an earlier snapshot '
                             '(--resume latest takes the newest whole one)'
                             .format(prefix, '; '.join(map(str, damaged))))
@@ -298,7 +323,8 @@ def restore(trainer, files, rank, n_processes, optimizer=None, mixup=None,
     own = files[rank % len(files)]
     # Lenient: with the lean K-FAC state a file lacks the blocks its process
     # did not own; that the snapshot fits the model was checked before.
-    npz.load_npz(own, trainer, strict=False)
+    # Pickle off (chainerkfac.serializers): an object array is refused.
+    serializers.load_npz(own, trainer, strict=False)
     elastic = len(files) != n_processes
     merge_state = optimizer is not None and (
         elastic or sharded or written_sharded(own))
@@ -306,17 +332,19 @@ def restore(trainer, files, rank, n_processes, optimizer=None, mixup=None,
         if path == own:
             continue
         if merge_state:
-            npz.load_npz(path, optimizer, path='updater/optimizer:main/',
-                         strict=False)
+            serializers.load_npz(path, optimizer,
+                                 path='updater/optimizer:main/',
+                                 strict=False)
         if elastic and mixup is not None:
-            npz.load_npz(path, mixup, path='updater/mixup/', strict=False)
+            serializers.load_npz(path, mixup, path='updater/mixup/',
+                                 strict=False)
     return own
 
 
 def written_sharded(path):
     """Whether the run that wrote the snapshot file ``path`` sharded the
     update (its ``run/shard_update`` fact; absent: no)."""
-    with numpy.load(path) as data:
+    with serializers.open_npz(path) as data:
         return SHARD_UPDATE_KEY in data.files and \
             bool(data[SHARD_UPDATE_KEY])
 

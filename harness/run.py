@@ -6,7 +6,10 @@ and leaves the run directory: ``config.json``, ``log``, snapshots (the last
 ``--keep-snapshots`` per process, the final one included),
 ``model_final.npz`` (the bare network's weights and BatchNormalization
 statistics: ``chainer.serializers.load_npz(path, models.ResNet50(1000))``),
-``fisher_diff.jsonl`` and ``time_to_accuracy.json`` when asked for.
+``fisher_diff.jsonl`` and ``time_to_accuracy.json`` when asked for. A run
+stopped by a scheduler's signal (:mod:`harness.preemption`) leaves the
+snapshot of the step where all processes stopped instead of
+``model_final.npz``, and its summary says ``'preempted': True``.
 """
 import os
 import sys
@@ -22,10 +25,12 @@ from chainer.training import extensions
 import augment
 import config as config_module
 import models
+from chainerkfac import graphs
 from chainerkfac import training as kfac_training
 from chainerkfac.training import FisherDiffLog, TimeToAccuracy
 from harness import data as data_module
-from harness import evaluation, resume, run_dir, snapshots, triggers
+from harness import evaluation, preemption, resume, run_dir, snapshots
+from harness import triggers
 from harness.mpi import raise_together
 from harness.updater import AugmentedUpdater, BatchConverter
 
@@ -36,14 +41,20 @@ LARS_TABLE1 = {'scaled': (31.2, 0.9), 'unscaled': (29.0, 0.929)}
 
 
 def build_optimizer(name, cfg, comm, acc_iters, args):
-    """The optimizer and its learning-rate schedule extension."""
+    """The optimizer and its learning-rate schedule extension. With
+    ``--cuda-graphs`` (one process: :func:`check_cuda_graphs`) K-FAC keeps
+    its local transport and the baselines get no communicator, so that
+    their steps can be replayed (:mod:`chainerkfac.graphs`)."""
+    distributed = not args.cuda_graphs
     if name == 'kfac':
         optimizer = chainerkfac.optimizers.KFAC(
             acc_iters=acc_iters, fisher_diff=args.fisher_diff,
             verbose=comm.rank == 0, seed=args.seed + comm.rank,
             shard_update=args.shard_update,
             **config_module.kfac_options(cfg))
-        optimizer = chainerkfac.create_multi_node_optimizer(optimizer, comm)
+        if distributed:
+            optimizer = chainerkfac.create_multi_node_optimizer(optimizer,
+                                                                comm)
         schedule = kfac_training.PolynomialLRDecay(
             cfg.lr, cfg.p_decay, cfg.e_start, cfg.e_end,
             momentum_init=cfg.momentum)
@@ -74,7 +85,8 @@ def build_optimizer(name, cfg, comm, acc_iters, args):
     # Driven like K-FAC: accumulation, averaging over processes (or the
     # sharded update) and the skipped-step guard are the optimizer's.
     optimizer = chainerkfac.optimizers.GuardedOptimizer(
-        actual, acc_iters, comm, shard_update=args.shard_update)
+        actual, acc_iters, comm if distributed else None,
+        shard_update=args.shard_update)
     schedule = kfac_training.LinearWarmupLR(
         lr, warmup_start, warmup_epochs=args.warmup_epochs,
         decay=kfac_training.polynomial_decay(
@@ -86,6 +98,22 @@ def _given(value, default):
     """An option's value, or ``default`` if it was not given (0 is a value:
     ``--baseline-momentum 0`` is plain SGD)."""
     return default if value is None else value
+
+
+def check_cuda_graphs(n_processes, acc_iters):
+    """Raise ValueError, saying why, where ``--cuda-graphs`` cannot apply
+    (what :mod:`chainerkfac.graphs` does not capture yet: several
+    processes, steps of several micro-batches)."""
+    if n_processes > 1:
+        raise ValueError(
+            '--cuda-graphs: the steps of {} processes are not captured yet '
+            '(their collectives and the agreement on a skipped step); run '
+            'one process, or drop --cuda-graphs'.format(n_processes))
+    if acc_iters > 1:
+        raise ValueError(
+            '--cuda-graphs: a step of {} accumulated micro-batches is not '
+            'captured yet; use a config whose global batch is one '
+            "process's batch, or drop --cuda-graphs".format(acc_iters))
 
 
 def attach_hooks(name, optimizer, args):
@@ -141,7 +169,27 @@ def _save_final_model(out, network, stopped=None):
         flush=True)
 
 
-def train(args, comm, optimizer_name, out, cfg):
+def _report_stop(stop, out, updater):
+    """Rank 0's account of a run stopped by a signal, its snapshot
+    written (times from this process's clock)."""
+    now = time.monotonic()
+    timing = 'the snapshot written {:.2f} s after the step boundary'.format(
+        now - stop.stopped_at)
+    if stop.received is not None:
+        timing = '{:.2f} s from the signal to the step boundary, {}'.format(
+            stop.stopped_at - stop.received_at, timing)
+    print('stopped by {}{} at the end of step {} (iteration {}, epoch '
+          '{:.4f}): {} written; {}. Exit status {}: continue with --resume '
+          'latest'.format(
+              stop.stopping.name, '' if stop.received is not None else
+              ' (received by another process)', updater.steps,
+              updater.iteration, updater.epoch_detail,
+              os.path.join(out, snapshots.SNAPSHOT_PREFIX.format(
+                  step=updater.steps)), timing, preemption.RESUME_STATUS),
+          flush=True)
+
+
+def train(args, comm, optimizer_name, out, cfg, stop=None):
     """Train one model; return a summary dict (on every process).
 
     The model and the optimizer are built first, and a snapshot to resume
@@ -160,10 +208,16 @@ def train(args, comm, optimizer_name, out, cfg):
     out : str
         The run directory.
     cfg : config.TrainConfig
+    stop : harness.preemption.StopRequest or None
+        Installed for the signals that stop the run at the next step
+        boundary, snapshotted (see :mod:`harness.preemption`); the summary
+        then has ``'preempted': True``.
     """
     acc_iters = cfg.acc_iters(comm.size)
     n_class = args.n_class or cfg.n_class
     kfac = optimizer_name == 'kfac'
+    if args.cuda_graphs:
+        check_cuda_graphs(comm.size, acc_iters)
     if kfac:
         config_module.check_epochs(cfg, args.config)
     numpy.random.seed(args.seed)   # same initial weights on every rank
@@ -190,14 +244,15 @@ def train(args, comm, optimizer_name, out, cfg):
         continues=bool(resumed))
     try:
         return _train(args, comm, optimizer_name, out, cfg, acc_iters, model,
-                      device, optimizer, schedule, resumed)
+                      device, optimizer, schedule, resumed,
+                      stop or preemption.StopRequest(()))
     finally:
         if lock is not None:
             lock.release()
 
 
 def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
-           optimizer, schedule, resumed):
+           optimizer, schedule, resumed, stop):
     """The rest of :func:`train`, in the claimed run directory."""
     batch = cfg.batch_size_per_process
     n_class = args.n_class or cfg.n_class
@@ -217,11 +272,16 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
     augmenting = not args.no_augment
     converter = BatchConverter(data.mean, args.skip_bad_images,
                                labels_on_host=True)
+    stepper = optimizer
+    if args.cuda_graphs:
+        # Only the updater steps through the graphs; snapshots, schedules
+        # and observers see the optimizer itself.
+        stepper = graphs.graphed(optimizer)
     updater = AugmentedUpdater(
-        train_iter, optimizer, comm, acc_iters, cfg.epochs, converter,
+        train_iter, stepper, comm, acc_iters, cfg.epochs, converter,
         args.seed, cfg.alpha_mixup if augmenting else 0.0, n_class,
         augmenting, device)
-    trainer = training.Trainer(updater, triggers.EpochLimit(cfg.epochs),
+    trainer = training.Trainer(updater, triggers.StopTrigger(cfg.epochs, stop),
                                out=out)
     trainer.extend(schedule, trigger=triggers.StepBoundary())
     # BN running statistics are per process; average them before evaluating.
@@ -244,7 +304,8 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
             'shard_update': int(args.shard_update)})
     snapshots.extend_trainer(
         trainer, comm, writer, comm.rank, args.keep_snapshots,
-        trigger=triggers.EpochAtStepBoundary(args.snapshot_every))
+        trigger=triggers.SnapshotTrigger(args.snapshot_every, comm, stop),
+        name=snapshots.STEP_NAME)
     # Every process runs the observers and the LogReport (which averages
     # the training values over processes); rank 0 writes and prints.
     for observer, trigger in observers(optimizer, optimizer_name,
@@ -277,12 +338,22 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
                           'iteration {}'.format(updater.epoch_detail,
                                                 updater.iteration))
         raise
+    if stop.stopping is not None and not updater.finished:
+        if comm.rank == 0:
+            _report_stop(stop, out, updater)
+        return {'optimizer': optimizer_name, 'preempted': True,
+                'epoch_detail': updater.epoch_detail,
+                'iteration': updater.iteration,
+                'elapsed_time': time.time() - start}
     if comm.rank == 0:
         _save_final_model(out, model.predictor)
     comm.mpi_comm.Barrier()
     summary = {'optimizer': optimizer_name, 'epochs': updater.epoch,
                'elapsed_time': time.time() - start,
                'reached': target.reached if target else None}
+    if args.cuda_graphs:
+        # eager / captured / replayed steps, and why a step ran eagerly
+        summary['cuda_graphs'] = dict(stepper.stats)
     if comm.rank == 0:
         log = run_dir.load_log(out)
         accuracies = [e.get('validation/main/accuracy') for e in log]

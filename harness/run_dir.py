@@ -35,7 +35,7 @@ RUN_FILES = (CONFIG_FILE, LOG_FILE, FISHER_DIFF_FILE, TIME_TO_ACCURACY_FILE,
 #: Temporary files of the run's writers (left if a run was killed while
 #: writing).
 _TEMPORARY = re.compile(
-    r'\.(snapshot_epoch_\d+\.rank\d+|model_final\.npz|mean\.\d+)\.tmp|'
+    r'\.(snapshot_step_\d+\.rank\d+|model_final\.npz|mean\.\d+)\.tmp|'
     r'(config\.json|fisher_diff\.jsonl|time_to_accuracy\.json)\.tmp')
 
 

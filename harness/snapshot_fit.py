@@ -22,6 +22,8 @@ import zipfile
 import numpy
 from chainer.serializers import npz
 
+from chainerkfac import serializers
+
 #: Where a trainer snapshot keeps the model and the optimizer.
 MODEL_PREFIX = 'updater/model:main/'
 OPTIMIZER_PREFIX = 'updater/optimizer:main/'
@@ -49,11 +51,7 @@ def stored_shapes(path):
     with zipfile.ZipFile(path) as archive:
         for info in archive.infolist():
             with archive.open(info) as member:
-                version = numpy.lib.format.read_magic(member)
-                header = numpy.lib.format.read_array_header_1_0 \
-                    if version == (1, 0) else \
-                    numpy.lib.format.read_array_header_2_0
-                shape = header(member)[0]
+                shape = serializers.member_header(member)[0]
             key = info.filename
             shapes[key[:-4] if key.endswith('.npy') else key] = tuple(shape)
     return shapes
@@ -110,7 +108,7 @@ def _written_by(path, stored):
     snapshot without one, ``'kfac'`` or ``None`` (a first-order optimizer:
     sgd or lars) from its keys."""
     if OPTIMIZER_KEY in stored:
-        with numpy.load(path) as data:
+        with serializers.open_npz(path) as data:
             return str(data[OPTIMIZER_KEY])
     if any(key.startswith(KFAC_STATE) for key in stored):
         return 'kfac'
@@ -213,7 +211,10 @@ def load_weights(path, network):
     ------
     SnapshotMismatchError
         Layers that differ, named with both shapes.
+    chainerkfac.serializers.PickledArrayError
+        The file holds an object array (nothing is loaded).
     """
+    serializers.check_no_pickle(path)
     stored = stored_shapes(path)
     prefix = MODEL_PREFIX + 'predictor/'
     if not any(key.startswith(prefix) for key in stored):
@@ -222,4 +223,4 @@ def load_weights(path, network):
     _refuse(path, _model_differences(
         {k: v for k, v in stored.items() if k.startswith(prefix)},
         expected, prefix))
-    npz.load_npz(path, network, path=prefix)
+    serializers.load_npz(path, network, path=prefix)

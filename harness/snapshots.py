@@ -26,11 +26,20 @@ from chainer.serializers import npz
 from chainer.training import extensions
 from chainer.training.extensions import snapshot_writers
 
+from chainerkfac import serializers
 from harness.mpi import raise_together
 
-#: File name of process ``rank``'s snapshot after epoch ``epoch``.
-SNAPSHOT_NAME = 'snapshot_epoch_{epoch}.rank{rank}'
-SNAPSHOT_RE = re.compile(r'snapshot_epoch_(\d+)\.rank(\d+)')
+#: Prefix of ``train_imagenet.py``'s snapshot after optimizer step ``step``
+#: (files ``<prefix>.rank<r>``): steps are global mini-batches, the same on
+#: any number of processes, so names sort in the order of the run,
+#: mid-epoch or not, and never collide.
+SNAPSHOT_PREFIX = 'snapshot_step_{step}'
+SNAPSHOT_RE = re.compile(r'snapshot_step_(\d+)\.rank(\d+)')
+#: :func:`snapshot_extension`'s name of the snapshot of
+#: :class:`harness.updater.AugmentedUpdater` (its ``steps``), and of
+#: another trainer's (after its ``epoch``).
+STEP_NAME = SNAPSHOT_PREFIX.format(step='{.updater.steps}')
+EPOCH_NAME = 'snapshot_epoch_{.updater.epoch}'
 #: Key of the number of processes that wrote a snapshot.
 N_PROCESSES_KEY = 'updater/n_processes'
 
@@ -112,10 +121,11 @@ class AtomicThreadWriter(snapshot_writers.ThreadWriter):
             raise self.take_failure()
         # A consistent copy, taken now: the arrays are references to the
         # live parameters and optimizer state (DictionarySerializer copies
-        # only device arrays, to the host).
+        # only device arrays, to the host). Values that were None are left
+        # out rather than pickled: snapshots load with pickle off.
         target = {key: numpy.array(value, copy=True)
                   if isinstance(value, numpy.ndarray) else value
-                  for key, value in target.items()}
+                  for key, value in serializers.without_none(target).items()}
         target.update(self.facts)
         self._needed = npz_bytes(target)
         self.unconfirmed = True
@@ -235,7 +245,7 @@ def _fsync_directory(directory):
         os.close(fd)
 
 
-def snapshot_extension(rank, keep, writer):
+def snapshot_extension(rank, keep, writer, name=EPOCH_NAME):
     """Chainer's snapshot extension of process ``rank``'s trainer.
 
     Parameters
@@ -245,13 +255,17 @@ def snapshot_extension(rank, keep, writer):
         Snapshots kept per process (older ones are removed after each
         write); 0 keeps all.
     writer : AtomicThreadWriter
+    name : str
+        The file name before ``.rank<rank>``, a format of the trainer
+        (:data:`STEP_NAME`, :data:`EPOCH_NAME`).
     """
-    filename = SNAPSHOT_NAME.format(epoch='{.updater.epoch}', rank=rank)
+    filename = name + '.rank{}'.format(rank)
     return extensions.snapshot(filename=filename, writer=writer,
                                n_retains=keep if keep > 0 else -1)
 
 
-def extend_trainer(trainer, comm, writer, rank, keep, trigger):
+def extend_trainer(trainer, comm, writer, rank, keep, trigger,
+                   name=EPOCH_NAME):
     """Add this process's snapshots to its trainer: the
     :func:`snapshot_extension` at ``trigger``, and :class:`WriteCheck`.
     (At the end of the run, call :func:`finish`.)
@@ -261,12 +275,13 @@ def extend_trainer(trainer, comm, writer, rank, keep, trigger):
     trainer : chainer.training.Trainer
     comm : ChainerMN communicator
     writer : AtomicThreadWriter
-    rank, keep
+    rank, keep, name
         As for :func:`snapshot_extension`.
     trigger
         When to snapshot.
     """
-    trainer.extend(snapshot_extension(rank, keep, writer), trigger=trigger)
+    trainer.extend(snapshot_extension(rank, keep, writer, name),
+                   trigger=trigger)
     # A stateless trigger: nothing of the check is saved in snapshots.
     trainer.extend(WriteCheck(writer, comm), name='snapshot_write_check',
                    trigger=lambda trainer: True)
@@ -275,7 +290,7 @@ def extend_trainer(trainer, comm, writer, rank, keep, trigger):
 def remove_unfinished(out, rank):
     """Remove this process's temporary snapshot files left by a killed
     run (a snapshot being written when the process died)."""
-    pattern = re.compile(r'\.snapshot_epoch_\d+\.rank{}\.tmp'.format(rank))
+    pattern = re.compile(r'\.snapshot_step_\d+\.rank{}\.tmp'.format(rank))
     if os.path.isdir(out):
         for name in os.listdir(out):
             if pattern.fullmatch(name):

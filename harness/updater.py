@@ -161,6 +161,13 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
         """True after the last micro-batch of a step (and before any)."""
         return self.iteration % self.acc_iters == 0
 
+    @property
+    def steps(self):
+        """Optimizer steps taken, a final partial one included: global
+        mini-batches, the same on any number of processes (snapshots are
+        named by it)."""
+        return -(-self.iteration // self.acc_iters)
+
     def update_core(self):
         iterator = self.get_iterator('main')
         chunk = iterator.chunks + self.comm.rank

@@ -80,9 +80,13 @@ class Call:
 class Adapter:
     """The maths of one function type; subclasses fill in the methods.
 
-    ``gy`` is the gradient w.r.t. the call's output, ``(N, ...)``; ``role``
-    names the parameter (:attr:`positions`); ``weights`` (N,) multiplies
-    each sample's contribution (signs of the Hessian's residual terms).
+    ``gy`` is the gradient w.r.t. the call's output, ``(N, ...)``, or the
+    gradients of K backward passes stacked pass-major, ``(K·N, ...)`` (row
+    ``k·N + n``: pass ``k``, sample ``n``; :mod:`.columns`): per-sample
+    results then have K·N rows and sums run over passes and samples.
+    ``role`` names the parameter (:attr:`positions`); ``weights`` (one per
+    row) multiplies each row's contribution (signs of the Hessian's
+    residual terms).
     """
 
     #: FunctionNode types this adapter handles.
@@ -104,7 +108,7 @@ class Adapter:
         return None
 
     def per_sample(self, call: Call, gy, role: str):
-        """Per-sample gradients ``[N, *param.shape]``."""
+        """Per-sample gradients ``[rows, *param.shape]``."""
         raise NotImplementedError
 
     def square_sum(self, call: Call, gy, role: str, weights=None):
@@ -116,13 +120,13 @@ class Adapter:
         return squares.sum(axis=0)
 
     def sample_norms(self, call: Call, gy, role: str):
-        """``‖per_sample[n]‖²`` per sample, (N,)."""
+        """``‖per_sample[n]‖²`` per row."""
         grads = self.per_sample(call, gy, role)
         return (grads * grads).reshape(len(grads), -1).sum(axis=1)
 
     # -- Kronecker factors (kronecker adapters only) -----------------------
     def output_vectors(self, call: Call, gy):
-        """The per-sample gradient w.r.t. the bias, (N, d_out): ``gy``
+        """The per-sample gradient w.r.t. the bias, (rows, d_out): ``gy``
         summed over output positions (BackPACK's ``B`` outer products)."""
         raise NotImplementedError
 
@@ -138,6 +142,11 @@ class Adapter:
     def input_factor(self, call: Call, scale: float):
         """``scale · Σ_n Σ_positions u uᵀ`` over the unfolded inputs."""
         raise NotImplementedError
+
+
+def _passes(call: Call, gy) -> int:
+    """Passes stacked in ``gy`` (K·N rows, pass-major, for N samples)."""
+    return gy.shape[0] // call.in_data[0].shape[0]
 
 
 def _weighted(values, weights):
@@ -164,13 +173,23 @@ class LinearAdapter(Adapter):
         if role == 'bias':
             return gy
         x = call.in_data[0]
-        return gy[:, :, None] * x[:, None, :]
+        passes = _passes(call, gy)
+        if passes == 1:
+            return gy[:, :, None] * x[:, None, :]
+        grads = gy.reshape((passes,) + x.shape[:1] + gy.shape[1:])[
+            :, :, :, None] * x[None, :, None, :]
+        return grads.reshape((len(gy),) + grads.shape[2:])
 
     def square_sum(self, call, gy, role, weights=None):
         squares = _weighted(gy * gy, weights)
         if role == 'bias':
             return squares.sum(axis=0)
         x = call.in_data[0]
+        passes = _passes(call, gy)
+        if passes > 1:
+            # Σ_k Σ_n g_kn² x_n²: the passes summed before the product.
+            squares = squares.reshape(
+                (passes, len(x)) + squares.shape[1:]).sum(axis=0)
         return squares.T.dot(x * x)
 
     def sample_norms(self, call, gy, role):
@@ -228,37 +247,50 @@ class ConvolutionAdapter(Adapter):
         n, channels = gy.shape[:2]
         if role == 'bias':
             return gy.reshape(n, channels, -1).sum(axis=2)
-        return self._kernel_grads(call, gy, slice(0, n))
+        return self._kernel_grads(call, gy, slice(None),
+                                  slice(0, call.in_data[0].shape[0]))
 
-    def _kernel_grads(self, call, gy, rows: slice):
-        """Per-sample kernel gradients of the samples ``rows``."""
+    def _kernel_grads(self, call, gy, passes: slice, rows: slice):
+        """Per-sample kernel gradients of the samples ``rows`` in the
+        stacked passes ``passes``, (passes·samples, *W.shape): one product
+        broadcast over the passes."""
         columns = self.columns(call)[rows]
-        groups = columns.shape[1]
-        g = gy[rows].reshape(len(columns), groups, gy.shape[1] // groups, -1)
+        n, groups = call.in_data[0].shape[0], columns.shape[1]
+        g = gy.reshape((_passes(call, gy), n, groups,
+                        gy.shape[1] // groups, -1))[passes, rows]
         grads = get_array_module(gy).matmul(g, columns.transpose(0, 1, 3, 2))
-        return grads.reshape((len(columns),) + call.in_data[1].shape)
+        return grads.reshape((-1,) + call.in_data[1].shape)
 
     def _chunks(self, call, gy):
-        """Slices of a few samples whose kernel gradients take about
+        """``(passes, samples)`` slices whose kernel gradients take about
         :data:`CHUNK_ELEMENTS` (sums of squares and norms need them one
         chunk at a time: small temporaries stay in cache and in the
         allocator's pool; whole-batch products of the 3C3D layers, 14-28
         MB, took 2-4x longer)."""
-        n = gy.shape[0]
+        n = call.in_data[0].shape[0]
+        passes = _passes(call, gy)
         per_sample = call.in_data[1].size
         step = max(1, CHUNK_ELEMENTS // per_sample)
-        return [slice(i, min(n, i + step)) for i in range(0, n, step)]
+        if step < n:
+            return [(slice(k, k + 1), slice(i, min(n, i + step)))
+                    for k in range(passes) for i in range(0, n, step)]
+        step = max(1, step // n)
+        return [(slice(k, min(passes, k + step)), slice(0, n))
+                for k in range(0, passes, step)]
 
     def square_sum(self, call, gy, role, weights=None):
         if role == 'bias':
             return super().square_sum(call, gy, role, weights)
         xp = get_array_module(gy)
+        if weights is not None:
+            weights = weights.reshape(_passes(call, gy), -1)
         total = None
-        for rows in self._chunks(call, gy):
-            grads = self._kernel_grads(call, gy, rows)
+        for passes, rows in self._chunks(call, gy):
+            grads = self._kernel_grads(call, gy, passes, rows)
             xp.square(grads, out=grads)
             if weights is not None:
-                grads *= weights[rows].reshape((-1,) + (1,) * (grads.ndim - 1))
+                grads *= weights[passes, rows].reshape(
+                    (-1,) + (1,) * (grads.ndim - 1))
             part = grads.sum(axis=0)
             if total is None:
                 total = part
@@ -271,8 +303,8 @@ class ConvolutionAdapter(Adapter):
             return super().sample_norms(call, gy, role)
         xp = get_array_module(gy)
         norms = []
-        for rows in self._chunks(call, gy):
-            grads = self._kernel_grads(call, gy, rows)
+        for passes, rows in self._chunks(call, gy):
+            grads = self._kernel_grads(call, gy, passes, rows)
             norms.append((grads * grads).reshape(len(grads), -1).sum(axis=1))
         return xp.concatenate(norms)
 
@@ -325,7 +357,13 @@ class FixedBatchNormalizationAdapter(Adapter):
         axes = self._summed_axes(call)
         if role == 'shift':
             return gy.sum(axis=axes)
-        return (gy * self.normalized(call)).sum(axis=axes)
+        normalized = self.normalized(call)
+        passes = _passes(call, gy)
+        if passes == 1:
+            return (gy * normalized).sum(axis=axes)
+        products = gy.reshape((passes,) + normalized.shape) * normalized
+        sums = products.sum(axis=tuple(a + 1 for a in axes))
+        return sums.reshape((len(gy),) + sums.shape[2:])
 
 
 ADAPTERS = (LinearAdapter(), ConvolutionAdapter(),

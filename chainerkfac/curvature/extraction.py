@@ -10,13 +10,14 @@ The path of one extraction, top to bottom in :func:`extract`:
    (:mod:`~chainerkfac.curvature.graph`);
 3. **first order** — per-sample gradients, norms, squares from the
    gradient pass (:mod:`~chainerkfac.curvature.adapters`);
-4. **extra passes** — one backward pass of Chainer's autodiff from the
-   logits per column of the loss Hessian's root
-   (:mod:`~chainerkfac.curvature.loss_hessian`): ``C`` exact columns for
-   ``diag_ggn`` / ``kflr`` / ``diag_hessian``, ``mc_samples`` sampled ones
-   for ``diag_ggn_mc`` / ``kfac``; each asks Chainer for the gradients
-   w.r.t. the recorded calls' outputs only (no weight gradient is
-   computed), from which the adapters form squares and ``B`` vectors;
+4. **extra passes** — one backward pass from the logits per column of the
+   loss Hessian's root (:mod:`~chainerkfac.curvature.loss_hessian`): ``C``
+   exact columns for ``diag_ggn`` / ``kflr`` / ``diag_hessian``,
+   ``mc_samples`` sampled ones for ``diag_ggn_mc`` / ``kfac``; the columns
+   travel stacked, a chunk of them as one batch through the recorded graph
+   (:mod:`~chainerkfac.curvature.columns`), giving the gradients w.r.t. the
+   recorded calls' outputs only (no weight gradient is computed), from
+   which the adapters form squares and ``B`` vectors;
 5. **residuals** (``diag_hessian``,
    :mod:`~chainerkfac.curvature.hessian_diagonal`) and **KFRA**
    (:mod:`~chainerkfac.curvature.kfra`);
@@ -32,6 +33,7 @@ import chainer.functions as F
 
 from chainerkfac import capture as capture_module
 from chainerkfac import linalg
+from chainerkfac.curvature import columns
 from chainerkfac.curvature import hessian_diagonal
 from chainerkfac.curvature import kfra as kfra_module
 from chainerkfac.curvature import loss_hessian
@@ -48,7 +50,9 @@ logger = logging.getLogger(__name__)
 def extract(predictor, x, t, quantities=q.FIRST_ORDER,
             lossfun=F.softmax_cross_entropy, mc_samples: int = 1,
             seed: Optional[int] = None, comm=None,
-            conv_factors: str = 'backpack') -> Dict[str, Dict[str, object]]:
+            conv_factors: str = 'backpack',
+            column_chunk: Optional[int] = None
+            ) -> Dict[str, Dict[str, object]]:
     """The gradient of the mean loss and BackPACK's quantities, per
     parameter.
 
@@ -87,6 +91,15 @@ def extract(predictor, x, t, quantities=q.FIRST_ORDER,
         BackPACK's factor over ``T`` when derivatives at different
         positions are uncorrelated (KFC's assumption). ``A`` is the same in
         both (summed over positions), and biases keep BackPACK's ``B``.
+    column_chunk : int, optional
+        The extra backward passes (root columns, the Hessian's residual
+        features, KFRA's columns) travel stacked, as one batch of ``K·N``
+        rows through the recorded graph (:mod:`chainerkfac.curvature.
+        columns`), at most ``column_chunk`` of them at a time; by default
+        as many as keep a stacked array below
+        :data:`chainerkfac.curvature.columns.MAX_ELEMENTS` elements. ``1``:
+        one backward pass of Chainer's autodiff per column (the least
+        memory; the reference the stacked passes are tested against).
 
     Returns
     -------
@@ -112,9 +125,10 @@ def extract(predictor, x, t, quantities=q.FIRST_ORDER,
     Notes
     -----
     Cost: the gradient pass, plus ``C`` extra backward passes (classes) for
-    the exact quantities and ``mc_samples`` for the sampled ones; KFRA
-    ``rank`` passes through each function of the chain; the Hessian
-    diagonal one pass per feature entering each curved activation.
+    the exact quantities and ``mc_samples`` for the sampled ones, stacked
+    into a few propagations; KFRA ``rank`` passes through each function of
+    the chain; the Hessian diagonal one pass per feature entering each
+    curved activation.
     Parameters without an adapter, and all parameters when the samples are
     coupled, take one backward pass per sample in place of each of those.
     """
@@ -125,21 +139,21 @@ def extract(predictor, x, t, quantities=q.FIRST_ORDER,
     if int(mc_samples) < 1:
         raise ValueError('mc_samples must be at least 1, got {}'.format(
             mc_samples))
+    if column_chunk is not None and int(column_chunk) < 1:
+        raise ValueError('column_chunk must be at least 1 (or None), got '
+                         '{}'.format(column_chunk))
     batch = reduction.Batch.of(len(x), comm)
-    run = _Extraction(predictor, request, batch, conv_factors)
+    run = _Extraction(predictor, request, batch, conv_factors, column_chunk)
     run.gradient_pass(x, t, lossfun)
     run.first_order()
     if request.needs_root:
         hessian = run.loss_hessian()
         if request.exact_passes:
-            root = hessian.exact_root()
-            run.ggn_passes('exact', [root[:, :, c]
-                                     for c in range(root.shape[2])])
+            run.ggn_passes('exact', hessian.exact_root().transpose(2, 0, 1))
         if request.sampled_passes:
             rng = numpy.random.RandomState(
                 reduction.shared_seed(batch, seed))
-            run.ggn_passes('mc', list(hessian.sampled_roots(
-                int(mc_samples), rng)))
+            run.ggn_passes('mc', hessian.sampled_roots(int(mc_samples), rng))
         if 'diag_hessian' in request:
             run.hessian_residuals()
         if 'kfra' in request:
@@ -153,11 +167,13 @@ def extract(predictor, x, t, quantities=q.FIRST_ORDER,
 class _Extraction:
     """The state of one :func:`extract` call, stage by stage."""
 
-    def __init__(self, predictor, request, batch, conv_factors):
+    def __init__(self, predictor, request, batch, conv_factors,
+                 column_chunk):
         self.predictor = predictor
         self.request = request
         self.batch = batch
         self.conv_factors = conv_factors
+        self.column_chunk = column_chunk
         #: ``{(path, name): array}`` summed over samples (and processes).
         self.sums: Dict[tuple, object] = {}
         #: ``{(path, name): array}`` one row per local sample.
@@ -188,6 +204,8 @@ class _Extraction:
         for name in ('kfac', 'kflr', 'kfra', 'diag_hessian'):
             if name in self.request:
                 graph.check_independent(name)
+        # Coupled samples: the slots are empty, per-sample passes do all.
+        self.passes = columns.Passes(graph, self.column_chunk)
         for path, reason in graph.sampled.items():
             logger.info('curvature: %s by per-sample passes (%s): %d '
                         'backward passes per pass of the batch', path,
@@ -245,7 +263,8 @@ class _Extraction:
                                         self.batch)
 
     def ggn_passes(self, kind: str, roots) -> None:
-        """One backward pass per root column ``(n, C)``: ``kind`` 'exact'
+        """One backward pass per root column, ``roots`` (K, n, C), stacked
+        (:mod:`~chainerkfac.curvature.columns`): ``kind`` 'exact'
         (``diag_ggn``, ``kflr_B``) or 'mc' (``diag_ggn_mc``, ``kfac_B``)."""
         if kind == 'exact':
             diag = self.request.any('diag_ggn', 'diag_hessian')
@@ -255,46 +274,34 @@ class _Extraction:
             diag = 'diag_ggn_mc' in self.request
             factor = 'kfac' in self.request
             diag_name, factor_name = 'diag_ggn_mc', 'kfac_B'
-        kronecker = [s for s in self.graph.slots if s.kronecker] \
-            if factor else []
-        for root in roots:
-            grads = self.output_gradients(self.logits, root)
-            for slot in self.graph.slots if diag else ():
+        passes = self.passes.run(self.logits, len(roots),
+                                 lambda part: (roots[part], None))
+        for slot, grads, _ in passes:
+            if diag:
                 self._add(slot.path, diag_name, slot.square_sum(grads))
-            for slot in kronecker:
+            if factor and slot.kronecker:
                 if self.conv_factors == 'kfc' and slot.role == 'weight':
                     value = slot.position_gram(grads)
                 else:
                     vectors = slot.output_vectors(grads)
                     value = linalg.gram(vectors, 1.0)
                 self._add(slot.path, factor_name, value)
-            if diag and self.graph.sampled:
+        if diag and self.graph.sampled:
+            for root in roots:
                 per_sample = sample_passes.per_sample_gradients(
                     self.logits, root, self.sampled_params)
                 for path, grads_n in zip(self.graph.sampled, per_sample):
                     self._add(path, diag_name, (grads_n * grads_n).sum(0))
 
-    def output_gradients(self, start, gradient) -> Dict:
-        """``{call: gradient w.r.t. its output}`` of the backward pass from
-        ``start`` with ``gradient`` (None for calls it does not reach)."""
-        calls = self.graph.slot_calls
-        if not calls:
-            return {}
-        with capture_module.unobserved():
-            grads = chainer.grad([start], [c.output_variable for c in calls],
-                                 grad_outputs=[chainer.Variable(gradient)])
-        return {call: None if g is None else g.array
-                for call, g in zip(calls, grads)}
-
     # -- 5: Hessian residuals, KFRA, input factors --------------------------
     def hessian_residuals(self) -> None:
         for path, value in hessian_diagonal.residual_diagonals(
-                self.graph, self.loss, self.output_gradients).items():
+                self.graph, self.loss, self.passes).items():
             self._add(path, 'diag_hessian', value)
 
     def kfra(self, root) -> None:
         self.kfra_factors = kfra_module.output_factors(
-            self.graph, root, self.batch)
+            self.graph, root, self.batch, self.column_chunk)
 
     def input_factors(self) -> None:
         scale = 1.0 / self.batch.total

@@ -13,9 +13,10 @@ For an elementwise ``f`` (sigmoid, tanh, softplus, ELU, ...) ``R_f`` is
 diagonal per sample, ``r = (∂L/∂v) ⊙ f''(u)``, and Chainer gives it by
 double backprop (no hand-written second derivative): the gradient of the
 sum of ``f``'s backward output. Its diagonal contribution is then
-``Σ_n Σ_j sign(r_nj) (J_θu_nᵀ √|r_nj| e_j)²``: one backward pass of
-Chainer's autodiff from ``u`` per feature ``j`` of ``u`` (every sample at
-once, each with its own sign), through the adapters as for the GGN.
+``Σ_n Σ_j sign(r_nj) (J_θu_nᵀ √|r_nj| e_j)²``: one backward pass from
+``u`` per feature ``j`` of ``u`` (every sample at once, each with its own
+sign), the passes stacked as for the GGN
+(:mod:`~chainerkfac.curvature.columns`), through the adapters.
 
 Defined here when every function between the parameters and the logits is
 either linear or piecewise linear in its inputs (:data:`ZERO_CURVATURE`,
@@ -24,7 +25,7 @@ parameters enter linearly) or elementwise (:data:`ELEMENTWISE`), and each
 parameter enters one call; a clear error otherwise.
 """
 import logging
-from typing import Callable, Dict
+from typing import Dict
 
 import chainer
 import chainer.functions.activation.clipped_relu as clipped_relu
@@ -82,8 +83,7 @@ ELEMENTWISE = (
     basic_math.PowVarConst, trigonometric.Sin, trigonometric.Cos)
 
 
-def residual_diagonals(graph, loss, output_gradients: Callable
-                       ) -> Dict[str, object]:
+def residual_diagonals(graph, loss, passes) -> Dict[str, object]:
     """``{path: Σ_f diag(J_θuᵀ R_f J_θu)}`` over the curved functions (this
     process's samples).
 
@@ -92,9 +92,8 @@ def residual_diagonals(graph, loss, output_gradients: Callable
     graph : chainerkfac.curvature.graph.ModelGraph
     loss : chainer.Variable
         The mean loss (scaled to the global batch).
-    output_gradients : callable
-        ``output_gradients(start, gradient)`` → ``{call: gy}`` of a backward
-        pass from the variable ``start`` (the extraction's).
+    passes : chainerkfac.curvature.columns.Passes
+        Runs the backward passes from ``u``, one per feature (stacked).
     """
     curved = _curved_functions(graph)
     out: Dict[str, object] = {}
@@ -103,27 +102,33 @@ def residual_diagonals(graph, loss, output_gradients: Callable
     outputs = [f.outputs[0]().get_variable() for f in curved]
     with capture_module.unobserved():
         adjoints = chainer.grad([loss], outputs)
-    passes = 0
+    count = 0
     for function, output, adjoint in zip(curved, outputs, adjoints):
         if adjoint is None:
             continue
-        node = function.inputs[0]
-        u = node.get_variable()
+        u = function.inputs[0].get_variable()
         residual = _residual(output, u, adjoint)
         xp = chainer.backend.get_array_module(residual)
         n = residual.shape[0]
         flat = residual.reshape(n, -1)
-        for j in range(flat.shape[1]):
-            if not flat[:, j].any():
-                continue
-            column = xp.zeros_like(flat)
-            column[:, j] = xp.sqrt(xp.abs(flat[:, j]))
-            grads = output_gradients(u, column.reshape(residual.shape))
-            signs = xp.sign(flat[:, j])
-            for slot in graph.slots:
-                _add(out, slot.path, slot.square_sum(grads, signs))
-            passes += 1
-    logger.debug('curvature: diag_hessian took %d residual passes', passes)
+        features = chainer.backend.CpuDevice().send(
+            xp.flatnonzero(flat.any(axis=0)))
+        roots = xp.sqrt(xp.abs(flat))
+        signs = xp.sign(flat)
+
+        def make(part):   # used within this iteration only
+            chosen = xp.asarray(features[part])
+            k = len(chosen)
+            # (pass, feature, sample): pass k has feature chosen[k] alone.
+            columns = xp.zeros((k, flat.shape[1], n), flat.dtype)
+            columns[xp.arange(k), chosen] = roots[:, chosen].T
+            return (columns.transpose(0, 2, 1).reshape(
+                (k,) + residual.shape),
+                    signs[:, chosen].T)
+        for slot, grads, weights in passes.run(u, len(features), make):
+            _add(out, slot.path, slot.square_sum(grads, weights))
+        count += len(features)
+    logger.debug('curvature: diag_hessian took %d residual passes', count)
     return out
 
 

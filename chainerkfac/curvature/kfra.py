@@ -11,8 +11,10 @@ output positions on both sides, BackPACK's convention). The products are
 Chainer's own backward of ``f``: with ``Ḡ_y = R Rᵀ`` (its eigenvectors
 scaled by the square roots of its eigenvalues), one backward pass of ``f``
 per column ``r`` of ``R``, the same ``r`` for every sample, gives
-``J_nᵀ r`` for all ``n`` at once. Cost: ``rank(Ḡ_y)`` backward passes of
-each function, and dense ``h × h`` matrices for ``h`` features per sample.
+``J_nᵀ r`` for all ``n`` at once; the columns go through ``f`` stacked
+(:func:`chainerkfac.curvature.columns.transpose_jacobian`). Cost:
+``rank(Ḡ_y)`` columns through each function, and dense ``h × h`` matrices
+for ``h`` features per sample.
 
 Defined here for a **chain**: every function between the inputs and the
 logits has one non-parameter input that needs a gradient, used by that
@@ -29,6 +31,7 @@ import numpy
 import chainer
 
 from chainerkfac import capture as capture_module
+from chainerkfac.curvature import columns as columns_module
 from chainerkfac.curvature import reduction
 from chainerkfac.curvature.adapters import ConvolutionAdapter
 from chainerkfac.curvature.graph import UnsupportedGraph
@@ -39,7 +42,8 @@ MAX_FEATURES = 4096
 RANK_TOLERANCE = 1e-12
 
 
-def output_factors(graph, root, batch) -> Dict[str, object]:
+def output_factors(graph, root, batch, chunk: Optional[int] = None
+                   ) -> Dict[str, object]:
     """``{path: B}`` of KFRA for the Kronecker-factored parameters.
 
     Parameters
@@ -48,6 +52,9 @@ def output_factors(graph, root, batch) -> Dict[str, object]:
     root : array (n, C, K)
         The exact loss-Hessian roots (carrying ``1/√N``).
     batch : chainerkfac.curvature.reduction.Batch
+    chunk : int, optional
+        Columns propagated together at most (``extract``'s
+        ``column_chunk``; 1: one backward pass of Chainer's autodiff each).
     """
     chain = _chain(graph)
     calls = {call.function: call for call in graph.slot_calls}
@@ -67,7 +74,7 @@ def output_factors(graph, root, batch) -> Dict[str, object]:
                     factors[path] = factor
         if not left:
             break
-        curvature = _propagate(function, index, curvature, batch)
+        curvature = _propagate(function, index, curvature, batch, chunk)
     return factors
 
 
@@ -122,7 +129,7 @@ def _per_channel(call, curvature):
                              positions).sum(axis=(1, 3))
 
 
-def _propagate(function, index, curvature, batch):
+def _propagate(function, index, curvature, batch, chunk):
     """``(1/N) Σ_n J_nᵀ Ḡ J_n`` through ``function``'s input ``index``."""
     output = function.outputs[0]()
     node = function.inputs[index]
@@ -135,18 +142,33 @@ def _propagate(function, index, curvature, batch):
     xp = chainer.backend.get_array_module(curvature)
     values, vectors = xp.linalg.eigh(curvature)
     keep = values > RANK_TOLERANCE * max(float(values.max()), 0.0)
-    columns = vectors[:, keep] * xp.sqrt(values[keep])
+    columns = (vectors[:, keep] * xp.sqrt(values[keep])).T.astype(
+        output.dtype)
     total = xp.zeros((features, features), dtype=curvature.dtype)
-    y, x = output.get_variable(), node.get_variable()
     shape, n = output.shape, output.shape[0]
-    with capture_module.unobserved():
-        for column in columns.T:
-            grad = xp.broadcast_to(column.reshape(shape[1:]), shape).astype(
-                output.dtype)
-            gx, = chainer.grad([y], [x], grad_outputs=[
-                chainer.Variable(xp.ascontiguousarray(grad))])
+    if chunk == 1:
+        y, x = output.get_variable(), node.get_variable()
+        with capture_module.unobserved():
+            for column in columns:
+                grad = xp.broadcast_to(column.reshape(shape[1:]), shape)
+                gx, = chainer.grad([y], [x], grad_outputs=[
+                    chainer.Variable(xp.ascontiguousarray(grad))])
+                if gx is not None:
+                    rows = gx.array.reshape(n, -1)
+                    total += rows.T.dot(rows)
+    else:
+        size = columns_module.passes_per_chunk(
+            len(columns), n, max(features, int(numpy.prod(shape[1:]))),
+            chunk)
+        for part in columns_module.chunks(len(columns), size):
+            k = part.stop - part.start
+            stacked = xp.ascontiguousarray(xp.broadcast_to(
+                columns[part].reshape((k, 1) + shape[1:]),
+                (k,) + shape)).reshape((k * n,) + shape[1:])
+            gx, = columns_module.transpose_jacobian(
+                function, (index,), [stacked], k, n)
             if gx is not None:
-                rows = gx.array.reshape(n, -1)
+                rows = gx.reshape(k * n, -1)
                 total += rows.T.dot(rows)
     total, = reduction.sum_over_processes(batch, [total])
     return total / batch.total

@@ -125,7 +125,7 @@ class BatchNormalizationBlock(FisherBlock):
         vector = xp.concatenate([g_gamma, g_beta])
         if self.has_inverses():
             inverse = self.inverses['F'].astype(vector.dtype, copy=False)
-            vector = (inverse.dot(vector) if self.mode == 'full'
+            vector = (linalg.matmul(inverse, vector) if self.mode == 'full'
                       else inverse * vector)
         c = self.channels
         return [vector[:c], vector[c:]]

@@ -135,9 +135,9 @@ class KroneckerBlock(FisherBlock):
         if self.has_inverses():
             a_inv = self.inverses['A'].astype(matrix.dtype, copy=False)
             g_inv = self.inverses['G'].astype(matrix.dtype, copy=False)
-            matrix = (g_inv.dot(matrix) if g_inv.ndim == 2
+            matrix = (linalg.matmul(g_inv, matrix) if g_inv.ndim == 2
                       else g_inv[:, None] * matrix)
-            matrix = (matrix.dot(a_inv) if a_inv.ndim == 2
+            matrix = (linalg.matmul(matrix, a_inv) if a_inv.ndim == 2
                       else matrix * a_inv)
         if self.has_bias:
             return [matrix[:, :-1].reshape(weight.shape), matrix[:, -1]]

@@ -8,20 +8,21 @@ whether to run the step eagerly, capture it or replay it, and says why
 (:mod:`chainerkfac.graphs.step`); :mod:`chainerkfac.graphs.gemm` gives the
 step GEMMs that may be captured (our own cuBLAS handle, bound by
 :mod:`chainerkfac.graphs.cublas`), since CuPy 14 refuses cuBLAS during
-capture::
+capture. The one-line switch::
 
-    graph = chainerkfac.graphs.StepGraph(
-        lambda x, t: optimizer.update(model, x, t),
-        chainerkfac.graphs.ChainerOptimizer(optimizer))
-    for x, t in batches:
-        graph(x, t)
+    optimizer = chainerkfac.graphs.graphed(optimizer)   # after setup
+    optimizer.update(model, x, t)     # eager, captured or replayed
 
-Replayable today: Chainer's MomentumSGD and SGD without hooks. Not yet:
-K-FAC's stale steps and :class:`~chainerkfac.optimizers.GuardedOptimizer`,
-whose skipped-step guard reads its finite check on the host (a device-side
-guard, capture-safe pointer tables in :mod:`chainerkfac.fused` and device
-hyperparameters are what they need); their steps fail to capture, which
-:class:`StepGraph` reports before running them eagerly. Nothing here has
-run on a GPU yet (docs/gpu.md lists the runs that will tell).
+Replayable: K-FAC's stale steps (its refresh steps run eagerly:
+:mod:`chainerkfac.graphs.kfac_step`),
+:class:`~chainerkfac.optimizers.GuardedOptimizer`'s steps
+(:mod:`chainerkfac.graphs.guarded_step`) and Chainer's MomentumSGD and SGD,
+each on one process. Their skipped-step guard is then
+:class:`~chainerkfac.device_guard.DeviceStepGuard` and their learning
+rate, momentum and damping live in device memory
+(:mod:`chainerkfac.graphs.hyper`), so a schedule needs no new capture.
+Nothing here has run on a GPU yet (docs/gpu.md lists the runs that will
+tell).
 """
+from chainerkfac.graphs.graphed import GraphedOptimizer, graphed  # NOQA
 from chainerkfac.graphs.step import ChainerOptimizer, StepGraph  # NOQA

@@ -21,6 +21,9 @@ gradients) use :meth:`Gemm.matmul` for the arrays it serves, so a step
 with a Linear layer has no CuPy cuBLAS call left; other arrays (NumPy, or
 a dtype it does not serve) take Chainer's own code. It patches those three
 ``forward`` methods and restores them on exit (a ``with`` block).
+:func:`route_matmul` does the same for ``cupy.matmul`` (K-FAC's stage 5,
+:func:`chainerkfac.linalg.matmul`), and :func:`route_step` both, around a
+whole step.
 """
 import contextlib
 import ctypes
@@ -242,3 +245,41 @@ def route_linear(gemm: Optional[Gemm] = None):
     finally:
         for cls, forward in zip(classes, originals):
             cls.forward = forward
+
+
+@contextlib.contextmanager
+def route_matmul(cupy, gemm: Optional[Gemm] = None):
+    """Within the block, ``cupy.matmul(a, b)`` computes with ``gemm``
+    (default :func:`default`) where it serves the operands (both 2-D or
+    both 3-D, or a 2-D matrix times a vector); other calls take CuPy's
+    own."""
+    gemm = gemm or default()
+    original = cupy.matmul
+
+    def matmul(a, b, *args, **kwds):
+        if args or kwds:
+            return original(a, b, *args, **kwds)
+        if (getattr(a, 'ndim', 0) == 2 and getattr(b, 'ndim', 0) == 1 and
+                gemm.serves(a, b.reshape(-1, 1))):
+            return gemm.matmul(a, b.reshape(-1, 1)).reshape(-1)
+        if gemm.serves(a, b):
+            return gemm.matmul(a, b)
+        return original(a, b)
+
+    cupy.matmul = matmul
+    try:
+        yield gemm
+    finally:
+        cupy.matmul = original
+
+
+@contextlib.contextmanager
+def route_step(cupy=None, gemm: Optional[Gemm] = None):
+    """:func:`route_linear` and :func:`route_matmul` together: a training
+    step (forward, backward, K-FAC's stage 5) whose GEMMs go through our
+    cuBLAS handle."""
+    if cupy is None:
+        import cupy
+    gemm = gemm or default()
+    with route_linear(gemm), route_matmul(cupy, gemm):
+        yield gemm

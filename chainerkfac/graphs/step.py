@@ -15,18 +15,31 @@ backward, update) on given input arrays. Each call decides:
   the graph is launched — capture records work without running it;
 * **replayed**: the inputs are copied into the static buffers and the
   graph is launched; the adapter then does the step's host-side
-  bookkeeping (``optimizer.t``, each rule's ``t``), which no replay runs.
+  bookkeeping (``optimizer.t``, each rule's ``t``), which no replay runs,
+  and what the captured step reported (:mod:`chainer.reporter`: the loss,
+  the accuracy, as device arrays the replay rewrites) is reported again.
+
+Before every step, replayed or not, the adapter's ``before_step`` writes
+the host values that the kernels read from device memory (learning rate,
+momentum, damping: :mod:`chainerkfac.graphs.hyper`), so a schedule does
+not force a new capture. The adapters: :class:`ChainerOptimizer` (a
+Chainer optimizer), :class:`chainerkfac.graphs.guarded_step.
+GuardedOptimizer` and :class:`chainerkfac.graphs.kfac_step.KFACOptimizer`
+(K-FAC: its refresh steps run eagerly, its stale steps are replayed);
+:func:`chainerkfac.graphs.graphed` picks one.
 
 A graph is dropped (and the next eligible step captured again, without
 warm-up) when an eager step ran after it (an eager step may reallocate
 what the graph reads), when the inputs' signature changes, and when a
 host value baked into the graph's kernels changed (the adapter's
-:meth:`~ChainerOptimizer.baked`: learning rate, momentum). The side stream
+:meth:`~ChainerOptimizer.baked`: learning rate and momentum unless they
+are on the device, a hook's rate). The side stream
 waits for the current stream before each capture or launch and the
 current stream for it after, so the code around the step needs no change.
-Within a :class:`StepGraph` call, Chainer's Linear computes with
-:mod:`chainerkfac.graphs.gemm` (CuPy's own cuBLAS refuses capture), eager
-steps too, so that eager and replayed steps make the same GEMM calls.
+Within a :class:`StepGraph` call, Chainer's Linear and ``cupy.matmul``
+compute with :mod:`chainerkfac.graphs.gemm` (CuPy's own cuBLAS refuses
+capture), eager steps too, so that eager and replayed steps make the same
+GEMM calls.
 
 What must not happen inside the step (as for PyTorch's
 ``torch.cuda.graphs``): a host synchronisation (``.get()``, ``float()`` of
@@ -36,12 +49,19 @@ depends on device values. Such a step fails to capture: the failure is
 logged with CUDA's reason, the optimizer's host state is put back, the
 step runs eagerly and its signature is not captured again.
 :attr:`StepGraph.stats` counts eager, captured and replayed steps and
-each refusal's reason.
+each refusal's reason; :attr:`StepGraph.capture_seconds` times each
+capture.
 """
 import collections
 import contextlib
+import functools
 import logging
-from typing import Callable, Optional, Sequence
+import time
+from typing import Callable, List, Optional, Sequence
+
+import chainer
+
+from chainerkfac.graphs import hyper
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +77,32 @@ class ChainerOptimizer:
 
     Replayable: :class:`chainer.GradientMethod` with every update rule a
     :class:`chainer.optimizers.MomentumSGDRule` or ``SGDRule`` (their
-    kernels read the hyperparameters alone) and no optimizer hooks.
+    kernels read the hyperparameters alone) and no optimizer hooks but
+    those of ``replayable_hooks``.
 
     Parameters
     ----------
     optimizer : chainer.GradientMethod
+    hyperparameters_on_device : bool
+        The rules read ``lr`` and ``momentum`` from device memory, written
+        before each step (:mod:`chainerkfac.graphs.hyper`): a schedule
+        needs no new capture. Otherwise they are baked into the graph,
+        which is captured again when they change.
+    replayable_hooks : sequence of type
+        Hook types whose kernels read only their own attributes (e.g.
+        :class:`chainer.optimizer_hooks.WeightDecay`: ``g += rate * p``);
+        those attributes are part of :meth:`baked`.
     """
 
-    def __init__(self, optimizer):
+    #: The hyperparameters that go to the device.
+    ON_DEVICE = ('lr', 'momentum')
+
+    def __init__(self, optimizer, hyperparameters_on_device: bool = False,
+                 replayable_hooks: Sequence[type] = ()):
         self.optimizer = optimizer
+        self.hyperparameters_on_device = hyperparameters_on_device
+        self.replayable_hooks = tuple(replayable_hooks)
+        self._scalars = None
 
     def _rules(self):
         return [p.update_rule for _, p in
@@ -82,21 +119,54 @@ class ChainerOptimizer:
         if others:
             return ('update rules {} are not known to read only their '
                     'hyperparameters'.format(', '.join(others)))
+        hooks = sorted(name for name, hook in self._hooks()
+                       if not isinstance(hook, self.replayable_hooks))
+        if hooks:
+            return 'optimizer hooks ({}) are not replayable'.format(
+                ', '.join(hooks))
+        return None
+
+    def _hooks(self) -> List:
+        """``(name, hook)`` of the optimizer and its rules."""
         hooks = []   # Chainer keeps them in a private hookable
         for owner in [self.optimizer] + self._rules():
             hookable = owner._hookable
-            hooks += list(hookable._pre_update_hooks) + list(
-                hookable._post_update_hooks)
-        if hooks:
-            return 'optimizer hooks ({}) are not replayable'.format(
-                ', '.join(sorted(hooks)))
-        return None
+            hooks += list(hookable._pre_update_hooks.items()) + list(
+                hookable._post_update_hooks.items())
+        return hooks
 
     def baked(self) -> tuple:
         """The host values the captured kernels hold: every rule's
-        hyperparameters."""
-        return tuple(tuple(sorted(r.hyperparam.get_dict().items()))
-                     for r in self._rules())
+        hyperparameters (but those on the device) and the replayable
+        hooks' attributes."""
+        device = self.ON_DEVICE if self.hyperparameters_on_device else ()
+        return tuple(tuple(sorted(
+            (k, v) for k, v in r.hyperparam.get_dict().items()
+            if k not in device)) for r in self._rules()) + tuple(
+            (name, tuple(sorted(vars(hook).items())))
+            for name, hook in self._hooks())
+
+    def before_step(self) -> None:
+        """Write the hyperparameters into device memory (with
+        ``hyperparameters_on_device``), binding new rules to it."""
+        if not self.hyperparameters_on_device:
+            return
+        hyperparam = self.optimizer.hyperparam
+        names = [n for n in self.ON_DEVICE if hasattr(hyperparam, n)]
+        params = [p for _, p in sorted(self.optimizer.target.namedparams())
+                  if p.update_rule is not None and p.array is not None]
+        if not params:
+            return
+        if self._scalars is None:
+            self._scalars = hyper.DeviceScalars(names, params[0].device)
+        hyper.bind_rule_hyperparameters(
+            [(p.update_rule, p.dtype) for p in params], self._scalars,
+            names)
+        self._scalars.write({n: getattr(hyperparam, n) for n in names})
+
+    def after_capture(self, before) -> None:
+        """Nothing to learn from a capture (every enabled rule advances
+        its ``t`` at every step)."""
 
     def host_state(self) -> tuple:
         return self.optimizer.t, [r.t for r in self._rules()]
@@ -130,9 +200,9 @@ class StepGraph:
     cupy : module, optional
         CuPy (the tests pass a stand-in).
     route_linear : callable, optional
-        A context manager routing Chainer's Linear through capturable
-        GEMMs around every step (default
-        :func:`chainerkfac.graphs.gemm.route_linear`).
+        A context manager routing the step's GEMMs (Chainer's Linear,
+        ``cupy.matmul``) through capturable ones around every step
+        (default :func:`chainerkfac.graphs.gemm.route_step`).
     """
 
     def __init__(self, step: Callable, adapter, warmup: int = WARMUP,
@@ -148,7 +218,7 @@ class StepGraph:
         self._cupy = cupy
         if route_linear is None:
             from chainerkfac.graphs import gemm
-            route_linear = gemm.route_linear
+            route_linear = functools.partial(gemm.route_step, cupy)
         self._route_linear = route_linear
         self._signature = None
         self._warm = 0
@@ -158,13 +228,17 @@ class StepGraph:
         self._pool = None
         self._stream = None
         self._failed = set()
+        self._reported = {}
         #: Counts: 'eager', 'captured', 'replayed', and each refusal and
         #: drop reason.
         self.stats = collections.Counter()
+        #: Wall seconds of each capture (with the first launch).
+        self.capture_seconds: List[float] = []
 
     def __call__(self, *inputs) -> str:
         """Take one step on ``inputs``; returns ``'eager'``,
         ``'captured'`` or ``'replayed'``."""
+        self.adapter.before_step()
         reason = self._refusal(inputs)
         signature = self._signature_of(inputs) if reason is None else None
         if reason is None and signature in self._failed:
@@ -180,6 +254,9 @@ class StepGraph:
             self._drop('hyperparameters changed')
         if self._graph is not None:
             self._launch(inputs)
+            observation = _observation()
+            if observation is not None:
+                observation.update(self._reported)
             self.adapter.after_replay()
             self.stats['replayed'] += 1
             return 'replayed'
@@ -200,6 +277,7 @@ class StepGraph:
         return 'eager'
 
     def _capture(self, inputs, signature, baked) -> str:
+        start = time.perf_counter()
         cuda = self._cupy.cuda
         self._stream = self._stream or cuda.Stream(non_blocking=True)
         self._static = tuple(self._cupy.empty(a.shape, a.dtype)
@@ -207,6 +285,8 @@ class StepGraph:
         pool = cuda.MemoryPool()
         host = self.adapter.host_state()
         main = cuda.get_current_stream()
+        observation = _observation()
+        reported = dict(observation or {})
         failure = None
         with self._on_side_stream(main):
             for static, array in zip(self._static, inputs):
@@ -238,7 +318,13 @@ class StepGraph:
             self.stats['capture failed'] += 1
             return self._eager(inputs, 'capture failed')
         self._graph, self._baked, self._pool = graph, baked, pool
+        # What the step reported (device arrays that every replay
+        # rewrites, and host values the adapter reports again itself).
+        self._reported = {k: v for k, v in (observation or {}).items()
+                          if k not in reported or reported[k] is not v}
+        self.adapter.after_capture(host)
         self.stats['captured'] += 1
+        self.capture_seconds.append(time.perf_counter() - start)
         return 'captured'
 
     def _launch(self, inputs) -> None:
@@ -270,3 +356,13 @@ class StepGraph:
             self.stats['dropped: ' + why] += 1
         self._graph = self._baked = self._pool = None
         self._static = ()
+        self._reported = {}
+
+
+def _observation():
+    """The current reporter's observation (a Trainer's iteration), or
+    None outside any reporter."""
+    try:
+        return chainer.reporter.get_current_reporter().observation
+    except IndexError:
+        return None

@@ -11,7 +11,10 @@ gives simultaneous ("one-shot") training.
   convolutional layers);
 * :class:`MGRIT` — layer-parallel ``forward`` / ``backward``;
 * :class:`ProcessGrid` — layers × data on a 2-D grid of processes;
-* :class:`SimultaneousTraining` — the seed's Algorithm 2;
+* :class:`SimultaneousTraining` — the seed's Algorithm 2, with any Chainer
+  optimizer or K-FAC;
+* :func:`setup_kfac` — K-FAC on the layers each process owns, its factors
+  from MGRIT's states and adjoints, over the data replicas;
 * :func:`time_smoothness`, :func:`accumulate_time_smoothness` — the seed's
   time-derivative regularisation, layer-serial and layer-parallel;
 * :mod:`.perf_model` — the critical-path performance model;
@@ -23,6 +26,7 @@ from chainerkfac.layer_parallel.activations import smooth_relu  # NOQA
 from chainerkfac.layer_parallel.mgrit import MGRIT  # NOQA
 from chainerkfac.layer_parallel.network import ResidualODE  # NOQA
 from chainerkfac.layer_parallel.grid import ProcessGrid  # NOQA
+from chainerkfac.layer_parallel.kfac import setup_kfac  # NOQA
 from chainerkfac.layer_parallel.simultaneous import (  # NOQA
     SimultaneousTraining)
 from chainerkfac.layer_parallel.simultaneous import StepResult  # NOQA

@@ -141,7 +141,8 @@ class MGRIT:
         self._state_shape = None
         self._xp = None
         #: Seconds spent in each phase on this process, summed over calls
-        #: (the unit costs of the performance model come from these).
+        #: (the unit costs of the performance model come from these; on a
+        #: GPU each phase is synchronised).
         self.timings = collections.Counter()
         if self.rank == 0:
             logger.info(
@@ -160,17 +161,26 @@ class MGRIT:
         """The residual layers whose gradients this process computes."""
         return self.blocks[self.rank]
 
-    def owned_params(self) -> List[Tuple[str, chainer.Parameter]]:
-        """(name, parameter) of everything this process owns, in a fixed
-        order: the opening layer, its layers, the classifier."""
+    def owned_links(self, rank: Optional[int] = None
+                    ) -> List[Tuple[str, chainer.Link]]:
+        """(name, link) of the links process ``rank`` (this one by default)
+        owns, in a fixed order: the opening layer, its layers, the
+        classifier."""
+        rank = self.rank if rank is None else rank
         links = []
-        if self.rank == self.opening_owner:
+        if rank == self.opening_owner:
             links.append(('/opening', self.net.opening))
         links += [('/layers/{}'.format(n), self.net.layers[n])
-                  for n in self.owned_layers]
-        if self.rank == self.classifier_owner:
+                  for n in self.blocks[rank]]
+        if rank == self.classifier_owner:
             links.append(('/classifier', self.net.classifier))
-        return [(prefix + name, param) for prefix, link in links
+        return links
+
+    def owned_params(self) -> List[Tuple[str, chainer.Parameter]]:
+        """(name, parameter) of everything this process owns, in the order
+        of :meth:`owned_links`."""
+        return [(prefix + name, param)
+                for prefix, link in self.owned_links()
                 for name, param in sorted(link.namedparams())]
 
     def share_weights(self) -> None:
@@ -284,8 +294,12 @@ class MGRIT:
 
     @contextlib.contextmanager
     def _timed(self, phase: str):
+        # On a GPU the device's queue is drained at both ends: the phase's
+        # own kernels are what is timed.
+        self.net.synchronize()
         begin = time.perf_counter()
         yield
+        self.net.synchronize()
         self.timings[phase] += time.perf_counter() - begin
 
     def _fetch_coarse_weights(self) -> None:

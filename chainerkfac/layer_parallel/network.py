@@ -7,6 +7,8 @@ layers in order with Chainer's autodiff (the layer-serial reference); MGRIT
 """
 from typing import Optional, Tuple, Union
 
+import numpy
+
 import chainer
 import chainer.functions as F
 import chainer.links as L
@@ -184,13 +186,18 @@ class ResidualODE(chainer.Chain):
         whose :meth:`slope` is ``slope``.
 
         Like Chainer's backward: grads that are ``None`` are set, others
-        accumulated into. The products are Chainer's own (dense: as its
-        ``linear`` backward; conv: its ``convolution_2d`` backward).
+        accumulated into. The products are Chainer's own: the backward of
+        the layer's link called on ``u`` with ``dt σ' ⊙ ubar_next`` as the
+        gradient w.r.t. its output ``K_n u + b_n``, where function hooks
+        (:mod:`chainerkfac.capture`, which feeds K-FAC's factors) see the
+        call. A dense layer with no hook installed skips the call (its
+        forward is not needed) and forms the same two products of its
+        ``linear`` backward directly: the same bits, a third of the time.
         """
         gz = ubar_next * dt
         gz *= slope
         link = self.layers[n]
-        if self.layer == 'dense':
+        if self.layer == 'dense' and not chainer.get_function_hooks():
             _accumulate(link.W, gz.T.dot(u))
             _accumulate(link.b, gz.sum(axis=0))
         else:
@@ -227,6 +234,13 @@ class ResidualODE(chainer.Chain):
     def xp(self):
         """NumPy or CuPy: where the parameters live."""
         return backend.get_array_module(self.opening.W.array)
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on the device (for timings; nothing on
+        the CPU)."""
+        xp = self.xp
+        if xp is not numpy:
+            xp.cuda.get_current_stream().synchronize()
 
 
 def _accumulate(param: chainer.Parameter, grad) -> None:

@@ -305,6 +305,7 @@ def measure_layer_costs(net, x, t, repeats: int = 3) -> dict:
     def additions():
         for n in range(n_layers):
             states[n + 1] += states[n]
+        net.synchronize()
 
     return {
         'step': median['forward_solve']
@@ -319,16 +320,18 @@ def measure_layer_costs(net, x, t, repeats: int = 3) -> dict:
 
 
 def measure_messages(transport, shape, dtype, repeats: int = 50,
-                     statistic=numpy.median) -> dict:
+                     statistic=numpy.median, xp=numpy) -> dict:
     """Seconds of one state-sized message (``message``) and of one small
     one (``latency``): half a ping-pong between ranks 0 and 1, the
     ``statistic`` of ``repeats`` (the median; the minimum for the cost on
-    an uncontended core), broadcast to every process (zero on one)."""
+    an uncontended core), broadcast to every process (zero on one). With
+    ``xp`` CuPy the buffers are device arrays (staged through the host, as
+    MGRIT's states are)."""
     if transport.size == 1:
         return {'message': 0.0, 'latency': 0.0}
     result = {}
     for name, buf_shape in (('message', shape), ('latency', (1,))):
-        buf = numpy.zeros(buf_shape, dtype)
+        buf = xp.zeros(buf_shape, dtype)
         times = []
         for _ in range(repeats):
             begin = time.perf_counter()

@@ -7,14 +7,18 @@ gradient (the One-shot method, section 4). With m1, m2 large it is
 layer-serial training with exact gradients, distributed over the layers.
 
 The seed preconditions with L-BFGS and a line search; here any Chainer
-optimizer updates the weights (the experiments use Adam): each process
-updates the parameters it owns, which the next forward sends to the
-processes whose coarse levels need them.
+optimizer updates the weights (the experiments use Adam), or K-FAC
+(:class:`chainerkfac.optimizers.KFAC`, set up on the owned layers and
+distributed over the data replicas by :func:`.kfac.setup_kfac`): each
+process updates the parameters it owns, which the next forward sends to
+the processes whose coarse levels need them.
 """
 from typing import NamedTuple, Optional
 
+from chainerkfac.layer_parallel import kfac
 from chainerkfac.layer_parallel.grid import ProcessGrid
 from chainerkfac.layer_parallel.mgrit import MGRIT
+from chainerkfac.optimizers.kfac import KFAC
 from chainerkfac.layer_parallel.regularization import \
     accumulate_time_smoothness
 
@@ -41,7 +45,11 @@ class SimultaneousTraining:
     optimizer : chainer.Optimizer
         Set up here on ``mgrit.net`` if it has no target yet; the update
         rules of the parameters other processes own are disabled, so no
-        optimizer state is kept for them.
+        optimizer state is kept for them. A K-FAC not set up yet is set up
+        by :func:`.kfac.setup_kfac` (blocks of the owned layers, its
+        factors from MGRIT's states and adjoints, distributed over the
+        grid's data replicas with the ``'naive'`` communicator; call
+        ``setup_kfac`` first for another).
     m1, m2 : int
         Forward and adjoint MGRIT iterations per step.
     grid : ProcessGrid or None
@@ -59,8 +67,12 @@ class SimultaneousTraining:
         self.m1, self.m2 = m1, m2
         self.grid = grid
         self.smoothness = smoothness
-        if optimizer.target is None:
+        if isinstance(optimizer, KFAC) and optimizer.target is None:
+            kfac.setup_kfac(optimizer, mgrit, grid)
+        elif optimizer.target is None:
             optimizer.setup(mgrit.net)
+        #: The optimizer averages the gradients over the replicas itself.
+        self._optimizer_reduces = kfac.replicas_reduced(optimizer, grid)
         owned = {id(param) for _, param in mgrit.owned_params()}
         for param in mgrit.net.params():
             if id(param) not in owned:
@@ -75,12 +87,14 @@ class SimultaneousTraining:
         loss, adjoints = mgrit.backward(t, max_iter=self.m2)
         accuracy = float((logits.argmax(axis=1) == t).mean())
         if self.grid is not None:
-            self.grid.allreduce_grads(mgrit)
+            if not self._optimizer_reduces:
+                self.grid.allreduce_grads(mgrit)
             loss = self.grid.mean(loss)
             accuracy = self.grid.mean(accuracy)
         regularization = 0.0
         if self.smoothness:
-            # Not data: added once, after the replicas' average.
+            # Not data: added once, after the replicas' average (or before
+            # K-FAC's, the same on every replica, so the average keeps it).
             regularization = accumulate_time_smoothness(mgrit,
                                                         self.smoothness)
         self.optimizer.update()

@@ -3,7 +3,14 @@ over mpi4py, or nothing at all for one process.
 
 :func:`transport_for` accepts what users hold: ``None`` (one process, MPI
 is not even imported), an mpi4py communicator, or a ChainerMN communicator
-(its ``mpi_comm``).
+(its ``mpi_comm``, e.g. of ``chainerkfac.create_communicator(
+'host_staged')``).
+
+Device (CuPy) arrays travel through host memory, as the ``host_staged``
+communicator does for K-FAC: a send copies the array to the host first, a
+receive lands in a host buffer that :meth:`MPITransport.waitall` copies to
+the device. The MPI needs no CUDA support, and several processes may share
+one GPU.
 """
 import math
 from typing import Any, List, Optional
@@ -46,13 +53,29 @@ class LocalTransport:
         return self
 
 
+class _Staged:
+    """A message of a device array through a host buffer: a send keeps its
+    host copy alive until the wait; a receive copies to the device after
+    it."""
+
+    def __init__(self, request, host, device=None):
+        self.request = request
+        self.host = host
+        self.device = device
+
+    def finish(self) -> None:
+        if self.device is not None:
+            self.device.set(self.host)
+
+
 class MPITransport:
     """Point-to-point and collectives on an mpi4py communicator.
 
     Arrays travel as raw buffers (uppercase mpi4py calls: no pickling);
-    every array this module sends or receives is C-contiguous. The
+    every array this module sends or receives is C-contiguous; device
+    arrays are staged through host memory (module docstring). The
     messages sent are counted (the performance model's test compares them
-    with its schedule).
+    with its schedule), and so are the staged ones.
     """
 
     def __init__(self, mpi_comm):
@@ -60,20 +83,37 @@ class MPITransport:
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.messages = 0
+        self.staged = 0
 
     def isend(self, array, dest: int, tag: int):
         self.messages += 1
+        if _on_device(array):
+            self.staged += 1
+            host = _contiguous(array).get()
+            return _Staged(self.comm.Isend(host, dest=dest, tag=tag), host)
         return self.comm.Isend(_contiguous(array), dest=dest, tag=tag)
 
     def recv(self, array, source: int, tag: int) -> None:
+        if _on_device(array):
+            host = _host_buffer(array)
+            self.comm.Recv(host, source=source, tag=tag)
+            array.set(host)
+            return
         self.comm.Recv(_contiguous(array), source=source, tag=tag)
 
     def irecv(self, array, source: int, tag: int):
+        if _on_device(array):
+            host = _host_buffer(array)
+            return _Staged(self.comm.Irecv(host, source=source, tag=tag),
+                           host, array)
         return self.comm.Irecv(_contiguous(array), source=source, tag=tag)
 
     def waitall(self, requests) -> None:
         from mpi4py import MPI
-        MPI.Request.Waitall(requests)
+        MPI.Request.Waitall([getattr(r, 'request', r) for r in requests])
+        for request in requests:
+            if isinstance(request, _Staged):
+                request.finish()
 
     def allgather(self, value) -> list:
         return self.comm.allgather(value)
@@ -82,10 +122,20 @@ class MPITransport:
         return self.comm.bcast(value, root=root)
 
     def bcast_array(self, array, root: int) -> None:
+        if _on_device(array):
+            host = _contiguous(array).get()
+            self.comm.Bcast(host, root=root)
+            array.set(host)
+            return
         self.comm.Bcast(_contiguous(array), root=root)
 
     def allreduce_sum(self, array) -> None:
         from mpi4py import MPI
+        if _on_device(array):
+            host = _contiguous(array).get()
+            self.comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+            array.set(host)
+            return
         self.comm.Allreduce(MPI.IN_PLACE, _contiguous(array), op=MPI.SUM)
 
     def split(self, color: int, key: int):
@@ -96,6 +146,18 @@ def _contiguous(array):
     if not array.flags.c_contiguous:
         raise ValueError('MPI buffers must be C-contiguous')
     return array
+
+
+def _on_device(array) -> bool:
+    """A device (CuPy) array: it has ``get`` and ``set`` for host copies,
+    which NumPy arrays do not."""
+    return hasattr(array, 'get') and hasattr(array, 'set')
+
+
+def _host_buffer(array):
+    import numpy
+    _contiguous(array)
+    return numpy.empty(array.shape, dtype=array.dtype)
 
 
 def transport_for(comm: Optional[Any]):

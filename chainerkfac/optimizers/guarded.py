@@ -168,8 +168,7 @@ class GuardedOptimizer:
             logger.warning('step %d: non-finite gradient, update skipped '
                            '(weights and running statistics unchanged)',
                            self.actual_optimizer.t + 1)
-        chainer.reporter.report(
-            {'skipped_step': float(self.guard.skipped)})
+        chainer.reporter.report({'skipped_step': self.guard.observation()})
         self.guard.checkpoint(target)
 
     def _agree(self, ok: bool) -> bool:

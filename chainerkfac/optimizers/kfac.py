@@ -19,7 +19,6 @@ One K-FAC step, top to bottom (:meth:`KFAC._step`, Algorithm 1):
      process the new weights (:mod:`chainerkfac.sharding`).
 """
 import logging
-import sys
 import warnings
 from typing import Dict, List, Optional
 
@@ -33,6 +32,7 @@ from chainerkfac.accumulation import GradientAccumulator
 from chainerkfac import equations
 from chainerkfac import fisher_blocks
 from chainerkfac import linalg
+from chainerkfac import process_group
 from chainerkfac import sharding
 from chainerkfac.estimator import CurvatureEstimator
 from chainerkfac.fisher_blocks import kronecker
@@ -181,6 +181,11 @@ class KFAC(optimizer.GradientMethod):
     verbose : bool
         Log the registration table (layer → block → factor shapes, eq. 20)
         at the first step (on stdout unless logging is configured).
+    process_local : bool
+        Keep process-local factors in a process group of several processes
+        (mpi4py's world) on purpose; without it, K-FAC there without a
+        communicator is refused at the first update
+        (:mod:`chainerkfac.process_group`).
     seed : int, optional
         Seed of the label sampler of the MC Fisher
         (:attr:`label_sampler`).
@@ -213,7 +218,8 @@ class KFAC(optimizer.GradientMethod):
                  inverse_method: str = 'cholesky',
                  conv_a_strategy: Optional[str] = None,
                  fisher_diff: bool = False, verbose: bool = True,
-                 seed: Optional[int] = None, shard_update: bool = False):
+                 seed: Optional[int] = None, process_local: bool = False,
+                 shard_update: bool = False):
         super().__init__()
         options.check_options(
             lr=lr, momentum=momentum, damping=damping,
@@ -256,6 +262,7 @@ class KFAC(optimizer.GradientMethod):
         self.conv_a_strategy = conv_a_strategy
         self.fisher_diff = fisher_diff
         self.verbose = verbose
+        self.process_local = bool(process_local)
         self.shard_update = shard_update
         self.blocks: List = []
         #: Stages 1-2: capture and factor estimation.
@@ -265,10 +272,15 @@ class KFAC(optimizer.GradientMethod):
         self.rescale = WeightRescale(weight_rescale)
         #: The skipped-step guard (:attr:`StepGuard.skipped` after a step).
         self.guard = StepGuard()
+        #: γ as a device scalar for stage 5, or None (the host float):
+        #: set by a CUDA-graph replay (:mod:`chainerkfac.graphs.kfac_step`)
+        #: so that the damping schedule needs no new capture.
+        self.device_damping = None
         #: Stages 3 and 6 (see :mod:`chainerkfac.transport`).
         self.transport = LocalTransport()
         #: The gradients arrive averaged over processes already
-        #: (ChainerMN's own multi-node optimizer wraps this one).
+        #: (ChainerMN's own multi-node optimizer wraps this one; set by
+        #: :func:`chainerkfac.process_group.join`).
         self.gradients_reduced = False
         #: Diff(t) of eq. (21) from the last refresh: {(layer, factor): x}.
         self.fisher_diffs: Dict = {}
@@ -389,8 +401,10 @@ class KFAC(optimizer.GradientMethod):
         call (``loss.backward(); optimizer.update()``).
         """
         if lossfun is None:
-            self._check_manual_update(sys._getframe(1))
+            self._check_manual_update()
         first = not self._started
+        if first:
+            process_group.join(self, gradients_reduced=lossfun is None)
         lazy = first and lossfun is not None and bool(
             self.transport.all_sum(numpy.array(
                 [any(p.array is None for p in self.target.params())],
@@ -462,10 +476,9 @@ class KFAC(optimizer.GradientMethod):
         self.estimator.discard_micro_batch()
         self._run_loss(lossfun, args, kwds)
 
-    def _check_manual_update(self, caller) -> None:
+    def _check_manual_update(self) -> None:
         """``update()`` without a loss function: the Fisher passes of 'mc'
-        and 'exact' cannot run; ChainerMN's own multi-node optimizer may be
-        the caller."""
+        and 'exact' cannot run."""
         if self.estimator.needs_loss_function:
             raise TypeError(
                 "KFAC(fisher={!r}) takes the output-gradient factors from "
@@ -473,12 +486,6 @@ class KFAC(optimizer.GradientMethod):
                 'the loss function: call optimizer.update(lossfun, *args). '
                 "In a loop that calls loss.backward() itself use "
                 "fisher='emp'.".format(self.fisher))
-        if not self._started and isinstance(self.transport, LocalTransport):
-            comm = _chainermn_wrapper_communicator(caller, self)
-            if comm is not None:
-                from chainerkfac.multi_node_optimizer import make_distributed
-                make_distributed(self, comm)
-                self.gradients_reduced = True
 
     def _like(self):
         for param in self.target.params():
@@ -542,10 +549,7 @@ class KFAC(optimizer.GradientMethod):
             for name in counts[block]:
                 block.mark_refreshed(name, step)
                 refreshed.add(block.factor_kinds[name].interval)
-        self._report(refreshed, retries, step)
-        if self._damping_rate is not None:
-            self.damping = equations.damping_step(
-                self.damping, self.damping_target, self._damping_rate)
+        self._close_step(refreshed, retries, step)
         self.timer.mark('update', self._like())
         self.call_hooks('post')
         self.guard.checkpoint(self.target)
@@ -559,7 +563,7 @@ class KFAC(optimizer.GradientMethod):
                                                present)
         self.timer.mark('all_gather', self._like())
         if self.guard.check([d for ds in directions.values() for d in ds],
-                            self.transport.agree):
+                            self._agree()):
             for block in self.blocks:
                 self._apply(block, directions.get(block, ()))
         else:
@@ -576,7 +580,7 @@ class KFAC(optimizer.GradientMethod):
         mine = [b for b in self.blocks
                 if b in directions and transport.updates(b)]
         if self.guard.check([d for b in mine for d in directions[b]],
-                            transport.agree):
+                            self._agree()):
             for block in mine:
                 self._apply(block, directions[block])
             self.timer.mark('update', self._like())
@@ -584,6 +588,11 @@ class KFAC(optimizer.GradientMethod):
             self.timer.mark('all_gather', self._like())
         else:
             self.guard.restore()
+
+    def _agree(self):
+        """The finite check's agreement over processes (None: one)."""
+        transport = self.transport
+        return transport.agree if transport.size > 1 else None
 
     @staticmethod
     def _apply(block, directions) -> None:
@@ -693,7 +702,7 @@ class KFAC(optimizer.GradientMethod):
                 continue
             stack = self._inverse_stacks.setdefault(
                 key, kronecker.InverseStack())
-            damping = self.damping * members[0].damping_scale(self.rho_bn)
+            damping = self._block_damping(members[0])
             out = kronecker.precondition_batch(
                 members, [grads[b] for b in members], damping, stack)
             directions.update(zip(members, out))
@@ -705,13 +714,39 @@ class KFAC(optimizer.GradientMethod):
 
     def _precondition(self, block, grads):
         """Stage 5: ``(F + γI)⁻¹ ∇E`` of one owned block."""
-        damping = self.damping * block.damping_scale(self.rho_bn)
+        damping = self._block_damping(block)
         filled = [g if g is not None else p.array * 0
                   for g, p in zip(grads, block.params)]
         out = block.precondition(filled, damping)
         return [d if g is not None else None for d, g in zip(out, grads)]
 
+    def _block_damping(self, block):
+        """γ of a block in stage 5: a float, or a device scalar
+        (:attr:`device_damping`)."""
+        scale = block.damping_scale(self.rho_bn)
+        if self.device_damping is None:
+            return self.damping * scale
+        return self.device_damping * scale
+
     # -- between steps --------------------------------------------------------
+    def _close_step(self, refreshed, retries: int, step: int) -> None:
+        """The step's report and the damping schedule (eqs. 15-16)."""
+        self._report(refreshed, retries, step)
+        if self._damping_rate is not None:
+            self.damping = equations.damping_step(
+                self.damping, self.damping_target, self._damping_rate)
+
+    def finish_replayed_step(self) -> None:
+        """The host side of a step that refreshed nothing and whose device
+        work a CUDA graph replayed (:mod:`chainerkfac.graphs.kfac_step`):
+        what :meth:`update` does on the host for such a step, but the
+        update rules' ``t``, which the caller advances."""
+        step = self.t
+        self.t += 1
+        self.fisher_diffs = {}
+        self._close_step(set(), 0, step)
+        self._begin_step()
+
     def _begin_step(self) -> None:
         """Decide the factors due at the coming step and start capturing
         them (the graph too, until the first step: eq. 20 'auto' and the
@@ -788,14 +823,14 @@ class KFAC(optimizer.GradientMethod):
             'kfac/refresh_G': float('G' in refreshed),
             'kfac/refresh_F': float('F' in refreshed),
             'kfac/inverse_retries': float(retries),
-            'kfac/skipped_step': float(self.guard.skipped),
+            'kfac/skipped_step': self.guard.observation(),
             'kfac/preconditioned_blocks': float(preconditioned),
             'kfac/plain_blocks': float(len(self.blocks) - preconditioned),
         }
         for (layer, factor), value in self.fisher_diffs.items():
             observation['kfac/diff/{}{}'.format(factor, layer)] = value
         chainer.reporter.report(observation)
-        if self.guard.skipped:
+        if self.guard.checks_on_host and self.guard.skipped:
             logger.warning('K-FAC step %d: non-finite preconditioned '
                            'gradient, update skipped (weights and running '
                            'statistics unchanged)', step)
@@ -832,30 +867,3 @@ class KFAC(optimizer.GradientMethod):
             self._begin_step()
             self.guard.forget()
             self._checkpoint_due = True
-
-
-def _chainermn_wrapper_communicator(caller_frame, optimizer):
-    """The communicator of ChainerMN's multi-node optimizer if it is the
-    caller of ``optimizer.update()``, else None.
-
-    ``chainermn.create_multi_node_optimizer(KFAC(...), comm)`` wraps the
-    optimizer without giving it the communicator; its ``update`` averages
-    the gradients and calls ``actual_optimizer.update(None)``. K-FAC needs
-    the communicator for its factors (Algorithm 1): the wrapper, found as
-    the caller, holds it.
-    """
-    module = sys.modules.get('chainermn.optimizers')
-    if module is None:
-        return None
-    caller = caller_frame.f_locals.get('self')
-    if isinstance(caller, module._DoubleBufferingOptimizer) and \
-            caller.actual_optimizer is optimizer:
-        raise ValueError(
-            'K-FAC under chainermn.create_multi_node_optimizer('
-            'double_buffering=True) would precondition the previous '
-            "iteration's gradients with this one's factors: use "
-            'double_buffering=False')
-    if isinstance(caller, module._MultiNodeOptimizer) and \
-            caller.actual_optimizer is optimizer:
-        return caller.communicator
-    return None

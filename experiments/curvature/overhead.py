@@ -15,15 +15,22 @@ shared with other jobs (the load average is recorded), which stretches the
 wall clock at random.
 
 The exact quantities (``kflr``, ``diag_ggn``, ``diag_hessian``) take one
-extra backward pass per class: on All-CNN-C (100 classes) they are timed
-in ``--exact-repetitions`` rounds only (the seed too reports them apart,
-in its Figure 8). KFRA propagates dense ``h × h`` matrices
-(``h = 64·28·28`` after 3C3D's first convolution): not defined at these
-sizes (:data:`chainerkfac.curvature.kfra.MAX_FEATURES`).
+extra backward pass per class, propagated stacked, a chunk of columns at
+once (:mod:`chainerkfac.curvature.columns`): on All-CNN-C (100 classes)
+they are timed in ``--exact-repetitions`` rounds only (the seed too
+reports them apart, in its Figure 8). KFRA propagates dense ``h × h``
+matrices (``h = 64·28·28`` after 3C3D's first convolution): not defined at
+these sizes (:data:`chainerkfac.curvature.kfra.MAX_FEATURES`).
+
+``--peer`` then times BackPACK on PyTorch with the same networks, batch and
+protocol in the same process (:mod:`experiments.curvature.peer_backpack`;
+skipped, with the reason in the JSON, when PyTorch or BackPACK cannot be
+imported; neither is a dependency) and tables and plots its ratios beside
+ours. On the GPU (``--gpu``) the ratios are read on the wall clock.
 
 Writes ``overhead.json`` and ``overhead.png`` into ``--out``::
 
-    python -m experiments.curvature.overhead
+    python -m experiments.curvature.overhead [--peer]
 """
 import argparse
 import json
@@ -64,6 +71,11 @@ def parse_args(argv):
     parser.add_argument('--threads', type=int, default=1,
                         help='BLAS threads (one: steadier on a shared CPU)')
     parser.add_argument('--gpu', action='store_true')
+    parser.add_argument('--peer', action='store_true',
+                        help='then BackPACK on PyTorch with the same '
+                             'networks and protocol, tabled and plotted '
+                             'beside ours (skipped, with the reason, when '
+                             'either cannot be imported)')
     parser.add_argument('--out', default=os.path.join(
         'experiments', 'results', 'curvature'))
     parser.add_argument('--replot', action='store_true',
@@ -125,8 +137,12 @@ def measure(name, args, xp, sync):
 
 
 def summarize(model, classes, times):
-    out = {'parameters': networks.parameter_count(model), 'classes': classes,
-           'quantities': {}}
+    return summarize_times(networks.parameter_count(model), classes, times)
+
+
+def summarize_times(parameters: int, classes: int, times) -> dict:
+    """Quartiles of the paired ratios of ``times`` (:func:`measure`'s)."""
+    out = {'parameters': parameters, 'classes': classes, 'quantities': {}}
     gradients = {clock: numpy.concatenate([
         v for k, v in times[clock].items() if k.startswith('gradient ')])
         for clock in times}
@@ -147,26 +163,107 @@ def summarize(model, classes, times):
     return out
 
 
+def primary_clock(data) -> str:
+    """The clock the ratios are read on: the process's CPU time on the CPU
+    (one BLAS thread, a shared machine), the wall clock on the GPU."""
+    return 'wall' if data['gpu'] else 'cpu'
+
+
+def peer_ratio(data, name, quantity):
+    """BackPACK's median ratio of ``quantity`` on ``name``, or the reason
+    there is none (``'not supported'``, ``'skipped'``, None if not run)."""
+    peer = data.get('peer_backpack')
+    if peer is None:
+        return None
+    if 'skipped' in peer:
+        return 'skipped'
+    result = peer['networks'].get(name)
+    if result is None:
+        return None
+    if quantity in result['unsupported']:
+        return 'not supported'
+    entry = result['quantities'].get(quantity)
+    if entry is None:
+        return None
+    return entry[primary_clock(data)]['ratio']['median']
+
+
+def table(data) -> str:
+    """Our ratios, with BackPACK's beside them when it ran."""
+    clock = primary_clock(data)
+    peer = data.get('peer_backpack')
+    rows = []
+    for name, result in data['networks'].items():
+        for quantity, entry in result['quantities'].items():
+            ratio = entry[clock]['ratio']
+            row = [name, quantity, ratio['median'], ratio['q1'], ratio['q3'],
+                   entry['rounds'], entry['goal']]
+            if peer is not None:
+                theirs = peer_ratio(data, name, quantity)
+                row += [theirs, ratio['median'] / theirs
+                        if isinstance(theirs, float) else None]
+            rows.append(row)
+    headers = ['network', 'quantity', clock + ' ratio', 'q1', 'q3', 'rounds',
+               'goal']
+    if peer is not None:
+        headers += ['BackPACK', 'ours / theirs']
+    text = _common.format_table(headers, rows)
+    if peer is not None and 'skipped' in peer:
+        text += '\nBackPACK skipped: {}'.format(peer['skipped'])
+    elif peer is not None:
+        text += '\ngradient alone, {} s: {}'.format(clock, ', '.join(
+            '{} ours {:.4f} / PyTorch {:.4f}'.format(
+                name, data['networks'][name]['gradient_seconds'][clock][
+                    'median'],
+                peer['networks'][name]['gradient_seconds'][clock]['median'])
+            for name in data['networks'] if name in peer['networks']))
+    return text
+
+
 def plot(data, path):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     from matplotlib import ticker
+    clock = primary_clock(data)
     names = list(data['networks'])
     quantities = CHEAP + EXACT
-    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4),
+    peer = data.get('peer_backpack')
+    beside = peer is not None and 'skipped' not in peer
+    width = 0.4 if beside else 0.8
+    fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 4.5),
                              squeeze=False)
     for ax, name in zip(axes[0], names):
         result = data['networks'][name]
         shown = [q for q in quantities if q in result['quantities']]
-        ratios = [result['quantities'][q]['cpu']['ratio'] for q in shown]
+        ratios = [result['quantities'][q][clock]['ratio'] for q in shown]
         median = [r['median'] for r in ratios]
         errors = [[r['median'] - r['q1'] for r in ratios],
                   [r['q3'] - r['median'] for r in ratios]]
         colors = ['tab:blue' if q in CHEAP[:4] else
                   'tab:orange' if q in CHEAP else 'tab:red' for q in shown]
-        ax.bar(range(len(shown)), median, yerr=errors, color=colors,
-               capsize=3)
+        offset = -width / 2 if beside else 0.0
+        positions = [i + offset for i in range(len(shown))]
+        ax.bar(positions, median, width, yerr=errors, color=colors,
+               capsize=3, label='chainerkfac')
+        for x, value in zip(positions, median):
+            ax.text(x, value * 1.05, '{:.2f}'.format(value), ha='center',
+                    fontsize=7)
+        if beside:
+            for i, q in enumerate(shown):
+                theirs = peer_ratio(data, name, q)
+                x = i + width / 2
+                if isinstance(theirs, float):
+                    ax.bar(x, theirs, width, color='lightgrey',
+                           edgecolor='black', hatch='//',
+                           label='BackPACK' if i == 0 else None)
+                    ax.text(x, theirs * 1.05, '{:.2f}'.format(theirs),
+                            ha='center', fontsize=7)
+                elif theirs is not None:
+                    ax.text(x, 1.05, theirs.replace(' ', '\n'),
+                            ha='center', fontsize=6, rotation=90,
+                            va='bottom')
+            ax.legend(fontsize=7, loc='upper left')
         ax.axhline(1.0, color='black', linewidth=0.8)
         ax.set_yscale('log')
         ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1, 2, 5)))
@@ -174,18 +271,25 @@ def plot(data, path):
         ax.yaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xticks(range(len(shown)))
         ax.set_xticklabels(shown, rotation=40, ha='right')
-        ax.set_ylabel('CPU time / gradient alone')
-        ax.set_title('{} ({} classes), batch {}: gradient {:.2f} s'.format(
+        ax.set_ylabel('{} time / gradient alone'.format(
+            'CPU' if clock == 'cpu' else 'wall'))
+        title = '{} ({} classes), batch {}: gradient {:.3f} s'.format(
             name, result['classes'], data['batch'],
-            result['gradient_seconds']['cpu']['median']))
-        for i, value in enumerate(median):
-            ax.text(i, value * 1.05, '{:.2f}'.format(value), ha='center',
-                    fontsize=8)
-    fig.suptitle('chainerkfac.curvature: gradient and one quantity over '
+            result['gradient_seconds'][clock]['median'])
+        if beside and name in peer['networks']:
+            title += ' (PyTorch {:.3f} s)'.format(
+                peer['networks'][name]['gradient_seconds'][clock]['median'])
+        ax.set_title(title, fontsize=9)
+    note = ''
+    if peer is not None and 'skipped' in peer:
+        note = '\nBackPACK skipped: {}'.format(peer['skipped'][:100])
+    fig.suptitle('chainerkfac.curvature{}:\ngradient and one quantity over '
                  'the gradient alone ({})\nmedians and quartiles over rounds; '
-                 'blue: first order, orange: sampled, red: exact'.format(
-                     'GPU' if data['gpu'] else 'CPU time, {} BLAS thread, '
-                     'shared machine'.format(data['blas_threads'])))
+                 'blue: first order, orange: sampled, red: exact{}'.format(
+                     ' beside BackPACK' if beside else '',
+                     'GPU, wall clock' if data['gpu'] else
+                     'CPU time, {} BLAS thread, shared machine'.format(
+                         data['blas_threads']), note), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -207,24 +311,24 @@ def main(argv=None):
                 gpu=args.gpu, blas_threads=args.threads,
                 load_average_start=os.getloadavg(), networks={})
     print(_common.describe_machine(data), flush=True)
+    names = args.networks.split(',')
     with _common.limit_blas_threads(args.threads), \
             chainer.using_config('train', True):
-        for name in args.networks.split(','):
+        for name in names:
             print('{}: batch {}, {} rounds'.format(name, args.batch,
                                                    args.repetitions),
                   flush=True)
             model, times = measure(name, args, xp, sync)
             data['networks'][name] = summarize(model, NETWORKS[name][1],
                                                times)
+        if args.peer:
+            from experiments.curvature import peer_backpack
+            data['peer_backpack'] = peer_backpack.run(
+                names, args.batch, args.repetitions, args.exact_repetitions,
+                args.threads, args.gpu,
+                log=lambda line: print(line, flush=True))
     data['load_average_end'] = os.getloadavg()
-    rows = []
-    for name, result in data['networks'].items():
-        for quantity, entry in result['quantities'].items():
-            cpu, wall = entry['cpu']['ratio'], entry['wall']['ratio']
-            rows.append([name, quantity, cpu['median'], cpu['q1'], cpu['q3'],
-                         wall['median'], entry['rounds'], entry['goal']])
-    print(_common.format_table(['network', 'quantity', 'CPU ratio', 'q1',
-                                'q3', 'wall ratio', 'rounds', 'goal'], rows))
+    print(table(data))
     os.makedirs(args.out, exist_ok=True)
     _common.write_json(os.path.join(args.out, 'overhead.json'), data)
     plot(data, os.path.join(args.out, 'overhead.png'))

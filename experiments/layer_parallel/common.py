@@ -51,6 +51,12 @@ def make_net(case: str, n_layers: int, weights: str = 'smooth',
                               **CASES[case]['net'])
 
 
+def device(gpu: bool):
+    """Chainer's device for the runs: the CPU, or GPU 0 (every process of
+    an mpiexec launch on one GPU machine shares it)."""
+    return chainer.get_device('@cupy:0' if gpu else '@numpy')
+
+
 def make_batch(case: str, size: int = None, seed: int = 0):
     """``size`` (default: the case's) training inputs and labels."""
     size = size or CASES[case]['batch']
@@ -104,7 +110,8 @@ def header(script: str, argv: Sequence[str]) -> Dict:
                      'numpy': numpy.__version__,
                      'mpi4py': mpi4py.__version__},
         'machine': {'cpu': _common.cpu_model(),
-                    'cores': _common.usable_cores()},
+                    'cores': _common.usable_cores(),
+                    'gpus': _common.gpu_names()},
         'git_commit': _common.git_commit(),
     }
 

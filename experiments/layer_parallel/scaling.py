@@ -4,7 +4,14 @@ on 1, 2, 4 processes and modelled up to the seed's 512 cores / 2048 layers.
     python -m experiments.layer_parallel.scaling [--processes 1,2,4]
         [--layers-per-process 64] [--cases peaks,digits] [--repeats 5]
         [--convergence FILE] [--at-scale 256:64,...,2048:512] [--out DIR]
-        [--timeout S]
+        [--timeout S] [--gpu]
+
+``--gpu``: every process computes on GPU 0 with CuPy arrays, its states
+staged through host memory between processes
+(:mod:`chainerkfac.layer_parallel.transport`); every timing, the unit
+costs of the model included, is synchronised with the device, and the
+message costs are those of device states. The results go to
+``table1_scaling_gpu.json`` and ``fig5_scaling_gpu.png``.
 
 **Measured.** For every P the script launches itself under
 ``mpiexec -n P``: N = (layers per process) × P layers, the case's batch,
@@ -62,20 +69,25 @@ def worker(args) -> None:
     world = MPI.COMM_WORLD
     size = world.Get_size()
     out = {'processes': size, 'cases': {}}
+    device = common.device(args.gpu)
+    device.use()
     for case in args.cases.split(','):
         n_layers = args.layers_per_process * size
         net = common.make_net(case, n_layers)
-        x, t = common.make_batch(case)
+        net.to_device(device)
+        x, t = (device.send(a) for a in common.make_batch(case))
         shape, dtype = net.state_shape(x.shape), net.opening.W.dtype
         mgrit = lp.MGRIT(net, comm=world, coarsening=4, relax='FCF',
                          tol=0.0, rtol=DROP, max_iter=50, warm_start=False)
         rounds = []
         for repeat in range(args.repeats + 1):
             net.cleargrads()
+            net.synchronize()
             world.Barrier()
             begin = time.perf_counter()
             _, history = mgrit.forward(x)
             _, adjoint_history = mgrit.backward(t)
+            net.synchronize()
             elapsed = world.allreduce(time.perf_counter() - begin,
                                       op=MPI.MAX)
             # The unit costs right after, on every rank at once: what a
@@ -83,8 +95,8 @@ def worker(args) -> None:
             world.Barrier()
             costs = world.gather(
                 perf_model.measure_layer_costs(net, x, t, repeats=1), root=0)
-            messages = perf_model.measure_messages(mgrit.transport, shape,
-                                                   dtype, repeats=20)
+            messages = perf_model.measure_messages(
+                mgrit.transport, shape, dtype, repeats=20, xp=net.xp)
             if repeat and world.Get_rank() == 0:   # the first warms up
                 rounds.append({
                     'time': elapsed,
@@ -94,13 +106,14 @@ def worker(args) -> None:
         # On uncontended cores (the modelled machine's); on this shared
         # machine a ping-pong often waits for a time slice.
         best_messages = perf_model.measure_messages(
-            mgrit.transport, shape, dtype, statistic=min)
+            mgrit.transport, shape, dtype, statistic=min, xp=net.xp)
         serial, kernels = {}, {}
         if size == 1:
             for n in sorted(set(args.serial_layers) | {n_layers}):
-                serial[n] = _serial_time(case, n, x, t, args.repeats)
+                serial[n] = _serial_time(case, n, x, t, args.repeats,
+                                         device)
                 kernels[n] = _kernels_serial_time(case, n, x, t,
-                                                  args.repeats)
+                                                  args.repeats, device)
                 common.logger.info(
                     '%s: layer-serial gradient, N = %d: %.3f s (Chainer), '
                     '%.3f s (the same kernels as MGRIT)', case, n, serial[n],
@@ -124,30 +137,36 @@ def worker(args) -> None:
         common.write_json(args.result, out)
 
 
-def _serial_time(case, n_layers, x, t, repeats) -> float:
+def _serial_time(case, n_layers, x, t, repeats, device) -> float:
     """Chainer's layer-serial forward and backward of ``net(x)``."""
     import chainer.functions as F
     net = common.make_net(case, n_layers)
+    net.to_device(device)
     times = []
     for _ in range(repeats + 1):
         net.cleargrads()
+        net.synchronize()
         begin = time.perf_counter()
         F.softmax_cross_entropy(net(x), t).backward()
+        net.synchronize()
         times.append(time.perf_counter() - begin)
     return statistics.median(times[1:])
 
 
-def _kernels_serial_time(case, n_layers, x, t, repeats) -> float:
+def _kernels_serial_time(case, n_layers, x, t, repeats, device) -> float:
     """The layer kernels MGRIT uses, run serially (a one-level MGRIT,
     whose gradient is bitwise Chainer's)."""
     net = common.make_net(case, n_layers)
+    net.to_device(device)
     serial = lp.MGRIT(net, levels=1)
     times = []
     for _ in range(repeats + 1):
         net.cleargrads()
+        net.synchronize()
         begin = time.perf_counter()
         serial.forward(x)
         serial.backward(t)
+        net.synchronize()
         times.append(time.perf_counter() - begin)
     return statistics.median(times[1:])
 
@@ -293,6 +312,9 @@ def main(argv=None):
                         help='layers:cores of the modelled configurations')
     parser.add_argument('--out', default=common.RESULTS)
     parser.add_argument('--timeout', type=float, default=1800)
+    parser.add_argument('--gpu', action='store_true',
+                        help='CuPy arrays on GPU 0 (states staged through '
+                             'the host between processes)')
     parser.add_argument('--worker', action='store_true',
                         help='(internal) one launch under mpiexec')
     parser.add_argument('--result', help='(internal) the worker JSON')
@@ -327,7 +349,8 @@ def main(argv=None):
                 '--worker', '--result', result, '--cases', args.cases,
                 '--layers-per-process', str(args.layers_per_process),
                 '--repeats', str(args.repeats),
-                '--serial-layers', ','.join(map(str, serial_layers))],
+                '--serial-layers', ','.join(map(str, serial_layers))]
+                + (['--gpu'] if args.gpu else []),
                 timeout=args.timeout)
             with open(result) as f:
                 launches[size] = json.load(f)
@@ -339,16 +362,17 @@ def main(argv=None):
                               weights='independent')
     payload = common.header('scaling', raw)
     payload.update(
-        cores=cores, layers_per_process=args.layers_per_process,
+        gpu=args.gpu, cores=cores, layers_per_process=args.layers_per_process,
         drop=DROP, launches={str(k): v for k, v in launches.items()},
         model_checks=checks, predictions=predicted,
         predictions_messages_x10=slow_network,
         predictions_independent_weights=independent,
         goals={'model_within': 0.2, 'speedup_at_2048_on_512': 10.0})
-    stem = os.path.join(args.out, 'table1_scaling')
+    suffix = '_gpu' if args.gpu else ''
+    stem = os.path.join(args.out, 'table1_scaling' + suffix)
     common.write_json(stem + '.json', payload)
     plot(launches, checks, predicted,
-         os.path.join(args.out, 'fig5_scaling.png'))
+         os.path.join(args.out, 'fig5_scaling{}.png'.format(suffix)))
     common.logger.info('\nmodel check (time per gradient, s):')
     for row in checks:
         common.logger.info(
@@ -369,7 +393,7 @@ def main(argv=None):
             row['serial_measured'], row['kernels_serial_measured'],
             row['parallel_model'], row['speedup'], slow['speedup'],
             rough['speedup'])
-    common.logger.info('wrote %s.json and fig5_scaling.png', stem)
+    common.logger.info('wrote %s.json and fig5_scaling%s.png', stem, suffix)
 
 
 if __name__ == '__main__':

@@ -313,8 +313,11 @@ def test_step_time_throughput_sweep_smoke(tmp_path):
         # images/s is the batch over the median step
         assert ips['sgd'] == pytest.approx(r['batch'] / r['median_s']['sgd'])
         # the amortised cycle lies between its every-step and stale parts
-        assert ips['kfac_every'] <= ips['kfac_stale_amortised'] <= \
-            ips['kfac_stale']
+        # (which of the two is faster is a timing: at batch 4 on a loaded
+        # machine either can be)
+        low, high = sorted((ips['kfac_every'], ips['kfac_stale']))
+        assert low <= ips['kfac_stale_amortised'] * (1 + 1e-12) and \
+            ips['kfac_stale_amortised'] <= high * (1 + 1e-12)
         assert 'peer_pytorch' not in r     # --peer needs --gpu
 
 
@@ -354,3 +357,44 @@ def test_step_time_throughput_arithmetic_and_table():
     assert step_time.parse_args(
         ['--gpu', '--variants', 'sgd,sgd_graph']).variants == (
             'sgd', 'sgd_graph')
+    with pytest.raises(SystemExit):     # K-FAC's replayed stale steps too
+        step_time.parse_args(['--variants', 'sgd,kfac_stale_graph'])
+    assert 'kfac_stale_graph' not in step_time.parse_args(['--gpu']).variants
+    # the GPU's batch limits of the inverse stage, 0 for none batched
+    assert step_time.parse_args(
+        ['--gpu', '--inverse-only', '--batched-max-dims', '0,256']
+    ).batched_max_dims == [0, 256]
+    for bad in (['--inverse-only', '--batched-max-dims', '64'],
+                ['--gpu', '--batched-max-dims', '64'],
+                ['--gpu', '--inverse-only', '--batched-max-dims', '-1']):
+        with pytest.raises(SystemExit):
+            step_time.parse_args(bad)
+
+
+def test_inverse_precision_smoke(tmp_path):
+    """Every precision's errors against float64 are there, finite, and
+    float32's is below the others' on every block (24 mantissa bits
+    against 11: a ratio of 2^13 between their roundings)."""
+    data, stdout = run_benchmark('inverse_precision', tmp_path)
+    check_header(data, 'inverse_precision')
+    assert 'relative error against float64' in stdout
+    [result] = data['results'].values()
+    assert result['blocks']
+    for block in result['blocks']:
+        errors = block['errors']
+        assert all(positive(e) for e in errors.values()), block
+        assert errors['fp32'] < min(errors['tf32'], errors['fp16']), block
+        assert positive(block['kappa_a']) and positive(block['kappa_g'])
+    for summary in result['summary'].values():
+        assert summary['median'] <= summary['p90'] <= summary['max']
+
+
+def test_tf32_rounding():
+    from benchmarks.inverse_precision import to_tf32
+    # 1 + 2^-10 is a TF32 number; 1 + 2^-11 ties to even (1); 1 + 3·2^-11
+    # ties to even upwards (1 + 2^-9)
+    values = numpy.array([1 + 2 ** -10, 1 + 2 ** -11, 1 + 3 * 2 ** -11,
+                          -2.5], numpy.float32)
+    numpy.testing.assert_array_equal(
+        to_tf32(values), numpy.array([1 + 2 ** -10, 1.0, 1 + 2 ** -9, -2.5],
+                                     numpy.float32))

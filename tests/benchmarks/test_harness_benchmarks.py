@@ -1,7 +1,7 @@
 """``python -m benchmarks.snapshot --smoke``, ``benchmarks.data_path
---smoke`` and ``benchmarks.failure_latency --smoke`` run as a user runs
-them and their JSON holds the figures (finite, positive); nothing asserts
-a speed."""
+--smoke``, ``benchmarks.failure_latency --smoke`` and
+``benchmarks.preemption --smoke`` run as a user runs them and their JSON
+holds the figures (finite, positive); nothing asserts a speed."""
 import json
 import math
 import subprocess
@@ -70,3 +70,21 @@ def test_failure_latency_smoke(tmp_path):
         assert positive(result['abort_s'])
         [run] = result['runs']['abort']
         assert run['returncode'] not in (0, None) and run['message_seen']
+
+
+def test_preemption_smoke(tmp_path):
+    out = str(tmp_path / 'preemption.json')
+    proc = subprocess.run(
+        [sys.executable, '-m', 'benchmarks.preemption', '--smoke', '--out',
+         out], cwd=_common.ROOT, env=_common.worker_env(threads=1),
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out) as f:
+        data = json.load(f)
+    [stop] = data['stops']
+    assert stop['arch'] == 'small' and stop['all_status_75']
+    for key in ('step_s', 'exit_s', 'to_boundary_s', 'write_s'):
+        assert positive(stop[key]), key
+    [agreement] = data['agreement']
+    assert agreement['size'] == 2 and positive(agreement['seconds'])
+    assert 'signal to exit s' in proc.stdout

@@ -1,4 +1,4 @@
-"""A CPU stand-in for the few CuPy and cuSOLVER calls of
+"""A CPU stand-in for the few CuPy, cuSOLVER and cuBLAS calls of
 :mod:`chainerkfac.linalg_cuda`, so that its control flow and conventions
 (one status row per factor, devInfo pointers, streams and handles, the retry
 rounds, column-major triangles) are tested on machines without a GPU.
@@ -96,8 +96,14 @@ def _kernel(in_params, out_params, body, name):
             out[...] = out.dtype.type(1) / shifted
         flat[slot + 3] += _nonfinite(out)
 
+    def batch_info(info, rows, status):
+        flat = status.reshape(-1)
+        for value, row in zip(numpy.asarray(info), numpy.asarray(rows)):
+            flat[row * 4 + 1] += int(value != 0)
+
     return {'chainerkfac_damp': damp, 'chainerkfac_mirror_upper': mirror,
-            'chainerkfac_diagonal_inverse': diagonal}[name]
+            'chainerkfac_diagonal_inverse': diagonal,
+            'chainerkfac_batch_info': batch_info}[name]
 
 
 def _cusolver_functions(dtype):
@@ -139,7 +145,63 @@ def _cusolver_functions(dtype):
         _memory(info, (1,), numpy.int32)[0] = 0
         return 0
 
-    return (potrf_buffer_size, potrf, potrs), (potri_buffer_size, potri)
+    def potrf_batched(handle, uplo, n, pointers, lda, info, batch):
+        CALLS.append(('potrfBatched', handle, _STACK[-1].ptr))
+        assert uplo == 0 and lda == n
+        infos = _memory(info, (batch,), numpy.int32)
+        for i, ptr in enumerate(_memory(pointers, (batch,), numpy.uint64)):
+            matrix = _column_major(int(ptr), n, dtype)
+            lower = numpy.tril(matrix).astype(numpy.float64)
+            matrix[numpy.triu_indices(n, 1)] = -777.0   # its workspace
+            try:
+                factor = numpy.linalg.cholesky(
+                    lower + numpy.tril(lower, -1).T)
+            except numpy.linalg.LinAlgError:
+                # cuSOLVER stops where it fails, leaving a triangle that
+                # solves to finite garbage: only the info tells
+                infos[i] = 1
+                continue
+            infos[i] = 0
+            matrix[numpy.tril_indices(n)] = factor[numpy.tril_indices(n)]
+
+    return ((potrf_buffer_size, potrf, potrs, potrf_batched),
+            (potri_buffer_size, potri))
+
+
+def _cublas_functions(dtype):
+    def trsm_batched(handle, side, uplo, trans, diag, m, n, alpha, a, lda,
+                     b, ldb, batch):
+        """op(L) X = alpha B for column-major lower L (m x m), B (m x n),
+        in place; L's other triangle is not read."""
+        CALLS.append(('trsmBatched', handle, _STACK[-1].ptr))
+        assert (side, uplo, diag) == (0, 0, 0) and lda == m and ldb == m
+        scale = _memory(alpha, (1,), dtype)[0]
+        a_pointers = _memory(a, (batch,), numpy.uint64)
+        b_pointers = _memory(b, (batch,), numpy.uint64)
+        for a_ptr, b_ptr in zip(a_pointers, b_pointers):
+            lower = numpy.tril(_column_major(int(a_ptr), m, dtype)).astype(
+                numpy.float64)
+            rhs = _memory(int(b_ptr), (n, m), dtype).T
+            rhs[...] = _triangular_solve(lower, scale * rhs.astype(
+                numpy.float64), transpose=trans == 1)
+
+    return trsm_batched
+
+
+def _triangular_solve(lower, rhs, transpose):
+    """``op(lower) X = rhs`` by substitution, as trsm computes it: a zero
+    on the diagonal gives Inf / NaN, not an error."""
+    n = lower.shape[0]
+    out = numpy.array(rhs)
+    order = range(n - 1, -1, -1) if transpose else range(n)
+    with numpy.errstate(all='ignore'):
+        for i in order:
+            if transpose:   # Lᵀ is upper: row i of Lᵀ is column i of L
+                known = lower[i + 1:, i].dot(out[i + 1:])
+            else:
+                known = lower[i, :i].dot(out[:i])
+            out[i] = (out[i] - known) / lower[i, i]
+    return out
 
 
 def raw_potri():
@@ -160,6 +222,7 @@ def modules():
     cupy.empty = lambda shape, dtype=float: array(
         numpy.full(shape, numpy.nan, dtype))
     cupy.eye = lambda n, dtype=float: array(numpy.eye(n, dtype=dtype))
+    cupy.arange = lambda n, dtype=None: array(numpy.arange(n, dtype=dtype))
     cupy.asarray = array
     cupy.ascontiguousarray = array
     cupy.ElementwiseKernel = _kernel
@@ -172,14 +235,22 @@ def modules():
     handles = iter(range(100, 10 ** 6))
     cusolver.create = lambda: next(handles)
     cusolver.setStream = lambda handle, stream: None
+    cublas = types.ModuleType('cupy_backends.cuda.libs.cublas')
+    cublas.create = lambda: next(handles)
+    cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T = 0, 1
+    cublas.CUBLAS_SIDE_LEFT, cublas.CUBLAS_DIAG_NON_UNIT = 0, 0
     for prefix, dtype in (('s', numpy.float32), ('d', numpy.float64)):
-        (size, potrf, potrs), _ = _cusolver_functions(dtype)
+        (size, potrf, potrs, batched), _ = _cusolver_functions(dtype)
         setattr(cusolver, prefix + 'potrf_bufferSize', size)
         setattr(cusolver, prefix + 'potrf', potrf)
         setattr(cusolver, prefix + 'potrs', potrs)
+        setattr(cusolver, prefix + 'potrfBatched', batched)
+        setattr(cublas, prefix + 'trsmBatched', _cublas_functions(dtype))
     libs = types.ModuleType('cupy_backends.cuda.libs')
     libs.cusolver = cusolver
+    libs.cublas = cublas
     return {'cupy': cupy, 'cupy_backends': types.ModuleType('cupy_backends'),
             'cupy_backends.cuda': types.ModuleType('cupy_backends.cuda'),
             'cupy_backends.cuda.libs': libs,
-            'cupy_backends.cuda.libs.cusolver': cusolver}
+            'cupy_backends.cuda.libs.cusolver': cusolver,
+            'cupy_backends.cuda.libs.cublas': cublas}

@@ -1,8 +1,10 @@
 """``linalg.damped_inverses`` through linalg_cuda on the CPU, against the
-emulated CuPy and cuSOLVER of tests/chainerkfac/cuda_emulation.py: the same
-results, retries and dampings as the per-factor reference, with potri and
-with its potrs stand-in, every factor on a worker stream. The real GPU runs
-in tests/gpu."""
+emulated CuPy, cuSOLVER and cuBLAS of tests/chainerkfac/cuda_emulation.py:
+the same results, retries and dampings as the per-factor reference, with
+potri and with its potrs stand-in, with and without the batches of
+equal-size factors (potrfBatched + trsmBatched), every factor on a worker
+stream. The real GPU runs in tests/gpu."""
+import collections
 import sys
 
 import numpy
@@ -51,11 +53,15 @@ def _factors():
     return factors
 
 
+@pytest.mark.parametrize('batched', [False, True],
+                         ids=['per-factor', 'batched'])
 @pytest.mark.parametrize('potri', [True, False], ids=['potri', 'potrs'])
-def test_emulated_gpu_path_equals_the_reference(potri, emulated,
+def test_emulated_gpu_path_equals_the_reference(potri, batched, emulated,
                                                 monkeypatch):
     monkeypatch.setattr(linalg_cuda, '_raw_potri',
                         cuda_emulation.raw_potri if potri else lambda: None)
+    monkeypatch.setattr(linalg_cuda, 'BATCHED_MAX_DIM',
+                        64 if batched else 0)
     factors = _factors()
     results = linalg.damped_inverses(
         [cuda_emulation.array(m) for m, _ in factors],
@@ -75,12 +81,24 @@ def test_emulated_gpu_path_equals_the_reference(potri, emulated,
             atol=TOLERANCE[expected.dtype.type] * abs(expected).max())
         if matrix.ndim == 2:
             numpy.testing.assert_array_equal(inverse, inverse.T)
-    used = {(handle, stream) for call, handle, stream
-            in cuda_emulation.CALLS}
-    assert {call for call, _, _ in cuda_emulation.CALLS} == (
+    calls = [c for c in cuda_emulation.CALLS if c[0] != 'trsmBatched']
+    used = {(handle, stream) for call, handle, stream in calls}
+    batch = {'potrfBatched'} if batched else set()
+    assert {call for call, _, _ in calls} == batch | (
         {'potrf', 'potri'} if potri else {'potrf', 'potrs'})
-    # One handle per stream, several streams, every stream a worker's
-    # (never the main one).
+    # the sizes of two or more factors up to 64 go as one batch each: one
+    # potrfBatched and two trsmBatched per size and try
+    sizes = [(m.shape[0], linalg.inverse_dtype(m.dtype)) for m, _ in factors
+             if m.ndim == 2 and m.shape[0] <= 64]
+    groups = {key for key in sizes if sizes.count(key) > 1}
+    counts = collections.Counter(c[0] for c in cuda_emulation.CALLS)
+    if batched:
+        assert len(groups) >= 2 and counts['potrfBatched'] >= len(groups)
+    else:
+        assert counts['potrfBatched'] == 0
+    assert counts['trsmBatched'] == 2 * counts['potrfBatched']
+    # One cuSOLVER handle per stream, several streams, every stream a
+    # worker's (never the main one).
     assert len(used) == len({s for _, s in used})
     assert 1 < len(used) <= linalg_cuda.N_STREAMS
     assert cuda_emulation._STACK[0].ptr not in {s for _, s in used}

@@ -22,8 +22,8 @@ def write_snapshot(path, n_processes, seed=0):
         np.savez(f, **arrays)
 
 
-def snapshot_set(directory, epoch, n_processes, ranks=None):
-    prefix = os.path.join(str(directory), 'snapshot_epoch_{}'.format(epoch))
+def snapshot_set(directory, step, n_processes, ranks=None):
+    prefix = os.path.join(str(directory), 'snapshot_step_{}'.format(step))
     for rank in range(n_processes) if ranks is None else ranks:
         write_snapshot('{}.rank{}'.format(prefix, rank), n_processes, rank)
     return prefix
@@ -31,26 +31,26 @@ def snapshot_set(directory, epoch, n_processes, ranks=None):
 
 def test_snapshot_files_of_any_number_of_processes(tmp_path):
     prefix = snapshot_set(tmp_path, 4, 3)
-    # Rank 1 was killed before its file of epoch 5 was whole.
+    # Rank 1 was killed before its file of step 5 was whole.
     snapshot_set(tmp_path, 5, 3, ranks=(0, 2))
     assert resume.snapshot_files(prefix) == [
         prefix + '.rank{}'.format(r) for r in range(3)]
     with pytest.raises(FileNotFoundError, match='rank.s. 1 are missing'):
-        resume.snapshot_files(str(tmp_path / 'snapshot_epoch_5'))
+        resume.snapshot_files(str(tmp_path / 'snapshot_step_5'))
     with pytest.raises(FileNotFoundError, match='no snapshot'):
-        resume.snapshot_files(str(tmp_path / 'snapshot_epoch_9'))
+        resume.snapshot_files(str(tmp_path / 'snapshot_step_9'))
     warnings = []
     assert resume.latest_snapshot(str(tmp_path), say=warnings.append) == (
         prefix, resume.snapshot_files(prefix))
     [warning] = warnings
-    assert 'skipping snapshot_epoch_5' in warning
+    assert 'skipping snapshot_step_5' in warning
     assert 'rank(s) 1 are missing' in warning
 
 
 @pytest.mark.parametrize('damage, cause', [
     (truncate, 'not a zip file'), (flip, 'Bad CRC-32 for file')])
 def test_damaged_file_named_with_its_cause(tmp_path, damage, cause):
-    path = str(tmp_path / 'snapshot_epoch_1.rank0')
+    path = str(tmp_path / 'snapshot_step_1.rank0')
     write_snapshot(path, 1)
     snapshot_integrity.verify_file(path)
     damage(path)
@@ -65,7 +65,7 @@ def test_member_shorter_than_its_header_is_damage(tmp_path):
     """An .npy member whose data does not match its header (CRC intact:
     written so) is refused too."""
     import zipfile
-    path = str(tmp_path / 'snapshot_epoch_1.rank0')
+    path = str(tmp_path / 'snapshot_step_1.rank0')
     header = tmp_path / 'x.npy'
     np.save(str(header), np.zeros(100, np.float32))
     with zipfile.ZipFile(path, 'w') as archive:
@@ -89,7 +89,7 @@ def test_latest_skips_a_damaged_snapshot_naming_the_file(tmp_path, damage,
                                            say=warnings.append)
     assert prefix == older and files == resume.snapshot_files(older)
     [warning] = warnings
-    assert 'snapshot_epoch_3.rank{}'.format(rank) in warning
+    assert 'snapshot_step_3.rank{}'.format(rank) in warning
     assert 'damaged' in warning
 
 
@@ -105,7 +105,7 @@ def test_damage_error_survives_pickling():
     """Errors travel between processes (mpi4py pickles them)."""
     import pickle
     error = snapshot_integrity.DamagedSnapshotError(
-        '/x/snapshot_epoch_1.rank0', 'why')
+        '/x/snapshot_step_1.rank0', 'why')
     copy = pickle.loads(pickle.dumps(error))
     assert (copy.path, copy.cause, str(copy)) == (error.path, error.cause,
                                                   str(error))

@@ -11,13 +11,13 @@ from tests.harness import OneProcess
 
 
 EARLIER = ['bad_images.txt', 'config.json', 'fisher_diff.jsonl', 'log',
-           'mean.npy', 'model_final.npz', 'snapshot_epoch_1.rank0',
-           'snapshot_epoch_2.rank0', 'time_to_accuracy.json']
+           'mean.npy', 'model_final.npz', 'snapshot_step_1.rank0',
+           'snapshot_step_2.rank0', 'time_to_accuracy.json']
 
 
 @pytest.fixture
 def out(tmp_path):
-    for name in EARLIER + ['notes.txt', '.snapshot_epoch_3.rank0.tmp',
+    for name in EARLIER + ['notes.txt', '.snapshot_step_3.rank0.tmp',
                            '.model_final.npz.tmp']:
         (tmp_path / name).write_text('x')
     return str(tmp_path)
@@ -39,7 +39,7 @@ def test_earlier_run_refused_naming_its_files(out):
     assert 'bad_images.txt, config.json, fisher_diff.jsonl' in message
     assert '--resume latest' in message and '--overwrite' in message
     assert sorted(os.listdir(out)) == sorted(
-        EARLIER + ['notes.txt', '.snapshot_epoch_3.rank0.tmp',
+        EARLIER + ['notes.txt', '.snapshot_step_3.rank0.tmp',
                    '.model_final.npz.tmp'])
 
 
@@ -49,7 +49,7 @@ def test_overwrite_removes_the_run_files_only(out):
 
 
 def test_a_run_continuing_its_own_snapshot_keeps_the_files(out):
-    claim(out, source=os.path.join(out, 'snapshot_epoch_2.rank0'),
+    claim(out, source=os.path.join(out, 'snapshot_step_2.rank0'),
           continues=True)
     assert 'log' in os.listdir(out)
 
@@ -58,13 +58,13 @@ def test_overwrite_would_remove_the_source_refused(out):
     for continues in (True, False):
         with pytest.raises(OSError, match='would remove'):
             claim(out, overwrite=True, continues=continues,
-                  source=os.path.join(out, 'snapshot_epoch_2'))
+                  source=os.path.join(out, 'snapshot_step_2'))
     assert 'log' in os.listdir(out)
 
 
 def test_source_elsewhere_with_overwrite_clears_here(out, tmp_path_factory):
     elsewhere = tmp_path_factory.mktemp('other')
-    (elsewhere / 'snapshot_epoch_2.rank0').write_text('x')
+    (elsewhere / 'snapshot_step_2.rank0').write_text('x')
     claim(out, overwrite=True, continues=True,
-          source=str(elsewhere / 'snapshot_epoch_2.rank0'))
+          source=str(elsewhere / 'snapshot_step_2.rank0'))
     assert sorted(os.listdir(out)) == ['notes.txt']

@@ -54,33 +54,35 @@ def start(cmd, nproc=1):
                             start_new_session=True)
 
 
-def kill(process, out=None):
-    """SIGKILL the whole run (mpiexec and every rank). With ``out``, also
-    wait until the process named in ``out``'s run lock is gone: a rank that
-    Open MPI started outside the killed process group may still be ending
-    (and removing the lock) for a while on a loaded machine, and the tests
-    must look at the directory as the run left it."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
-    time.sleep(0.5)     # let orphaned ranks, if any, see the signal
-    if out is None:
-        return
-    try:
-        with open(os.path.join(str(out), 'run.lock')) as f:
-            pid = int(json.load(f)['pid'])
-    except (OSError, ValueError, KeyError):
-        return
-    deadline = time.time() + 60
-    while os.path.exists('/proc/{}'.format(pid)) and time.time() < deadline:
+def session_processes(session):
+    """Process ids of the session ``session`` (mpiexec's, from
+    :func:`start`): Open MPI puts every rank in a process group of its
+    own, so a signal to mpiexec's group does not reach them."""
+    found = []
+    for entry in os.listdir('/proc'):
+        if not entry.isdigit():
+            continue
         try:
-            with open('/proc/{}/stat'.format(pid)) as f:
-                if f.read().rsplit(')', 1)[1].split()[0] == 'Z':
-                    return          # a zombie: dead, not yet reaped
-        except OSError:
-            return
+            with open('/proc/{}/stat'.format(entry)) as f:
+                fields = f.read().rsplit(')', 1)[1].split()
+        except OSError:             # gone meanwhile
+            continue
+        if int(fields[3]) == session:
+            found.append(int(entry))
+    return found
+
+
+def kill(process):
+    """SIGKILL the whole run: mpiexec and every rank (and their loader
+    processes) at once, as a scheduler's SIGKILL does."""
+    for pid in session_processes(process.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+    deadline = time.time() + 30
+    while session_processes(process.pid) and time.time() < deadline:
         time.sleep(0.05)
 
 

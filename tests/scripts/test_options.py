@@ -16,9 +16,13 @@ def refused(capsys, *options):
 
 
 @pytest.mark.parametrize('option, value, message', [
-    ('--snapshot-every', '0', 'an integer >= 1'),
-    ('--snapshot-every', '-2', 'an integer >= 1'),
-    ('--snapshot-every', '1.5', 'an integer >= 1'),
+    ('--snapshot-every', '0', 'N epochs (an integer >= 1'),
+    ('--snapshot-every', '-2', 'N epochs (an integer >= 1'),
+    ('--snapshot-every', '1.5', 'N epochs (an integer >= 1'),
+    ('--snapshot-every', '0it', '(e.g. 2000it)'),
+    ('--snapshot-every', '0min', '(e.g. 30min)'),
+    ('--preempt-signals', 'FOO', "unknown signal 'FOO'"),
+    ('--preempt-signals', 'KILL', 'SIGKILL cannot be caught'),
     ('--epochs', '0', 'an integer >= 1'),
     ('--keep-snapshots', '-1', 'an integer >= 0'),
     ('--depth', '0', '6n+2'),
@@ -50,6 +54,23 @@ def test_out_of_range_value_refused_naming_the_option(capsys, option, value,
     assert value in err
 
 
+def test_snapshot_periods_and_signals():
+    args = train_imagenet.parse_args(LISTS)
+    assert (args.snapshot_every.count, args.snapshot_every.unit) == \
+        (1, 'epoch')
+    assert [s.name for s in args.preempt_signals] == ['SIGTERM', 'SIGUSR1']
+    args = train_imagenet.parse_args(LISTS + [
+        '--snapshot-every', '2000it', '--preempt-signals', 'USR2'])
+    assert (args.snapshot_every.count, args.snapshot_every.unit) == \
+        (2000, 'iteration')
+    assert [s.name for s in args.preempt_signals] == ['SIGUSR2']
+    args = train_imagenet.parse_args(LISTS + [
+        '--snapshot-every', '30min', '--preempt-signals', 'none'])
+    assert (args.snapshot_every.count, args.snapshot_every.unit) == \
+        (30.0, 'minute')
+    assert args.preempt_signals == ()
+
+
 def test_crop_larger_than_the_resized_image_refused(capsys):
     err = refused(capsys, '--crop-size', '32', '--resize', '30')
     assert '--crop-size 32' in err and '--resize 30' in err
@@ -75,7 +96,14 @@ def test_values_at_the_edges_are_kept():
         '--weight-decay', '0', '--target-acc', '1', '--seed', '0',
         '--depth', '14', '--width', '1', '--crop-size', '30', '--resize',
         '30'])
-    assert (args.snapshot_every, args.epochs, args.keep_snapshots) == \
-        (1, 1, 0)
+    assert (args.snapshot_every.count, args.snapshot_every.unit,
+            args.epochs, args.keep_snapshots) == (1, 'epoch', 1, 0)
     assert args.baseline_momentum == 0.0 and args.warmup_epochs == 0.0
     assert args.target_acc == 1.0 and args.depth == 14
+
+
+def test_cuda_graphs_need_the_gpu(capsys):
+    err = refused(capsys, '--cuda-graphs')
+    assert '--cuda-graphs' in err and '--gpu' in err
+    assert train_imagenet.parse_args(LISTS + ['--gpu', '--cuda-graphs'])\
+        .cuda_graphs

@@ -26,9 +26,9 @@ GLOBAL_KEYS = ('epoch', 'main/loss', 'main/accuracy', 'lr', 'momentum',
 TOLERANCE = 1e-4
 
 
-def snapshot_complete(out, epoch, nproc):
+def snapshot_complete(out, step, nproc):
     return all(os.path.exists(os.path.join(
-        str(out), 'snapshot_epoch_{}.rank{}'.format(epoch, r)))
+        str(out), 'snapshot_step_{}.rank{}'.format(step, r)))
         for r in range(nproc))
 
 
@@ -50,12 +50,12 @@ def test_killed_run_resumes_bit_for_bit(dataset, references, tmp_path,
                                         nproc):
     process = start(reference_command(dataset, tmp_path), nproc)
     deadline = time.time() + 240
-    while not snapshot_complete(tmp_path, 1, nproc):
+    while not snapshot_complete(tmp_path, 2, nproc):   # epoch 1
         assert process.poll() is None, 'the run ended before its snapshot'
         assert time.time() < deadline, 'no snapshot after 240 s'
         time.sleep(0.05)
     time.sleep(numpy.random.RandomState(nproc).uniform(0, 0.5))
-    kill(process, tmp_path)
+    kill(process)
     locked = os.path.exists(str(tmp_path / 'run.lock'))
     result = run(reference_command(dataset, tmp_path, '--resume', 'latest'),
                  nproc)
@@ -96,10 +96,11 @@ def test_one_and_two_processes_train_alike(references):
 @pytest.mark.parametrize('before, after', [(2, 1), (1, 2)])
 def test_resume_on_another_number_of_processes(dataset, references,
                                                tmp_path, before, after):
-    """Epoch 2's snapshot lies on a step boundary after which the input
-    factor A is stale (refreshed every 2nd step): the continued run needs
-    the restored factors, re-sharded for the new processes."""
-    prefix = os.path.join(references[before], 'snapshot_epoch_2')
+    """Epoch 2's snapshot (after step 3) lies on a step boundary after
+    which the input factor A is stale (refreshed every 2nd step): the
+    continued run needs the restored factors, re-sharded for the new
+    processes."""
+    prefix = os.path.join(references[before], 'snapshot_step_3')
     result = run(reference_command(dataset, tmp_path, '--resume', prefix),
                  after)
     assert result.returncode == 0, result.stdout[-3000:]
@@ -128,7 +129,7 @@ def test_resume_from_three_processes_on_two(dataset, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:]
     two = tmp_path / 'two'
     result = run(command(dataset, two, '--resume',
-                         str(three / 'snapshot_epoch_1'), config=config), 2)
+                         str(three / 'snapshot_step_1'), config=config), 2)
     assert result.returncode == 0, result.stdout[-3000:]
     assert 'resumed from' in result.stdout and 'on 2 process(es)' in \
         result.stdout
@@ -156,7 +157,7 @@ def test_elastic_resume_with_the_monte_carlo_fisher(dataset, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:]
     one = tmp_path / 'one'
     result = run(command(dataset, one, '--resume',
-                         str(two / 'snapshot_epoch_2'), config=config), 1)
+                         str(two / 'snapshot_step_3'), config=config), 1)
     assert result.returncode == 0, result.stdout[-3000:]
     assert 'on 1 process(es)' in result.stdout
     assert max_relative_diff(
@@ -174,13 +175,13 @@ def test_damaged_newest_snapshot_falls_back_to_the_one_before(
     uninterrupted run did, bit for bit."""
     reference = references[2]
     for name in os.listdir(reference):
-        if name.startswith('snapshot_epoch_'):
+        if name.startswith('snapshot_step_'):
             shutil.copy(os.path.join(reference, name), str(tmp_path))
     before = sorted(os.listdir(str(tmp_path)))
-    damaged = str(tmp_path / 'snapshot_epoch_3.rank1')
+    damaged = str(tmp_path / 'snapshot_step_5.rank1')
     flip(damaged)
     result = run(reference_command(dataset, tmp_path, '--resume',
-                                   str(tmp_path / 'snapshot_epoch_3')), 2)
+                                   str(tmp_path / 'snapshot_step_5')), 2)
     assert result.returncode != 0
     assert damaged in result.stdout and 'Bad CRC-32' in result.stdout
     assert sorted(os.listdir(str(tmp_path))) == before
@@ -188,9 +189,9 @@ def test_damaged_newest_snapshot_falls_back_to_the_one_before(
     result = run(reference_command(dataset, tmp_path, '--resume', 'latest'),
                  2)
     assert result.returncode == 0, result.stdout[-3000:]
-    assert 'skipping snapshot_epoch_3' in result.stdout
+    assert 'skipping snapshot_step_5' in result.stdout
     assert damaged in result.stdout
-    assert 'resumed from {}'.format(tmp_path / 'snapshot_epoch_2') in \
+    assert 'resumed from {}'.format(tmp_path / 'snapshot_step_3') in \
         result.stdout
     assert max_relative_diff(
         weights(os.path.join(str(tmp_path), 'model_final.npz')),
@@ -227,7 +228,7 @@ def test_snapshot_of_another_model_or_optimizer_refused_untouched(
     result = run(reference_command(dataset, tmp_path, '--resume', 'latest',
                                    *change))
     assert result.returncode != 0
-    assert 'snapshot_epoch_3.rank0' in result.stdout
+    assert 'snapshot_step_5.rank0' in result.stdout
     for text in named:
         assert text in result.stdout
     after = {name: open(os.path.join(str(tmp_path), name), 'rb').read()
@@ -241,7 +242,7 @@ def test_new_optimizer_from_a_snapshots_weights(dataset, references,
     """--init-weights-from: SGD from K-FAC's epoch-2 weights, a new run
     (epoch 1 on, no K-FAC state); at a negligible learning rate its final
     weights are the snapshot's."""
-    prefix = os.path.join(references[1], 'snapshot_epoch_2')
+    prefix = os.path.join(references[1], 'snapshot_step_3')
     result = run(command(dataset, tmp_path, '--optimizer', 'sgd',
                          '--epochs', '1', '--baseline-lr', '1e-12',
                          '--weight-decay', '0', '--warmup-epochs', '0',
@@ -259,6 +260,6 @@ def test_new_optimizer_from_a_snapshots_weights(dataset, references,
                 value, snapshot['updater/model:main/predictor/' + name],
                 rtol=1e-6, atol=1e-9, err_msg=name)
     with numpy.load(os.path.join(str(tmp_path),
-                                 'snapshot_epoch_1.rank0')) as snapshot:
+                                 'snapshot_step_3.rank0')) as snapshot:
         assert str(snapshot['run/optimizer']) == 'sgd'
         assert not [k for k in snapshot.files if '/kfac/' in k]

@@ -37,7 +37,7 @@ def test_fresh_run_into_an_earlier_run_refused_or_overwritten(dataset,
                          '--keep-snapshots', '0'))
     assert result.returncode == 0, result.stdout[-3000:]
     first = files_of(out)
-    assert 'snapshot_epoch_2.rank0' in first and 'mean.npy' in first
+    assert 'snapshot_step_6.rank0' in first and 'mean.npy' in first
     assert 'run.lock' not in first           # released at the end
     steps = diff_steps(out)
     assert steps == list(range(1, len(steps) + 1))
@@ -54,11 +54,12 @@ def test_fresh_run_into_an_earlier_run_refused_or_overwritten(dataset,
     assert 'cleared' in result.stdout
     left = files_of(out)
     # Only the new run's files: one epoch of Diff lines from step 1, its
-    # one snapshot (not the earlier run's epoch 2), a new log.
+    # one snapshot (after step 3, the end of epoch 1; not the earlier
+    # run's, after step 6), a new log.
     assert diff_steps(out) == steps[:len(diff_steps(out))]
     assert len(diff_steps(out)) < len(steps)
     assert sorted(n for n in left if n.startswith('snapshot')) == [
-        'snapshot_epoch_1.rank0']
+        'snapshot_step_3.rank0']
     assert [e['epoch'] for e in read_log(out)] == [1]
 
 

@@ -3,14 +3,13 @@
 that stops inside a step, and bad input refused before training."""
 import json
 import os
-import sys
 
 import chainer
 import numpy
 import pytest
 
 from tests.scripts import imagenet_like
-from tests.scripts.conftest import (ROOT, command, read_log, run, weights)
+from tests.scripts.conftest import command, read_log, run, weights
 
 
 @pytest.mark.slow
@@ -32,16 +31,17 @@ def test_run_leaves_log_snapshots_and_final_model(dataset, references,
     assert facts['n_processes'] == nproc
     assert facts['acc_iters'] == 32 // (8 * nproc)
     assert facts['n_class'] == imagenet_like.N_CLASS
-    for epoch in (1, 2, 3):
+    # Epochs end in steps 2 and 3 (at its end) and in the flushed fifth.
+    for step in (2, 3, 5):
         for rank in range(nproc):
             assert os.path.exists(os.path.join(
-                out, 'snapshot_epoch_{}.rank{}'.format(epoch, rank)))
+                out, 'snapshot_step_{}.rank{}'.format(step, rank)))
     # model_final.npz is the bare network, and the final snapshot's.
     import models
     bare = models.SmallResNet(depth=8, width=8, n_class=imagenet_like.N_CLASS)
     chainer.serializers.load_npz(os.path.join(out, 'model_final.npz'), bare)
     final = weights(os.path.join(out, 'model_final.npz'))
-    with numpy.load(os.path.join(out, 'snapshot_epoch_3.rank0')) as snap:
+    with numpy.load(os.path.join(out, 'snapshot_step_5.rank0')) as snap:
         for name, value in final.items():
             numpy.testing.assert_array_equal(
                 snap['updater/model:main/predictor/' + name], value)
@@ -50,8 +50,8 @@ def test_run_leaves_log_snapshots_and_final_model(dataset, references,
     # on one process only.
     holders = {}
     for rank in range(nproc):
-        with numpy.load(os.path.join(out, 'snapshot_epoch_3.rank{}'.format(
-                rank)), allow_pickle=True) as snap:
+        with numpy.load(os.path.join(out, 'snapshot_step_5.rank{}'.format(
+                rank))) as snap:
             kfac = [k for k in snap.files if '/kfac/' in k]
             assert kfac and not [k for k in kfac if k.endswith('_inv')]
             for key in kfac:
@@ -81,7 +81,8 @@ def test_two_snapshots_kept_by_default(dataset, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:]
     names = sorted(n for n in os.listdir(str(tmp_path))
                    if n.startswith('snapshot'))
-    assert names == ['snapshot_epoch_2.rank0', 'snapshot_epoch_3.rank0']
+    # 3 steps per epoch: the snapshots of epochs 2 and 3.
+    assert names == ['snapshot_step_6.rank0', 'snapshot_step_9.rank0']
     assert not [n for n in os.listdir(str(tmp_path)) if '.tmp' in n]
 
 
@@ -101,10 +102,10 @@ def test_run_ending_inside_a_step_completes_it_and_saves_it(dataset,
     [entry] = read_log(tmp_path)
     assert entry['trailing_micro_batches'] == 2
     assert os.path.exists(os.path.join(str(tmp_path),
-                                       'snapshot_epoch_1.rank0'))
+                                       'snapshot_step_2.rank0'))
     final = weights(os.path.join(str(tmp_path), 'model_final.npz'))
     with numpy.load(os.path.join(str(tmp_path),
-                                 'snapshot_epoch_1.rank0')) as snap:
+                                 'snapshot_step_2.rank0')) as snap:
         # Two steps were taken: the full one and the completed one.
         assert int(snap['updater/optimizer:main/t']) == 2
         for name, value in final.items():
@@ -117,31 +118,5 @@ def test_kfac_run_ending_inside_a_step_flushes_it(references):
     entry = read_log(references[1])[-1]
     assert entry['trailing_micro_batches'] == 2
     with numpy.load(os.path.join(references[1],
-                                 'snapshot_epoch_3.rank0')) as snap:
+                                 'snapshot_step_5.rank0')) as snap:
         assert int(snap['updater/optimizer:main/t']) == 5
-
-
-def test_snapshot_trigger_waits_for_the_end_of_the_step():
-    sys.path.insert(0, ROOT)
-    from harness.triggers import EpochAtStepBoundary
-
-    class Updater:
-        iteration, is_new_epoch, finished = 0, False, False
-
-        @property
-        def at_step_boundary(self):
-            return self.iteration % 4 == 0
-
-    class Trainer:
-        updater = Updater()
-
-    trigger, trainer, fired = EpochAtStepBoundary(1), Trainer(), []
-    for iteration in range(1, 23):       # epochs of 5 micro-batches
-        trainer.updater.iteration = iteration
-        trainer.updater.is_new_epoch = iteration % 5 == 0
-        trainer.updater.finished = iteration == 22
-        if trigger(trainer):
-            fired.append(iteration)
-    # Epoch ends at 5, 10, 15, 20; steps end at multiples of 4; the run's
-    # end (22) is saved too.
-    assert fired == [8, 12, 16, 20, 22]

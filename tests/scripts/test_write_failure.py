@@ -38,7 +38,7 @@ def test_failed_snapshot_stops_the_run_and_keeps_the_weights(dataset,
         cwd=launch.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         universal_newlines=True, timeout=300)
     assert result.returncode != 0
-    path = os.path.join(str(tmp_path), 'snapshot_epoch_1.rank0')
+    path = os.path.join(str(tmp_path), 'snapshot_step_3.rank0')
     assert 'writing snapshot {} failed'.format(path) in result.stdout
     assert 'File too large' in result.stdout
     assert 'needed' in result.stdout and 'bytes' in result.stdout

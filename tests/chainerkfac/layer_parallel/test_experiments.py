@@ -5,6 +5,7 @@ import json
 import pytest
 
 from experiments.layer_parallel import convergence
+from experiments.layer_parallel import kfac_training
 from experiments.layer_parallel import training
 
 
@@ -34,3 +35,29 @@ def test_training_script(tmp_path):
     assert result['table']['validation_gap_points'] == 0
     assert [r['iteration'] for r in result['parallel']] == [0, 3, 6]
     assert (tmp_path / 'fig7_training.png').stat().st_size > 10000
+
+
+@pytest.mark.slow
+def test_kfac_training_script(tmp_path):
+    """Under mpiexec -n 2 (two replicas of one layer group): both
+    optimizers on both cases, K-FAC's blocks refreshed from the first
+    step, the table's steps and accuracies from the histories."""
+    kfac_training.main(['--cases', 'peaks,digits', '--layers', '8',
+                        '--steps', '4', '--eval-every', '2',
+                        '--digits-train', '20', '--processes', '2',
+                        '--layer-procs', '1', '--targets', '0.0,1.01',
+                        '--out', str(tmp_path)])
+    with open(tmp_path / 'kfac_training.json') as f:
+        result = json.load(f)
+    for case in ('peaks', 'digits'):
+        runs = result['runs'][case]
+        assert runs['kfac']['all_blocks_refreshed_at_step_0'] == 1
+        for name in ('adam', 'kfac'):
+            assert [r['step'] for r in runs[name]['history']] == [0, 2, 4]
+            row = result['table'][case][name]
+            assert row['steps_to'] == {'0.0': 0, '1.01': None}
+            assert row['final_validation'] == \
+                runs[name]['history'][-1]['validation']
+        # Same initial weights: the same accuracy before the first step.
+        assert runs['adam']['history'][0] == runs['kfac']['history'][0]
+    assert (tmp_path / 'fig_kfac_training.png').stat().st_size > 10000

@@ -81,3 +81,39 @@ def test_bad_arguments():
         lp.ResidualODE(1, 4, 8, 3, layer='conv')
     with pytest.raises(ValueError, match='activation must be'):
         lp.ResidualODE(2, 4, 8, 3, activation='swish')
+
+
+class _Seen(chainer.FunctionHook):
+    name = 'seen'
+
+    def __init__(self):
+        self.calls = []
+
+    def backward_preprocess(self, function, in_data, out_grad):
+        self.calls.append((type(function).__name__, in_data[0],
+                           out_grad[0]))
+
+
+def test_layer_grad_with_a_hook_is_the_links_call_and_the_same_bits():
+    """A function hook (K-FAC's capture) sees the dense layer's call: its
+    input u and dt σ' ⊙ ū as the gradient w.r.t. K u + b; the gradients
+    are bitwise those of the route without hooks."""
+    net = common.dense_net(n_layers=3, width=5)
+    x, _ = common.batch(net)
+    u = net.open(x).array
+    rng = numpy.random.RandomState(4)
+    ubar = rng.standard_normal(u.shape)
+    slope = net.slope(1, u)
+    link = net.layers[1]
+    net.cleargrads()
+    net.accumulate_layer_grad(1, u, slope, ubar, 0.3)
+    expected = [link.W.grad.copy(), link.b.grad.copy()]
+    net.cleargrads()
+    hook = _Seen()
+    with hook:
+        net.accumulate_layer_grad(1, u, slope, ubar, 0.3)
+    assert [c[0] for c in hook.calls] == ['LinearFunction']
+    numpy.testing.assert_array_equal(hook.calls[0][1], u)
+    numpy.testing.assert_array_equal(hook.calls[0][2], ubar * 0.3 * slope)
+    numpy.testing.assert_array_equal(link.W.grad, expected[0])
+    numpy.testing.assert_array_equal(link.b.grad, expected[1])

@@ -100,9 +100,10 @@ def distributed(comm, seed=0, net=ConvBNNet, **options):
 
 
 def single(seed=0, net=ConvBNNet, **options):
-    """Reference: one process with rank 0's initial values."""
+    """Reference: one process with rank 0's initial values (on every rank:
+    process-local factors on purpose)."""
     model = net(seed=seed)
-    optimizer = helpers.kfac(**kfac_options(**options))
+    optimizer = helpers.kfac(**kfac_options(process_local=True, **options))
     optimizer.setup(model)
     return model, optimizer
 

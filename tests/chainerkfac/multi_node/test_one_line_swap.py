@@ -69,7 +69,8 @@ def test_plain_chainermn_communicator_and_lazy_links():
         helpers.kfac(**_options()), comm)
     optimizer.setup(model)
     ref_model = LazyNet()
-    ref = helpers.kfac(**_options(acc_iters=comm.size)).setup(ref_model)
+    ref = helpers.kfac(**_options(acc_iters=comm.size,
+                                  process_local=True)).setup(ref_model)
     for step in range(4):
         chunks = _chunks(step, comm.size)
         # The first forward initialises the links: values differ by rank;
@@ -111,8 +112,8 @@ def test_head_called_by_some_ranks_only():
         helpers.kfac(**_options(refresh_interval_a=2)), comm)
     optimizer.setup(model)
     ref_model = HeadNet(seed=0)
-    ref = helpers.kfac(**_options(acc_iters=comm.size,
-                                  refresh_interval_a=2)).setup(ref_model)
+    ref = helpers.kfac(**_options(acc_iters=comm.size, refresh_interval_a=2,
+                                  process_local=True)).setup(ref_model)
     head_before_step3 = None
     for step in range(5):
         if step == 3:

@@ -1,0 +1,113 @@
+"""An optimizer whose ``update(lossfun, *inputs)`` goes through a
+:class:`~chainerkfac.graphs.step.StepGraph`: the one-line switch.
+
+::
+
+    optimizer = chainerkfac.graphs.graphed(optimizer)   # after setup
+    optimizer.update(model, x, t)     # eager, captured or replayed
+
+:func:`graphed` picks the adapter by the optimizer's type
+(:class:`~chainerkfac.optimizers.KFAC`,
+:class:`~chainerkfac.optimizers.GuardedOptimizer`, a Chainer
+:class:`~chainer.GradientMethod`); everything else (``lr``, ``t``,
+``serialize``, ``new_epoch`` ...) reaches the wrapped optimizer, so a
+Trainer, its extensions and snapshots use it as before.
+"""
+from chainerkfac.graphs import step as step_module
+
+
+class GraphedOptimizer:
+    """An optimizer driven through a :class:`StepGraph` (module
+    docstring).
+
+    Parameters
+    ----------
+    optimizer : chainer.Optimizer or chainerkfac.optimizers.GuardedOptimizer
+        Set up with its model.
+    adapter : object
+        The :class:`StepGraph` adapter of ``optimizer``.
+    warmup : int
+    cupy : module, optional
+    route_linear : callable, optional
+        See :class:`StepGraph`.
+    """
+
+    def __init__(self, optimizer, adapter, warmup: int = step_module.WARMUP,
+                 cupy=None, route_linear=None):
+        state = self.__dict__
+        state['optimizer'] = optimizer
+        state['adapter'] = adapter
+        state['_options'] = dict(warmup=warmup, cupy=cupy,
+                                 route_linear=route_linear)
+        state['_lossfun'] = None
+        state['graph'] = None
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__['optimizer'], name)
+
+    def __setattr__(self, name, value):
+        if name in self.__dict__:
+            self.__dict__[name] = value
+        else:
+            setattr(self.optimizer, name, value)
+
+    def update(self, lossfun=None, *args, **kwds) -> str:
+        """One step of ``lossfun`` on the positional arrays ``args``
+        through the graph; without ``lossfun`` or with keyword arguments,
+        the wrapped optimizer's own update. Returns ``'eager'``,
+        ``'captured'`` or ``'replayed'``."""
+        if lossfun is None or kwds:
+            if self.graph is not None:
+                self.graph.stats['eager: update() without a loss function '
+                                 'or with keyword arguments'] += 1
+            self.optimizer.update(lossfun, *args, **kwds)
+            return 'eager'
+        if lossfun is not self._lossfun:
+            optimizer = self.optimizer
+            self.graph = step_module.StepGraph(
+                lambda *inputs: optimizer.update(lossfun, *inputs),
+                self.adapter, **self._options)
+            self._lossfun = lossfun
+        return self.graph(*args)
+
+    @property
+    def stats(self):
+        """The graph's counts (:attr:`StepGraph.stats`), empty before the
+        first step."""
+        return self.graph.stats if self.graph is not None else {}
+
+
+def graphed(optimizer, warmup: int = step_module.WARMUP, cupy=None,
+            route_linear=None) -> GraphedOptimizer:
+    """``optimizer`` with its steps captured and replayed as CUDA graphs
+    where they can be (module docstring; what runs eagerly, and why, is
+    counted in ``.stats``).
+
+    Raises
+    ------
+    TypeError
+        For an optimizer with no adapter.
+    ValueError
+        If it is not set up yet.
+    """
+    from chainer import optimizer as chainer_optimizer
+    from chainer import optimizer_hooks
+    from chainerkfac.optimizers import GuardedOptimizer, KFAC
+    from chainerkfac.graphs import guarded_step, kfac_step
+    if not isinstance(optimizer, (GuardedOptimizer,
+                                  chainer_optimizer.GradientMethod)):
+        raise TypeError('graphed takes chainerkfac.optimizers.KFAC, '
+                        'GuardedOptimizer or a chainer.GradientMethod, got '
+                        '{}'.format(type(optimizer).__name__))
+    if getattr(optimizer, 'target', None) is None:
+        raise ValueError('graphed: set the optimizer up with its model '
+                         'first (optimizer.setup(model))')
+    if isinstance(optimizer, KFAC):
+        adapter = kfac_step.KFACOptimizer(optimizer)
+    elif isinstance(optimizer, GuardedOptimizer):
+        adapter = guarded_step.GuardedOptimizer(optimizer)
+    else:
+        adapter = step_module.ChainerOptimizer(
+            optimizer, hyperparameters_on_device=True,
+            replayable_hooks=(optimizer_hooks.WeightDecay,))
+    return GraphedOptimizer(optimizer, adapter, warmup, cupy, route_linear)

@@ -1,0 +1,146 @@
+"""K-FAC's stale steps replayed as a CUDA graph; its refresh steps run
+eagerly.
+
+A K-FAC step that refreshes no factor (a stale step, eqs. 22-23) launches
+the same kernels on the same buffers every time: the forward and backward
+passes, stage 5's preconditioning GEMMs (routed to capturable GEMMs by
+:mod:`chainerkfac.graphs.gemm`), the skipped-step guard and eqs. (19)-(20).
+:class:`KFACOptimizer` tells :class:`~chainerkfac.graphs.step.StepGraph`
+so, and makes that step capturable:
+
+* the guard is :class:`~chainerkfac.device_guard.DeviceStepGuard` (the
+  finite check, its flag and the restore of a skipped step on the
+  device);
+* η, m (every update rule's) and γ (stage 5's eq. 13,
+  :attr:`KFAC.device_damping <chainerkfac.optimizers.KFAC>`) are read from
+  device memory, written before each step: the learning-rate and damping
+  schedules need no new capture.
+
+A refresh step (a factor due), the first step, a step after a restore
+(the guard takes its checkpoint) and any step of an optimizer set up in a
+way not replayed yet run eagerly, with the reason counted in
+:attr:`StepGraph.stats`. An eager step drops the graph, so the stale step
+after a refresh is captured again (the refresh wrote new inverses, which
+the graph would not read). After a replay, :meth:`KFACOptimizer.
+after_replay` does the step's host side: ``t``, the damping schedule, the
+report (:meth:`KFAC.finish_replayed_step
+<chainerkfac.optimizers.KFAC.finish_replayed_step>`), and the ``t`` of
+the update rules the captured step advanced.
+
+Not replayed yet: several processes (the transport's collectives and its
+agreement on the flag), ``acc_iters > 1``, ``loss_reduction='sum'``,
+optimizer hooks, synchronised stage timers.
+"""
+from typing import Optional
+
+from chainerkfac.device_guard import DeviceStepGuard
+from chainerkfac.graphs import hyper
+
+
+class KFACOptimizer:
+    """What :class:`~chainerkfac.graphs.step.StepGraph` needs to know of a
+    :class:`~chainerkfac.optimizers.KFAC` optimizer (module docstring).
+
+    Parameters
+    ----------
+    optimizer : chainerkfac.optimizers.KFAC
+        Set up with its model.
+    """
+
+    #: The values written to the device before each step.
+    NAMES = ('lr', 'momentum', 'damping')
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self._scalars = None
+        self._advanced = []
+
+    def _params(self):
+        return [p for _, p in sorted(self.optimizer.target.namedparams())
+                if p.update_rule is not None]
+
+    # -- decisions --------------------------------------------------------
+    def refusal(self) -> Optional[str]:
+        """Why the coming step runs eagerly, or None."""
+        opt = self.optimizer
+        if opt.transport.size > 1:
+            return ('K-FAC on {} processes (its collectives are not '
+                    'captured yet)'.format(opt.transport.size))
+        if opt.acc_iters != 1:
+            return 'acc_iters={} (micro-batches are not captured yet)'.format(
+                opt.acc_iters)
+        if opt.loss_reduction != 'mean':
+            return "loss_reduction='{}'".format(opt.loss_reduction)
+        if opt.synchronize_stage_timers:
+            return 'the stage timers synchronise the device'
+        hooks = [n for owner in [opt] + [p.update_rule for p in
+                                         self._params()]
+                 for n in list(owner._hookable._pre_update_hooks) +
+                 list(owner._hookable._post_update_hooks)]
+        if hooks:
+            return 'optimizer hooks ({}) are not replayable'.format(
+                ', '.join(sorted(set(hooks))))
+        if not opt.started:
+            return 'the first step (it sets up the transport and eq. 20)'
+        if opt.estimator.due:
+            return 'a refresh step (factors due)'
+        if not isinstance(opt.guard, DeviceStepGuard) or not opt.guard.ready:
+            return 'the guard takes its checkpoint (first step, or restored)'
+        return None
+
+    def baked(self) -> tuple:
+        """The host values a captured stale step holds: ρ_BN, eq. (20)'s
+        norms and which blocks have inverses."""
+        opt = self.optimizer
+        return (opt.rho_bn,
+                tuple(getattr(p.update_rule, 'rescale_norm', None)
+                      for p in self._params()),
+                tuple(b.has_inverses() for b in opt.blocks))
+
+    # -- before and after a step ------------------------------------------
+    def before_step(self) -> None:
+        """Install the device guard and the device hyperparameters (once
+        the parameters exist), then write η, m and γ to the device."""
+        opt = self.optimizer
+        params = [p for p in self._params() if p.array is not None]
+        if not params:
+            return
+        if self._scalars is None:
+            self._scalars = hyper.DeviceScalars(self.NAMES, params[0].device)
+            if not isinstance(opt.guard, DeviceStepGuard):
+                guard = DeviceStepGuard()
+                guard.count_from(opt.guard.skipped_steps)
+                guard.checkpoint(opt.target)
+                opt.guard = guard
+            opt.device_damping = self._scalars.view('damping', 'float64')
+        hyper.bind_rule_hyperparameters(
+            [(p.update_rule, p.dtype) for p in params], self._scalars,
+            ('lr', 'momentum'))
+        self._scalars.write({'lr': opt.lr, 'momentum': opt.momentum,
+                             'damping': opt.damping})
+
+    def host_state(self) -> tuple:
+        opt = self.optimizer
+        return (opt.t, [p.update_rule.t for p in self._params()],
+                opt.damping, dict(opt.fisher_diffs), opt.estimator.due)
+
+    def restore_host_state(self, state) -> None:
+        opt = self.optimizer
+        t, rule_ts, damping, diffs, due = state
+        opt.t, opt.damping, opt.fisher_diffs = t, damping, diffs
+        for param, rule_t in zip(self._params(), rule_ts):
+            param.update_rule.t = rule_t
+        opt.estimator.start_step(due)
+
+    def after_capture(self, before) -> None:
+        """Learn which update rules a stale step advances (those of the
+        parameters with a direction)."""
+        self._advanced = [p.update_rule for p, t in
+                          zip(self._params(), before[1])
+                          if p.update_rule.t != t]
+
+    def after_replay(self) -> None:
+        """The host side of the replayed stale step."""
+        for rule in self._advanced:
+            rule.t += 1
+        self.optimizer.finish_replayed_step()

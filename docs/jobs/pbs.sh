@@ -1,0 +1,64 @@
+#!/bin/bash
+# K-FAC on ImageNet under PBS Pro / Torque, resubmitted until the run is
+# done.
+#
+#   qsub docs/jobs/pbs.sh                (from the checkout)
+#
+# PBS sends no signal ahead of the wall-time limit, so this script keeps
+# its own clock: LEAD_S seconds before WALLTIME_S it sends SIGUSR1 to
+# mpiexec, which forwards it to every rank: they stop at the end of the
+# optimizer step in progress, write the snapshot and exit with status 75
+# ("resume me"); the script then submits the next job, which continues with
+# --resume latest. A SIGTERM that reaches only this script (qdel on some
+# sites) is forwarded the same way; one that reaches mpiexec too ends the
+# ranks 0.25 s later (Open MPI), and the next job falls back to the newest
+# whole snapshot (--snapshot-every 30min bounds what is lost).
+#
+#PBS -N kfac-bs32k
+#PBS -l select=16:ncpus=40:ngpus=4:mpiprocs=4
+#PBS -l walltime=24:00:00
+#PBS -j oe
+#PBS -r y
+
+set -u
+cd "${PBS_O_WORKDIR:-.}" || exit 1
+
+# What to run (the variables let a stand-in scheduler drive this script in
+# the tests: tests/scripts/test_job_scripts.py).
+OUT=${OUT:-result/bs32k}
+ARGS=${ARGS:-"train.txt val.txt --root /data/imagenet --config config/bs32k.json --gpu --snapshot-every 30min"}
+LAUNCH=${LAUNCH:-"mpiexec --bind-to none python train_imagenet.py"}
+REQUEUE=${REQUEUE:-"qsub docs/jobs/pbs.sh"}
+WALLTIME_S=${WALLTIME_S:-86400}     # the walltime requested above
+LEAD_S=${LEAD_S:-600}               # > the step in progress + the write
+RESUME_STATUS=75
+
+resume=
+if compgen -G "$OUT/snapshot_step_*.rank0" > /dev/null; then
+    resume="--resume latest"
+fi
+# shellcheck disable=SC2086  # the commands and options are word lists
+$LAUNCH $ARGS --out "$OUT" $resume &
+pid=$!
+trap 'kill -USR1 "$pid" 2> /dev/null' USR1 TERM
+(
+    trap 'kill "$sleeper" 2> /dev/null; exit 0' TERM
+    sleep $((WALLTIME_S - LEAD_S)) &
+    sleeper=$!
+    wait "$sleeper" && kill -USR1 "$pid" 2> /dev/null
+) &
+clock=$!
+# A trapped signal ends `wait` early: wait until mpiexec itself is done.
+while kill -0 "$pid" 2> /dev/null; do
+    wait "$pid"
+done
+wait "$pid"
+status=$?
+kill "$clock" 2> /dev/null
+
+if [ "$status" -eq "$RESUME_STATUS" ]; then
+    echo "$(date): stopped before the wall-time limit, snapshot written: resubmitting"
+    $REQUEUE
+    exit 0
+fi
+exit "$status"

@@ -1,0 +1,277 @@
+"""K-FAC and GuardedOptimizer through StepGraph (chainerkfac.graphs.graphed)
+on a CPU, against a CuPy stand-in whose graphs replay the real NumPy step
+with its host effects undone (tests/chainerkfac/graphs/replay_fake.py):
+which steps run eagerly, are captured or replayed over a mixed
+refresh/stale schedule; the same weights, velocities, statistics, host
+state and reports as the eager run, to the bit (the same operations in the
+same order), with the learning rate and the damping moving every step and
+no new capture for it; a non-finite replayed step undone on the device;
+nothing read on the host while capturing; a failed capture undone; the
+refusals. The CUDA run is tests/gpu/test_kfac_graphs_gpu.py."""
+import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
+
+import contextlib
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+
+from chainerkfac import fused
+from chainerkfac import graphs
+from chainerkfac.device_guard import DeviceStepGuard
+from chainerkfac.optimizers import GuardedOptimizer
+from chainerkfac.step_guard import StepGuard
+from tests.chainerkfac import helpers
+from tests.chainerkfac.graphs.replay_fake import ReplayCupy, device_arrays_of
+
+
+def _lossfun(model):
+    def lossfun(x, t):
+        loss = F.softmax_cross_entropy(model(x), t)
+        chainer.reporter.report({'loss': loss})
+        return loss
+    return lossfun
+
+
+def _batches(n_steps, n=6, nan_at=()):
+    rng = numpy.random.RandomState(3)
+    out = []
+    for step in range(n_steps):
+        x = rng.randn(n, 2, 5, 5)
+        if step in nan_at:
+            x[0, 0, 0, 0] = numpy.nan
+        out.append((x, rng.randint(0, 4, n).astype(numpy.int32)))
+    return out
+
+
+def _kfac(model, interval=4):
+    return helpers.kfac(lr=0.05, momentum=0.9, damping=1e-1,
+                        damping_target=1e-2, damping_warmup_steps=6,
+                        refresh_interval_a=interval,
+                        refresh_interval_g=interval,
+                        refresh_interval_f=interval,
+                        weight_rescale=True).setup(model)
+
+
+def _guarded(model):
+    sgd = chainer.optimizers.MomentumSGD(lr=0.1, momentum=0.9)
+    optimizer = GuardedOptimizer(sgd).setup(model)
+    optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-3))
+    return optimizer
+
+
+def _run(make, batches, graphed, lr_of=lambda step: 0.05 / (1 + step)):
+    """Train a fresh ConvNet on ``batches``; returns the state, the
+    observations, the modes and the fake."""
+    numpy.random.seed(0)
+    model = helpers.ConvNet(bn=True)
+    optimizer = make(model)
+    fake = None
+    if graphed:
+        fake = ReplayCupy(lambda: device_arrays_of(inner, model))
+        inner = optimizer
+        optimizer = graphs.graphed(optimizer, warmup=1, cupy=fake,
+                                   route_linear=contextlib.nullcontext)
+    lossfun = _lossfun(model)
+    observations, modes = [], []
+    for step, (x, t) in enumerate(batches):
+        optimizer.lr = lr_of(step)
+        observation = {}
+        if fake is not None:
+            x, t = fake.asarray(x), fake.asarray(t)
+        with chainer.reporter.Reporter().scope(observation):
+            modes.append(optimizer.update(lossfun, x, t))
+        if fake is not None:
+            fake.step_graph = optimizer.graph
+        observations.append({
+            k: float(v.array if isinstance(v, chainer.Variable) else v)
+            for k, v in observation.items()})
+    state = {n: p.array.copy() for n, p in model.namedparams()}
+    for name, param in model.namedparams():
+        state[name + '/v'] = param.update_rule.state['v'].copy()
+        state[name + '/t'] = param.update_rule.t
+    state['avg_mean'] = model.bn.avg_mean.copy()
+    state['avg_var'] = model.bn.avg_var.copy()
+    state['t'] = optimizer.t
+    state['damping'] = getattr(optimizer, 'damping', None)
+    return state, observations, modes, (fake, optimizer)
+
+
+def _assert_same_state(a, b):
+    assert sorted(a) == sorted(b)
+    for key in a:
+        numpy.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_kfac_mixed_schedule_replays_stale_steps_as_eager():
+    batches = _batches(13)
+    eager, eager_obs, _, _ = _run(_kfac, batches, graphed=False)
+    state, obs, modes, (fake, optimizer) = _run(_kfac, batches,
+                                                graphed=True)
+    # refresh steps (t = 0, 4, 8, 12) eager; the first stale step of the
+    # run warms up; each later cycle's first stale step is captured again
+    # (the refresh wrote new inverses), the others replayed
+    assert modes == ['eager', 'eager', 'captured', 'replayed', 'eager',
+                     'captured', 'replayed', 'replayed', 'eager',
+                     'captured', 'replayed', 'replayed', 'eager']
+    stats = optimizer.stats
+    assert stats['eager: a refresh step (factors due)'] == 3
+    assert stats['eager: the first step (it sets up the transport and '
+                 'eq. 20)'] == 1
+    assert stats['dropped: an eager step ran'] == 3
+    assert stats['dropped: hyperparameters changed'] == 0
+    assert fake.captures == 3
+    _assert_same_state(eager, state)
+    numpy.testing.assert_equal(obs, eager_obs)   # NaN == NaN
+    assert isinstance(optimizer.optimizer.guard, DeviceStepGuard)
+
+
+def test_kfac_non_finite_replayed_step_is_undone_on_the_device():
+    batches = _batches(8, nan_at=(6,))
+    _, _, modes, (fake, optimizer) = _run(_kfac, batches[:6], graphed=True)
+    assert modes[-1] == 'captured'
+    model = optimizer.target
+    before = {n: p.array.copy() for n, p in model.namedparams()}
+    velocity = {n: p.update_rule.state['v'].copy()
+                for n, p in model.namedparams()}
+    mean = model.bn.avg_mean.copy()
+    x, t = (fake.asarray(a) for a in batches[6])
+    observation = {}
+    with chainer.reporter.Reporter().scope(observation):
+        assert optimizer.update(optimizer._lossfun, x, t) == 'replayed'
+    assert optimizer.last_step_skipped
+    assert observation['kfac/skipped_step'] == 1.0
+    for name, param in model.namedparams():
+        numpy.testing.assert_array_equal(param.array, before[name])
+        numpy.testing.assert_array_equal(param.update_rule.state['v'],
+                                         velocity[name])
+    numpy.testing.assert_array_equal(model.bn.avg_mean, mean)
+    x, t = (fake.asarray(a) for a in batches[7])
+    assert optimizer.update(optimizer._lossfun, x, t) == 'replayed'
+    assert not optimizer.last_step_skipped
+    assert optimizer.guard.skipped_steps == 1
+
+
+def test_nothing_is_read_on_the_host_while_capturing(monkeypatch):
+    fakes = []
+    real_skipped = DeviceStepGuard.skipped
+
+    def forbidden(what):
+        def check(*args, **kwargs):
+            if fakes and fakes[0].capturing is not None:
+                pytest.fail('{} read on the host during capture'.format(
+                    what))
+        return check
+
+    def skipped(guard):
+        forbidden('DeviceStepGuard.skipped')()
+        return real_skipped.fget(guard)
+    monkeypatch.setattr(DeviceStepGuard, 'skipped', property(skipped))
+    all_finite = fused.all_finite
+    monkeypatch.setattr(fused, 'all_finite', lambda arrays: (
+        forbidden('fused.all_finite')(), all_finite(arrays))[1])
+    original = ReplayCupy.__init__
+
+    def recording(self, *args):
+        original(self, *args)
+        fakes.append(self)
+    monkeypatch.setattr(ReplayCupy, '__init__', recording)
+    for make in (_kfac, _guarded):
+        fakes.clear()
+        _, _, modes, _ = _run(make, _batches(6), graphed=True)
+        assert 'captured' in modes and 'replayed' in modes
+
+
+def test_guarded_optimizer_lr_schedule_needs_no_new_capture():
+    batches = _batches(10, nan_at=(7,))
+    eager, eager_obs, _, _ = _run(_guarded, batches, graphed=False,
+                                  lr_of=lambda step: 0.1 * 0.8 ** step)
+    state, obs, modes, (fake, optimizer) = _run(
+        _guarded, batches, graphed=True,
+        lr_of=lambda step: 0.1 * 0.8 ** step)
+    # the first step (the warm-up) decides on the host (no velocities
+    # yet), then one capture for every learning rate
+    assert modes == ['eager', 'captured'] + ['replayed'] * 8
+    assert fake.captures == 1
+    assert obs[7]['skipped_step'] == 1.0 and eager_obs[7][
+        'skipped_step'] == 1.0
+    # the host guard does not count the skipped step in t, the device
+    # guard cannot know it without reading its flag
+    assert (eager.pop('t'), state.pop('t')) == (9, 10)
+    for key in [k for k in eager if k.endswith('/t')]:
+        assert (eager.pop(key), state.pop(key)) == (9, 10)
+    _assert_same_state(eager, state)
+    numpy.testing.assert_equal(obs, eager_obs)   # NaN == NaN
+
+
+def test_failed_capture_is_undone_and_runs_eagerly(monkeypatch):
+    # CUDA ends the capture with an error (a forbidden call invalidated
+    # it): the step's host effects are undone and it runs eagerly.
+    class Refusing(ReplayCupy):
+        def __init__(self, device_arrays):
+            super().__init__(device_arrays)
+
+            class Failing(self.cuda.Stream):
+                def end_capture(self):
+                    super().end_capture()
+                    raise RuntimeError('cudaErrorStreamCaptureInvalidated')
+            self.cuda.Stream = Failing
+
+    batches = _batches(9)
+    eager, eager_obs, _, _ = _run(_kfac, batches, graphed=False)
+    monkeypatch.setitem(globals(), 'ReplayCupy', Refusing)
+    state, obs, modes, (_, optimizer) = _run(_kfac, batches, graphed=True)
+    assert modes == ['eager'] * 9
+    assert optimizer.stats['capture failed'] == 1
+    assert optimizer.stats['eager: its capture failed before'] == 4
+    _assert_same_state(eager, state)
+    numpy.testing.assert_equal(obs, eager_obs)
+
+
+class _Transport:
+    size = 2
+
+
+@pytest.mark.parametrize('change, reason', [
+    (lambda o: setattr(o, 'transport', _Transport()), 'on 2 processes'),
+    (lambda o: setattr(o, 'synchronize_stage_timers', True),
+     'stage timers'),
+    (lambda o: o.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4)),
+     'WeightDecay'),
+    (lambda o: setattr(o, 'guard', StepGuard()), 'checkpoint'),
+])
+def test_kfac_refusals(change, reason):
+    numpy.random.seed(0)
+    model = helpers.ConvNet(bn=True)
+    optimizer = _kfac(model)
+    x, t = _batches(1)[0]
+    optimizer.update(_lossfun(model), x, t)
+    adapter = graphs.graphed(optimizer, cupy=ReplayCupy(list)).adapter
+    adapter.before_step()
+    assert adapter.refusal() is None
+    change(optimizer)
+    assert reason in adapter.refusal()
+    for kwargs, text in (({'acc_iters': 2}, 'acc_iters=2'),
+                         ({'loss_reduction': 'sum'}, "'sum'")):
+        numpy.random.seed(0)
+        model = helpers.ConvNet(bn=True)
+        optimizer = helpers.kfac(**kwargs).setup(model)
+        for _ in range(kwargs.get('acc_iters', 1)):
+            optimizer.update(_lossfun(model), x, t)
+        adapter = graphs.graphed(optimizer, cupy=ReplayCupy(list)).adapter
+        adapter.before_step()
+        assert text in adapter.refusal()
+
+
+def test_graphed_checks_what_it_is_given():
+    with pytest.raises(TypeError, match='graphed takes'):
+        graphs.graphed(object())
+    with pytest.raises(ValueError, match='setup'):
+        graphs.graphed(chainer.optimizers.MomentumSGD())
+    model = helpers.ConvNet(bn=True)
+    optimizer = GuardedOptimizer(chainer.optimizers.MomentumSGD(),
+                                 comm=object()).setup(model)
+    adapter = graphs.graphed(optimizer, cupy=ReplayCupy(list)).adapter
+    assert 'communicator' in adapter.refusal()

@@ -1,0 +1,116 @@
+"""``chainerkfac.serializers``: ``.npz`` files load with pickle off. A file
+whose array was replaced by a pickled object (here one whose unpickling
+creates a marker file, as an attacker's would run code) is refused naming
+the file and the key, and the marker is never created; a clean file loads
+as with Chainer's ``load_npz``."""
+import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
+
+import io
+
+import chainer
+import numpy
+import pytest
+
+from chainerkfac import serializers
+from tests.chainerkfac import helpers
+from tests.harness.damage import pickled
+
+
+@pytest.fixture
+def weights_file(tmp_path):
+    model = helpers.MLP()
+    path = str(tmp_path / 'model.npz')
+    chainer.serializers.save_npz(path, model)
+    return path, model
+
+
+def test_the_payload_runs_where_pickle_is_on(weights_file, tmp_path):
+    """The attack is real: numpy's pickle-on load creates the marker."""
+    path, _ = weights_file
+    marker = tmp_path / 'ran'
+    pickled(path, 'l1/W', marker)
+    with numpy.load(path, allow_pickle=True) as data:
+        data['l1/W']
+    assert marker.exists()
+
+
+def test_refused_naming_file_and_key_before_anything_is_loaded(
+        weights_file, tmp_path):
+    path, _ = weights_file
+    marker = tmp_path / 'ran'
+    pickled(path, 'l2/b', marker)
+    model = helpers.MLP()
+    before = {n: p.array.copy() for n, p in model.namedparams()}
+    with pytest.raises(serializers.PickledArrayError) as info:
+        serializers.load_npz(path, model)
+    assert not marker.exists()
+    assert (info.value.path, info.value.key) == (path, 'l2/b')
+    assert path in str(info.value) and "'l2/b'" in str(info.value)
+    # Refused before loading: not even the arrays before it in the file.
+    for name, param in model.namedparams():
+        numpy.testing.assert_array_equal(param.array, before[name])
+    with pytest.raises(serializers.PickledArrayError):
+        serializers.open_npz(path)
+    assert not marker.exists()
+
+
+def test_refused_from_a_file_object(weights_file, tmp_path):
+    path, _ = weights_file
+    marker = tmp_path / 'ran'
+    pickled(path, 'l1/b', marker)
+    with open(path, 'rb') as f:
+        with pytest.raises(serializers.PickledArrayError, match="'l1/b'"):
+            serializers.load_npz(f, helpers.MLP())
+    assert not marker.exists()
+
+
+def test_clean_file_loads_as_with_chainer(weights_file):
+    path, model = weights_file
+    mine, chainers = helpers.MLP(sizes=(5, 4, 3)), helpers.MLP()
+    for link in (mine, chainers):
+        for param in link.params():
+            param.array[...] = 0
+    serializers.load_npz(path, mine)
+    with open(path, 'rb') as f:
+        data = io.BytesIO(f.read())
+    chainer.serializers.load_npz(data, chainers)
+    for (name, a), (_, b) in zip(sorted(mine.namedparams()),
+                                 sorted(chainers.namedparams())):
+        numpy.testing.assert_array_equal(a.array, b.array, name)
+        numpy.testing.assert_array_equal(
+            a.array, dict(model.namedparams())[name].array)
+
+
+def test_optimizer_state_round_trip(tmp_path):
+    """K-FAC's state (factors, damping, refresh bookkeeping) saved with
+    Chainer's ``save_npz`` loads here: nothing in it needs pickle."""
+    model = helpers.MLP()
+    optimizer = helpers.kfac(damping_target=1e-3, damping_warmup_steps=5)
+    optimizer.setup(model)
+    x, t = helpers.data(n=4, shape=(5,), n_class=3)
+    optimizer.update(helpers.loss_of(model), x, t)
+    path = str(tmp_path / 'optimizer.npz')
+    chainer.serializers.save_npz(path, optimizer)
+    restored = helpers.kfac(damping_target=1e-3, damping_warmup_steps=5)
+    restored.setup(helpers.MLP())
+    serializers.load_npz(path, restored)
+    assert (restored.t, restored.damping) == (optimizer.t, optimizer.damping)
+    for mine, theirs in zip(restored.blocks, optimizer.blocks):
+        assert sorted(mine.factors) == sorted(theirs.factors)
+        for name in theirs.factors:
+            numpy.testing.assert_array_equal(mine.factors[name],
+                                             theirs.factors[name])
+
+
+def test_none_values_left_out():
+    target = {'a': numpy.zeros(2), 'b': numpy.asarray(None)}
+    assert sorted(serializers.without_none(target)) == ['a']
+
+
+def test_error_survives_pickling():
+    """Errors travel between processes (mpi4py pickles them)."""
+    import pickle
+    error = serializers.PickledArrayError('/x/f.npz', 'k')
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.path, copy.key, str(copy)) == (error.path, error.key,
+                                                str(error))

@@ -1,0 +1,247 @@
+"""K-FAC's stale steps and GuardedOptimizer's steps replayed as CUDA graphs
+(chainerkfac.graphs.graphed) against the same steps taken eagerly, on a
+GPU; the device guard's kernels; the batched inverses against float64
+NumPy.
+
+Equal to the eager run "in float64 to 1e-12" of the largest weight: the
+replayed kernels are the eager ones on the same buffers (the scalars read
+from device memory hold the same float64 values), so only the GEMMs'
+summation orders could differ between handles; float64 rounding over 50
+steps of a small network stays near 1e-15.
+
+The networks: an MLP with BatchNormalization (Linear routed to our
+cuBLAS, BN on Chainer's generic kernels: capturable without cuDNN), and
+the small ResNet where Chainer's convolutions run on cuDNN (the backend,
+``CHAINERKFAC_CUDNN=1``; without it they are im2col + CuPy's cuBLAS,
+which CuPy refuses to capture).
+"""
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+import models
+from chainerkfac import graphs
+from chainerkfac import linalg
+from chainerkfac import linalg_cuda
+from chainerkfac.device_guard import DeviceStepGuard
+from chainerkfac.optimizers import GuardedOptimizer, KFAC
+from tests.chainerkfac.test_linalg import _problem_factors
+from tests.gpu import support
+
+pytestmark = support.MARKS
+
+
+class _MLP(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(64, 32)
+            self.bn = L.BatchNormalization(32)
+            self.l2 = L.Linear(32, 10)
+
+    def forward(self, x):
+        return self.l2(F.relu(self.bn(self.l1(x))))
+
+
+def _network(kind):
+    numpy.random.seed(0)
+    with chainer.using_config('dtype', numpy.float64):
+        if kind == 'mlp':
+            predictor = _MLP()
+        else:
+            if not chainer.backends.cuda.cudnn_enabled:
+                pytest.skip('the small ResNet is captured with cuDNN '
+                            'convolutions: run with CHAINERKFAC_CUDNN=1')
+            predictor = models.build_model('small', 10, 8, 4)
+    model = models.SoftLabelClassifier(predictor)
+    model.to_device('@cupy:0')
+    return model
+
+
+def _batches(kind, n_steps, nan_at=None):
+    import cupy
+    rng = numpy.random.RandomState(1)
+    shape = (16, 64) if kind == 'mlp' else (8, 3, 16, 16)
+    out = []
+    for step in range(n_steps):
+        x = rng.randn(*shape)
+        if step == nan_at:
+            x[0, 0] = numpy.nan
+        out.append((cupy.asarray(x),
+                    cupy.asarray(rng.randint(0, 10, shape[0]).astype(
+                        numpy.int32))))
+    return out
+
+
+def _kfac(model):
+    return KFAC(lr=0.02, momentum=0.9, damping=0.1, damping_target=0.01,
+                damping_warmup_steps=20, refresh_interval_a=5,
+                refresh_interval_g=5, refresh_interval_f=5,
+                weight_rescale=True, verbose=False).setup(model)
+
+
+def _guarded(model):
+    optimizer = GuardedOptimizer(chainer.optimizers.MomentumSGD(
+        lr=0.05, momentum=0.9)).setup(model)
+    optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
+    return optimizer
+
+
+def _train(kind, make, batches, use_graph):
+    model = _network(kind)
+    optimizer = make(model)
+    stepper = graphs.graphed(optimizer) if use_graph else optimizer
+    for step, (x, t) in enumerate(batches):
+        optimizer.lr = 0.02 * 0.97 ** step       # a new value every step
+        if use_graph:
+            stepper.update(model, x, t)
+        else:
+            with graphs.gemm.route_step():
+                stepper.update(model, x, t)
+    return model, optimizer, stepper
+
+
+@pytest.mark.parametrize('kind', ['mlp', 'small_resnet'])
+@pytest.mark.parametrize('make', [_kfac, _guarded], ids=['kfac', 'guarded'])
+def test_fifty_steps_replayed_equal_eager(kind, make):
+    batches = _batches(kind, 50)
+    eager, _, _ = _train(kind, make, batches, False)
+    model, optimizer, stepper = _train(kind, make, batches, True)
+    stats = dict(stepper.stats)
+    if make is _kfac:
+        # t = 0, 5, ..., 45 refresh eagerly; each cycle's first stale step
+        # is captured, the first of all warms up (3 steps)
+        assert stats['eager: a refresh step (factors due)'] == 9, stats
+        assert stats['replayed'] >= 25, stats
+    else:
+        assert stats['captured'] == 1, stats   # lr moved every step
+        assert stats['replayed'] >= 45, stats
+    assert isinstance(optimizer.guard, DeviceStepGuard)
+    assert not optimizer.last_step_skipped
+    reference = support.weights(eager)
+    got = support.weights(model)
+    for name, value in reference.items():
+        numpy.testing.assert_allclose(got[name], value, rtol=0,
+                                      atol=1e-12 * abs(value).max(),
+                                      err_msg=name)
+    for link, ref in zip(model.links(), eager.links()):
+        if isinstance(link, L.BatchNormalization):
+            numpy.testing.assert_allclose(
+                support.to_cpu(link.avg_mean), support.to_cpu(ref.avg_mean),
+                rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize('make', [_kfac, _guarded], ids=['kfac', 'guarded'])
+def test_non_finite_replayed_step_is_undone_on_the_device(make):
+    batches = _batches('mlp', 14, nan_at=12)
+    model = _network('mlp')
+    optimizer = make(model)
+    stepper = graphs.graphed(optimizer)
+    for x, t in batches[:12]:
+        stepper.update(model, x, t)
+    weights = support.weights(model)
+    velocity = {n: support.to_cpu(p.update_rule.state['v'])
+                for n, p in model.namedparams()}
+    mean = support.to_cpu(model.predictor.bn.avg_mean)
+    x, t = batches[12]
+    assert stepper.update(model, x, t) == 'replayed'
+    assert optimizer.last_step_skipped     # read after the step
+    for name, value in support.weights(model).items():
+        numpy.testing.assert_array_equal(value, weights[name])
+    for name, param in model.namedparams():
+        numpy.testing.assert_array_equal(
+            support.to_cpu(param.update_rule.state['v']), velocity[name])
+    numpy.testing.assert_array_equal(
+        support.to_cpu(model.predictor.bn.avg_mean), mean)
+    x, t = batches[13]
+    assert stepper.update(model, x, t) == 'replayed'
+    assert not optimizer.last_step_skipped
+    assert optimizer.guard.skipped_steps == 1
+
+
+def _spd(n, seed, dtype):
+    rng = numpy.random.RandomState(seed)
+    m = rng.randn(n, 2 * n)
+    return (m.dot(m.T) / (2 * n)).astype(dtype)
+
+
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
+@pytest.mark.parametrize('max_dim', [0, 512], ids=['per-factor', 'batched'])
+def test_batched_inverses_against_float64_numpy(dtype, max_dim,
+                                                monkeypatch):
+    """Sizes repeated as in ResNet-50 (64, 128, 256, 512) and single ones.
+    Bound: the damped factors' condition numbers κ are below 60 (their
+    eigenvalues lie in about [0.09, 2.9], damping 1e-2 to 1e-1), so a
+    backward-stable inverse is within n·κ·ε of the exact one; the bound
+    taken is 10·n·κ·ε of the largest entry."""
+    monkeypatch.setattr(linalg_cuda, 'BATCHED_MAX_DIM', max_dim)
+    factors = [(_spd(n, k, dtype), 10.0 ** -(1 + k % 2))
+               for k, n in enumerate([64] * 5 + [128] * 3 + [256] * 2 +
+                                     [512] * 2 + [7, 300, 700])]
+    results = linalg.damped_inverses(
+        [support.to_gpu(m) for m, _ in factors], [d for _, d in factors])
+    eps = numpy.finfo(dtype).eps
+    for (matrix, damping), result in zip(factors, results):
+        assert result.retries == 0 and result.damping == damping
+        damped = matrix.astype(numpy.float64) + damping * numpy.eye(
+            len(matrix))
+        exact = numpy.linalg.inv(damped)
+        kappa = numpy.linalg.cond(damped)
+        assert kappa < 60
+        got = support.to_cpu(result.inverse)
+        assert got.dtype == dtype and numpy.array_equal(got, got.T)
+        bound = 10 * len(matrix) * kappa * eps * abs(exact).max()
+        assert abs(got - exact).max() <= bound, (matrix.shape, bound)
+
+
+@pytest.mark.parametrize('max_dim', [0, 512], ids=['per-factor', 'batched'])
+def test_batched_retries_as_the_cpu(max_dim, monkeypatch):
+    """The problem factors (−I, indefinite, NaN, Inf) twice over, so that
+    the equal sizes go as batches: the same retries and dampings as the
+    CPU's LAPACK path, and no NaN returned."""
+    monkeypatch.setattr(linalg_cuda, 'BATCHED_MAX_DIM', max_dim)
+    factors = _problem_factors() * 2
+    cpu = linalg.damped_inverses([m for m, _ in factors],
+                                 [d for _, d in factors])
+    gpu = linalg.damped_inverses([support.to_gpu(m) for m, _ in factors],
+                                 [d for _, d in factors])
+    for c, g in zip(cpu, gpu):
+        assert (g.retries, g.damping) == (c.retries, c.damping)
+        assert (g.inverse is None) == (c.inverse is None)
+        if g.inverse is not None:
+            assert numpy.isfinite(support.to_cpu(g.inverse)).all()
+
+
+@pytest.mark.slow
+def test_train_imagenet_with_cuda_graphs(tmp_path, monkeypatch):
+    """``--demo --gpu --cuda-graphs`` with a config of one process's batch
+    and stale factors (refresh every 5 steps): both runs train, and their
+    summaries count replayed steps."""
+    import json
+    import os
+    from tests import launch
+    with open(os.path.join(launch.REPO, 'config', 'demo.json')) as f:
+        config = json.load(f)
+    config.update(global_batch_size=32, refresh_interval_a=5,
+                  refresh_interval_g=5, refresh_interval_f=5)
+    path = tmp_path / 'stale.json'
+    path.write_text(json.dumps(config))
+    out = tmp_path / 'out'
+    monkeypatch.setenv('CHAINERKFAC_CACHE', str(tmp_path / 'cache'))
+    # the small ResNet's convolutions are captured on cuDNN (the backend)
+    monkeypatch.setenv('CHAINERKFAC_CUDNN', '1')
+    proc, seconds = launch.run_mpi(
+        ['train_imagenet.py', '--demo', '--gpu', '--cuda-graphs', '--config',
+         path, '--epochs', '2', '--no-progress', '--out', out], nproc=1,
+        timeout=480)
+    assert proc.returncode == 0, 'failed after {:.0f} s:\n{}\n{}'.format(
+        seconds, proc.stdout[-4000:], proc.stderr[-8000:])
+    with open(out / 'summary.json') as f:
+        summaries = json.load(f)
+    for summary in summaries:
+        stats = summary['cuda_graphs']
+        assert stats.get('replayed', 0) > 0, (summary['optimizer'], stats)
+        assert 0.0 < summary['final_top1'] <= 1.0, summary
