@@ -67,14 +67,14 @@ def test_sharded_run_trains_like_the_unsharded_and_resumes_unsharded(
         assert result.returncode == 0, result.stdout[-3000:]
     assert max_relative_diff(_final(sharded), _final(plain),
                              skip_statistics=True) < TOLERANCE
-    files = [str(sharded / 'snapshot_epoch_1.rank{}'.format(r))
+    files = [str(sharded / 'snapshot_step_2.rank{}'.format(r))
              for r in (0, 1)]
     held = [_velocities(f) for f in files]
     assert held[0] and held[1] and not held[0] & held[1]
     assert held[0] | held[1] == _velocities(
-        str(plain / 'snapshot_epoch_1.rank0'))
+        str(plain / 'snapshot_step_2.rank0'))
     result = run(command(dataset, resumed, *optimizer, '--resume',
-                         str(sharded / 'snapshot_epoch_1'), config=config), 1)
+                         str(sharded / 'snapshot_step_2'), config=config), 1)
     assert result.returncode == 0, result.stdout[-3000:]
     assert 'on 1 process(es)' in result.stdout
     assert _relative_to_movement(
