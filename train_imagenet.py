@@ -228,10 +228,22 @@ def parse_args(argv=None):
     parser.add_argument('--label', help='name of the run in the figures')
     parser.add_argument('--baseline-lr', type=number(
                             'a number > 0', lambda v: v > 0),
-                        help='peak LR of sgd/lars (default: scaled rule)')
+                        help='peak LR of sgd/lars (default: scaled rule; '
+                             'lars: 31.2 scaled, 29 unscaled x batch/32K)')
     parser.add_argument('--baseline-momentum', type=number(
                             'a number in [0, 1)', lambda v: 0 <= v < 1),
-                        help='momentum of sgd/lars (default: 0.9 / 0.929)')
+                        help='momentum of sgd/lars (default: 0.9; lars: '
+                             '0.9 scaled, 0.929 unscaled)')
+    parser.add_argument('--lars-momentum', choices=('scaled', 'unscaled'),
+                        help="LARS's momentum form: Figure 5 (scaled, the "
+                             'MLPerf reference) or 6 (unscaled) of the '
+                             "MLPerf-0.6 paper (default: the config's "
+                             'lars_momentum)')
+    parser.add_argument('--shard-update', action='store_true',
+                        help='weight-update sharding: each process updates '
+                             'the parameters it owns (and keeps their '
+                             'optimizer state), the new weights are '
+                             'all-gathered')
     parser.add_argument('--warmup-epochs', type=number(
                             'a number >= 0', lambda v: v >= 0), default=5.0,
                         help='LR warm-up of sgd/lars')
@@ -250,6 +262,8 @@ def parse_args(argv=None):
         if missing:
             parser.error('missing {} (or use --demo)'.format(
                 ', '.join(missing)))
+    if args.lars_momentum and args.optimizer != 'lars':
+        parser.error('--lars-momentum is for --optimizer lars')
     if args.resume and args.init_weights_from:
         parser.error('--resume continues a run, --init-weights-from starts '
                      'a new one: give one of them')

@@ -35,6 +35,9 @@ from harness.mpi import raise_together
 from harness.updater import AugmentedUpdater, BatchConverter
 
 OPTIMIZERS = ('kfac', 'sgd', 'lars')
+#: LARS's base learning rate and momentum at a batch of 32K per momentum
+#: form (seed 002, Table 1: 72.8 epochs scaled, 64 unscaled).
+LARS_TABLE1 = {'scaled': (31.2, 0.9), 'unscaled': (29.0, 0.929)}
 
 
 def build_optimizer(name, cfg, comm, acc_iters, args, use_graphs=False):
@@ -47,6 +50,7 @@ def build_optimizer(name, cfg, comm, acc_iters, args, use_graphs=False):
         optimizer = chainerkfac.optimizers.KFAC(
             acc_iters=acc_iters, fisher_diff=args.fisher_diff,
             verbose=comm.rank == 0, seed=args.seed + comm.rank,
+            shard_update=args.shard_update,
             **config_module.kfac_options(cfg))
         if distributed:
             optimizer = chainerkfac.create_multi_node_optimizer(optimizer,
@@ -64,19 +68,25 @@ def build_optimizer(name, cfg, comm, acc_iters, args, use_graphs=False):
         # Goyal et al.: from the learning rate of a batch of 256 (0.1 for
         # the default) up to the scaled one; never down.
         warmup_start = lr / max(scale, 1.0)
+        actual = chainer.optimizers.MomentumSGD(lr=lr, momentum=momentum)
     else:
-        # MLPerf-0.6 LARS at 32K: base LR 29 with trust coefficient 1e-3
-        # (Chainer's GradientLARS has none), momentum 0.929, 18 warm-up
-        # epochs; scaled linearly to other batch sizes by default.
+        # MLPerf-0.6 LARS at 32K (seed 002, Table 1), trust coefficient
+        # 1e-3: scaled momentum with base LR 31.2 and momentum 0.9, unscaled
+        # with 29.0 and 0.929; scaled linearly to other batch sizes.
+        form = cfg.lars_momentum     # --lars-momentum applied already
+        base_lr, base_momentum = LARS_TABLE1[form]
         lr = _given(args.baseline_lr,
-                    29.0e-3 * cfg.global_batch_size / 32768)
-        momentum = _given(args.baseline_momentum, 0.929)
+                    base_lr * cfg.global_batch_size / 32768)
+        momentum = _given(args.baseline_momentum, base_momentum)
         warmup_start = lr / 100.0
-    # Driven like K-FAC: accumulation, averaging over processes and the
-    # skipped-step guard are the optimizer's.
+        actual = chainerkfac.optimizers.LARS(
+            lr=lr, momentum=momentum, weight_decay=args.weight_decay,
+            eta=1e-3, momentum_form=form)
+    # Driven like K-FAC: accumulation, averaging over processes (or the
+    # sharded update) and the skipped-step guard are the optimizer's.
     optimizer = chainerkfac.optimizers.GuardedOptimizer(
-        chainer.optimizers.MomentumSGD(lr=lr, momentum=momentum), acc_iters,
-        comm if distributed else None)
+        actual, acc_iters, comm if distributed else None,
+        shard_update=args.shard_update)
     schedule = kfac_training.LinearWarmupLR(
         lr, warmup_start, warmup_epochs=args.warmup_epochs,
         decay=kfac_training.polynomial_decay(
@@ -129,12 +139,11 @@ def cuda_graphs(mode, gpu, n_processes, acc_iters, cudnn_serves):
 
 
 def attach_hooks(name, optimizer, args):
+    """Weight decay of the SGD baseline (LARS has its own: it enters the
+    trust ratio and leaves out biases and BN)."""
     if name == 'sgd':
         optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
             args.weight_decay))
-    elif name == 'lars':
-        optimizer.add_hook(chainer.optimizer_hooks.GradientLARS(
-            weight_decay=args.weight_decay))
 
 
 def observers(optimizer, name, images_per_iteration):
@@ -314,7 +323,9 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
     if kfac and args.fisher_diff:
         trainer.extend(FisherDiffLog(optimizer, comm=comm))
     writer = snapshots.AtomicThreadWriter(
-        args.compress_snapshots, facts={'optimizer': optimizer_name})
+        args.compress_snapshots, facts={
+            'optimizer': optimizer_name,
+            'shard_update': int(args.shard_update)})
     snapshots.extend_trainer(
         trainer, comm, writer, comm.rank, args.keep_snapshots,
         trigger=triggers.SnapshotTrigger(args.snapshot_every, comm, stop),
@@ -339,8 +350,8 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
             args.depth, args.width, len(data.train), len(data.val), n_class,
             label))
     if resumed:
-        resume.load(comm, trainer, optimizer if kfac else None, updater,
-                    out, *resumed)
+        resume.load(comm, trainer, optimizer, updater, out, *resumed,
+                    sharded=args.shard_update)
     start = time.time()
     try:
         trainer.run()
@@ -378,14 +389,18 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
 
 
 def resolve_config(args, comm):
-    """The config of ``--config`` with ``--epochs`` applied, checked against
+    """The config of ``--config`` with ``--epochs`` and ``--lars-momentum``
+    applied (the run's ``config.json`` says what it used), checked against
     the number of processes (every error raised once, naming the key)."""
     cfg, error = None, None
     try:
         cfg = config_module.load(args.config)
-        if args.epochs is not None:
+        overrides = {key: value for key, value in (
+            ('epochs', args.epochs), ('lars_momentum', args.lars_momentum))
+            if value is not None}
+        if overrides:
             cfg = config_module.from_dict(
-                dict(config_module.to_dict(cfg), epochs=args.epochs),
+                dict(config_module.to_dict(cfg), **overrides),
                 source=args.config)
         cfg.acc_iters(comm.size)   # raises with the numbers if impossible
     except (OSError, ValueError) as e:

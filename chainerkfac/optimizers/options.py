@@ -109,6 +109,7 @@ _RULES = {
                        'must be an int >= 1 (or None: no limit)'),
     'inverse_method': (lambda v: v in INVERSE_METHODS,
                        'must be one of {}'.format(INVERSE_METHODS)),
+    'shard_update': (lambda v: isinstance(v, bool), 'must be True or False'),
     'conv_a_strategy': (lambda v: v is None or v in CONV_A_STRATEGIES,
                         'must be one of {} (or None: the cheaper)'.format(
                             CONV_A_STRATEGIES)),

@@ -12,7 +12,7 @@ FINGERPRINTED = ('damping', 'damping_target', 'damping_warmup_steps',
                  'rho_bn', 'bn_fisher', 'fisher', 'mc_samples', 'acc_iters',
                  'factor_dtype', 'factor_decay', 'weight_rescale',
                  'loss_reduction', 'max_factor_dim', 'inverse_method',
-                 'fisher_diff', 't', 'epoch')
+                 'fisher_diff', 'shard_update', 't', 'epoch')
 
 
 def registration_table(blocks, rescale) -> str:

@@ -83,6 +83,10 @@ def test_exclusive_options_refused(capsys):
     assert '--overwrite' in err and '--resume latest' in err
     err = refused(capsys, '--demo', '--resume', 'latest')
     assert '--demo' in err
+    err = refused(capsys, '--lars-momentum', 'scaled')
+    assert '--lars-momentum is for --optimizer lars' in err
+    err = refused(capsys, '--optimizer', 'lars', '--lars-momentum', 'x')
+    assert 'argument --lars-momentum' in err
 
 
 def test_values_at_the_edges_are_kept():
