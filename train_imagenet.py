@@ -136,13 +136,18 @@ def parse_args(argv=None):
                              "or 'pure_nccl' (default with --gpu)")
     parser.add_argument('--gpu', action='store_true',
                         help='one GPU per process (intra-node rank)')
-    parser.add_argument('--cuda-graphs', action='store_true',
+    parser.add_argument('--cuda-graphs', nargs='?', const='on',
+                        default='auto', choices=('auto', 'on', 'off'),
                         help='capture steady-state steps (K-FAC steps that '
                              'refresh no factor, the baselines\' steps) as '
-                             'CUDA graphs and replay them (--gpu, one '
-                             'process, no accumulation; opt-in until '
-                             'measured equal on a GPU); the summary counts '
-                             'eager, captured and replayed steps')
+                             'CUDA graphs and replay them. auto (default): '
+                             'on with --gpu where they can be captured (one '
+                             'process, no accumulation, cuDNN serving '
+                             'Chainer), else off, the start-up line says '
+                             'why; on (or the bare flag): refuse a run where '
+                             'they cannot; off: every step eager. The '
+                             'summary counts eager, captured and replayed '
+                             'steps')
     parser.add_argument('--arch', choices=models.ARCHS, default='resnet50')
     parser.add_argument('--depth', type=small_resnet_depth, default=8,
                         help='depth of --arch small (6n+2: 8, 14, 20, ...)')
@@ -223,10 +228,22 @@ def parse_args(argv=None):
     parser.add_argument('--label', help='name of the run in the figures')
     parser.add_argument('--baseline-lr', type=number(
                             'a number > 0', lambda v: v > 0),
-                        help='peak LR of sgd/lars (default: scaled rule)')
+                        help='peak LR of sgd/lars (default: scaled rule; '
+                             'lars: 31.2 scaled, 29 unscaled x batch/32K)')
     parser.add_argument('--baseline-momentum', type=number(
                             'a number in [0, 1)', lambda v: 0 <= v < 1),
-                        help='momentum of sgd/lars (default: 0.9 / 0.929)')
+                        help='momentum of sgd/lars (default: 0.9; lars: '
+                             '0.9 scaled, 0.929 unscaled)')
+    parser.add_argument('--lars-momentum', choices=('scaled', 'unscaled'),
+                        help="LARS's momentum form: Figure 5 (scaled, the "
+                             'MLPerf reference) or 6 (unscaled) of the '
+                             "MLPerf-0.6 paper (default: the config's "
+                             'lars_momentum)')
+    parser.add_argument('--shard-update', action='store_true',
+                        help='weight-update sharding: each process updates '
+                             'the parameters it owns (and keeps their '
+                             'optimizer state), the new weights are '
+                             'all-gathered')
     parser.add_argument('--warmup-epochs', type=number(
                             'a number >= 0', lambda v: v >= 0), default=5.0,
                         help='LR warm-up of sgd/lars')
@@ -245,6 +262,8 @@ def parse_args(argv=None):
         if missing:
             parser.error('missing {} (or use --demo)'.format(
                 ', '.join(missing)))
+    if args.lars_momentum and args.optimizer != 'lars':
+        parser.error('--lars-momentum is for --optimizer lars')
     if args.resume and args.init_weights_from:
         parser.error('--resume continues a run, --init-weights-from starts '
                      'a new one: give one of them')
@@ -254,7 +273,7 @@ def parse_args(argv=None):
     if args.demo and (args.resume or args.init_weights_from):
         parser.error('--demo trains two new runs: no --resume or '
                      '--init-weights-from')
-    if args.cuda_graphs and not args.gpu:
+    if args.cuda_graphs == 'on' and not args.gpu:
         parser.error('--cuda-graphs replays GPU work: it needs --gpu (the '
                      'arrays would be NumPy arrays)')
     if args.crop_size > args.resize:

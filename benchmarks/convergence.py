@@ -13,15 +13,23 @@ schemes — damping warm-up, eq. 17 polynomial LR decay, eq. 18 momentum,
 eq. 20 weight rescaling, running mixup, random erasing). Every run is one
 ``train_imagenet.py`` process (the same harness, no second training
 loop); the baselines use its ``--optimizer sgd`` (Goyal et al.: momentum
-0.9, weight decay 1e-4) and ``--optimizer lars`` (momentum 0.929, weight
-decay 1e-4), with a 1-epoch linear warm-up as in ``--demo``.
+0.9, weight decay 1e-4) and ``--optimizer lars`` (the configs' unscaled
+momentum, 0.929, trust coefficient 1e-3, weight decay 1e-4, biases and BN
+excluded: :class:`chainerkfac.optimizers.LARS`), with a 1-epoch linear
+warm-up as in ``--demo``.
 
 **Learning-rate search, equal budget.** Each optimizer gets the same
 number of learning rates (a factor-2 grid, :data:`LR_GRID`) times the same
 seeds. The grid centres come from pilot runs: the demo config's 0.02 for
 K-FAC; for SGD and LARS, single pilot runs at their harness defaults (0.1
 and 2.3e-4) were far too slow and pilots at 0.2 / 0.8 (SGD) and 0.01 / 0.05
-(LARS) set the centres — extra tuning that only favours the baselines. The
+(LARS) set the centres — extra tuning that only favours the baselines.
+Those LARS pilots (and ``results/convergence.json``) ran the earlier
+``--optimizer lars``, MomentumSGD with Chainer's ``GradientLARS`` hook,
+whose learning rate is η·ε and which excludes nothing; the LARS grid of
+:class:`~chainerkfac.optimizers.LARS` (η, with ε = 1e-3 inside) is
+centred on ``benchmarks.lars_table1``'s pilots at a batch of 1,024 (8)
+and not re-piloted at this batch. The
 best learning rate of an optimizer has the fewest median epochs to target
 over the seeds (a run that never reaches it counts as infinite; ties go to
 the higher median best top-1).
@@ -53,8 +61,8 @@ from benchmarks import _common
 
 OPTIMIZERS = ('kfac', 'sgd', 'lars')
 LR_GRID = {'kfac': (0.01, 0.02, 0.04), 'sgd': (0.4, 0.8, 1.6),
-           'lars': (0.01, 0.02, 0.04)}
-SMOKE_LR_GRID = {'kfac': (0.02,), 'sgd': (0.8,), 'lars': (0.02,)}
+           'lars': (4.0, 8.0, 16.0)}
+SMOKE_LR_GRID = {'kfac': (0.02,), 'sgd': (0.8,), 'lars': (8.0,)}
 GOAL_EPOCH_RATIO = 0.6
 CROP, RESIZE = 16, 18
 RUN_TIMEOUT_S = 900
@@ -222,9 +230,10 @@ def _median_or_inf(values: List[Optional[float]]) -> float:
 
 
 def summarise(runs: List[Dict], grid: Dict) -> Dict:
-    """Per optimizer: every LR's medians, the best LR and its figures."""
+    """Per optimizer (each key of ``grid``, matched against the runs'
+    ``optimizer``): every LR's medians, the best LR and its figures."""
     out = {}
-    for name in OPTIMIZERS:
+    for name in grid:
         per_lr = []
         for lr in grid[name]:
             mine = [r for r in runs if r['optimizer'] == name and

@@ -13,7 +13,7 @@
 * :mod:`chainerkfac.cudnn` — cuDNN 9 for Chainer on CuPy >= 14 (opt-in).
 """
 from chainerkfac import _compat  # NOQA  (must run before chainer is imported)
-from chainerkfac import cudnn  # NOQA  (so must this: CHAINERKFAC_CUDNN=1)
+from chainerkfac import cudnn  # NOQA  (so must this: it installs cuDNN)
 from chainerkfac import equations  # NOQA
 from chainerkfac import optimizers  # NOQA
 from chainerkfac import serializers  # NOQA

@@ -8,7 +8,8 @@ The optimizer talks to one object with the :class:`Transport` interface:
 * :class:`MultiNodeTransport` — Algorithm 1 over a ChainerMN communicator:
   one ReduceScatterV of gradients and due factors, model-parallel
   ownership of the blocks (:mod:`chainerkfac.assignment`), one AllGatherV of
-  the preconditioned gradients.
+  the preconditioned gradients — or, with weight-update sharding
+  (:mod:`chainerkfac.sharding`), of the weights the owners updated.
 
 Both return *sums* over processes; the optimizer averages (gradients over
 processes, factors over the micro-batches that captured them).
@@ -25,6 +26,7 @@ try:
 except ImportError:  # pragma: no cover  (Python < 3.8)
     Protocol = object
 
+from chainerkfac import sharding
 from chainerkfac.assignment import Assignment
 
 logger = logging.getLogger(__name__)
@@ -81,6 +83,17 @@ class Transport(Protocol):
     def agree(self, flag: bool) -> bool:
         """Logical and of ``flag`` over processes."""
 
+    def updates(self, block) -> bool:
+        """Weight-update sharding: whether this process updates
+        ``block``'s parameters and keeps their optimizer state (its first
+        owner)."""
+
+    def gather_weights(self, blocks: Sequence,
+                       present: Dict[object, List[bool]]) -> None:
+        """Weight-update sharding: give every process the weights each
+        block's updating process holds (in place), for the parameters
+        whose ``present`` flag is True."""
+
 
 class LocalTransport:
     """One process: every block is owned here and nothing is sent."""
@@ -111,6 +124,12 @@ class LocalTransport:
 
     def agree(self, flag: bool) -> bool:
         return flag
+
+    def updates(self, block) -> bool:
+        return True
+
+    def gather_weights(self, blocks, present) -> None:
+        return None
 
 
 class MultiNodeTransport:
@@ -277,6 +296,22 @@ class MultiNodeTransport:
     def agree(self, flag: bool) -> bool:
         """Logical and of ``flag`` over all ranks."""
         return all(self.comm.mpi_comm.allgather(bool(flag)))
+
+    def updates(self, block) -> bool:
+        return self._owners[block][0] == self.rank
+
+    def gather_weights(self, blocks, present) -> None:
+        """One AllGatherV of the updated weights (first owners send), at
+        the parameters' dtype (:func:`chainerkfac.sharding.
+        all_gather_weights`)."""
+        params, owners = [], []
+        for block in blocks:
+            for param, has in zip(block.params, present[block]):
+                if has:
+                    params.append(param)
+                    owners.append(self._owners[block])
+        sharding.all_gather_weights(self.collectives, params, owners,
+                                    self.rank)
 
 
 def _same(a, b) -> bool:

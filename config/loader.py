@@ -19,7 +19,7 @@ import os
 import typing
 from typing import Optional, Union
 
-from chainerkfac.optimizers import options
+from chainerkfac.optimizers import lars, options
 
 _CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -111,6 +111,13 @@ class TrainConfig:
         ``null`` (the default here, unlike the library's): no bound, the
         paper's update; the refresh intervals likewise default to 1 here
         (every step), not to the library's stale default.
+    lars_momentum : str
+        The momentum form of the LARS baseline (``--optimizer lars``), one
+        of :data:`chainerkfac.optimizers.lars.MOMENTUM_FORMS`:
+        ``'unscaled'`` (the default: seed 002's Figure 6, with which its
+        Table 1 reaches the record 64 epochs at momentum 0.929) or
+        ``'scaled'`` (Figure 5, the MLPerf-0.6 reference); the command
+        line's ``--lars-momentum`` overrides it.
     n_class : int
         Number of classes of the data set (1000 for ImageNet); every label
         must lie in ``[0, n_class)``.
@@ -141,6 +148,7 @@ class TrainConfig:
     max_factor_dim: Optional[int] = None
     inverse_method: str = 'cholesky'
     kl_clip: Optional[float] = None
+    lars_momentum: str = 'unscaled'
     n_class: int = 1000
     description: str = ''
 
@@ -208,6 +216,8 @@ def _check_values(config):
             raise ConfigError(key, '{}, got {!r}'.format(
                 message, getattr(config, key)))
 
+    require(config.lars_momentum in lars.MOMENTUM_FORMS, 'lars_momentum',
+            'must be one of {}'.format(lars.MOMENTUM_FORMS))
     for key in ('global_batch_size', 'epochs', 'batch_size_per_process',
                 'n_class'):
         require(getattr(config, key) >= 1, key, 'must be at least 1')

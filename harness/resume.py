@@ -47,6 +47,10 @@ from harness.snapshot_integrity import (DAMAGE, DamagedSnapshotError,
                                         verify_file, verify_files)
 from harness.snapshots import N_PROCESSES_KEY, SNAPSHOT_PREFIX, SNAPSHOT_RE
 
+#: The fact of a snapshot saying its run sharded the update (written by
+#: :mod:`harness.run` through the snapshot writer's facts).
+SHARD_UPDATE_KEY = 'run/shard_update'
+
 
 def _read_n_processes(path):
     try:
@@ -289,7 +293,8 @@ def init_weights(comm, source, network):
     return path
 
 
-def restore(trainer, files, rank, n_processes, optimizer=None, mixup=None):
+def restore(trainer, files, rank, n_processes, optimizer=None, mixup=None,
+            sharded=False):
     """Load a snapshot into this process's trainer.
 
     Parameters
@@ -301,9 +306,14 @@ def restore(trainer, files, rank, n_processes, optimizer=None, mixup=None):
         Of this run.
     optimizer : chainer.Optimizer or None
         Whose state is merged from every file when the number of processes
-        changed (K-FAC: factors are saved by their owners).
+        changed (K-FAC: factors are saved by their owners), or when the
+        snapshot or this run shards the update (velocities are saved by
+        their owners, who may be others now).
     mixup : object with ``serialize`` or None
-        The updater's mixup streams, likewise merged.
+        The updater's mixup streams, merged when the number of processes
+        changed.
+    sharded : bool
+        Whether this run shards the update (``--shard-update``).
 
     Returns
     -------
@@ -315,18 +325,28 @@ def restore(trainer, files, rank, n_processes, optimizer=None, mixup=None):
     # did not own; that the snapshot fits the model was checked before.
     # Pickle off (chainerkfac.serializers): an object array is refused.
     serializers.load_npz(own, trainer, strict=False)
-    if len(files) != n_processes:
-        for path in files:
-            if path == own:
-                continue
-            if optimizer is not None:
-                serializers.load_npz(path, optimizer,
-                                     path='updater/optimizer:main/',
-                                     strict=False)
-            if mixup is not None:
-                serializers.load_npz(path, mixup, path='updater/mixup/',
-                                     strict=False)
+    elastic = len(files) != n_processes
+    merge_state = optimizer is not None and (
+        elastic or sharded or written_sharded(own))
+    for path in files:
+        if path == own:
+            continue
+        if merge_state:
+            serializers.load_npz(path, optimizer,
+                                 path='updater/optimizer:main/',
+                                 strict=False)
+        if elastic and mixup is not None:
+            serializers.load_npz(path, mixup, path='updater/mixup/',
+                                 strict=False)
     return own
+
+
+def written_sharded(path):
+    """Whether the run that wrote the snapshot file ``path`` sharded the
+    update (its ``run/shard_update`` fact; absent: no)."""
+    with serializers.open_npz(path) as data:
+        return SHARD_UPDATE_KEY in data.files and \
+            bool(data[SHARD_UPDATE_KEY])
 
 
 def starting_point(comm, out, model, optimizer, optimizer_name, resume=None,
@@ -366,7 +386,8 @@ def starting_point(comm, out, model, optimizer, optimizer_name, resume=None,
     return prefix, files
 
 
-def load(comm, trainer, optimizer, updater, out, prefix, files):
+def load(comm, trainer, optimizer, updater, out, prefix, files,
+         sharded=False):
     """Load the snapshot into the trainer (:func:`restore`) and make the
     run directory's line-per-step files those of the snapshot's point.
 
@@ -376,16 +397,18 @@ def load(comm, trainer, optimizer, updater, out, prefix, files):
     trainer : chainer.training.Trainer
     optimizer : chainer.Optimizer or None
         Whose state is merged from every file on another number of
-        processes (K-FAC's).
+        processes (K-FAC's) or with a sharded update (:func:`restore`).
     updater : harness.updater.AugmentedUpdater
     out : str
     prefix, files
         From :func:`starting_point`.
+    sharded : bool
+        Whether this run shards the update.
     """
     error = None
     try:
         restore(trainer, files, comm.rank, comm.size, optimizer,
-                updater.mixup)
+                updater.mixup, sharded)
     except (OSError, ValueError, KeyError) as e:
         error = e
     raise_together(comm, error)

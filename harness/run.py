@@ -35,18 +35,22 @@ from harness.mpi import raise_together
 from harness.updater import AugmentedUpdater, BatchConverter
 
 OPTIMIZERS = ('kfac', 'sgd', 'lars')
+#: LARS's base learning rate and momentum at a batch of 32K per momentum
+#: form (seed 002, Table 1: 72.8 epochs scaled, 64 unscaled).
+LARS_TABLE1 = {'scaled': (31.2, 0.9), 'unscaled': (29.0, 0.929)}
 
 
-def build_optimizer(name, cfg, comm, acc_iters, args):
-    """The optimizer and its learning-rate schedule extension. With
-    ``--cuda-graphs`` (one process: :func:`check_cuda_graphs`) K-FAC keeps
-    its local transport and the baselines get no communicator, so that
-    their steps can be replayed (:mod:`chainerkfac.graphs`)."""
-    distributed = not args.cuda_graphs
+def build_optimizer(name, cfg, comm, acc_iters, args, use_graphs=False):
+    """The optimizer and its learning-rate schedule extension. With CUDA
+    graphs (``use_graphs``: one process, :func:`cuda_graphs`) K-FAC keeps its
+    local transport and the baselines get no communicator, so that their
+    steps can be replayed (:mod:`chainerkfac.graphs`)."""
+    distributed = not use_graphs
     if name == 'kfac':
         optimizer = chainerkfac.optimizers.KFAC(
             acc_iters=acc_iters, fisher_diff=args.fisher_diff,
             verbose=comm.rank == 0, seed=args.seed + comm.rank,
+            shard_update=args.shard_update,
             **config_module.kfac_options(cfg))
         if distributed:
             optimizer = chainerkfac.create_multi_node_optimizer(optimizer,
@@ -64,19 +68,25 @@ def build_optimizer(name, cfg, comm, acc_iters, args):
         # Goyal et al.: from the learning rate of a batch of 256 (0.1 for
         # the default) up to the scaled one; never down.
         warmup_start = lr / max(scale, 1.0)
+        actual = chainer.optimizers.MomentumSGD(lr=lr, momentum=momentum)
     else:
-        # MLPerf-0.6 LARS at 32K: base LR 29 with trust coefficient 1e-3
-        # (Chainer's GradientLARS has none), momentum 0.929, 18 warm-up
-        # epochs; scaled linearly to other batch sizes by default.
+        # MLPerf-0.6 LARS at 32K (seed 002, Table 1), trust coefficient
+        # 1e-3: scaled momentum with base LR 31.2 and momentum 0.9, unscaled
+        # with 29.0 and 0.929; scaled linearly to other batch sizes.
+        form = cfg.lars_momentum     # --lars-momentum applied already
+        base_lr, base_momentum = LARS_TABLE1[form]
         lr = _given(args.baseline_lr,
-                    29.0e-3 * cfg.global_batch_size / 32768)
-        momentum = _given(args.baseline_momentum, 0.929)
+                    base_lr * cfg.global_batch_size / 32768)
+        momentum = _given(args.baseline_momentum, base_momentum)
         warmup_start = lr / 100.0
-    # Driven like K-FAC: accumulation, averaging over processes and the
-    # skipped-step guard are the optimizer's.
+        actual = chainerkfac.optimizers.LARS(
+            lr=lr, momentum=momentum, weight_decay=args.weight_decay,
+            eta=1e-3, momentum_form=form)
+    # Driven like K-FAC: accumulation, averaging over processes (or the
+    # sharded update) and the skipped-step guard are the optimizer's.
     optimizer = chainerkfac.optimizers.GuardedOptimizer(
-        chainer.optimizers.MomentumSGD(lr=lr, momentum=momentum), acc_iters,
-        comm if distributed else None)
+        actual, acc_iters, comm if distributed else None,
+        shard_update=args.shard_update)
     schedule = kfac_training.LinearWarmupLR(
         lr, warmup_start, warmup_epochs=args.warmup_epochs,
         decay=kfac_training.polynomial_decay(
@@ -90,29 +100,50 @@ def _given(value, default):
     return default if value is None else value
 
 
-def check_cuda_graphs(n_processes, acc_iters):
-    """Raise ValueError, saying why, where ``--cuda-graphs`` cannot apply
-    (what :mod:`chainerkfac.graphs` does not capture yet: several
-    processes, steps of several micro-batches)."""
-    if n_processes > 1:
-        raise ValueError(
-            '--cuda-graphs: the steps of {} processes are not captured yet '
-            '(their collectives and the agreement on a skipped step); run '
-            'one process, or drop --cuda-graphs'.format(n_processes))
-    if acc_iters > 1:
-        raise ValueError(
-            '--cuda-graphs: a step of {} accumulated micro-batches is not '
-            'captured yet; use a config whose global batch is one '
-            "process's batch, or drop --cuda-graphs".format(acc_iters))
+def cuda_graphs(mode, gpu, n_processes, acc_iters, cudnn_serves):
+    """Whether the steps are replayed as CUDA graphs, and why (the
+    start-up line). ``mode`` is ``--cuda-graphs``: ``'auto'`` turns them on
+    where :mod:`chainerkfac.graphs` captures the whole step (``--gpu``, one
+    process, no accumulation, convolutions on cuDNN: Chainer's own im2col
+    path calls CuPy's cuBLAS, which CuPy refuses during a capture),
+    ``'off'`` never, ``'on'`` or refuses.
+
+    Raises
+    ------
+    ValueError
+        With ``mode='on'`` where the steps cannot be captured, saying why.
+    """
+    if mode == 'off':
+        return False, 'off (--cuda-graphs off)'
+    why_not = None
+    if not gpu:
+        why_not = 'no --gpu'
+    elif n_processes > 1:
+        why_not = ('the steps of {} processes are not captured yet (their '
+                   'collectives and the agreement on a skipped step)'
+                   .format(n_processes))
+    elif acc_iters > 1:
+        why_not = ('a step of {} accumulated micro-batches is not captured '
+                   'yet'.format(acc_iters))
+    elif not cudnn_serves:
+        why_not = ("cuDNN does not serve Chainer (see the cuDNN line), and "
+                   "Chainer's im2col convolutions call CuPy's cuBLAS, "
+                   'which a capture refuses')
+    if why_not is None:
+        return True, 'on (steady-state steps replayed; --cuda-graphs off ' \
+                     'for eager steps)'
+    if mode == 'on':
+        raise ValueError('--cuda-graphs: ' + why_not + '; use '
+                         '--cuda-graphs auto or off')
+    return False, 'off: ' + why_not
 
 
 def attach_hooks(name, optimizer, args):
+    """Weight decay of the SGD baseline (LARS has its own: it enters the
+    trust ratio and leaves out biases and BN)."""
     if name == 'sgd':
         optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
             args.weight_decay))
-    elif name == 'lars':
-        optimizer.add_hook(chainer.optimizer_hooks.GradientLARS(
-            weight_decay=args.weight_decay))
 
 
 def observers(optimizer, name, images_per_iteration):
@@ -207,8 +238,9 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
     acc_iters = cfg.acc_iters(comm.size)
     n_class = args.n_class or cfg.n_class
     kfac = optimizer_name == 'kfac'
-    if args.cuda_graphs:
-        check_cuda_graphs(comm.size, acc_iters)
+    use_graphs, graphs_why = cuda_graphs(
+        args.cuda_graphs, args.gpu, comm.size, acc_iters,
+        args.gpu and chainer.backends.cuda.cudnn_enabled)
     if kfac:
         config_module.check_epochs(cfg, args.config)
     numpy.random.seed(args.seed)   # same initial weights on every rank
@@ -219,7 +251,7 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
     device.use()
     model.to_device(device)
     optimizer, schedule = build_optimizer(optimizer_name, cfg, comm,
-                                          acc_iters, args)
+                                          acc_iters, args, use_graphs)
     optimizer.setup(model)
     attach_hooks(optimizer_name, optimizer, args)
     resumed = resume.starting_point(
@@ -227,6 +259,7 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
         args.init_weights_from)
     if comm.rank == 0:
         print('cuDNN: {}'.format(chainerkfac.cudnn.describe()), flush=True)
+        print('CUDA graphs: {}'.format(graphs_why), flush=True)
     if not kfac:
         comm.bcast_data(model)
     lock = run_dir.claim(
@@ -236,14 +269,14 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
     try:
         return _train(args, comm, optimizer_name, out, cfg, acc_iters, model,
                       device, optimizer, schedule, resumed,
-                      stop or preemption.StopRequest(()))
+                      stop or preemption.StopRequest(()), use_graphs)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
-           optimizer, schedule, resumed, stop):
+           optimizer, schedule, resumed, stop, use_graphs):
     """The rest of :func:`train`, in the claimed run directory."""
     batch = cfg.batch_size_per_process
     n_class = args.n_class or cfg.n_class
@@ -264,7 +297,7 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
     converter = BatchConverter(data.mean, args.skip_bad_images,
                                labels_on_host=True)
     stepper = optimizer
-    if args.cuda_graphs:
+    if use_graphs:
         # Only the updater steps through the graphs; snapshots, schedules
         # and observers see the optimizer itself.
         stepper = graphs.graphed(optimizer)
@@ -290,7 +323,9 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
     if kfac and args.fisher_diff:
         trainer.extend(FisherDiffLog(optimizer, comm=comm))
     writer = snapshots.AtomicThreadWriter(
-        args.compress_snapshots, facts={'optimizer': optimizer_name})
+        args.compress_snapshots, facts={
+            'optimizer': optimizer_name,
+            'shard_update': int(args.shard_update)})
     snapshots.extend_trainer(
         trainer, comm, writer, comm.rank, args.keep_snapshots,
         trigger=triggers.SnapshotTrigger(args.snapshot_every, comm, stop),
@@ -315,8 +350,8 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
             args.depth, args.width, len(data.train), len(data.val), n_class,
             label))
     if resumed:
-        resume.load(comm, trainer, optimizer if kfac else None, updater,
-                    out, *resumed)
+        resume.load(comm, trainer, optimizer, updater, out, *resumed,
+                    sharded=args.shard_update)
     start = time.time()
     try:
         trainer.run()
@@ -340,7 +375,7 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
     summary = {'optimizer': optimizer_name, 'epochs': updater.epoch,
                'elapsed_time': time.time() - start,
                'reached': target.reached if target else None}
-    if args.cuda_graphs:
+    if use_graphs:
         # eager / captured / replayed steps, and why a step ran eagerly
         summary['cuda_graphs'] = dict(stepper.stats)
     if comm.rank == 0:
@@ -354,14 +389,18 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
 
 
 def resolve_config(args, comm):
-    """The config of ``--config`` with ``--epochs`` applied, checked against
+    """The config of ``--config`` with ``--epochs`` and ``--lars-momentum``
+    applied (the run's ``config.json`` says what it used), checked against
     the number of processes (every error raised once, naming the key)."""
     cfg, error = None, None
     try:
         cfg = config_module.load(args.config)
-        if args.epochs is not None:
+        overrides = {key: value for key, value in (
+            ('epochs', args.epochs), ('lars_momentum', args.lars_momentum))
+            if value is not None}
+        if overrides:
             cfg = config_module.from_dict(
-                dict(config_module.to_dict(cfg), epochs=args.epochs),
+                dict(config_module.to_dict(cfg), **overrides),
                 source=args.config)
         cfg.acc_iters(comm.size)   # raises with the numbers if impossible
     except (OSError, ValueError) as e:

@@ -74,8 +74,8 @@ class KfacCommunicatorMixin(object):
                               wire_dtype=self.wire_dtype)
 
     def reduce_scatter_v(self, arrays: Sequence, owners: Sequence,
-                         symmetric: Optional[Sequence[bool]] = None
-                         ) -> List:
+                         symmetric: Optional[Sequence[bool]] = None,
+                         wire_dtype=None) -> List:
         """Sum each array over all ranks and return it on its owners.
 
         Parameters
@@ -88,6 +88,9 @@ class KfacCommunicatorMixin(object):
         symmetric : sequence of bool, optional
             Per array, whether it is a symmetric square matrix, sent as its
             upper triangle. Default: none is.
+        wire_dtype : dtype-like, optional
+            Element type on the wire for this call (default: the
+            communicator's :attr:`wire_dtype`).
 
         Returns
         -------
@@ -95,7 +98,7 @@ class KfacCommunicatorMixin(object):
             Aligned with ``arrays``: the sum over ranks (a new array of the
             input's shape and dtype) where this rank is an owner, else None.
         """
-        layout = self._layout(arrays, owners, symmetric)
+        layout = self._layout(arrays, owners, symmetric, wire_dtype)
         sendbuf = layout.pack_reduce_scatter(arrays)
         self._bytes_sent['reduce_scatter_v'] += layout.reduce_scatter_nbytes
         if layout.reduce_scatter_size == 0:
@@ -105,7 +108,8 @@ class KfacCommunicatorMixin(object):
         return layout.unpack_reduce_scatter(segment, self.rank)
 
     def all_gather_v(self, arrays: Sequence, owners: Sequence,
-                     symmetric: Optional[Sequence[bool]] = None) -> List:
+                     symmetric: Optional[Sequence[bool]] = None,
+                     wire_dtype=None) -> List:
         """Give every rank each array as held by its first owner.
 
         Parameters
@@ -117,13 +121,16 @@ class KfacCommunicatorMixin(object):
             As in :meth:`reduce_scatter_v`; only the first owner matters.
         symmetric : sequence of bool, optional
             As in :meth:`reduce_scatter_v`.
+        wire_dtype : dtype-like, optional
+            As in :meth:`reduce_scatter_v` (weight-update sharding sends
+            weights at their own dtype: :mod:`chainerkfac.sharding`).
 
         Returns
         -------
         list
             Aligned with ``arrays``: new arrays, the first owner's copies.
         """
-        layout = self._layout(arrays, owners, symmetric)
+        layout = self._layout(arrays, owners, symmetric, wire_dtype)
         segment = layout.pack_all_gather(arrays, self.rank)
         self._bytes_sent['all_gather_v'] += layout.all_gather_nbytes(self.rank)
         if layout.all_gather_size == 0:
@@ -132,7 +139,10 @@ class KfacCommunicatorMixin(object):
             buffer = self._all_gather(segment, layout)
         return layout.unpack_all_gather(buffer)
 
-    def _layout(self, arrays, owners, symmetric) -> packing.Layout:
+    def _layout(self, arrays, owners, symmetric,
+                wire_dtype=None) -> packing.Layout:
+        wire_dtype = self.wire_dtype if wire_dtype is None else \
+            check_wire_dtype(wire_dtype)
         if symmetric is None:
             symmetric = (False,) * len(arrays)
         if not len(arrays) == len(owners) == len(symmetric):
@@ -142,14 +152,14 @@ class KfacCommunicatorMixin(object):
         key = (tuple(a.shape for a in arrays),
                tuple(a.dtype.str for a in arrays),
                packing.normalize_owners(owners, self.size),
-               tuple(bool(s) for s in symmetric))
+               tuple(bool(s) for s in symmetric), wire_dtype.str)
         if chainer.is_debug():
             self._check_same_on_all_ranks(key)
         layout = self._layouts.get(key)
         if layout is None:
-            shapes, dtypes, owners, symmetric = key
+            shapes, dtypes, owners, symmetric, _ = key
             layout = packing.Layout(shapes, dtypes, owners, symmetric,
-                                    self.size, self.wire_dtype,
+                                    self.size, wire_dtype,
                                     pad=self._pad_segments)
             self._layouts[key] = layout
             if len(self._layouts) > self._max_cached_layouts:

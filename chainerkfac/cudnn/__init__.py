@@ -12,8 +12,8 @@ maximum), batch normalization, pooling, softmax, activations and dropout,
 on the current CuPy stream, NCHW.
 
 Importing this package (``import chainerkfac`` does, before
-``import chainer``) installs the backend when ``CHAINERKFAC_CUDNN=1`` is
-in the environment and the other conditions of
+``import chainer``) installs the backend unless ``CHAINERKFAC_CUDNN=0`` is
+in the environment, where the other conditions of
 :mod:`~chainerkfac.cudnn.installer` hold;
 :func:`describe` says which cuDNN is in use, or why none is. Float32
 convolutions may use TF32 tensor cores as PyTorch's do by default;

@@ -29,7 +29,8 @@ the update rules the captured step advanced.
 
 Not replayed yet: several processes (the transport's collectives and its
 agreement on the flag), ``acc_iters > 1``, ``loss_reduction='sum'``,
-optimizer hooks, synchronised stage timers.
+optimizer hooks, synchronised stage timers, the bounded step
+(``kl_clip``: ν is computed on the host from the step's directions).
 """
 from typing import Optional
 
@@ -73,6 +74,9 @@ class KFACOptimizer:
             return "loss_reduction='{}'".format(opt.loss_reduction)
         if opt.synchronize_stage_timers:
             return 'the stage timers synchronise the device'
+        if opt.step_bound is not None:
+            return ('kl_clip={} (the bounded step reads its scale on the '
+                    'host)'.format(opt.step_bound.kl_clip))
         hooks = [n for owner in [opt] + [p.update_rule for p in
                                          self._params()]
                  for n in list(owner._hookable._pre_update_hooks) +

@@ -9,12 +9,20 @@ were), and a public signal that it was. :class:`GuardedOptimizer` gives a
 Chainer optimizer exactly what :class:`~chainerkfac.optimizers.KFAC` does
 for itself, with the same pieces (:mod:`chainerkfac.accumulation`,
 :mod:`chainerkfac.step_guard`).
+
+With ``shard_update=True`` the update is sharded over the processes
+(:mod:`chainerkfac.sharding`): the gradients are reduce-scattered to the
+parameters' owners instead of all-reduced, each process updates the
+parameters it owns (and keeps only their optimizer state), and the new
+weights are all-gathered.
 """
 import logging
 import chainer
 
+from chainerkfac import sharding
 from chainerkfac.accumulation import GradientAccumulator
 from chainerkfac.optimizers import options
+from chainerkfac.stage_timer import StageTimer
 from chainerkfac.step_guard import StepGuard
 
 logger = logging.getLogger(__name__)
@@ -31,12 +39,25 @@ class GuardedOptimizer:
     Parameters
     ----------
     actual_optimizer : chainer.Optimizer
-        A :class:`chainer.GradientMethod` (MomentumSGD, LARS via a hook, ...).
+        A :class:`chainer.GradientMethod` (MomentumSGD,
+        :class:`~chainerkfac.optimizers.LARS`, Adam, ...).
     acc_iters : int
         Micro-batches per step.
     comm : ChainerMN communicator, optional
         Gradients are averaged over its processes
         (``multi_node_mean_grad``) and the finite check agreed by all.
+    shard_update : bool
+        Weight-update sharding with ``comm`` (:mod:`chainerkfac.sharding`):
+        gradients reduce-scattered to their owners (each parameter has
+        one, balancing the elements per process), the update applied by
+        the owner alone, which alone keeps the parameter's optimizer state,
+        the new weights all-gathered; the steps equal those without it. The
+        optimizer's hooks must act on each parameter alone
+        (``call_for_each_param``: WeightDecay, Lasso, GradientHardClipping,
+        GradientLARS, ...; not GradientClipping, which needs the norm of
+        the whole gradient), loss scaling and an optimizer with its own
+        ``update`` are refused. After a step ``param.grad`` is the mean
+        gradient on the parameter's owner only. One process: no effect.
 
     Attributes
     ----------
@@ -44,18 +65,33 @@ class GuardedOptimizer:
         Whether the last step was skipped (a non-finite gradient).
     pending_micro_batches : int
         Micro-batches accumulated towards the coming step.
+    owners : chainerkfac.sharding.ParameterOwners or None
+        With ``shard_update``, the parameters' owners (from the first
+        step).
+    stage_times : dict
+        Seconds of the last step's stages: ``'mean'`` (the gradients'
+        average over processes: all-reduce, or reduce-scatter when
+        sharded), ``'update'``, ``'all_gather'`` (sharded).
     """
 
-    def __init__(self, actual_optimizer, acc_iters: int = 1, comm=None):
+    def __init__(self, actual_optimizer, acc_iters: int = 1, comm=None,
+                 shard_update: bool = False):
         options.check_option('acc_iters', acc_iters)
+        if not isinstance(shard_update, bool):
+            raise ValueError('GuardedOptimizer: shard_update={!r} must be '
+                             'True or False'.format(shard_update))
         state = self.__dict__
         state['actual_optimizer'] = actual_optimizer
         state['acc_iters'] = acc_iters
         state['comm'] = comm
+        state['shard_update'] = shard_update
         state['guard'] = StepGuard()
         state['accumulator'] = GradientAccumulator()
+        state['timer'] = StageTimer()
+        state['owners'] = None
         state['pending_micro_batches'] = 0
         state['_checkpoint_due'] = False
+        state['_shard'] = None
 
     def __getattr__(self, name):
         return getattr(self.__dict__['actual_optimizer'], name)
@@ -69,6 +105,17 @@ class GuardedOptimizer:
     @property
     def last_step_skipped(self) -> bool:
         return self.guard.skipped
+
+    @property
+    def stage_times(self):
+        return self.timer.times
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the update is sharded (``shard_update`` with several
+        processes)."""
+        return self.shard_update and self.comm is not None and \
+            self.comm.size > 1
 
     def setup(self, link):
         self.actual_optimizer.setup(link)
@@ -105,26 +152,138 @@ class GuardedOptimizer:
 
     def _step(self) -> None:
         target = self.actual_optimizer.target
+        self.timer.start()
         n_micro, self.pending_micro_batches = self.pending_micro_batches, 0
         self.accumulator.collect(target)
         if n_micro > 1:
             for param in target.params():
                 if param.grad is not None:
                     param.grad /= n_micro
-        if self.comm is not None:
-            self.comm.multi_node_mean_grad(target)
-        agree = (None if self.comm is None else
-                 lambda ok: all(self.comm.mpi_comm.allgather(bool(ok))))
-        grads = [p.grad for p in target.params()]
-        if self.guard.check(grads, agree):
-            self.actual_optimizer.update()
+        if self.sharded:
+            taken = self._sharded_update()
         else:
+            taken = self._update_everywhere()
+        if not taken:
             self.guard.restore()
             logger.warning('step %d: non-finite gradient, update skipped '
                            '(weights and running statistics unchanged)',
                            self.actual_optimizer.t + 1)
         chainer.reporter.report({'skipped_step': self.guard.observation()})
         self.guard.checkpoint(target)
+
+    def _agree(self, ok: bool) -> bool:
+        return all(self.comm.mpi_comm.allgather(bool(ok)))
+
+    def _update_everywhere(self) -> bool:
+        """Average the gradients over processes, check, update every
+        parameter. Returns whether the step was taken."""
+        target = self.actual_optimizer.target
+        if self.comm is not None:
+            self.comm.multi_node_mean_grad(target)
+        self.timer.mark('mean')
+        grads = [p.grad for p in target.params()]
+        if not self.guard.check(
+                grads, None if self.comm is None else self._agree):
+            return False
+        self.actual_optimizer.update()
+        self.timer.mark('update')
+        return True
+
+    def _sharded_update(self) -> bool:
+        """Reduce-scatter the gradients to their owners, check, update the
+        owned parameters, all-gather the weights. Returns whether the step
+        was taken."""
+        if self._shard is None:
+            self._start_sharding()
+        params, collectives = self._shard
+        optimizer = self.actual_optimizer
+        owners, rank = self.owners, self.comm.rank
+        optimizer.reallocate_cleared_grads()
+        reduced = sharding.reduce_scatter_mean(
+            collectives, [p.grad for p in params], owners.owners,
+            self.comm.size)
+        for param, grad in zip(params, reduced):
+            if grad is not None:
+                param.grad = grad
+        self.timer.mark('mean')
+        if not self.guard.check([g for g in reduced if g is not None],
+                                self._agree):
+            return False
+        self._update_owned([p for i, p in enumerate(params)
+                            if owners.owns(rank, i)],
+                           [p for i, p in enumerate(params)
+                            if not owners.owns(rank, i)])
+        self.timer.mark('update')
+        sharding.all_gather_weights(collectives, params, owners.owners, rank)
+        self.timer.mark('all_gather')
+        return True
+
+    def _update_owned(self, owned, others) -> None:
+        """Chainer's ``GradientMethod.update`` for the parameters this
+        process owns: the optimizer's hooks (each acts on one parameter:
+        checked at the start) and the update rules run on those only; the
+        others' rules count the step (``rule.t``: Adam's bias correction),
+        so every process and every snapshot file agree on it."""
+        optimizer = self.actual_optimizer
+        pre, post = _hooks(optimizer)
+        for hook in pre.values():
+            for param in owned:
+                hook(param.update_rule, param)
+        optimizer.t += 1
+        for param in owned:
+            param.update()
+        for param in others:
+            rule = param.update_rule
+            if rule is not None and rule.enabled:
+                rule.t += 1
+        for hook in post.values():
+            for param in owned:
+                hook(param.update_rule, param)
+
+    def _start_sharding(self) -> None:
+        """At the first sharded step: check that sharding can give the
+        unsharded steps, decide the owners, drop the state of the others'
+        parameters (a restore that merged every process's file)."""
+        from chainerkfac.communicators.adapter import kfac_collectives
+        optimizer = self.actual_optimizer
+        flags = self.comm.mpi_comm.allgather(self.shard_update)
+        if not all(flags):
+            raise ValueError(
+                'GuardedOptimizer: shard_update is on for ranks {} only: '
+                'all processes must agree'.format(
+                    [r for r, f in enumerate(flags) if f]))
+        if type(optimizer).update is not chainer.GradientMethod.update:
+            raise ValueError(
+                'GuardedOptimizer(shard_update=True): {} has its own update '
+                '(the sharded step runs chainer.GradientMethod.update on the '
+                'owned parameters)'.format(type(optimizer).__name__))
+        pre, post = _hooks(optimizer)
+        whole = [name for name, hook in list(pre.items()) +
+                 list(post.items())
+                 if not getattr(hook, 'call_for_each_param', False)]
+        if whole:
+            raise ValueError(
+                'GuardedOptimizer(shard_update=True): the optimizer hook(s) '
+                '{} see the whole model (not call_for_each_param); with a '
+                'sharded update a process holds the mean gradient of its '
+                'own parameters only'.format(', '.join(whole)))
+        if optimizer._loss_scale is not None:
+            raise ValueError(
+                'GuardedOptimizer(shard_update=True): loss scaling is not '
+                'supported (dynamic scaling decides from every gradient)')
+        named = sorted(optimizer.target.namedparams())
+        params = [p for _, p in named]
+        self.owners = sharding.ParameterOwners.balanced(
+            [p.size for p in params], self.comm.size,
+            [n for n, _ in named])
+        self._shard = (params, kfac_collectives(self.comm))
+        self._drop_unowned_state()
+
+    def _drop_unowned_state(self) -> None:
+        params = self._shard[0]
+        sharding.drop_unowned_state(
+            params, [self.owners.owns(self.comm.rank, i)
+                     for i in range(len(params))], self.owners.names)
 
     def serialize(self, serializer):
         self.actual_optimizer.serialize(serializer)
@@ -135,3 +294,12 @@ class GuardedOptimizer:
             self.accumulator.reset()
             self.guard.forget()
             self._checkpoint_due = True
+            if self._shard is not None:
+                self._drop_unowned_state()
+
+
+def _hooks(optimizer):
+    """The optimizer's pre- and post-update hooks, ``{name: hook}`` each
+    (Chainer keeps them in its ``_hookable``; there is no public reader)."""
+    hookable = optimizer._hookable
+    return hookable._pre_update_hooks, hookable._post_update_hooks

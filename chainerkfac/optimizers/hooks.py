@@ -28,7 +28,13 @@ and do not change K-FAC's step (its update rule reads the direction).
 In a multi-process run the penalties act on each process's gradient
 before the reduction (their gradients are linear in ∇L: the mean is the
 same), and the clipping hooks on the gathered directions, which every
-process holds identically.
+process holds identically. With weight-update sharding
+(``KFAC(shard_update=True)``) no process holds every direction: a hook
+that acts on each parameter alone (``call_for_each_param``:
+``GradientHardClipping``) clips the directions of the blocks the process
+updates, which gives the unsharded step; a hook of the whole model
+(``GradientClipping``'s norm) is refused, as
+``GuardedOptimizer(shard_update=True)`` refuses it.
 """
 from typing import List
 
@@ -57,7 +63,33 @@ def call_gradient_hooks(optimizer) -> None:
             optimizer.call_hook(hook)
 
 
-def call_direction_hooks(optimizer, blocks, directions) -> None:
+def _direction_hooks(optimizer) -> List:
+    return [h for h in _pre_hooks(optimizer) if acts_on_direction(h)]
+
+
+def check_sharded(optimizer) -> None:
+    """Refuse, under weight-update sharding, a clipping hook that needs
+    every parameter's direction (not ``call_for_each_param``).
+
+    Raises
+    ------
+    ValueError
+        Naming the hook(s).
+    """
+    whole = [getattr(h, 'name', type(h).__name__)
+             for h in _direction_hooks(optimizer)
+             if not getattr(h, 'call_for_each_param', False)]
+    if whole:
+        raise ValueError(
+            'KFAC(shard_update=True): the optimizer hook(s) {} clip by the '
+            'norm of the whole model\'s step, and with a sharded update a '
+            'process holds the directions of the blocks it updates only; '
+            'use GradientHardClipping, kl_clip (the bounded step) or '
+            'shard_update=False'.format(', '.join(whole)))
+
+
+def call_direction_hooks(optimizer, blocks, directions,
+                         sharded: bool = False) -> None:
     """The clipping hooks on the directions, in registration order.
 
     Parameters
@@ -70,13 +102,17 @@ def call_direction_hooks(optimizer, blocks, directions) -> None:
         (a direction that is the gradient array itself, a plain block's,
         is copied first: the gradients stay as the backward pass left
         them).
+    sharded : bool
+        Weight-update sharding: ``blocks`` are those this process updates,
+        and the hooks (each of one parameter, :func:`check_sharded`) run
+        on their parameters only.
 
     During the hooks each direction stands in for ``param.grad``
     (parameters without one keep their gradient, zeros after
     ``reallocate_cleared_grads``, which adds nothing to a norm); the
     gradients are restored afterwards.
     """
-    hooks = [h for h in _pre_hooks(optimizer) if acts_on_direction(h)]
+    hooks = _direction_hooks(optimizer)
     if not hooks:
         return
     pairs = []
@@ -95,7 +131,11 @@ def call_direction_hooks(optimizer, blocks, directions) -> None:
         for param, direction in pairs:
             param.grad = direction
         for hook in hooks:
-            optimizer.call_hook(hook)
+            if sharded:
+                for param, _ in pairs:
+                    hook(param.update_rule, param)
+            else:
+                optimizer.call_hook(hook)
         for param, direction in pairs:
             if param.grad is not direction:     # a hook that reassigns
                 direction[...] = param.grad

@@ -16,7 +16,9 @@ One K-FAC step, top to bottom (:meth:`KFAC._step`, Algorithm 1):
      then, unless a direction is not finite (:mod:`chainerkfac.step_guard`),
      every process applies eqs. (19)-(20)
      (:mod:`chainerkfac.optimizers.update_rule`,
-     :mod:`chainerkfac.optimizers.rescale`).
+     :mod:`chainerkfac.optimizers.rescale`) — or, with ``shard_update``,
+     each owner applies them to its blocks and the transport gives every
+     process the new weights (:mod:`chainerkfac.sharding`).
 """
 import logging
 import warnings
@@ -34,6 +36,7 @@ from chainerkfac import fisher_blocks
 from chainerkfac import linalg
 from chainerkfac import low_rank
 from chainerkfac import process_group
+from chainerkfac import sharding
 from chainerkfac.estimator import CurvatureEstimator
 from chainerkfac.low_rank import Exchange
 from chainerkfac.fisher_blocks import kronecker
@@ -245,6 +248,15 @@ class KFAC(optimizer.GradientMethod):
     seed : int, optional
         Seed of the label sampler of the MC Fisher
         (:attr:`label_sampler`).
+    shard_update : bool
+        Weight-update sharding (:mod:`chainerkfac.sharding`): in a
+        multi-process run, each block's owner applies eqs. (19)-(20) to its
+        parameters and keeps their velocities, and the new weights travel
+        in the all-gather instead of the preconditioned gradients (same
+        bytes for a float32 model on the default wire: weights travel at
+        the parameters' dtype). The steps equal those without it; each
+        process's snapshot holds the velocities it owns. One process: no
+        effect.
     """
 
     lr = optimizer.HyperparameterProxy('lr')
@@ -269,7 +281,8 @@ class KFAC(optimizer.GradientMethod):
                  kl_clip: Optional[float] = DEFAULT_KL_CLIP,
                  conv_a_strategy: Optional[str] = None,
                  fisher_diff: bool = False, verbose: bool = True,
-                 seed: Optional[int] = None, process_local: bool = False):
+                 seed: Optional[int] = None, process_local: bool = False,
+                 shard_update: bool = False):
         super().__init__()
         options.check_options(
             lr=lr, momentum=momentum, damping=damping,
@@ -282,8 +295,8 @@ class KFAC(optimizer.GradientMethod):
             factor_decay=factor_decay, weight_rescale=weight_rescale,
             loss_reduction=loss_reduction, max_factor_dim=max_factor_dim,
             inverse_method=inverse_method, low_rank=low_rank,
-            kl_clip=kl_clip,
-            conv_a_strategy=conv_a_strategy)
+            kl_clip=kl_clip, conv_a_strategy=conv_a_strategy,
+            shard_update=shard_update)
         self.hyperparam.lr = lr
         self.hyperparam.momentum = momentum
         self.damping = float(damping)
@@ -318,6 +331,7 @@ class KFAC(optimizer.GradientMethod):
         self.fisher_diff = fisher_diff
         self.verbose = verbose
         self.process_local = bool(process_local)
+        self.shard_update = shard_update
         self.blocks: List = []
         #: Stages 1-2: capture and factor estimation.
         self.estimator = CurvatureEstimator(fisher, mc_samples,
@@ -435,6 +449,8 @@ class KFAC(optimizer.GradientMethod):
         for block in self.blocks:
             block.processes = self.transport.size
         state.reconcile(self)
+        if self.shard_update:
+            self._drop_unowned_state()
         if not self.estimator.capturing:
             # Factors no owner holds became due: capture them this step.
             self._begin_step()
@@ -552,6 +568,8 @@ class KFAC(optimizer.GradientMethod):
 
     # -- stages 3-6 and the update --------------------------------------------
     def _step(self):
+        if self.shard_update:
+            hooks.check_sharded(self)
         blocks, transport = self.blocks, self.transport
         n_micro, self._micro = self._micro, 0
         samples = self.estimator.samples
@@ -601,24 +619,12 @@ class KFAC(optimizer.GradientMethod):
         if self.step_bound is not None:
             self._bound_step(grads, directions)
         self.timer.mark('precondition', self._like())
-        directions = transport.all_gather(blocks, directions, present)
-        self.timer.mark('all_gather', self._like())
-        hooks.call_direction_hooks(self, blocks, directions)
-
-        finite = self.guard.check(
-            [d for ds in directions.values() for d in ds],
-            transport.agree if transport.size > 1 else None)
         step = self.t
         self.t += 1
-        if finite:
-            for block in blocks:
-                for param, direction in zip(block.params,
-                                            directions.get(block, ())):
-                    if direction is not None:
-                        param.update_rule.direction = direction
-                        param.update()
+        if self.shard_update:
+            self._update_sharded(directions, present)
         else:
-            self.guard.restore()
+            self._update_everywhere(directions, present)
         refreshed = set()
         for block in blocks:
             for name in counts[block]:
@@ -629,6 +635,70 @@ class KFAC(optimizer.GradientMethod):
         self.call_hooks('post')
         self.guard.checkpoint(self.target)
         self._begin_step()
+
+    def _update_everywhere(self, directions, present) -> None:
+        """Stage 6, then the update: every process gathers every
+        preconditioned gradient and applies eqs. (19)-(20) to every
+        parameter, unless a direction is not finite."""
+        directions = self.transport.all_gather(self.blocks, directions,
+                                               present)
+        self.timer.mark('all_gather', self._like())
+        hooks.call_direction_hooks(self, self.blocks, directions)
+        if self.guard.check([d for ds in directions.values() for d in ds],
+                            self._agree()):
+            for block in self.blocks:
+                self._apply(block, directions.get(block, ()))
+        else:
+            self.guard.restore()
+
+    def _update_sharded(self, directions, present) -> None:
+        """Weight-update sharding (:mod:`chainerkfac.sharding`): the
+        process that sends a block (its first owner) applies eqs. (19)-(20)
+        to the block's parameters and keeps their velocities; then the new
+        weights travel in one AllGatherV in place of the directions (stage
+        6). What must be agreed over processes before any update — the
+        bounded step's ν (:meth:`_bound_step`, before this) and the finite
+        check — is reduced from the owners' directions first. The clipping
+        hooks act element by element on the updated blocks' directions
+        (:func:`chainerkfac.optimizers.hooks.call_direction_hooks`); a
+        clipping hook of the whole model's norm is refused
+        (:func:`~chainerkfac.optimizers.hooks.check_sharded`)."""
+        transport = self.transport
+        mine = [b for b in self.blocks
+                if b in directions and transport.updates(b)]
+        hooks.call_direction_hooks(self, mine, directions, sharded=True)
+        if self.guard.check([d for b in mine for d in directions[b]],
+                            self._agree()):
+            for block in mine:
+                self._apply(block, directions[block])
+            self.timer.mark('update', self._like())
+            transport.gather_weights(self.blocks, present)
+            self.timer.mark('all_gather', self._like())
+        else:
+            self.guard.restore()
+
+    def _agree(self):
+        """The finite check's agreement over processes (None: one)."""
+        transport = self.transport
+        return transport.agree if transport.size > 1 else None
+
+    @staticmethod
+    def _apply(block, directions) -> None:
+        for param, direction in zip(block.params, directions):
+            if direction is not None:
+                param.update_rule.direction = direction
+                param.update()
+
+    def _drop_unowned_state(self) -> None:
+        """Weight-update sharding: keep the velocities of the parameters
+        this process updates only (after a restore that merged every
+        process's file)."""
+        names = {id(p): n for n, p in self.target.namedparams()}
+        pairs = [(p, self.transport.updates(b)) for b in self.blocks
+                 for p in b.params]
+        sharding.drop_unowned_state([p for p, _ in pairs],
+                                    [mine for _, mine in pairs],
+                                    [names[id(p)] for p, _ in pairs])
 
     def _reduce_scatter(self, grads, factors):
         """Stage 3: gradients and due factors summed over processes, each
@@ -890,6 +960,8 @@ class KFAC(optimizer.GradientMethod):
                 for block in self.blocks:
                     if self.transport.owns(block):
                         block.restore_inverses()
+                if self.shard_update:
+                    self._drop_unowned_state()
             # What is due follows the restored step; the running statistics
             # to restore on a skipped step are those of the restored model,
             # taken at the next update.

@@ -113,6 +113,7 @@ _RULES = {
     'low_rank': (lambda v: isinstance(v, bool), 'must be True or False'),
     'kl_clip': (lambda v: v is None or (_positive(v) and math.isfinite(v)),
                 'must be a positive number (or None: no bound)'),
+    'shard_update': (lambda v: isinstance(v, bool), 'must be True or False'),
     'conv_a_strategy': (lambda v: v is None or v in CONV_A_STRATEGIES,
                         'must be one of {} (or None: the cheaper)'.format(
                             CONV_A_STRATEGIES)),

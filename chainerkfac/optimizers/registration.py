@@ -12,7 +12,8 @@ FINGERPRINTED = ('damping', 'damping_target', 'damping_warmup_steps',
                  'rho_bn', 'bn_fisher', 'fisher', 'mc_samples', 'acc_iters',
                  'factor_dtype', 'factor_decay', 'weight_rescale',
                  'loss_reduction', 'max_factor_dim', 'inverse_method',
-                 'low_rank', 'kl_clip', 'fisher_diff', 't', 'epoch')
+                 'low_rank', 'kl_clip', 'fisher_diff', 'shard_update', 't',
+                 'epoch')
 
 
 def registration_table(blocks, rescale) -> str:

@@ -192,6 +192,29 @@ def test_dist_scaling_output_feeds_analysis_scaling(tmp_path):
     assert loaded['results'][0]['processes'] == 1
 
 
+def test_shard_update_smoke(tmp_path):
+    data, stdout = run_benchmark('shard_update', tmp_path)
+    check_header(data, 'shard_update')
+    assert 'Weight-update sharding' in stdout
+    [result] = data['results']
+    assert result['processes'] == 2 and positive(result['parameters'])
+    for name in ('momentum_sgd', 'lars', 'kfac'):
+        entry = result['optimizers'][name]
+        for variant in ('unsharded', 'sharded'):
+            figures = entry[variant]
+            for key in ('step_s', 'update_s', 'update_compute_s_max'):
+                assert positive(figures[key]), (name, variant, key)
+            assert len(figures['state_bytes_per_rank']) == 2
+            assert figures['state_bytes_max'] == max(
+                figures['state_bytes_per_rank'])
+        assert positive(entry['sharded']['all_gather_s'])
+        # Each process holds part of the state, together all of it.
+        unsharded = entry['unsharded']['state_bytes_per_rank']
+        sharded = entry['sharded']['state_bytes_per_rank']
+        assert unsharded[0] == unsharded[1] == sum(sharded), name
+        assert all(positive(v) for v in entry['ratios'].values())
+
+
 def test_convergence_smoke(tmp_path):
     run_dir = tmp_path / 'runs'
     data, stdout = run_benchmark('convergence', tmp_path, '--run-dir',
@@ -215,6 +238,31 @@ def test_convergence_smoke(tmp_path):
     assert comparison['goal'] == 0.6 and isinstance(comparison['met'], bool)
     assert positive(data['global_batch_size'])
     assert positive(data['acc_iters'])
+
+
+def test_lars_table1_smoke(tmp_path):
+    run_dir = tmp_path / 'runs'
+    data, stdout = run_benchmark('lars_table1', tmp_path, '--run-dir',
+                                 str(run_dir))
+    check_header(data, 'lars_table1')
+    assert 'Table 1 at small scale' in stdout
+    assert data['failed'] == []
+    settings = ('lars_scaled_m0.9', 'lars_unscaled_m0.9',
+                'lars_unscaled_m0.929', 'kfac')
+    assert {r['optimizer'] for r in data['runs']} == set(settings)
+    for run in data['runs']:
+        with open(os.path.join(run['dir'], 'log')) as f:
+            log = json.load(f)
+        with open(os.path.join(run['dir'], 'config.json')) as f:
+            config = json.load(f)
+        setting = data['settings'][run['optimizer']]
+        if setting['optimizer'] == 'lars':
+            assert config['lars_momentum'] == setting['form']
+            assert log[-1]['momentum'] == setting['momentum']
+        assert positive(run['best_top1'])
+    for name in settings:
+        assert data['summary'][name]['best']['lr'] in data['lr_grid'][name]
+    assert os.path.getsize(data['figure']) > 0
 
 
 @pytest.mark.parametrize('strategy', ['shifted', 'unfolded'])

@@ -59,12 +59,10 @@ def _install(environ, modules=None, cupy=None, fake=None, load_error=None):
 
 
 @pytest.mark.parametrize('environ, why', [
-    ({}, 'CHAINERKFAC_CUDNN unset: off'),
-    ({'CHAINERKFAC_CUDNN': ''}, 'CHAINERKFAC_CUDNN unset: off'),
     ({'CHAINERKFAC_CUDNN': '0'}, "CHAINERKFAC_CUDNN='0': off"),
     ({'CHAINERKFAC_CUDNN': 'yes'}, 'neither 0 nor 1'),
 ])
-def test_off_unless_asked(clean, environ, why):
+def test_off_when_told(clean, environ, why):
     installed, modules = _install(environ, cupy=fake_cupy())
     assert not installed and not modules
     assert describe() == ("none, Chainer's own path (convolutions as "
@@ -72,16 +70,21 @@ def test_off_unless_asked(clean, environ, why):
                           'as CuPy kernels) serves Chainer: ' +
                           installer._status.reason)
     assert why in describe()
-    if not environ.get('CHAINERKFAC_CUDNN'):
-        assert 'opt-in until the GPU suite has passed' in describe()
+
+
+@pytest.mark.parametrize('environ', [{}, {'CHAINERKFAC_CUDNN': ''}])
+def test_on_by_default(clean, environ):
+    """Unset or empty: on, wherever CuPy >= 14 and a cuDNN 9 are found."""
+    installed, modules = _install(environ, cupy=fake_cupy())
+    assert installed and modules['cupy.cudnn'] is installer.highlevel
 
 
 def test_the_default_is_one_constant(clean, monkeypatch, caplog):
-    """Flipping the default is DEFAULT = '1': then an unset variable
-    installs, '0' turns it off, and where it cannot install (no CuPy: a
-    CPU run) nothing is logged above debug."""
-    assert installer.DEFAULT == '0'   # until the GPU suite passes with it
-    monkeypatch.setattr(installer, 'DEFAULT', '1')
+    """The default is DEFAULT = '1' (on since the GPU suite passed with
+    it): an unset variable installs, '0' turns it off, and where it cannot
+    install (no CuPy: a CPU run) nothing is logged above debug; DEFAULT
+    '0' would make it opt-in again."""
+    assert installer.DEFAULT == '1'
     installed, _ = _install({}, cupy=fake_cupy(cuda=None))
     assert installed
     installed, _ = _install({'CHAINERKFAC_CUDNN': '0'}, cupy=fake_cupy())
@@ -89,6 +92,9 @@ def test_the_default_is_one_constant(clean, monkeypatch, caplog):
     installed, _ = _install({}, cupy=None)
     assert not installed and 'CuPy cannot be imported' in describe()
     assert not [r for r in caplog.records if r.levelname != 'DEBUG']
+    monkeypatch.setattr(installer, 'DEFAULT', '0')
+    installed, _ = _install({}, cupy=fake_cupy())
+    assert not installed and 'CHAINERKFAC_CUDNN unset: off' in describe()
 
 
 def test_not_after_chainer(clean):

@@ -232,3 +232,20 @@ def test_derive_acc_iters():
 def test_derive_acc_iters_errors(args, message):
     with pytest.raises(ValueError, match=message):
         derive_acc_iters(*args)
+
+
+def test_lars_momentum_is_a_form_of_the_lars_optimizer(tmp_path):
+    from chainerkfac.optimizers import lars
+    assert config.load(config.preset_path('bs32k')).lars_momentum == \
+        'unscaled'
+    for form in lars.MOMENTUM_FORMS:
+        data = base()
+        data['lars_momentum'] = form
+        assert config.load(write(tmp_path, data)).lars_momentum == form
+    data = base()
+    data['lars_momentum'] = 'nesterov'
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError) as info:
+        config.load(path)
+    assert info.value.key == 'lars_momentum' and path in str(info.value)
+    assert 'scaled' in str(info.value)

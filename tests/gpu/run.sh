@@ -18,9 +18,10 @@
 # to $LOG ($OUT/gpu_test.log when $OUT is set, else result/gpu_test.log).
 # Environment: PY (python3), MPIEXEC (mpiexec), SITE (/tmp/site), LOG,
 # MPI_SIZES (1,2,3,4), MPI_TIMEOUT (seconds per mpiexec launch, 300).
-# CHAINERKFAC_CUDNN=1 runs the whole suite with chainerkfac.cudnn (cuDNN 9
-# for Chainer); without it, the cuDNN tests (tests/gpu/test_cudnn_gpu.py
-# and tests/chainerkfac/test_cudnn_library.py) still run with it, apart.
+# The backend chainerkfac.cudnn (cuDNN 9 for Chainer) is on by default, so
+# the whole suite runs with it; CHAINERKFAC_CUDNN=0 runs the suite on
+# Chainer's own path, and the cuDNN tests (tests/gpu/test_cudnn_gpu.py and
+# tests/chainerkfac/test_cudnn_library.py) then still run with it, apart.
 # Exit status: 0 when every step passed; 3 when no GPU is usable (nothing
 # would run: every GPU test would be skipped).
 set -u -o pipefail
@@ -97,7 +98,7 @@ if [ "$WHAT" != mpi ]; then
         -p chainerkfac._compat -m 'gpu and not mpi' tests/gpu 2>&1 \
         | tee -a "$LOG"
     single=$?
-    if [ "${CHAINERKFAC_CUDNN:-}" != 1 ]; then
+    if [ "${CHAINERKFAC_CUDNN:-}" = 0 ]; then
         echo "== CHAINERKFAC_CUDNN=1: the cuDNN tests" | tee -a "$LOG"
         CHAINERKFAC_CUDNN=1 "$PY" -m pytest -v -rfEs --durations=10 \
             -p no:cacheprovider -p chainerkfac._compat \

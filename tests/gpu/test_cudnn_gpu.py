@@ -6,9 +6,9 @@ reduction length (:func:`bound`); gradient checks; one ResNet-50 SGD step
 (float64: a whole network is compared where float64 can give it) and
 K-FAC's factors either way; dropout; what is not served.
 
-Needs the backend installed: ``CHAINERKFAC_CUDNN=1`` in the environment of
-the pytest process (``tests/gpu/run.sh`` runs this module so when the
-variable is not set for the whole suite); skipped with the reason
+Needs the backend installed (the default; not with ``CHAINERKFAC_CUDNN=0``
+in the environment of the pytest process: ``tests/gpu/run.sh`` then runs
+this module apart with ``CHAINERKFAC_CUDNN=1``); skipped with the reason
 otherwise, and on a machine without CuPy or a GPU.
 """
 import contextlib
@@ -31,8 +31,8 @@ from tests.gpu import support
 INSTALLED = chainerkfac.cudnn.describe().startswith('cuDNN 9')
 pytestmark = support.MARKS + [pytest.mark.skipif(
     support.SKIP_REASON is None and not INSTALLED,
-    reason='chainerkfac.cudnn is not installed: {} (run with '
-    'CHAINERKFAC_CUDNN=1)'.format(chainerkfac.cudnn.describe()))]
+    reason='chainerkfac.cudnn is not installed: {} (run without '
+    'CHAINERKFAC_CUDNN=0)'.format(chainerkfac.cudnn.describe()))]
 
 DTYPES = [numpy.float32, numpy.float64]
 

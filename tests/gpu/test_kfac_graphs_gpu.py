@@ -12,8 +12,8 @@ steps of a small network stays near 1e-15.
 The networks: an MLP with BatchNormalization (Linear routed to our
 cuBLAS, BN on Chainer's generic kernels: capturable without cuDNN), and
 the small ResNet where Chainer's convolutions run on cuDNN (the backend,
-``CHAINERKFAC_CUDNN=1``; without it they are im2col + CuPy's cuBLAS,
-which CuPy refuses to capture).
+on by default; with ``CHAINERKFAC_CUDNN=0`` they are im2col + CuPy's
+cuBLAS, which CuPy refuses to capture, and those cases skip).
 """
 import numpy
 import pytest
@@ -22,6 +22,7 @@ import chainer
 import chainer.functions as F
 import chainer.links as L
 
+import chainerkfac
 import models
 from chainerkfac import graphs
 from chainerkfac import linalg
@@ -54,7 +55,8 @@ def _network(kind):
         else:
             if not chainer.backends.cuda.cudnn_enabled:
                 pytest.skip('the small ResNet is captured with cuDNN '
-                            'convolutions: run with CHAINERKFAC_CUDNN=1')
+                            'convolutions: cuDNN is off here ({})'.format(
+                                chainerkfac.cudnn.describe()))
             predictor = models.build_model('small', 10, 8, 4)
     model = models.SoftLabelClassifier(predictor)
     model.to_device('@cupy:0')
@@ -216,9 +218,11 @@ def test_batched_retries_as_the_cpu(max_dim, monkeypatch):
 
 
 @pytest.mark.slow
-def test_train_imagenet_with_cuda_graphs(tmp_path, monkeypatch):
-    """``--demo --gpu --cuda-graphs`` with a config of one process's batch
-    and stale factors (refresh every 5 steps): both runs train, and their
+@pytest.mark.parametrize('flag', [['--cuda-graphs'], []])
+def test_train_imagenet_with_cuda_graphs(tmp_path, monkeypatch, flag):
+    """``--demo --gpu --cuda-graphs`` (and ``--demo --gpu``: the default
+    ``auto`` turns them on here) with a config of one process's batch and
+    stale factors (refresh every 5 steps): both runs train, and their
     summaries count replayed steps."""
     import json
     import os
@@ -234,11 +238,12 @@ def test_train_imagenet_with_cuda_graphs(tmp_path, monkeypatch):
     # the small ResNet's convolutions are captured on cuDNN (the backend)
     monkeypatch.setenv('CHAINERKFAC_CUDNN', '1')
     proc, seconds = launch.run_mpi(
-        ['train_imagenet.py', '--demo', '--gpu', '--cuda-graphs', '--config',
-         path, '--epochs', '2', '--no-progress', '--out', out], nproc=1,
-        timeout=480)
+        ['train_imagenet.py', '--demo', '--gpu'] + flag +
+        ['--config', path, '--epochs', '2', '--no-progress', '--out', out],
+        nproc=1, timeout=480)
     assert proc.returncode == 0, 'failed after {:.0f} s:\n{}\n{}'.format(
         seconds, proc.stdout[-4000:], proc.stderr[-8000:])
+    assert 'CUDA graphs: on' in proc.stdout, proc.stdout[-4000:]
     with open(out / 'summary.json') as f:
         summaries = json.load(f)
     for summary in summaries:

@@ -127,3 +127,40 @@ def test_unpadded_float32_wire_on_gpu():
     """The default wire (fp32) rounds the sums: close, not equal."""
     comm = KfacHostStagedCommunicator(world, 'float32', pad_segments=False)
     _compare_on_gpu(comm, 3, tolerance=1e-4)
+
+
+def test_sharded_update_on_gpu():
+    """Weight-update sharding with CuPy weights: the owners' updates, the
+    all-gather of the weights at float64 on a padded (pure_nccl-like)
+    layout, redundant owners."""
+    comm = KfacHostStagedCommunicator(world, 'float64', pad_segments=True)
+    _compare_on_gpu(comm, 4, acc_iters=2, shard_update=True, **STALE)
+    _compare_on_gpu(comm, 4, net=common.SmallMLP, shard_update=True,
+                    **STALE)
+
+
+@pytest.mark.parametrize('form', ['scaled', 'unscaled'])
+def test_sharded_lars_on_gpu_equals_one_cpu_process(form):
+    from chainerkfac.optimizers import GuardedOptimizer, LARS
+    comm = KfacHostStagedCommunicator(world, 'float32', pad_segments=True)
+
+    def lars():
+        return LARS(lr=0.5, momentum=0.9, weight_decay=1e-3, eta=0.02,
+                    momentum_form=form)
+    model = common.ConvBNNet()
+    model.to_device(support.device())
+    optimizer = GuardedOptimizer(lars(), 2, comm, shard_update=True)
+    optimizer.setup(model)
+    ref_model = common.ConvBNNet()
+    ref_optimizer = GuardedOptimizer(lars(), 2 * comm.size).setup(ref_model)
+    for step in range(4):
+        batch = common.chunks(step, comm.size * 2, 0, model.in_shape)
+        for j in range(2):
+            x, t = batch[comm.rank * 2 + j]
+            optimizer.update(helpers.loss_of(model), *support.to_gpu(x, t))
+    common.train_single(ref_model, ref_optimizer, comm.size * 2, 4)
+    diffs = common.gathered(common.max_relative_diff(
+        support.weights(model), common.params(ref_model)))
+    # float64 model: gradients and weights travel at float64 whatever the
+    # communicator's wire (sharding sends them at the parameters' dtype).
+    assert max(diffs) < 1e-9, 'rank-wise max relative diff {}'.format(diffs)

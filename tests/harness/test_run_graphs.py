@@ -1,9 +1,9 @@
-"""``--cuda-graphs`` in the harness (harness/run.py): refused up front
-where chainerkfac.graphs does not capture the steps (several processes,
-accumulation), and the optimizers built so that their steps can be
-replayed (one process: K-FAC's local transport, no communicator for the
-baselines). The training run itself needs a GPU
-(tests/gpu/test_kfac_graphs_gpu.py)."""
+"""``--cuda-graphs auto|on|off`` in the harness (harness/run.py): auto
+(the default) on only where chainerkfac.graphs captures the steps, ``on``
+refused up front elsewhere (several processes, accumulation, no cuDNN, no
+GPU), and the optimizers built so that their steps can be replayed (one
+process: K-FAC's local transport, no communicator for the baselines). The
+training run itself needs a GPU (tests/gpu/test_kfac_graphs_gpu.py)."""
 import types
 
 import pytest
@@ -16,12 +16,32 @@ from harness import run
 LISTS = ['train.txt', 'val.txt', '--config', 'run.json']
 
 
-def test_refused_where_steps_are_not_captured():
-    run.check_cuda_graphs(1, 1)
-    with pytest.raises(ValueError, match='3 processes'):
-        run.check_cuda_graphs(3, 1)
-    with pytest.raises(ValueError, match='4 accumulated micro-batches'):
-        run.check_cuda_graphs(1, 4)
+@pytest.mark.parametrize('gpu, size, acc, cudnn, why', [
+    (True, 1, 1, True, None),
+    (False, 1, 1, True, 'no --gpu'),
+    (True, 3, 1, True, 'the steps of 3 processes'),
+    (True, 1, 4, True, 'a step of 4 accumulated micro-batches'),
+    (True, 1, 1, False, 'cuDNN does not serve Chainer'),
+])
+def test_auto_on_where_steps_are_captured(gpu, size, acc, cudnn, why):
+    on, words = run.cuda_graphs('auto', gpu, size, acc, cudnn)
+    assert on == (why is None)
+    assert words.startswith('on' if on else 'off: ' + why)
+    off, words = run.cuda_graphs('off', gpu, size, acc, cudnn)
+    assert not off and words == 'off (--cuda-graphs off)'
+    if why is None:
+        assert run.cuda_graphs('on', gpu, size, acc, cudnn)[0]
+    else:
+        with pytest.raises(ValueError, match='--cuda-graphs: ' + why):
+            run.cuda_graphs('on', gpu, size, acc, cudnn)
+
+
+def test_the_option():
+    assert train_imagenet.parse_args(LISTS).cuda_graphs == 'auto'
+    assert train_imagenet.parse_args(
+        LISTS + ['--gpu', '--cuda-graphs']).cuda_graphs == 'on'
+    assert train_imagenet.parse_args(
+        LISTS + ['--cuda-graphs', 'off']).cuda_graphs == 'off'
 
 
 @pytest.mark.parametrize('graphs', [False, True])
@@ -34,8 +54,8 @@ def test_optimizers_built_for_replay(graphs, monkeypatch):
     monkeypatch.setattr(run.chainerkfac, 'create_multi_node_optimizer',
                         lambda optimizer, comm: made.append(comm) or
                         optimizer)
-    kfac, _ = run.build_optimizer('kfac', cfg, comm, 1, args)
+    kfac, _ = run.build_optimizer('kfac', cfg, comm, 1, args, graphs)
     assert isinstance(kfac.transport, LocalTransport)
     assert made == ([] if graphs else [comm])
-    sgd, _ = run.build_optimizer('sgd', cfg, comm, 1, args)
+    sgd, _ = run.build_optimizer('sgd', cfg, comm, 1, args, graphs)
     assert sgd.comm is (None if graphs else comm)

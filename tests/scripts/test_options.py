@@ -83,6 +83,10 @@ def test_exclusive_options_refused(capsys):
     assert '--overwrite' in err and '--resume latest' in err
     err = refused(capsys, '--demo', '--resume', 'latest')
     assert '--demo' in err
+    err = refused(capsys, '--lars-momentum', 'scaled')
+    assert '--lars-momentum is for --optimizer lars' in err
+    err = refused(capsys, '--optimizer', 'lars', '--lars-momentum', 'x')
+    assert 'argument --lars-momentum' in err
 
 
 def test_values_at_the_edges_are_kept():
@@ -102,4 +106,5 @@ def test_cuda_graphs_need_the_gpu(capsys):
     err = refused(capsys, '--cuda-graphs')
     assert '--cuda-graphs' in err and '--gpu' in err
     assert train_imagenet.parse_args(LISTS + ['--gpu', '--cuda-graphs'])\
-        .cuda_graphs
+        .cuda_graphs == 'on'
+    assert train_imagenet.parse_args(LISTS).cuda_graphs == 'auto'   # CPU

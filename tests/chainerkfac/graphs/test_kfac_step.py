@@ -22,6 +22,7 @@ from chainerkfac import fused
 from chainerkfac import graphs
 from chainerkfac.device_guard import DeviceStepGuard
 from chainerkfac.optimizers import GuardedOptimizer
+from chainerkfac.step_bound import StepBound
 from chainerkfac.step_guard import StepGuard
 from tests.chainerkfac import helpers
 from tests.chainerkfac.graphs.replay_fake import ReplayCupy, device_arrays_of
@@ -241,6 +242,7 @@ class _Transport:
     (lambda o: o.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4)),
      'WeightDecay'),
     (lambda o: setattr(o, 'guard', StepGuard()), 'checkpoint'),
+    (lambda o: setattr(o, 'step_bound', StepBound(1e-4)), 'kl_clip=0.0001'),
 ])
 def test_kfac_refusals(change, reason):
     numpy.random.seed(0)

@@ -1,0 +1,285 @@
+"""LARS, the first-order large-batch baseline of the MLPerf-0.6 seed
+(seed 002, Figures 5 and 6): layer-wise adaptive rate scaling with scaled
+or unscaled momentum.
+
+For each parameter array ``w`` with gradient ``g``, at learning rate ``η``
+(``lr``), trust coefficient ``ε`` (``eta``), weight decay ``β`` and
+momentum ``m``, the local learning rate is
+
+    λ = η · ε · ‖w‖ / (‖g‖ + β · ‖w‖),   and λ = η where ‖w‖ = 0 or ‖g‖ = 0
+
+(the MLPerf-0.6 reference, TensorFlow's ``LARSOptimizer``: a trust ratio
+of 1 where either norm is zero, e.g. a zero-initialised weight). Then
+
+* ``'scaled'`` (Figure 5, the MLPerf-0.6 reference):
+  ``v ← m v + (g + β w)``, ``w ← w − λ v``;
+* ``'unscaled'`` (Figure 6, You et al. 2017):
+  ``v ← m v + λ (g + β w)``, ``w ← w − v``; Chainer's ``MomentumSGD``
+  with learning rate ``η · ε`` and its ``GradientLARS`` hook takes these
+  steps where no norm is zero and nothing is excluded.
+
+The two differ when λ changes between steps (a learning-rate schedule,
+the trust ratio itself): Figure 5's velocity holds raw gradients that the
+current λ scales, Figure 6's holds steps already scaled.
+
+Excluded parameters (the MLPerf reference's ``skip_list``: batch
+normalisation and biases) are updated with ``λ = η`` and no weight decay,
+in the same momentum form.
+"""
+from typing import Callable, List, Optional
+
+import numpy
+
+import chainer
+from chainer.backends import cuda
+from chainer import optimizer
+
+MOMENTUM_FORMS = ('scaled', 'unscaled')
+
+_default_hyperparam = optimizer.Hyperparameter()
+_default_hyperparam.lr = 0.1
+_default_hyperparam.momentum = 0.9
+_default_hyperparam.weight_decay = 1e-4
+_default_hyperparam.eta = 1e-3
+_default_hyperparam.momentum_form = 'scaled'
+
+
+def bias_and_normalization(name: str, param) -> bool:
+    """The default exclusion: every parameter of at most one dimension.
+
+    That is the biases (``b`` of ``Linear``, ``Convolution2D``, ``Bias``,
+    ...) and the scales and shifts of the normalisation links (``gamma``
+    and ``beta`` of ``BatchNormalization``, ``LayerNormalization``,
+    ``GroupNormalization``), as the MLPerf-0.6 reference leaves out
+    ``batch_normalization`` and ``bias`` variables by name; on ResNet-50
+    the two rules pick the same parameters. One-dimensional weights of
+    other links (``PReLU``'s slopes, ``Scale``'s ``W``) are excluded too.
+    Decided when the parameter has its array (lazily initialised links: at
+    their first update).
+
+    Parameters
+    ----------
+    name : str
+        The parameter's path in the model (``'/res2/a/bn1/gamma'``).
+    param : chainer.Parameter
+    """
+    return param.array.ndim <= 1
+
+
+def trust_lambda(weight, grad, lr: float, eta: float, weight_decay: float):
+    """λ of one parameter array (see the module docstring), as a 0-d array
+    of the array module of ``weight`` (no host synchronisation on the GPU).
+
+    The norms are taken in at least float32.
+    """
+    xp = chainer.backend.get_array_module(weight)
+    dtype = numpy.promote_types(weight.dtype, numpy.float32)
+    w_norm = xp.linalg.norm(weight.astype(dtype, copy=False).ravel())
+    g_norm = xp.linalg.norm(grad.astype(dtype, copy=False).ravel())
+    adapt = (w_norm > 0) & (g_norm > 0)
+    # Where a norm is 0 the ratio is not used; divide by 1 there instead.
+    denominator = xp.where(adapt, g_norm + weight_decay * w_norm, 1)
+    ratio = xp.where(adapt, eta * w_norm / denominator, 1)
+    return (lr * ratio).astype(weight.dtype)
+
+
+class LARSRule(optimizer.UpdateRule):
+    """Update rule of one parameter for :class:`LARS` (Figures 5 and 6).
+
+    Parameters
+    ----------
+    parent_hyperparam : chainer.optimizer.Hyperparameter, optional
+    lr, momentum, weight_decay, eta : float, optional
+    momentum_form : {'scaled', 'unscaled'}, optional
+
+    Attributes
+    ----------
+    excluded : bool or None
+        Whether this parameter is left out of the trust ratio and the
+        weight decay (``λ = η``, ``β = 0``); None until decided (at the
+        first update, by :attr:`exclusion`).
+    exclusion : callable or None
+        ``exclusion(param) -> bool``, set by :meth:`LARS.setup`.
+    """
+
+    _kernels = {}
+
+    def __init__(self, parent_hyperparam=None, lr=None, momentum=None,
+                 weight_decay=None, eta=None, momentum_form=None):
+        super().__init__(parent_hyperparam or _default_hyperparam)
+        for name, value in (('lr', lr), ('momentum', momentum),
+                            ('weight_decay', weight_decay), ('eta', eta),
+                            ('momentum_form', momentum_form)):
+            if value is not None:
+                setattr(self.hyperparam, name, value)
+        self.excluded: Optional[bool] = None
+        self.exclusion: Optional[Callable] = None
+
+    def init_state(self, param):
+        with chainer.using_device(param.device):
+            self.state['v'] = param.device.xp.zeros_like(param.array)
+
+    def _lambda_and_decay(self, param):
+        if self.excluded is None:
+            self.excluded = bool(self.exclusion and self.exclusion(param))
+        hp = self.hyperparam
+        if hp.momentum_form not in MOMENTUM_FORMS:
+            raise ValueError('LARS: momentum_form={!r} must be one of {}'
+                             .format(hp.momentum_form, MOMENTUM_FORMS))
+        if self.excluded:
+            return param.array.dtype.type(hp.lr), 0.0
+        return (trust_lambda(param.array, param.grad, hp.lr, hp.eta,
+                             hp.weight_decay), hp.weight_decay)
+
+    def update_core_cpu(self, param):
+        grad = param.grad
+        if grad is None:
+            return
+        lam, decay = self._lambda_and_decay(param)
+        w, v = param.array, self.state['v']
+        step = grad + decay * w if decay else grad
+        v *= self.hyperparam.momentum
+        if self.hyperparam.momentum_form == 'scaled':
+            v += step
+            w -= lam * v
+        else:
+            v += lam * step
+            w -= v
+
+    def update_core_gpu(self, param):
+        grad = param.grad
+        if grad is None:
+            return
+        lam, decay = self._lambda_and_decay(param)
+        form = self.hyperparam.momentum_form
+        kernel = LARSRule._kernels.get(form)
+        if kernel is None:
+            kernel = LARSRule._kernels[form] = cuda.elementwise(
+                'T grad, T lam, T decay, T momentum', 'T param, T v',
+                _KERNEL_BODIES[form], 'chainerkfac_lars_' + form)
+        dtype = param.array.dtype
+        kernel(grad, cuda.cupy.asarray(lam, dtype), dtype.type(decay),
+               dtype.type(self.hyperparam.momentum), param.array,
+               self.state['v'])
+
+
+#: The GPU kernels: the CPU path's expressions in the same order.
+_KERNEL_BODIES = {
+    'scaled': 'v = momentum * v + (grad + decay * param); '
+              'param -= lam * v;',
+    'unscaled': 'v = momentum * v + lam * (grad + decay * param); '
+                'param -= v;',
+}
+
+
+class LARS(optimizer.GradientMethod):
+    """LARS with the MLPerf-0.6 seed's scaled or unscaled momentum: a
+    sibling of :class:`chainer.optimizers.MomentumSGD`.
+
+    ::
+
+        optimizer = chainerkfac.optimizers.LARS(
+            lr=29.0, momentum=0.929, weight_decay=1e-4, eta=1e-3,
+            momentum_form='unscaled')
+        optimizer.setup(model)
+
+    Equations in :mod:`chainerkfac.optimizers.lars`. Multi-process and
+    accumulation: wrap it in
+    :class:`~chainerkfac.optimizers.GuardedOptimizer` (which can also shard
+    the update over the processes).
+
+    Parameters
+    ----------
+    lr : float
+        η, the global learning rate; excluded parameters step with it
+        alone. The MLPerf-0.6 ResNet-50 runs at a batch of 32K used 29 to
+        31.2 (seed 002, Table 1): about 0.23 per 256 images.
+    momentum : float
+        m, in [0, 1).
+    weight_decay : float
+        β, in the trust ratio and the update (not for excluded
+        parameters).
+    eta : float
+        ε, the trust coefficient (MLPerf: 1e-3).
+    momentum_form : {'scaled', 'unscaled'}
+        Figure 5 (the MLPerf reference) or Figure 6 (You et al.).
+    exclude : callable or None
+        ``exclude(name, param) -> bool``: the parameters left out of the
+        trust ratio and the weight decay. Default
+        :func:`bias_and_normalization` (every parameter with at most one
+        dimension: biases, BN γ and β). ``None``: adapt every parameter.
+    """
+
+    lr = optimizer.HyperparameterProxy('lr')
+    momentum = optimizer.HyperparameterProxy('momentum')
+    weight_decay = optimizer.HyperparameterProxy('weight_decay')
+    eta = optimizer.HyperparameterProxy('eta')
+    momentum_form = optimizer.HyperparameterProxy('momentum_form')
+
+    def __init__(self, lr=_default_hyperparam.lr,
+                 momentum=_default_hyperparam.momentum,
+                 weight_decay=_default_hyperparam.weight_decay,
+                 eta=_default_hyperparam.eta,
+                 momentum_form=_default_hyperparam.momentum_form,
+                 exclude=bias_and_normalization):
+        super().__init__()
+        _check('lr', lr, lambda v: v >= 0, 'must be a number >= 0')
+        _check('momentum', momentum, lambda v: 0 <= v < 1,
+               'must lie in [0, 1)')
+        _check('weight_decay', weight_decay, lambda v: v >= 0,
+               'must be a number >= 0')
+        _check('eta', eta, lambda v: v > 0, 'must be positive')
+        if momentum_form not in MOMENTUM_FORMS:
+            raise ValueError('LARS: momentum_form={!r} must be one of {}'
+                             .format(momentum_form, MOMENTUM_FORMS))
+        if exclude is not None and not callable(exclude):
+            raise TypeError('LARS: exclude must be a callable (name, param) '
+                            '-> bool or None, got {!r}'.format(exclude))
+        self.hyperparam.lr = lr
+        self.hyperparam.momentum = momentum
+        self.hyperparam.weight_decay = weight_decay
+        self.hyperparam.eta = eta
+        self.hyperparam.momentum_form = momentum_form
+        self.exclude = exclude
+
+    def create_update_rule(self):
+        return LARSRule(self.hyperparam)
+
+    def setup(self, link):
+        super().setup(link)
+        for name, param in link.namedparams():
+            rule = param.update_rule
+            if self.exclude is not None:
+                rule.exclusion = _Exclusion(self.exclude, name)
+        return self
+
+    def excluded_params(self) -> List[str]:
+        """Names of the parameters left out of the trust ratio and the
+        weight decay (those with an array; lazily initialised ones are
+        decided at their first update)."""
+        out = []
+        for name, param in self.target.namedparams():
+            rule = param.update_rule
+            excluded = rule.excluded
+            if excluded is None and param.array is not None:
+                excluded = bool(rule.exclusion and rule.exclusion(param))
+            if excluded:
+                out.append(name)
+        return out
+
+
+class _Exclusion:
+    """``exclude(name, param)`` bound to one parameter's name."""
+
+    def __init__(self, exclude, name):
+        self.exclude = exclude
+        self.name = name
+
+    def __call__(self, param) -> bool:
+        return bool(self.exclude(self.name, param))
+
+
+def _check(name, value, ok, why):
+    if not isinstance(value, (int, float, numpy.number)) or \
+            isinstance(value, bool) or not ok(value):
+        raise ValueError('LARS: {}={!r} {}'.format(name, value, why))

@@ -1,0 +1,322 @@
+"""Weight-update sharding (:mod:`chainerkfac.sharding`) under mpiexec:
+sharded steps equal unsharded ones, the optimizer state lives on the
+owners only, and per-rank snapshots resume on the same or another number
+of processes.
+
+Sharded against unsharded on the same processes: float64 models on a
+float64 wire, so the same arithmetic up to the order of the gradient sums
+(K-FAC: the same reduce-scatter; the baselines: ChainerMN's all-reduce
+against a reduce-scatter) — 1e-12 relative after a few steps. Against
+one process accumulating the N chunks: 1e-9 as in test_equivalence.
+"""
+import os
+import shutil
+import tempfile
+
+import numpy
+import pytest
+
+import chainer
+
+from chainerkfac import sharding
+from chainerkfac.optimizers import GuardedOptimizer, LARS
+from tests.chainerkfac import helpers
+from tests.chainerkfac.multi_node import common
+
+pytestmark = pytest.mark.mpi
+
+STALE = dict(refresh_interval_a=2, refresh_interval_g=1,
+             refresh_interval_f=3)
+SHARDED_TOLERANCE = 1e-12
+STEPS = 4
+
+
+def _state_of(model):
+    """``{name: velocity}`` of the parameters whose rule holds one."""
+    return {name: p.update_rule.state['v'].copy()
+            for name, p in sorted(model.namedparams())
+            if p.update_rule.state}
+
+
+def _check_close(mine, ref, tolerance, what):
+    # (A rank may hold none: a redundant owner updates nothing.)
+    diff = common.max_relative_diff(mine, ref) if mine else 0.0
+    diffs = common.gathered(diff)
+    assert max(diffs) < tolerance, '{}: rank-wise max relative diff {}' \
+        .format(what, diffs)
+
+
+# -- K-FAC -------------------------------------------------------------------
+@pytest.mark.parametrize('net, acc_iters', [
+    (common.ConvBNNet, 1), (common.ConvBNNet, 2), (common.SmallMLP, 1)],
+    ids=['convbn', 'convbn-acc2', 'mlp-redundant'])
+def test_kfac_sharded_equals_unsharded(net, acc_iters):
+    comm = common.naive('float64')
+    sharded, optimizer = common.distributed(
+        comm, net=net, acc_iters=acc_iters, shard_update=True, **STALE)
+    plain, plain_optimizer = common.distributed(
+        comm, net=net, acc_iters=acc_iters, **STALE)
+    single, single_optimizer = common.single(
+        net=net, acc_iters=acc_iters * comm.size, **STALE)
+    initial = common.params(single)
+    common.train_distributed(sharded, optimizer, comm, STEPS)
+    common.train_distributed(plain, plain_optimizer, comm, STEPS)
+    common.train_single(single, single_optimizer, comm.size * acc_iters,
+                        STEPS)
+    _check_close(common.params(sharded), common.params(plain),
+                 SHARDED_TOLERANCE, 'sharded vs unsharded')
+    _check_close(common.params(sharded), common.params(single), 1e-9,
+                 'sharded vs one process')
+    common.assert_everywhere(
+        common.max_relative_diff(common.params(single), initial) > 1e-2,
+        'weights moved')
+    # Velocities: only where this rank updates the block, equal there.
+    transport = optimizer.transport
+    names = {id(p): n for n, p in sharded.namedparams()}
+    updated = {names[id(p)] for b in optimizer.blocks
+               if transport.updates(b) for p in b.params}
+    held = _state_of(sharded)
+    common.assert_everywhere(set(held) == updated, 'velocities of owners')
+    ref = _state_of(plain)
+    _check_close(held, {n: ref[n] for n in held}, SHARDED_TOLERANCE,
+                 'velocities')
+    counts = common.gathered(sorted(held))
+    common.assert_everywhere(
+        sorted(n for c in counts for n in c) == sorted(ref),
+        'every velocity held once')
+
+
+def _bounded_run(comm, net, shard_update, clip):
+    """A K-FAC run with the bounded step (and, with ``clip``, Chainer's
+    GradientHardClipping); ν of every step."""
+    model, optimizer = common.distributed(
+        comm, net=net, lr=0.5, kl_clip=1e-3, shard_update=shard_update,
+        **STALE)
+    if clip:
+        optimizer.add_hook(chainer.optimizer_hooks.GradientHardClipping(
+            -0.02, 0.02))
+    scales = []
+    for step in range(STEPS):
+        common.train_distributed(model, optimizer, comm, 1, first_step=step)
+        scales.append(optimizer.step_bound.scale)
+    return common.params(model), scales
+
+
+@pytest.mark.parametrize('net', [common.ConvBNNet, common.SmallMLP],
+                         ids=['convbn', 'mlp-redundant'])
+def test_kfac_sharded_bounded_step_equals_unsharded(net):
+    """kl_clip on: ν is summed from every block's term (the first owners'
+    partial sums over processes) before any owner updates, so the sharded
+    run scales as the unsharded one; GradientHardClipping clips the
+    updated blocks' directions element by element as it clips the gathered
+    ones. The same arithmetic up to the gradient sums' order: 1e-12."""
+    comm = common.naive('float64')
+    sharded, scales = _bounded_run(comm, net, True, True)
+    plain, plain_scales = _bounded_run(comm, net, False, True)
+    unclipped, _ = _bounded_run(comm, net, False, False)
+    common.assert_everywhere(min(plain_scales) < 0.5, 'the bound acted')
+    common.assert_everywhere(
+        all(abs(a - b) <= 1e-12 * b for a, b in zip(scales, plain_scales)),
+        'ν: {} vs {}'.format(scales, plain_scales))
+    common.assert_everywhere(
+        common.max_relative_diff(plain, unclipped) > 1e-6,
+        'the clipping acted')
+    _check_close(sharded, plain, SHARDED_TOLERANCE, 'sharded vs unsharded')
+
+
+def test_kfac_sharded_refuses_a_whole_model_clipping_hook():
+    """GradientClipping needs the norm of every direction, which no
+    process holds with a sharded update: every rank refuses it, naming
+    it, before any weight changes."""
+    comm = common.naive('float64')
+    model, optimizer = common.distributed(comm, shard_update=True, **STALE)
+    optimizer.add_hook(chainer.optimizer_hooks.GradientClipping(1.0))
+    # Every rank starts from rank 0's weights (the transport's setup).
+    before = common.gathered(common.params(model))[0]
+    with pytest.raises(ValueError, match='GradientClipping.*shard_update'):
+        common.train_distributed(model, optimizer, comm, 1)
+    _check_close(common.params(model), before, 1e-300, 'weights unchanged')
+
+
+def test_kfac_sharded_ranks_hold_identical_weights_on_a_float16_wire():
+    """The weights travel at their own dtype: on a float16 wire (which
+    rounds the gradients and factors) every rank still ends with the
+    owners' weights bit for bit."""
+    comm = common.naive('float16')
+    model, optimizer = common.distributed(comm, shard_update=True, **STALE)
+    common.train_distributed(model, optimizer, comm, 2)
+    flat = numpy.concatenate([a.ravel() for a in
+                              common.params(model).values()])
+    everyone = common.gathered(flat)
+    common.assert_everywhere(all(numpy.array_equal(everyone[0], f)
+                                 for f in everyone), 'identical weights')
+
+
+# -- the baselines -----------------------------------------------------------
+def _sgd():
+    optimizer = chainer.optimizers.MomentumSGD(lr=0.05, momentum=0.9)
+    return optimizer
+
+
+def _lars(form):
+    return lambda: LARS(lr=0.5, momentum=0.9, weight_decay=1e-3, eta=0.02,
+                        momentum_form=form)
+
+
+BASELINES = {'momentum_sgd': _sgd, 'lars_scaled': _lars('scaled'),
+             'lars_unscaled': _lars('unscaled')}
+
+
+def _guarded(comm, make, acc_iters, shard_update, seed=0):
+    model = common.ConvBNNet(seed=seed)
+    optimizer = GuardedOptimizer(make(), acc_iters, comm,
+                                 shard_update=shard_update).setup(model)
+    if isinstance(optimizer.actual_optimizer,
+                  chainer.optimizers.MomentumSGD):
+        optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-3))
+    return model, optimizer
+
+
+@pytest.mark.parametrize('name', sorted(BASELINES))
+@pytest.mark.parametrize('acc_iters', [1, 2])
+def test_baseline_sharded_equals_unsharded(name, acc_iters):
+    comm = common.naive('float64')
+    make = BASELINES[name]
+    sharded, optimizer = _guarded(comm, make, acc_iters, True)
+    plain, plain_optimizer = _guarded(comm, make, acc_iters, False)
+    single, single_optimizer = _guarded(None, make, acc_iters * comm.size,
+                                        False)
+    initial = common.params(single)
+    common.train_distributed(sharded, optimizer, comm, STEPS)
+    common.train_distributed(plain, plain_optimizer, comm, STEPS)
+    common.train_single(single, single_optimizer, comm.size * acc_iters,
+                        STEPS)
+    _check_close(common.params(sharded), common.params(plain),
+                 SHARDED_TOLERANCE, 'sharded vs unsharded')
+    _check_close(common.params(sharded), common.params(single), 1e-9,
+                 'sharded vs one process')
+    common.assert_everywhere(
+        common.max_relative_diff(common.params(single), initial) > 1e-3,
+        'weights moved')
+    held = _state_of(sharded)
+    everyone = common.gathered(sorted(held))
+    common.assert_everywhere(
+        sorted(n for names in everyone for n in names) ==
+        sorted(_state_of(plain)), 'every velocity held once')
+    params = [p for _, p in sorted(sharded.namedparams())]
+    nbytes = common.gathered(sharding.state_nbytes(params))
+    total = sharding.state_nbytes(plain.params())
+    common.assert_everywhere(
+        sum(nbytes) == total and
+        (comm.size == 1 or max(nbytes) < total), 'state bytes divided')
+    # Every rule counted every step (Adam's bias correction would need it).
+    common.assert_everywhere(
+        all(p.update_rule.t == STEPS for p in params), 'rule step counts')
+
+
+def test_a_whole_model_hook_is_refused_with_sharding():
+    comm = common.naive('float64')
+    model, optimizer = _guarded(comm, _sgd, 1, True)
+    optimizer.add_hook(chainer.optimizer_hooks.GradientClipping(1.0))
+    x, t = common.chunks(0, comm.size)[comm.rank]
+    if comm.size == 1:
+        optimizer.update(helpers.loss_of(model), x, t)   # not sharded
+        return
+    with pytest.raises(ValueError, match='GradientClipping'):
+        optimizer.update(helpers.loss_of(model), x, t)
+
+
+# -- snapshots ---------------------------------------------------------------
+@pytest.fixture
+def shared_dir():
+    path = common.world.bcast(tempfile.mkdtemp() if common.world.rank == 0
+                              else None)
+    yield path
+    common.world.Barrier()
+    if common.world.rank == 0:
+        shutil.rmtree(path)
+
+
+def _file(directory, what, rank):
+    return os.path.join(directory, '{}_rank{}.npz'.format(what, rank))
+
+
+def _build(kind, comm, seed=0, acc_iters=1):
+    """A sharded optimizer of ``kind`` over ``comm`` (None: one process)."""
+    if kind == 'kfac':
+        if comm is None:
+            return common.single(seed=seed, acc_iters=acc_iters,
+                                 shard_update=True, **STALE)
+        return common.distributed(comm, seed=seed, acc_iters=acc_iters,
+                                  shard_update=True, **STALE)
+    return _guarded(comm, _lars('scaled'), acc_iters, True, seed=seed)
+
+
+N, M = 3, 2
+
+
+@pytest.mark.parametrize('kind', ['kfac', 'lars'])
+def test_sharded_snapshots_resume_on_the_same_and_other_sizes(kind,
+                                                             shared_dir):
+    """P ranks, N steps, save per rank; then M more steps three ways: on
+    (a) the same ranks from their own files, (b) one process loading every
+    rank's file, (c) for the 1 -> P direction, P ranks from one process's
+    file. Each equals the uninterrupted run."""
+    comm = common.naive('float64')
+    model, optimizer = _build(kind, comm)
+    common.train_distributed(model, optimizer, comm, N)
+    chainer.serializers.save_npz(_file(shared_dir, 'model', comm.rank),
+                                 model)
+    chainer.serializers.save_npz(_file(shared_dir, 'optimizer', comm.rank),
+                                 optimizer)
+    comm.mpi_comm.Barrier()
+    common.train_distributed(model, optimizer, comm, M, first_step=N)
+    uninterrupted = common.params(model)
+
+    # (a) The same processes.
+    again, again_optimizer = _build(kind, comm, seed=42)
+    chainer.serializers.load_npz(_file(shared_dir, 'model', comm.rank),
+                                 again)
+    chainer.serializers.load_npz(_file(shared_dir, 'optimizer', comm.rank),
+                                 again_optimizer, strict=False)
+    common.train_distributed(again, again_optimizer, comm, M, first_step=N)
+    _check_close(common.params(again), uninterrupted, SHARDED_TOLERANCE,
+                 'resumed on the same ranks')
+
+    # (b) One process, every rank's file merged.
+    alone, alone_optimizer = _build(kind, None, seed=7,
+                                    acc_iters=comm.size)
+    chainer.serializers.load_npz(_file(shared_dir, 'model', 0), alone)
+    for rank in range(comm.size):
+        chainer.serializers.load_npz(_file(shared_dir, 'optimizer', rank),
+                                     alone_optimizer, strict=False)
+    common.assert_everywhere(
+        all(p.update_rule.state for p in alone.params()),
+        'every velocity merged')
+    common.train_single(alone, alone_optimizer, comm.size, M, first_step=N)
+    _check_close(common.params(alone), uninterrupted, 1e-9,
+                 'elastic P -> 1')
+
+    # (c) One process's snapshot (rank 0's file of (b)'s run) on P ranks:
+    # each keeps the velocities it owns.
+    comm.mpi_comm.Barrier()
+    if comm.rank == 0:
+        chainer.serializers.save_npz(_file(shared_dir, 'alone', 0),
+                                     alone_optimizer)
+        chainer.serializers.save_npz(_file(shared_dir, 'alone_model', 0),
+                                     alone)
+    comm.mpi_comm.Barrier()
+    common.train_single(alone, alone_optimizer, comm.size, M,
+                        first_step=N + M)
+    wide, wide_optimizer = _build(kind, comm, seed=3)
+    chainer.serializers.load_npz(_file(shared_dir, 'alone_model', 0), wide)
+    chainer.serializers.load_npz(_file(shared_dir, 'alone', 0),
+                                 wide_optimizer)
+    common.train_distributed(wide, wide_optimizer, comm, M,
+                             first_step=N + M)
+    _check_close(common.params(wide), common.params(alone), 1e-9,
+                 'elastic 1 -> P')
+    held = common.gathered(sorted(_state_of(wide)))
+    common.assert_everywhere(
+        sorted(n for names in held for n in names) ==
+        sorted(_state_of(alone)), 'velocities re-sharded, each held once')
