@@ -111,6 +111,10 @@ class TrainConfig:
         ``null`` (the default here, unlike the library's): no bound, the
         paper's update; the refresh intervals likewise default to 1 here
         (every step), not to the library's stale default.
+    low_rank : bool
+        The optimizer's low-rank factors (:mod:`chainerkfac.low_rank`):
+        ``false`` (the default here, unlike the library's): every factor
+        dense and inverted as the paper does.
     lars_momentum : str
         The momentum form of the LARS baseline (``--optimizer lars``), one
         of :data:`chainerkfac.optimizers.lars.MOMENTUM_FORMS`:
@@ -148,6 +152,7 @@ class TrainConfig:
     max_factor_dim: Optional[int] = None
     inverse_method: str = 'cholesky'
     kl_clip: Optional[float] = None
+    low_rank: bool = False
     lars_momentum: str = 'unscaled'
     n_class: int = 1000
     description: str = ''
@@ -389,9 +394,10 @@ def kfac_options(config):
     dict
         ``lr``, ``momentum``, the damping of eqs. (13)-(16), ``rho_bn``,
         ``bn_fisher``, ``fisher``, the refresh intervals, ``factor_dtype``,
-        ``weight_rescale``, ``max_factor_dim``, ``inverse_method`` and
-        ``kl_clip``: every option whose library default differs from the
-        paper (the stale intervals, the bounded step) is set explicitly.
+        ``weight_rescale``, ``max_factor_dim``, ``inverse_method``,
+        ``kl_clip`` and ``low_rank``: every option whose library default
+        differs from the paper (the stale intervals, the bounded step, the
+        low-rank factors) is set explicitly.
     """
     return dict(
         lr=config.lr, momentum=config.momentum, damping=config.damping,
@@ -404,7 +410,8 @@ def kfac_options(config):
         factor_dtype=config.factor_dtype,
         weight_rescale=config.weight_rescale,
         max_factor_dim=config.max_factor_dim,
-        inverse_method=config.inverse_method, kl_clip=config.kl_clip)
+        inverse_method=config.inverse_method, kl_clip=config.kl_clip,
+        low_rank=config.low_rank)
 
 
 def check_epochs(config, source=None):

@@ -108,14 +108,14 @@ def test_imagenet_configs_keep_the_papers_update(name):
     # eq. 22 / eq. 23 presets), no bound.
     cfg = config.load(config.preset_path(name))
     kwargs = config.kfac_options(cfg)
-    assert kwargs['kl_clip'] is None
+    assert kwargs['kl_clip'] is None and kwargs['low_rank'] is False
     with open(config.preset_path(name)) as f:
         written = json.load(f)
     for key in ('refresh_interval_a', 'refresh_interval_g',
                 'refresh_interval_f'):
         assert kwargs[key] == written.get(key, 1)
     optimizer = chainerkfac.optimizers.KFAC(**kwargs)
-    assert optimizer.step_bound is None
+    assert optimizer.step_bound is None and optimizer.low_rank is False
     assert optimizer.refresh_intervals['A'](0, 0) == 1
 
 
@@ -126,6 +126,16 @@ def test_kl_clip_reaches_the_optimizer(tmp_path):
     assert config.kfac_options(cfg)['kl_clip'] == 1e-3
     data['kl_clip'] = 0
     with pytest.raises(ConfigError, match='kl_clip'):
+        config.load(write(tmp_path, data))
+
+
+def test_low_rank_reaches_the_optimizer(tmp_path):
+    data = base()
+    data['low_rank'] = True
+    cfg = config.load(write(tmp_path, data))
+    assert config.kfac_options(cfg)['low_rank'] is True
+    data['low_rank'] = 'yes'
+    with pytest.raises(ConfigError, match='low_rank'):
         config.load(write(tmp_path, data))
 
 
