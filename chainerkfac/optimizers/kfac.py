@@ -620,7 +620,6 @@ class KFAC(optimizer.GradientMethod):
             self._bound_step(grads, directions)
         self.timer.mark('precondition', self._like())
         step = self.t
-        self.t += 1
         if self.shard_update:
             self._update_sharded(directions, present)
         else:
@@ -639,11 +638,13 @@ class KFAC(optimizer.GradientMethod):
     def _update_everywhere(self, directions, present) -> None:
         """Stage 6, then the update: every process gathers every
         preconditioned gradient and applies eqs. (19)-(20) to every
-        parameter, unless a direction is not finite."""
+        parameter, unless a direction is not finite. The clipping hooks
+        run before ``t`` advances, as Chainer's ``'pre'`` hooks do."""
         directions = self.transport.all_gather(self.blocks, directions,
                                                present)
         self.timer.mark('all_gather', self._like())
         hooks.call_direction_hooks(self, self.blocks, directions)
+        self.t += 1
         if self.guard.check([d for ds in directions.values() for d in ds],
                             self._agree()):
             for block in self.blocks:
@@ -667,6 +668,7 @@ class KFAC(optimizer.GradientMethod):
         mine = [b for b in self.blocks
                 if b in directions and transport.updates(b)]
         hooks.call_direction_hooks(self, mine, directions, sharded=True)
+        self.t += 1
         if self.guard.check([d for b in mine for d in directions[b]],
                             self._agree()):
             for block in mine:
