@@ -211,7 +211,8 @@ def _spd(n, seed, dtype):
 
 
 @pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
-@pytest.mark.parametrize('max_dim', [0, 512], ids=['per-factor', 'batched'])
+@pytest.mark.parametrize('max_dim', [0, 512, 1024],
+                         ids=['per-factor', 'batched-512', 'batched-1024'])
 def test_batched_inverses_against_float64_numpy(dtype, max_dim,
                                                 monkeypatch):
     """Sizes repeated as in ResNet-50 (64, 128, 256, 512) and single ones.
@@ -239,7 +240,8 @@ def test_batched_inverses_against_float64_numpy(dtype, max_dim,
         assert abs(got - exact).max() <= bound, (matrix.shape, bound)
 
 
-@pytest.mark.parametrize('max_dim', [0, 512], ids=['per-factor', 'batched'])
+@pytest.mark.parametrize('max_dim', [0, 512, 1024],
+                         ids=['per-factor', 'batched-512', 'batched-1024'])
 def test_batched_retries_as_the_cpu(max_dim, monkeypatch):
     """The problem factors (−I, indefinite, NaN, Inf) twice over, so that
     the equal sizes go as batches: the same retries and dampings as the
