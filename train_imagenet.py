@@ -137,17 +137,18 @@ def parse_args(argv=None):
     parser.add_argument('--gpu', action='store_true',
                         help='one GPU per process (intra-node rank)')
     parser.add_argument('--cuda-graphs', nargs='?', const='on',
-                        default='auto', choices=('auto', 'on', 'off'),
+                        default='off', choices=('auto', 'on', 'off'),
                         help='capture steady-state steps (K-FAC steps that '
                              'refresh no factor, the baselines\' steps) as '
-                             'CUDA graphs and replay them. auto (default): '
-                             'on with --gpu where they can be captured (one '
-                             'process, no accumulation, cuDNN serving '
-                             'Chainer), else off, the start-up line says '
-                             'why; on (or the bare flag): refuse a run where '
-                             'they cannot; off: every step eager. The '
-                             'summary counts eager, captured and replayed '
-                             'steps')
+                             'CUDA graphs and replay them. off (default, '
+                             'until a GPU has run the recapture memory '
+                             'test): every step eager; auto: on with --gpu '
+                             'where they can be captured (one process, no '
+                             'accumulation, cuDNN serving Chainer), else '
+                             'off, the start-up line says why; on (or the '
+                             'bare flag): refuse a run where they cannot. '
+                             'The summary counts eager, captured and '
+                             'replayed steps')
     parser.add_argument('--arch', choices=models.ARCHS, default='resnet50')
     parser.add_argument('--depth', type=small_resnet_depth, default=8,
                         help='depth of --arch small (6n+2: 8, 14, 20, ...)')

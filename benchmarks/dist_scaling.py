@@ -44,11 +44,7 @@ result per ``P`` with ``step_time``, ``stage_times``, ``bytes`` and
 mean) plus this benchmark's own fields.
 """
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Dict, List
 
@@ -220,31 +216,11 @@ def summarise_launch(gathered: List[Dict], size: int) -> Dict:
 # -- the launcher ----------------------------------------------------------------------
 def launch(processes: int, args, timeout: float) -> Dict:
     """Run the worker under ``mpiexec -n processes``; its figures."""
-    with tempfile.TemporaryDirectory(prefix='dist_scaling.') as tmp:
-        out = os.path.join(tmp, 'launch.json')
-        cmd = [_common.mpiexec_path(), '-n', str(processes), sys.executable,
-               '-m', 'benchmarks.dist_scaling', '--worker', out] + [
-                   '--{}={}'.format(k, getattr(args, k)) for k in (
-                       'rounds', 'depth', 'width')
-                   if getattr(args, k) is not None] + (
-                       ['--smoke'] if args.smoke else [])
-        start = time.time()
-        try:
-            proc = subprocess.run(cmd, env=_common.worker_env(threads=1),
-                                  cwd=_common.ROOT, capture_output=True,
-                                  text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError('mpiexec -n {} timed out after {:.0f} s'.format(
-                processes, timeout)) from None
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError('mpiexec -n {} failed (exit {}):\n{}'.format(
-                processes, proc.returncode,
-                (proc.stdout + proc.stderr)[-3000:]))
-        with open(out) as f:
-            result = json.load(f)
-    result['launch_wall_s'] = time.time() - start
-    result['oversubscribed'] = processes > _common.usable_cores()
-    return result
+    return _common.launch_worker(
+        'benchmarks.dist_scaling', processes,
+        ['--{}={}'.format(k, getattr(args, k)) for k in ('rounds', 'depth', 'width')
+         if getattr(args, k) is not None] + (['--smoke'] if args.smoke
+                                             else []), timeout)
 
 
 def byte_ratios(result: Dict) -> Dict:

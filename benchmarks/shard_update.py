@@ -42,11 +42,7 @@ rounds of the slowest rank):
 """
 import argparse
 import gc
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Dict, List
 
@@ -203,30 +199,11 @@ def summarise_launch(gathered: List, size: int, n_params: int) -> Dict:
 
 def launch(processes: int, args, timeout: float) -> Dict:
     """Run the worker under ``mpiexec -n processes``; its figures."""
-    with tempfile.TemporaryDirectory(prefix='shard_update.') as tmp:
-        out = os.path.join(tmp, 'launch.json')
-        cmd = [_common.mpiexec_path(), '-n', str(processes), sys.executable,
-               '-m', 'benchmarks.shard_update', '--worker', out] + [
-                   '--{}={}'.format(k, getattr(args, k)) for k in (
-                       'rounds', 'model') if getattr(args, k) is not None
-               ] + (['--smoke'] if args.smoke else [])
-        start = time.time()
-        try:
-            proc = subprocess.run(cmd, env=_common.worker_env(threads=1),
-                                  cwd=_common.ROOT, capture_output=True,
-                                  text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError('mpiexec -n {} timed out after {:.0f} s'.format(
-                processes, timeout)) from None
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError('mpiexec -n {} failed (exit {}):\n{}'.format(
-                processes, proc.returncode,
-                (proc.stdout + proc.stderr)[-3000:]))
-        with open(out) as f:
-            result = json.load(f)
-    result['launch_wall_s'] = time.time() - start
-    result['oversubscribed'] = processes > _common.usable_cores()
-    return result
+    return _common.launch_worker(
+        'benchmarks.shard_update', processes,
+        ['--{}={}'.format(k, getattr(args, k)) for k in ('rounds', 'model')
+         if getattr(args, k) is not None] + (['--smoke'] if args.smoke
+                                             else []), timeout)
 
 
 def tables(data: Dict) -> str:

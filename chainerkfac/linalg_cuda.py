@@ -45,10 +45,12 @@ logger = logging.getLogger(__name__)
 N_STREAMS = 16
 #: The largest factor inverted in a batch of its size (0: none, every
 #: factor by potrf + potri, whose blocked algorithms suit large ones).
-#: 0 until a GPU has run the batches (tests/gpu) and
-#: ``benchmarks.step_time --gpu --inverse-only --batched-max-dims`` has
-#: chosen the limit; ResNet-50 batches 100 of its 161 factors at 512.
-BATCHED_MAX_DIM = 0
+#: Chosen by ``benchmarks.step_time --gpu --inverse-only
+#: --batched-max-dims`` on one H200 (2026-11-26, ResNet-50's 161 factors,
+#: fp32, medians of 15): 0.0962 s per-factor, 0.0940 s at 256, 0.0856 s
+#: at 1024 (an earlier run of 5: 0.0951, 0.0954 at 128, 0.0929 at 256,
+#: 0.104 at 512, 0.0877 at 1024); 128 of the 161 factors go in 6 batches.
+BATCHED_MAX_DIM = 1024
 #: The fewest factors of one size that make a batch.
 BATCH_MIN = 2
 

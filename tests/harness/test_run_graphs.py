@@ -1,5 +1,5 @@
-"""``--cuda-graphs auto|on|off`` in the harness (harness/run.py): auto
-(the default) on only where chainerkfac.graphs captures the steps, ``on``
+"""``--cuda-graphs auto|on|off`` in the harness (harness/run.py): off by
+default, auto on only where chainerkfac.graphs captures the steps, ``on``
 refused up front elsewhere (several processes, accumulation, no cuDNN, no
 GPU), and the optimizers built so that their steps can be replayed (one
 process: K-FAC's local transport, no communicator for the baselines). The
@@ -37,7 +37,7 @@ def test_auto_on_where_steps_are_captured(gpu, size, acc, cudnn, why):
 
 
 def test_the_option():
-    assert train_imagenet.parse_args(LISTS).cuda_graphs == 'auto'
+    assert train_imagenet.parse_args(LISTS).cuda_graphs == 'off'
     assert train_imagenet.parse_args(
         LISTS + ['--gpu', '--cuda-graphs']).cuda_graphs == 'on'
     assert train_imagenet.parse_args(

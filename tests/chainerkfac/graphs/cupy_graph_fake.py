@@ -67,8 +67,11 @@ class FakeCupy:
                 return Graph(kernels, fake.log)
 
         class MemoryPool:
+            made = 0    # a serial number: id() is reused once one is freed
+
             def __init__(self):
-                self.malloc = 'private pool {}'.format(id(self))
+                MemoryPool.made += 1
+                self.malloc = 'private pool {}'.format(MemoryPool.made)
 
         @contextlib.contextmanager
         def using_allocator(allocator):

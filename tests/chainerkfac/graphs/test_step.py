@@ -92,6 +92,11 @@ def test_hyperparameters_changed_recaptures():
     assert graph(_x(fake, 1)) == 'replayed'
     numpy.testing.assert_allclose(weights, -(3 * 0.1 + 2 * 0.5))
     assert graph.stats['dropped: hyperparameters changed'] == 1
+    # the second capture allocates from the first one's pool (a pool per
+    # capture leaked what arrays outliving a capture pinned)
+    pools = [e[2] for e in fake.log if e[0] == 'begin_capture']
+    assert len(pools) == 2 and pools[0] == pools[1]
+    assert pools[0].startswith('private pool')
 
 
 def test_signature_change_warms_up_again():
