@@ -83,8 +83,12 @@ def test_preemption_smoke(tmp_path):
         data = json.load(f)
     [stop] = data['stops']
     assert stop['arch'] == 'small' and stop['all_status_75']
-    for key in ('step_s', 'exit_s', 'to_boundary_s', 'write_s'):
+    for key in ('step_s', 'exit_s', 'write_s'):
         assert positive(stop[key]), key
+    # the signal lands at a random point of a step whose length is
+    # estimated from the step before: it may arrive as that step ends
+    # (printed to 0.01 s, so 0.00)
+    assert 0.0 <= stop['to_boundary_s'] <= stop['exit_s']
     [agreement] = data['agreement']
     assert agreement['size'] == 2 and positive(agreement['seconds'])
     assert 'signal to exit s' in proc.stdout
