@@ -40,7 +40,7 @@ and the owners scale their directions before the all-gather: every
 process applies the same ν, and it is known before any update.
 """
 import math
-from typing import Iterable, Sequence, Tuple
+from typing import Callable, Iterable, Optional, Sequence, Tuple
 
 import numpy
 
@@ -101,6 +101,12 @@ class StepBound:
         self.kl_clip = float(kl_clip)
         self.metric = float('nan')
         self.scale = 1.0
+        #: ``float -> float``, identical on every process: the sum over a
+        #: second group of processes holding other blocks of the same
+        #: model (layer-parallel training: the other layer groups), after
+        #: the optimizer's own sum; None when the optimizer sees every
+        #: block (:func:`chainerkfac.layer_parallel.setup_kfac` sets it).
+        self.sum_across: Optional[Callable[[float], float]] = None
 
     def apply(self, terms: Iterable[Tuple[object, Sequence, Sequence]],
               scaled: Iterable[Sequence], lr: float, sum_over_processes
@@ -131,6 +137,8 @@ class StepBound:
         partial = sum(metric_term(*term) for term in terms)
         total = float(sum_over_processes(
             numpy.array([partial], numpy.float64))[0])
+        if self.sum_across is not None:
+            total = float(self.sum_across(total))
         self.metric = lr * lr * total
         self.scale = scale_of(self.metric, self.kl_clip)
         if self.scale != 1.0:

@@ -17,6 +17,11 @@ layer-parallel training of a :class:`.ResidualODE`:
   opening layer and the classifier are Chainer calls as usual;
 * **process-local otherwise** — with one replica each process's optimizer
   holds its own layers' blocks alone (``process_local``: nothing to share);
+* **one bounded step** — with ``kl_clip`` (K-FAC's default), ν is the
+  bound over the whole network: each process's sum over its layers'
+  blocks (and its replicas) is summed over the layer groups in rank order
+  (:attr:`chainerkfac.step_bound.StepBound.sum_across`), so every layer
+  scales by the same ν as in serial training;
 * **data replicas** — with a :class:`.ProcessGrid` of several replicas the
   optimizer is distributed over the grid's data group
   (:func:`chainerkfac.create_multi_node_optimizer` on a ChainerMN
@@ -30,6 +35,9 @@ Only the empirical Fisher (``fisher='emp'``): the Monte-Carlo and exact
 Fisher run extra backward passes from the logits through Chainer's graph,
 which MGRIT does not build through the layers.
 """
+import functools
+import math
+
 import numpy
 
 from chainerkfac.optimizers.kfac import KFAC
@@ -92,7 +100,17 @@ def setup_kfac(optimizer: KFAC, mgrit, grid=None,
             communicator, mpi_comm=grid.data_comm.comm,
             wire_dtype=dtype.name)
         create_multi_node_optimizer(optimizer, comm)
+    layers = mgrit.transport
+    if optimizer.step_bound is not None and layers.size > 1:
+        optimizer.step_bound.sum_across = functools.partial(
+            _sum_in_rank_order, layers)
     return optimizer
+
+
+def _sum_in_rank_order(transport, value: float) -> float:
+    """``value`` summed over ``transport``'s processes in rank order (the
+    same float on every process)."""
+    return math.fsum(transport.allgather(float(value)))
 
 
 def replicas_reduced(optimizer, grid) -> bool:

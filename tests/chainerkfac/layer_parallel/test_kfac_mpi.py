@@ -54,12 +54,20 @@ def test_converged_layer_parallel_kfac_is_serial_kfac(layer_procs, name):
         KFAC(**OPTIONS), m1=60, m2=60, grid=grid)
     reference = KFAC(process_local=True, **OPTIONS).setup(reference_net)
     failures = []
+    scales = []
     for _ in range(5):
         result = training.step(*grid.local_batch(x, t))
         reference.update(
             lambda: F.softmax_cross_entropy(reference_net(x), t))
         if result.state_residual > 1e-14 or result.adjoint_residual > 1e-14:
             failures.append('not converged: {}'.format(result))
+        # the default bounded step (kl_clip): one ν for the whole network
+        scales.append(training.optimizer.step_bound.scale)
+        if abs(scales[-1] - reference.step_bound.scale) > 1e-12:
+            failures.append('nu {} against serial {}'.format(
+                scales[-1], reference.step_bound.scale))
+    if min(scales) > 0.99:
+        failures.append('the bound never acted: nu {}'.format(scales))
     expected = dict(reference_net.namedparams())
     worst = 0.0
     for param_name, param in training.mgrit.owned_params():
