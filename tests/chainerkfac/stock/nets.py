@@ -204,6 +204,26 @@ class MLP(chainer.Chain):
 
 
 # -- CIFAR VGG with BN (examples/cifar) ---------------------------------------
+class DigitsConvBN(chainer.Chain):
+    """The digits conv + BN net of the bounded-step benchmark and tests:
+    conv 16 → BN → relu → conv 32 → BN → relu → max pool 2 → Linear 10,
+    for 1×8×8 digits."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.conv1 = L.Convolution2D(1, 16, 3, pad=1)
+            self.bn1 = L.BatchNormalization(16)
+            self.conv2 = L.Convolution2D(16, 32, 3, pad=1)
+            self.bn2 = L.BatchNormalization(32)
+            self.fc = L.Linear(32 * 4 * 4, 10)
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = F.max_pooling_2d(F.relu(self.bn2(self.conv2(h))), 2)
+        return self.fc(h)
+
+
 class VGGBlock(chainer.Chain):
     """Convolution (no bias) → BN → relu."""
 

@@ -71,25 +71,6 @@ def _train_digits(make_net, shape, epochs, optimizer, seed=0):
     return accuracy, reporter.steps
 
 
-class DigitsConvBN(chainer.Chain):
-    """The benchmark's digits conv + BN net (conv 16 → BN → relu → conv 32
-    → BN → relu → max pool 2 → Linear 10)."""
-
-    def __init__(self):
-        super().__init__()
-        with self.init_scope():
-            self.conv1 = L.Convolution2D(1, 16, 3, pad=1)
-            self.bn1 = L.BatchNormalization(16)
-            self.conv2 = L.Convolution2D(16, 32, 3, pad=1)
-            self.bn2 = L.BatchNormalization(32)
-            self.fc = L.Linear(32 * 4 * 4, 10)
-
-    def forward(self, x):
-        h = F.relu(self.bn1(self.conv1(x)))
-        h = F.max_pooling_2d(F.relu(self.bn2(self.conv2(h))), 2)
-        return self.fc(h)
-
-
 def _kfac(**kwargs):
     kwargs.setdefault('verbose', False)
     return chainerkfac.optimizers.KFAC(lr=0.01, momentum=0.9, **kwargs)
@@ -120,7 +101,7 @@ def test_stale_factors_at_small_damping_train_within_the_bound():
 def test_stale_conv_bn_net_at_the_default_damping_trains():
     # Today (no bound): 0.12 ± 0.05 over 5 seeds. With the bound, 5
     # seeds measured 0.965 ± 0.016 (min 0.953); MomentumSGD 0.988.
-    accuracy, _ = _train_digits(DigitsConvBN, (1, 8, 8), 5, _kfac(
+    accuracy, _ = _train_digits(nets.DigitsConvBN, (1, 8, 8), 5, _kfac(
         damping=1e-2, refresh_interval_a=5, refresh_interval_g=5,
         refresh_interval_f=5, kl_clip=1e-3))
     assert accuracy > 0.9
@@ -131,7 +112,7 @@ def test_stale_conv_bn_net_at_the_default_damping_trains():
     # min 0.936; the conv + BN net (3 epochs) 0.987 ± 0.001, min 0.986.
     # (5 epochs of the benchmark's nets: docs/kfac.md.)
     (lambda: nets.MLP(100, 10), (64,), 2, 0.9),
-    (DigitsConvBN, (1, 8, 8), 3, 0.93),
+    (nets.DigitsConvBN, (1, 8, 8), 3, 0.93),
 ], ids=['mlp', 'conv_bn'])
 def test_the_stale_defaults_train_the_digits_nets(make_net, shape, epochs,
                                                   floor):
