@@ -56,6 +56,10 @@ def metric_term(block, grads: Sequence, directions: Sequence,
     Parameters whose direction or gradient is None (no gradient anywhere)
     are left out."""
     total = None
+    if isinstance(damping, float):
+        # a float64 scalar, as a device γ is: the same arithmetic whichever
+        # (NumPy 2 would otherwise round γ⟨d, w⟩ to the direction's dtype)
+        damping = numpy.float64(damping)
     for param, grad, direction, mean in zip(
             block.params, grads, directions, block.regularization_means()):
         if direction is None or grad is None:
@@ -68,6 +72,24 @@ def metric_term(block, grads: Sequence, directions: Sequence,
             term = term - damping * mean * flat.sum()
         total = term if total is None else total + term
     return 0.0 if total is None else float(total)
+
+
+def _device_term(block, grads, directions, damping):
+    """:func:`metric_term` left on the device (a 0-d float64 array, or 0.0
+    for a block with no gradient)."""
+    total = 0.0
+    for param, grad, direction, mean in zip(
+            block.params, grads, directions, block.regularization_means()):
+        if direction is None or grad is None:
+            continue
+        xp = get_array_module(direction)
+        flat = direction.ravel()
+        term = xp.dot(flat, grad.ravel()) + damping * xp.dot(
+            flat, param.array.ravel())
+        if mean:
+            term = term - damping * mean * flat.sum()
+        total = total + term
+    return total
 
 
 def scale_of(metric: float, kl_clip: float) -> float:
@@ -147,6 +169,31 @@ class StepBound:
                     if direction is not None:
                         direction *= direction.dtype.type(self.scale)
         return self.scale
+
+    def apply_on_device(self, terms, scaled, lr) -> None:
+        """:meth:`apply` with no host read, for one process whose step a
+        CUDA graph replays (:mod:`chainerkfac.graphs.kfac_step`): ``lr``
+        and the terms' damping are device scalars (float64), ν and the
+        metric stay on the device (:attr:`scale`, :attr:`metric` are 0-d
+        arrays, rewritten by each replay), and the arithmetic is
+        :meth:`apply`'s operation for operation: the same ν to the bit."""
+        partial = 0.0
+        for block, grads, directions, damping in terms:
+            partial = partial + _device_term(block, grads, directions,
+                                             damping)
+        xp = get_array_module(lr)
+        metric = lr * lr * partial
+        magnitude = xp.abs(metric)
+        # ν = min(1, √(c / |m|)); 1 for m = 0 (c / tiny is huge, as c / 0
+        # is infinite), NaN for a non-finite m (scale_of's rule)
+        scale = xp.minimum(1.0, xp.sqrt(self.kl_clip / xp.maximum(
+            magnitude, numpy.finfo(numpy.float64).tiny)))
+        scale = xp.where(xp.isfinite(metric), scale, numpy.nan)
+        for directions in scaled:
+            for direction in directions:
+                if direction is not None:
+                    direction *= scale.astype(direction.dtype)
+        self.metric, self.scale = metric, scale
 
     def observation(self) -> dict:
         """The reporter's entries of the last step."""

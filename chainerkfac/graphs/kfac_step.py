@@ -29,8 +29,10 @@ the update rules the captured step advanced.
 
 Not replayed yet: several processes (the transport's collectives and its
 agreement on the flag), ``acc_iters > 1``, ``loss_reduction='sum'``,
-optimizer hooks, synchronised stage timers, the bounded step
-(``kl_clip``: ν is computed on the host from the step's directions).
+optimizer hooks, synchronised stage timers. The bounded step
+(``kl_clip``, K-FAC's default) is: η and γ are read from the device, and
+ν is computed there (:meth:`chainerkfac.step_bound.StepBound.
+apply_on_device`), the same arithmetic as the host's.
 """
 from typing import Optional
 
@@ -74,9 +76,6 @@ class KFACOptimizer:
             return "loss_reduction='{}'".format(opt.loss_reduction)
         if opt.synchronize_stage_timers:
             return 'the stage timers synchronise the device'
-        if opt.step_bound is not None:
-            return ('kl_clip={} (the bounded step reads its scale on the '
-                    'host)'.format(opt.step_bound.kl_clip))
         hooks = [n for owner in [opt] + [p.update_rule for p in
                                          self._params()]
                  for n in list(owner._hookable._pre_update_hooks) +
@@ -117,6 +116,7 @@ class KFACOptimizer:
                 guard.checkpoint(opt.target)
                 opt.guard = guard
             opt.device_damping = self._scalars.view('damping', 'float64')
+            opt.device_lr = self._scalars.view('lr', 'float64')
         hyper.bind_rule_hyperparameters(
             [(p.update_rule, p.dtype) for p in params], self._scalars,
             ('lr', 'momentum'))

@@ -344,6 +344,8 @@ class KFAC(optimizer.GradientMethod):
         #: set by a CUDA-graph replay (:mod:`chainerkfac.graphs.kfac_step`)
         #: so that the damping schedule needs no new capture.
         self.device_damping = None
+        #: η as a device scalar for the bounded step, or None (likewise).
+        self.device_lr = None
         #: Stages 3 and 6 (see :mod:`chainerkfac.transport`).
         self.transport = LocalTransport()
         #: The gradients arrive averaged over processes already
@@ -807,11 +809,18 @@ class KFAC(optimizer.GradientMethod):
         every process scales alike, before any update."""
         curved = [b for b in directions
                   if b.factor_names and b.has_inverses()]
-        terms = [(b, grads[b], directions[b],
-                  self.damping * b.damping_scale(self.rho_bn))
+        terms = [(b, grads[b], directions[b], self._block_damping(b))
                  for b in curved if self.transport.sends(b)]
-        self.step_bound.apply(terms, [directions[b] for b in curved],
-                              self.lr, self.transport.all_sum_float)
+        scaled = [directions[b] for b in curved]
+        if (self.device_lr is not None and self.device_damping is not None
+                and self.transport.size == 1
+                and self.step_bound.sum_across is None):
+            # one process's step that a CUDA graph may capture: ν stays on
+            # the device (η and γ are device scalars there)
+            self.step_bound.apply_on_device(terms, scaled, self.device_lr)
+        else:
+            self.step_bound.apply(terms, scaled, self.lr,
+                                  self.transport.all_sum_float)
 
     def _precondition(self, block, grads):
         """Stage 5: ``(F + γI)⁻¹ ∇E`` of one owned block."""

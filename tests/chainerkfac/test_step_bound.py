@@ -209,3 +209,61 @@ def test_kl_clip_is_checked():
         helpers.kfac(kl_clip=0.0)
     with pytest.raises(ValueError, match='kl_clip'):
         helpers.kfac(kl_clip=float('inf'))
+
+
+class _Block:
+    """What metric_term reads of a block: params and the means μ."""
+
+    def __init__(self, params, means):
+        self.params, self._means = params, means
+
+    def regularization_means(self):
+        return self._means
+
+
+@pytest.mark.filterwarnings('ignore::RuntimeWarning')   # inf - inf
+@pytest.mark.parametrize('case', ['acts', 'whole', 'zero', 'nan', 'inf'])
+def test_device_path_is_the_host_path_op_for_op(case):
+    """apply_on_device (a CUDA graph's: η and γ as float64 0-d arrays, ν
+    left on the device) against apply (the host's floats), on NumPy: the
+    same ν, metric and scaled directions to the bit, in float32 and
+    float64 directions; ν = 1 at m = 0, NaN for a non-finite m."""
+    rng = numpy.random.RandomState(1)
+    terms, host_dirs, device_dirs = [], [], []
+    for dtype, mean in ((numpy.float32, 0.0), (numpy.float64, 1.0)):
+        params = [chainer.Parameter(rng.randn(4, 3).astype(dtype)),
+                  chainer.Parameter(rng.randn(4).astype(dtype))]
+        grads = [p.array * 0.5 + rng.randn(*p.shape).astype(dtype)
+                 for p in params]
+        directions = [g * 2 for g in grads]
+        if case == 'zero':
+            grads = [g * 0 for g in grads]
+            directions = [d * 0 for d in directions]
+            params = [chainer.Parameter(p.array * 0) for p in params]
+        if case in ('nan', 'inf'):
+            directions[0][0, 0] = numpy.nan if case == 'nan' else numpy.inf
+        block = _Block(params, [0.0, mean])
+        terms.append((block, grads, directions))
+        host_dirs.append([d.copy() for d in directions])
+        device_dirs.append([d.copy() for d in directions])
+    lr, damping = 0.3, 1e-2 * 1.7
+    kl_clip = 1e9 if case == 'whole' else 1e-3
+    host = step_bound.StepBound(kl_clip)
+    host.apply([(b, g, d, damping) for (b, g, _), d in zip(terms, host_dirs)],
+               host_dirs, lr, lambda v: v)
+    device = step_bound.StepBound(kl_clip)
+    device.apply_on_device(
+        [(b, g, d, numpy.array(1e-2) * 1.7)
+         for (b, g, _), d in zip(terms, device_dirs)],
+        device_dirs, numpy.array(lr))
+    assert isinstance(device.scale, numpy.ndarray) and device.scale.ndim == 0
+    numpy.testing.assert_equal(float(device.scale), host.scale)
+    numpy.testing.assert_equal(float(device.metric), host.metric)
+    for a, b in zip(host_dirs, device_dirs):
+        for x, y in zip(a, b):
+            assert x.dtype == y.dtype
+            numpy.testing.assert_array_equal(x, y)
+    expected = {'acts': lambda s: s < 1, 'whole': lambda s: s == 1,
+                'zero': lambda s: s == 1, 'nan': math.isnan,
+                'inf': math.isnan}[case]
+    assert expected(host.scale), host.scale

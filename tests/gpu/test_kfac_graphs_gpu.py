@@ -79,6 +79,8 @@ def _batches(kind, n_steps, nan_at=None):
 
 
 def _kfac(model):
+    # K-FAC's defaults otherwise: the bounded step (ν on the device in a
+    # graphed run) and low-rank factors where they pay
     return KFAC(lr=0.02, momentum=0.9, damping=0.1, damping_target=0.01,
                 damping_warmup_steps=20, refresh_interval_a=5,
                 refresh_interval_g=5, refresh_interval_f=5,

@@ -47,13 +47,18 @@ def _batches(n_steps, n=6, nan_at=()):
     return out
 
 
-def _kfac(model, interval=4):
+def _kfac(model, interval=4, kl_clip=None):
     return helpers.kfac(lr=0.05, momentum=0.9, damping=1e-1,
                         damping_target=1e-2, damping_warmup_steps=6,
                         refresh_interval_a=interval,
                         refresh_interval_g=interval,
                         refresh_interval_f=interval,
-                        weight_rescale=True).setup(model)
+                        weight_rescale=True, kl_clip=kl_clip).setup(model)
+
+
+def _bounded(model):
+    """K-FAC with its default bounded step, at a bound that acts here."""
+    return _kfac(model, kl_clip=1e-5)
 
 
 def _guarded(model):
@@ -106,11 +111,19 @@ def _assert_same_state(a, b):
         numpy.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
-def test_kfac_mixed_schedule_replays_stale_steps_as_eager():
+@pytest.mark.parametrize('make', [_kfac, _bounded],
+                         ids=['kfac', 'kfac-bounded'])
+def test_kfac_mixed_schedule_replays_stale_steps_as_eager(make):
     batches = _batches(13)
-    eager, eager_obs, _, _ = _run(_kfac, batches, graphed=False)
-    state, obs, modes, (fake, optimizer) = _run(_kfac, batches,
+    eager, eager_obs, _, _ = _run(make, batches, graphed=False)
+    state, obs, modes, (fake, optimizer) = _run(make, batches,
                                                 graphed=True)
+    if make is _bounded:
+        # ν computed on the device in the graphed run, on the host in the
+        # eager one: the same to the bit, and the bound acted
+        scales = [o['kfac/step_scale'] for o in eager_obs]
+        assert min(scales) < 0.5, scales
+        assert [o['kfac/step_scale'] for o in obs] == scales
     # refresh steps (t = 0, 4, 8, 12) eager; the first stale step of the
     # run warms up; each later cycle's first stale step is captured again
     # (the refresh wrote new inverses), the others replayed
@@ -173,13 +186,16 @@ def test_nothing_is_read_on_the_host_while_capturing(monkeypatch):
     all_finite = fused.all_finite
     monkeypatch.setattr(fused, 'all_finite', lambda arrays: (
         forbidden('fused.all_finite')(), all_finite(arrays))[1])
+    apply = StepBound.apply     # ν on the host: float() of the terms
+    monkeypatch.setattr(StepBound, 'apply', lambda self, *args: (
+        forbidden('StepBound.apply')(), apply(self, *args))[1])
     original = ReplayCupy.__init__
 
     def recording(self, *args):
         original(self, *args)
         fakes.append(self)
     monkeypatch.setattr(ReplayCupy, '__init__', recording)
-    for make in (_kfac, _guarded):
+    for make in (_kfac, _bounded, _guarded):
         fakes.clear()
         _, _, modes, _ = _run(make, _batches(6), graphed=True)
         assert 'captured' in modes and 'replayed' in modes
@@ -242,7 +258,6 @@ class _Transport:
     (lambda o: o.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4)),
      'WeightDecay'),
     (lambda o: setattr(o, 'guard', StepGuard()), 'checkpoint'),
-    (lambda o: setattr(o, 'step_bound', StepBound(1e-4)), 'kl_clip=0.0001'),
 ])
 def test_kfac_refusals(change, reason):
     numpy.random.seed(0)
