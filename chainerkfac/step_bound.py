@@ -156,7 +156,11 @@ class StepBound:
         float
             ν.
         """
-        partial = sum(metric_term(*term) for term in terms)
+        partial = 0.0
+        for term in terms:
+            # left to right, as apply_on_device adds (Python 3.12's sum()
+            # of floats is compensated, and would differ in the last bits)
+            partial += metric_term(*term)
         total = float(sum_over_processes(
             numpy.array([partial], numpy.float64))[0])
         if self.sum_across is not None:

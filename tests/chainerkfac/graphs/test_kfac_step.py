@@ -47,14 +47,13 @@ def _batches(n_steps, n=6, nan_at=()):
     return out
 
 
-def _kfac(model, interval=4, kl_clip=None, **kwargs):
+def _kfac(model, interval=4, kl_clip=None):
     return helpers.kfac(lr=0.05, momentum=0.9, damping=1e-1,
                         damping_target=1e-2, damping_warmup_steps=6,
                         refresh_interval_a=interval,
                         refresh_interval_g=interval,
                         refresh_interval_f=interval,
-                        weight_rescale=True, kl_clip=kl_clip,
-                        **kwargs).setup(model)
+                        weight_rescale=True, kl_clip=kl_clip).setup(model)
 
 
 def _bounded(model):
@@ -121,13 +120,11 @@ def test_kfac_mixed_schedule_replays_stale_steps_as_eager(make):
                                                 graphed=True)
     if make is _bounded:
         # ν computed on the device in the graphed run, on the host in the
-        # eager one, and the bound acted. Bit-equal on NumPy 1; on NumPy 2
-        # the two runs part in the last bits (5e-15 in the directions
-        # after 13 float64 steps, not explained yet), so 1e-12 relative.
+        # eager one: the same to the bit (the same additions in the same
+        # order, on Python 3.11 and 3.12), and the bound acted
         scales = [o['kfac/step_scale'] for o in eager_obs]
         assert min(scales) < 0.5, scales
-        numpy.testing.assert_allclose(
-            [o['kfac/step_scale'] for o in obs], scales, rtol=1e-12)
+        assert [o['kfac/step_scale'] for o in obs] == scales
     # refresh steps (t = 0, 4, 8, 12) eager; the first stale step of the
     # run warms up; each later cycle's first stale step is captured again
     # (the refresh wrote new inverses), the others replayed
@@ -141,21 +138,9 @@ def test_kfac_mixed_schedule_replays_stale_steps_as_eager(make):
     assert stats['dropped: an eager step ran'] == 3
     assert stats['dropped: hyperparameters changed'] == 0
     assert fake.captures == 3
-    assert isinstance(optimizer.optimizer.guard, DeviceStepGuard)
-    if make is _bounded:
-        for key in eager:
-            numpy.testing.assert_allclose(state[key], eager[key], rtol=0,
-                                          atol=1e-12 * max(
-                                              numpy.abs(eager[key]).max(),
-                                              1.0), err_msg=key)
-        assert [sorted(o) for o in obs] == [sorted(o) for o in eager_obs]
-        for o, e in zip(obs, eager_obs):
-            numpy.testing.assert_allclose([o[k] for k in sorted(o)],
-                                          [e[k] for k in sorted(e)],
-                                          rtol=1e-12)
-        return
     _assert_same_state(eager, state)
     numpy.testing.assert_equal(obs, eager_obs)   # NaN == NaN
+    assert isinstance(optimizer.optimizer.guard, DeviceStepGuard)
 
 
 def test_kfac_non_finite_replayed_step_is_undone_on_the_device():
