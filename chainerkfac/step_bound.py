@@ -55,23 +55,11 @@ def metric_term(block, grads: Sequence, directions: Sequence,
     are, without forming ∇E again, summed on the device and read once.
     Parameters whose direction or gradient is None (no gradient anywhere)
     are left out."""
-    total = None
     if isinstance(damping, float):
         # a float64 scalar, as a device γ is: the same arithmetic whichever
         # (NumPy 2 would otherwise round γ⟨d, w⟩ to the direction's dtype)
         damping = numpy.float64(damping)
-    for param, grad, direction, mean in zip(
-            block.params, grads, directions, block.regularization_means()):
-        if direction is None or grad is None:
-            continue
-        xp = get_array_module(direction)
-        flat = direction.ravel()
-        term = xp.dot(flat, grad.ravel()) + damping * xp.dot(
-            flat, param.array.ravel())
-        if mean:
-            term = term - damping * mean * flat.sum()
-        total = term if total is None else total + term
-    return 0.0 if total is None else float(total)
+    return float(_device_term(block, grads, directions, damping))
 
 
 def _device_term(block, grads, directions, damping):
