@@ -10,8 +10,6 @@ against a reduce-scatter) — 1e-12 relative after a few steps. Against
 one process accumulating the N chunks: 1e-9 as in test_equivalence.
 """
 import os
-import shutil
-import tempfile
 
 import numpy
 import pytest
@@ -46,6 +44,25 @@ def _check_close(mine, ref, tolerance, what):
         .format(what, diffs)
 
 
+def _train_and_compare(comm, acc_iters, sharded, plain, single, moved):
+    """Train the sharded, the unsharded and the one-process run
+    (``(model, optimizer)`` each) for STEPS steps on the same global
+    batches; the sharded weights equal the unsharded ones to
+    SHARDED_TOLERANCE and the one-process ones to 1e-9, and the weights
+    moved by more than ``moved``."""
+    initial = common.params(single[0])
+    common.train_distributed(*sharded, comm, STEPS)
+    common.train_distributed(*plain, comm, STEPS)
+    common.train_single(*single, comm.size * acc_iters, STEPS)
+    _check_close(common.params(sharded[0]), common.params(plain[0]),
+                 SHARDED_TOLERANCE, 'sharded vs unsharded')
+    _check_close(common.params(sharded[0]), common.params(single[0]), 1e-9,
+                 'sharded vs one process')
+    common.assert_everywhere(
+        common.max_relative_diff(common.params(single[0]), initial) > moved,
+        'weights moved')
+
+
 # -- K-FAC -------------------------------------------------------------------
 @pytest.mark.parametrize('net, acc_iters', [
     (common.ConvBNNet, 1), (common.ConvBNNet, 2), (common.SmallMLP, 1)],
@@ -58,18 +75,9 @@ def test_kfac_sharded_equals_unsharded(net, acc_iters):
         comm, net=net, acc_iters=acc_iters, **STALE)
     single, single_optimizer = common.single(
         net=net, acc_iters=acc_iters * comm.size, **STALE)
-    initial = common.params(single)
-    common.train_distributed(sharded, optimizer, comm, STEPS)
-    common.train_distributed(plain, plain_optimizer, comm, STEPS)
-    common.train_single(single, single_optimizer, comm.size * acc_iters,
-                        STEPS)
-    _check_close(common.params(sharded), common.params(plain),
-                 SHARDED_TOLERANCE, 'sharded vs unsharded')
-    _check_close(common.params(sharded), common.params(single), 1e-9,
-                 'sharded vs one process')
-    common.assert_everywhere(
-        common.max_relative_diff(common.params(single), initial) > 1e-2,
-        'weights moved')
+    _train_and_compare(comm, acc_iters, (sharded, optimizer),
+                       (plain, plain_optimizer), (single, single_optimizer),
+                       moved=1e-2)
     # Velocities: only where this rank updates the block, equal there.
     transport = optimizer.transport
     names = {id(p): n for n, p in sharded.namedparams()}
@@ -186,18 +194,9 @@ def test_baseline_sharded_equals_unsharded(name, acc_iters):
     plain, plain_optimizer = _guarded(comm, make, acc_iters, False)
     single, single_optimizer = _guarded(None, make, acc_iters * comm.size,
                                         False)
-    initial = common.params(single)
-    common.train_distributed(sharded, optimizer, comm, STEPS)
-    common.train_distributed(plain, plain_optimizer, comm, STEPS)
-    common.train_single(single, single_optimizer, comm.size * acc_iters,
-                        STEPS)
-    _check_close(common.params(sharded), common.params(plain),
-                 SHARDED_TOLERANCE, 'sharded vs unsharded')
-    _check_close(common.params(sharded), common.params(single), 1e-9,
-                 'sharded vs one process')
-    common.assert_everywhere(
-        common.max_relative_diff(common.params(single), initial) > 1e-3,
-        'weights moved')
+    _train_and_compare(comm, acc_iters, (sharded, optimizer),
+                       (plain, plain_optimizer), (single, single_optimizer),
+                       moved=1e-3)
     held = _state_of(sharded)
     everyone = common.gathered(sorted(held))
     common.assert_everywhere(
@@ -227,16 +226,6 @@ def test_a_whole_model_hook_is_refused_with_sharding():
 
 
 # -- snapshots ---------------------------------------------------------------
-@pytest.fixture
-def shared_dir():
-    path = common.world.bcast(tempfile.mkdtemp() if common.world.rank == 0
-                              else None)
-    yield path
-    common.world.Barrier()
-    if common.world.rank == 0:
-        shutil.rmtree(path)
-
-
 def _file(directory, what, rank):
     return os.path.join(directory, '{}_rank{}.npz'.format(what, rank))
 

@@ -4,8 +4,6 @@ Each rank saves its own model and optimizer (the factors and inverses of
 the blocks it owns) to its own npz file.
 """
 import os
-import shutil
-import tempfile
 
 import pytest
 
@@ -20,17 +18,6 @@ pytestmark = pytest.mark.mpi
 OPTIONS = dict(refresh_interval_a=2, refresh_interval_g=3,
                refresh_interval_f=2, bn_fisher='full')
 N, M = 3, 3
-
-
-@pytest.fixture
-def shared_dir():
-    """One temporary directory, the same path on every rank."""
-    path = common.world.bcast(tempfile.mkdtemp() if common.world.rank == 0
-                              else None)
-    yield path
-    common.world.Barrier()
-    if common.world.rank == 0:
-        shutil.rmtree(path)
 
 
 def _train_and_save(shared_dir):
