@@ -50,6 +50,7 @@ import models
 from models.small_resnet import check_size
 from harness import mpi as harness_mpi
 from harness import preemption
+from harness import sizes
 from harness.run import OPTIMIZERS, resolve_config, train
 from harness.triggers import SnapshotPeriod
 
@@ -109,6 +110,17 @@ def signals(text):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def workspace_size(text):
+    """An ``argparse`` type: ``--cudnn-workspace`` (``auto``, or a size
+    such as ``8MiB``, ``1GiB``, bytes)."""
+    if text == 'auto':
+        return text
+    try:
+        return sizes.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def small_resnet_depth(text):
     """An ``argparse`` type: a depth of ``--arch small`` (``6 n + 2``)."""
     try:
@@ -137,18 +149,30 @@ def parse_args(argv=None):
     parser.add_argument('--gpu', action='store_true',
                         help='one GPU per process (intra-node rank)')
     parser.add_argument('--cuda-graphs', nargs='?', const='on',
-                        default='off', choices=('auto', 'on', 'off'),
+                        default='auto', choices=('auto', 'on', 'off'),
                         help='capture steady-state steps (K-FAC steps that '
                              'refresh no factor, the baselines\' steps) as '
-                             'CUDA graphs and replay them. off (default, '
-                             'until a GPU has run the recapture memory '
-                             'test): every step eager; auto: on with --gpu '
-                             'where they can be captured (one process, no '
-                             'accumulation, cuDNN serving Chainer), else '
-                             'off, the start-up line says why; on (or the '
-                             'bare flag): refuse a run where they cannot. '
+                             'CUDA graphs and replay them. auto (default): '
+                             'on with --gpu where they can be captured (one '
+                             'process, no accumulation, cuDNN serving '
+                             'Chainer), else off, the start-up line says '
+                             'why; off: every step eager; on (or the bare '
+                             'flag): refuse a run where they cannot. '
                              'The summary counts eager, captured and '
                              'replayed steps')
+    parser.add_argument('--cudnn-workspace', type=workspace_size,
+                        default='auto',
+                        help="cuDNN's workspace limit for a convolution "
+                             '(e.g. 8MiB, 1GiB). auto (default): 1GiB where '
+                             'CUDA graphs replay the steps (their GPU time '
+                             "is then the step), else Chainer's 8MiB")
+    parser.add_argument('--cudnn-autotune', default='auto',
+                        choices=('auto', 'on', 'off'),
+                        help="time cuDNN's convolution algorithms on the "
+                             'first step of each shape and keep the '
+                             "fastest (chainer.config.autotune). auto "
+                             '(default): on where CUDA graphs replay the '
+                             'steps')
     parser.add_argument('--arch', choices=models.ARCHS, default='resnet50')
     parser.add_argument('--depth', type=small_resnet_depth, default=8,
                         help='depth of --arch small (6n+2: 8, 14, 20, ...)')

@@ -142,6 +142,7 @@ from chainerkfac import linalg
 from chainerkfac import linalg_cuda
 from chainerkfac import newton_schulz
 from chainerkfac.optimizers import KFAC
+from harness import sizes
 
 #: name -> KFAC keyword arguments (the refresh interval is added).
 KFAC_VARIANTS = {
@@ -198,6 +199,14 @@ SMOKE = {
 def build_model(arch: str, kwargs: Dict) -> chainer.Link:
     numpy.random.seed(0)   # every variant starts from the same weights
     return models.SoftLabelClassifier(models.build_model(arch, **kwargs))
+
+
+def drop_graph(classifier: chainer.Link) -> None:
+    """Let go of the step's graph that a Classifier keeps (``y``,
+    ``loss``, ``accuracy``, until its next forward): with every variant's
+    model holding its last step's activations, ResNet-50 at batch 256 ran
+    out of an H200's 140 GB."""
+    classifier.y = classifier.loss = classifier.accuracy = None
 
 
 class SGDStep:
@@ -351,8 +360,10 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
     synchronize = _common.synchronizer(xp)
     x, t = _batch(spec, xp)
     steps = {}
+    classifiers = {}
     for variant in variants:
-        model = build_model(spec['arch'], spec['kwargs'])
+        model = classifiers[variant] = build_model(spec['arch'],
+                                                   spec['kwargs'])
         if gpu:
             model.to_device('@cupy:0')
         if variant == 'sgd':
@@ -369,6 +380,7 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
     for variant in variants:
         for _ in range(warmup):
             steps[variant](x, t)
+            drop_graph(classifiers[variant])
     keys = tuple(variants) + tuple(v + '_refresh' for v in variants
                                    if v in STALE_VARIANTS)
     samples = {v: [] for v in keys}
@@ -384,6 +396,7 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             steps[variant](x, t)
             synchronize()
             elapsed = time.perf_counter() - start
+            drop_graph(classifiers[variant])
             key = variant
             if variant in STALE_VARIANTS and steps[variant].refreshed:
                 key = variant + '_refresh'
@@ -464,8 +477,10 @@ def time_capture(step: KFACStep, x, t, n_steps: int,
             sgd(x, t)
             synchronize()
             sgd_seconds = time.perf_counter() - start
+            drop_graph(sgd.model)
         with CaptureTimer(step.optimizer.blocks, synchronize) as timer:
             step(x, t)
+        drop_graph(step.model)
         per_step.append(dict(timer.seconds))
         if sgd is not None:
             over_sgd.append(sum(timer.seconds.values()) / sgd_seconds)
@@ -778,22 +793,36 @@ def run_peer(data: Dict, specs: Dict[str, Dict], interval: int) -> str:
 # -- the throughput sweep -----------------------------------------------------
 #: images/s keys: ours, then the peer's.
 THROUGHPUT = ('sgd', 'kfac_every', 'kfac_stale', 'kfac_stale_amortised')
+#: ... and the replayed variants' (columns where a row has them): a
+#: graphed K-FAC run takes its refresh steps eagerly, so its cycle is
+#: amortised with ``kfac_every``'s step as well.
+GRAPH_THROUGHPUT = ('sgd_graph', 'kfac_stale_graph',
+                    'kfac_stale_graph_amortised')
 PEER_THROUGHPUT = ('sgd', 'kfac_inverse', 'kfac_inverse_stale',
                    'kfac_inverse_stale_amortised')
 
 
 def images_per_second(median_s: Dict[str, float], batch: int,
-                      interval: int, every: str, stale: str
+                      interval: int, every: str, *stales: str
                       ) -> Dict[str, float]:
-    """Images per second of each timed step, and of the stale variant
+    """Images per second of each timed step, and of each stale variant
     amortised over a refresh cycle of ``interval`` steps (one every-step
     step and ``interval − 1`` stale ones, from the medians)."""
     out = {k: batch / v for k, v in median_s.items()
            if v and not k.endswith('_refresh')}
-    if median_s.get(every) and median_s.get(stale):
-        cycle = median_s[every] + (interval - 1) * median_s[stale]
-        out[stale + '_amortised'] = batch * interval / cycle
+    for stale in stales:
+        if median_s.get(every) and median_s.get(stale):
+            cycle = median_s[every] + (interval - 1) * median_s[stale]
+            out[stale + '_amortised'] = batch * interval / cycle
     return out
+
+
+def free_device_memory(xp) -> None:
+    """Give the device memory CuPy's pools hold back (between the sweep's
+    points, and before the peer, which allocates through PyTorch)."""
+    gc.collect()
+    if xp is not numpy:
+        xp.get_default_memory_pool().free_all_blocks()
 
 
 def sweep(args, specs: Dict[str, Dict], xp, target: str,
@@ -822,7 +851,8 @@ def sweep(args, specs: Dict[str, Dict], xp, target: str,
                 result['workspace_bytes'] = limit
                 result['images_per_s'] = images_per_second(
                     result['median_s'], batch, args.interval, 'kfac_every',
-                    'kfac_stale')
+                    'kfac_stale', 'kfac_stale_graph')
+                free_device_memory(xp)
                 if args.peer and limit == limits[0]:
                     from benchmarks import peer_pytorch
                     peer = peer_pytorch.run(batch, spec['size'],
@@ -841,15 +871,16 @@ def sweep_table(data: Dict) -> str:
     """Images per second at each batch and workspace limit, ours beside
     the peer's."""
     rows = []
-    peer_seen = False
+    ours_keys = THROUGHPUT + tuple(
+        k for k in GRAPH_THROUGHPUT
+        if any(k in r['images_per_s'] for r in data['sweep']))
     for r in data['sweep']:
         ours, theirs = r['images_per_s'], r.get('peer_images_per_s', {})
-        peer_seen = peer_seen or bool(theirs)
         rows.append([r['model'], r['batch'], _words(r['workspace_bytes'])] +
-                    [ours.get(k) for k in THROUGHPUT] +
+                    [ours.get(k) for k in ours_keys] +
                     [theirs.get(k) for k in PEER_THROUGHPUT])
     headers = (['model', 'batch', 'workspace'] +
-               ['{} img/s'.format(k) for k in THROUGHPUT] +
+               ['{} img/s'.format(k) for k in ours_keys] +
                ['peer {} img/s'.format(k) for k in PEER_THROUGHPUT])
     skipped = [r['peer_pytorch']['skipped'] for r in data['sweep']
                if 'skipped' in r.get('peer_pytorch', {})]
@@ -882,7 +913,7 @@ def sweep_figure(data: Dict, path: str) -> None:
             mine = [r for r in rows if (r['workspace_bytes'] or 0) == limit]
             suffix = ('' if len({r['workspace_bytes'] for r in rows}) == 1
                       else ', workspace {}'.format(_words(limit or None)))
-            for key in THROUGHPUT:
+            for key in THROUGHPUT + GRAPH_THROUGHPUT:
                 points = [(r['batch'], r['images_per_s'][key]) for r in mine
                           if key in r['images_per_s']]
                 if points:
@@ -1016,9 +1047,6 @@ def parse_args(argv):
     return args
 
 
-_UNITS = {'': 1, 'B': 1, 'KIB': 1 << 10, 'MIB': 1 << 20, 'GIB': 1 << 30}
-
-
 def _dim_list(text: str) -> List[int]:
     try:
         values = [int(v) for v in text.split(',')]
@@ -1044,27 +1072,13 @@ def _int_list(text: str) -> List[int]:
 
 def _byte_list(text: str) -> List[int]:
     """``'8MiB,1GiB,4096'`` -> bytes."""
-    values = []
-    for item in text.split(','):
-        item = item.strip()
-        number = item.rstrip('BbIiKkMmGg')
-        unit = item[len(number):].upper()
-        if unit not in _UNITS or not number.isdigit():
-            raise argparse.ArgumentTypeError(
-                '{!r}: a size is bytes, or a whole number of KiB, MiB or '
-                'GiB (e.g. 8MiB)'.format(item))
-        values.append(int(number) * _UNITS[unit])
-    return values
+    try:
+        return [sizes.parse(item) for item in text.split(',')]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error))
 
 
-def _words(nbytes: Optional[int]) -> str:
-    if nbytes is None:
-        return 'default'
-    for unit in ('GiB', 'MiB', 'KiB'):
-        if nbytes >= _UNITS[unit.upper()] and \
-                nbytes % _UNITS[unit.upper()] == 0:
-            return '{}{}'.format(nbytes // _UNITS[unit.upper()], unit)
-    return '{}B'.format(nbytes)
+_words = sizes.words
 
 
 def _specs(args) -> Dict[str, Dict]:

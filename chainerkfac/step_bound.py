@@ -72,12 +72,22 @@ def _device_term(block, grads, directions, damping):
             continue
         xp = get_array_module(direction)
         flat = direction.ravel()
-        term = xp.dot(flat, grad.ravel()) + damping * xp.dot(
-            flat, param.array.ravel())
+        term = _inner(xp, flat, grad.ravel()) + damping * _inner(
+            xp, flat, param.array.ravel())
         if mean:
             term = term - damping * mean * flat.sum()
         total = total + term
     return total
+
+
+def _inner(xp, a, b):
+    """``⟨a, b⟩`` of two flat arrays: BLAS's dot on NumPy; on the device
+    a product and a sum (CuPy kernels), not CuPy's ``dot``, whose cuBLAS
+    refuses a capturing stream (a graphed bounded step fell back to eager
+    on the H200, 2026-11-26)."""
+    if xp is numpy:
+        return numpy.dot(a, b)
+    return (a * b).sum()
 
 
 def scale_of(metric: float, kl_clip: float) -> float:

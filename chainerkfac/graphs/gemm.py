@@ -252,25 +252,54 @@ def route_matmul(cupy, gemm: Optional[Gemm] = None):
     """Within the block, ``cupy.matmul(a, b)`` computes with ``gemm``
     (default :func:`default`) where it serves the operands (both 2-D or
     both 3-D, or a 2-D matrix times a vector); other calls take CuPy's
-    own."""
+    own.
+
+    An operand that is the transpose of a C-contiguous matrix (``u.T``,
+    or a stack's last two axes swapped) goes as that matrix with cuBLAS's
+    transposition flag; any other strided operand is copied C-contiguous
+    first (a copy kernel, which a graph captures). CuPy's own matmul would
+    call its cuBLAS, which refuses a capturing stream."""
     gemm = gemm or default()
     original = cupy.matmul
 
     def matmul(a, b, *args, **kwds):
         if args or kwds:
             return original(a, b, *args, **kwds)
-        if (getattr(a, 'ndim', 0) == 2 and getattr(b, 'ndim', 0) == 1 and
-                gemm.serves(a, b.reshape(-1, 1))):
-            return gemm.matmul(a, b.reshape(-1, 1)).reshape(-1)
-        if gemm.serves(a, b):
-            return gemm.matmul(a, b)
-        return original(a, b)
+        if getattr(a, 'ndim', 0) == 2 and getattr(b, 'ndim', 0) == 1:
+            column = _routed(gemm, cupy, a, b.reshape(-1, 1))
+            if column is not None:
+                return column.reshape(-1)
+        routed = _routed(gemm, cupy, a, b)
+        return original(a, b) if routed is None else routed
 
     cupy.matmul = matmul
     try:
         yield gemm
     finally:
         cupy.matmul = original
+
+
+def _as_operand(cupy, array):
+    """``(matrix, transposed)``: ``array`` is ``op(matrix)`` with ``matrix``
+    C-contiguous (module docstring of :func:`route_matmul`)."""
+    if array.flags.c_contiguous:
+        return array, False
+    swapped = array.swapaxes(-1, -2)
+    if swapped.flags.c_contiguous:
+        return swapped, True
+    return cupy.ascontiguousarray(array), False
+
+
+def _routed(gemm: Gemm, cupy, a, b):
+    """``a @ b`` by ``gemm``, or None where it does not serve them."""
+    if not (getattr(a, 'ndim', 0) == getattr(b, 'ndim', 0) and
+            a.ndim in (2, 3) and gemm.arrays.serves(a) and
+            gemm.arrays.serves(b)):
+        return None
+    (a, transa), (b, transb) = _as_operand(cupy, a), _as_operand(cupy, b)
+    if not gemm.serves(a, b):
+        return None
+    return gemm.matmul(a, b, transa=transa, transb=transb)
 
 
 @contextlib.contextmanager

@@ -398,3 +398,51 @@ def test_tf32_rounding():
     numpy.testing.assert_array_equal(
         to_tf32(values), numpy.array([1 + 2 ** -10, 1.0, 1 + 2 ** -9, -2.5],
                                      numpy.float32))
+
+
+def test_step_time_sweep_tables_the_replayed_variants():
+    """The replayed variants get columns where a row has them; the graphed
+    stale cycle is amortised with the eager every-step step (a graphed
+    run's refresh steps are eager)."""
+    from benchmarks import step_time
+    median = {'sgd': 0.05, 'kfac_every': 0.25, 'kfac_stale': 0.07,
+              'sgd_graph': 0.02, 'kfac_stale_graph': 0.025,
+              'kfac_stale_graph_refresh': 0.3}
+    ips = step_time.images_per_second(median, 32, 20, 'kfac_every',
+                                      'kfac_stale', 'kfac_stale_graph')
+    assert ips['kfac_stale_graph_amortised'] == pytest.approx(
+        32 * 20 / (0.25 + 19 * 0.025))
+    assert ips['kfac_stale_amortised'] == pytest.approx(
+        32 * 20 / (0.25 + 19 * 0.07))
+    row = {'model': 'resnet50', 'batch': 32, 'workspace_bytes': 1 << 30,
+           'images_per_s': ips}
+    data = {'sweep': [row], 'gpu': True, 'autotune': True,
+            'refresh_interval': 20}
+    text = step_time.sweep_table(data)
+    assert 'sgd_graph img/s' in text and \
+        'kfac_stale_graph_amortised img/s' in text
+    assert '1.6e+03' in text                     # 32 / 0.02
+    eager_only = dict(row, images_per_s={'sgd': 640.0})
+    assert 'graph' not in step_time.sweep_table(dict(data,
+                                                     sweep=[eager_only]))
+
+
+def test_step_time_drop_graph_lets_the_activations_go():
+    """A Classifier keeps its last step's graph until its next forward:
+    the benchmark drops it after every timed step, so that the variants'
+    models do not each hold a step of activations."""
+    import weakref
+    from benchmarks import step_time
+    import models
+    numpy.random.seed(0)
+    model = models.SoftLabelClassifier(models.build_model('small', 10, 8, 4))
+    x = numpy.random.randn(2, 3, 8, 8).astype(numpy.float32)
+    loss = model(x, numpy.array([1, 2], numpy.int32))
+    loss.backward()
+    node = weakref.ref(loss.creator_node)
+    del loss
+    assert node() is not None          # held by model.loss
+    step_time.drop_graph(model)
+    import gc
+    gc.collect()
+    assert node() is None

@@ -267,3 +267,34 @@ def test_device_path_is_the_host_path_op_for_op(case):
                 'zero': lambda s: s == 1, 'nan': math.isnan,
                 'inf': math.isnan}[case]
     assert expected(host.scale), host.scale
+
+
+def test_device_terms_take_no_cupy_dot(monkeypatch):
+    """On device arrays the partial sums are a product and a sum (kernels
+    a CUDA graph captures), never the array module's ``dot`` / ``vdot`` /
+    ``matmul`` / ``tensordot`` (CuPy's cuBLAS refuses a capturing stream:
+    a graphed bounded step fell back to eager on the H200). A stand-in
+    array module that refuses those stands for CuPy; the value is NumPy's
+    dot product of ∇E with the direction."""
+    import types
+
+    def refused(*args, **kwds):
+        raise AssertionError('cuBLAS-backed call on device arrays')
+
+    device_xp = types.SimpleNamespace(
+        dot=refused, vdot=refused, matmul=refused, tensordot=refused,
+        inner=refused, einsum=refused)
+    monkeypatch.setattr(step_bound, 'get_array_module',
+                        lambda *arrays: device_xp)
+    rng = numpy.random.RandomState(4)
+    params = [chainer.Parameter(rng.randn(5, 3)), chainer.Parameter(
+        rng.randn(5))]
+    grads = [rng.randn(5, 3), rng.randn(5)]
+    directions = [rng.randn(5, 3), rng.randn(5)]
+    block = _Block(params, [0.0, 0.25])
+    damping = numpy.float64(0.05)
+    got = step_bound._device_term(block, grads, directions, damping)
+    expected = sum(
+        float(numpy.dot(d.ravel(), (g + damping * (p.array - mean)).ravel()))
+        for p, g, d, mean in zip(params, grads, directions, [0.0, 0.25]))
+    assert abs(float(got) - expected) <= 1e-13 * abs(expected)

@@ -11,6 +11,7 @@ from chainer import serializers
 
 import chainerkfac
 from chainerkfac import linalg
+from chainerkfac.optimizers import kfac as kfac_module
 from tests.chainerkfac import helpers
 from tests.gpu import support
 
@@ -23,10 +24,15 @@ STEPS = 5
 
 
 def _options(**overrides):
+    # The oracles' step, as tests/chainerkfac/helpers.kfac: every factor
+    # refreshed every step, no bounded step, dense factors -- unless a
+    # case says otherwise ('library defaults' runs the library's own).
     options = dict(lr=0.05, momentum=0.9, damping=1e-2,
                    damping_target=2e-3, damping_warmup_steps=4,
                    weight_rescale=False, bn_fisher='full', fisher='emp',
-                   acc_iters=1, factor_dtype='float32', verbose=False)
+                   acc_iters=1, factor_dtype='float32', verbose=False,
+                   refresh_interval_a=1, refresh_interval_g=1,
+                   refresh_interval_f=1, kl_clip=None, low_rank=False)
     options.update(overrides)
     return options
 
@@ -119,6 +125,12 @@ CASES = {
     'weight rescaling': (lambda: ConvModel(bn=True),
                          dict(weight_rescale=True)),
     'factor decay': (MLPModel, dict(factor_decay=0.5)),
+    'low rank': (MLPModel, dict(low_rank=True)),
+    'library defaults': (lambda: ConvModel(bn=True), dict(
+        refresh_interval_a=kfac_module.DEFAULT_REFRESH_INTERVAL,
+        refresh_interval_g=kfac_module.DEFAULT_REFRESH_INTERVAL,
+        refresh_interval_f=kfac_module.DEFAULT_REFRESH_INTERVAL,
+        kl_clip=kfac_module.DEFAULT_KL_CLIP, low_rank=True)),
 }
 
 

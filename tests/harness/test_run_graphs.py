@@ -1,5 +1,5 @@
-"""``--cuda-graphs auto|on|off`` in the harness (harness/run.py): off by
-default, auto on only where chainerkfac.graphs captures the steps, ``on``
+"""``--cuda-graphs auto|on|off`` in the harness (harness/run.py): auto by
+default, on only where chainerkfac.graphs captures the steps, ``on``
 refused up front elsewhere (several processes, accumulation, no cuDNN, no
 GPU), and the optimizers built so that their steps can be replayed (one
 process: K-FAC's local transport, no communicator for the baselines). The
@@ -37,7 +37,7 @@ def test_auto_on_where_steps_are_captured(gpu, size, acc, cudnn, why):
 
 
 def test_the_option():
-    assert train_imagenet.parse_args(LISTS).cuda_graphs == 'off'
+    assert train_imagenet.parse_args(LISTS).cuda_graphs == 'auto'
     assert train_imagenet.parse_args(
         LISTS + ['--gpu', '--cuda-graphs']).cuda_graphs == 'on'
     assert train_imagenet.parse_args(
@@ -59,3 +59,37 @@ def test_optimizers_built_for_replay(graphs, monkeypatch):
     assert made == ([] if graphs else [comm])
     sgd, _ = run.build_optimizer('sgd', cfg, comm, 1, args, graphs)
     assert sgd.comm is (None if graphs else comm)
+
+
+@pytest.mark.parametrize('workspace, autotune, graphs, limit, timed', [
+    ('auto', 'auto', True, run.GRAPHS_WORKSPACE, True),
+    ('auto', 'auto', False, None, False),
+    (8 << 20, 'auto', True, 8 << 20, True),
+    ('auto', 'off', True, run.GRAPHS_WORKSPACE, False),
+    ('auto', 'on', False, None, True),
+    (64 << 20, 'off', False, 64 << 20, False),
+])
+def test_cudnn_tuning_follows_the_graphs(workspace, autotune, graphs, limit,
+                                         timed):
+    """Replayed steps time cuDNN's algorithms with a 1 GiB limit (the GPU
+    time is the step there); eager steps keep Chainer's 8 MiB and the
+    heuristics; either is overridden by the options; the start-up line
+    says which and why."""
+    got_limit, got_timed, words = run.cudnn_tuning(workspace, autotune,
+                                                   graphs)
+    assert (got_limit, got_timed) == (limit, timed)
+    assert ('timed' if timed else "cuDNN's heuristics") in words
+    assert ('1GiB' if limit == run.GRAPHS_WORKSPACE else
+            "Chainer's 8MiB" if limit is None else '') in words
+    if 'auto' in (workspace, autotune):
+        assert ('with CUDA graphs' if graphs else 'eager steps') in words
+
+
+def test_cudnn_options():
+    args = train_imagenet.parse_args(LISTS)
+    assert (args.cudnn_workspace, args.cudnn_autotune) == ('auto', 'auto')
+    args = train_imagenet.parse_args(
+        LISTS + ['--cudnn-workspace', '256MiB', '--cudnn-autotune', 'off'])
+    assert (args.cudnn_workspace, args.cudnn_autotune) == (256 << 20, 'off')
+    with pytest.raises(SystemExit):
+        train_imagenet.parse_args(LISTS + ['--cudnn-workspace', '1.5GiB'])

@@ -107,4 +107,4 @@ def test_cuda_graphs_need_the_gpu(capsys):
     assert '--cuda-graphs' in err and '--gpu' in err
     assert train_imagenet.parse_args(LISTS + ['--gpu', '--cuda-graphs'])\
         .cuda_graphs == 'on'
-    assert train_imagenet.parse_args(LISTS).cuda_graphs == 'off'
+    assert train_imagenet.parse_args(LISTS).cuda_graphs == 'auto'

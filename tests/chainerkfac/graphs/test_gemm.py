@@ -113,3 +113,47 @@ def test_linear_routed_through_it(gemm):
     # restored: Chainer's own path again
     run()
     assert len([n for n, _ in gemm.fake.calls if 'gemm' in n]) == 3
+
+
+class _CupyOwnMatmul(Exception):
+    pass
+
+
+def test_matmul_routed_for_transposed_and_strided_operands(gemm):
+    """``cupy.matmul`` within route_matmul: a transposed view (the
+    low-rank factors' ``u.T``, ``w.T``; a stack's last axes swapped) goes
+    as its matrix with the transposition flag, another strided operand as
+    a C-contiguous copy; never to CuPy's own matmul (its cuBLAS refuses a
+    capturing stream: the H200 run of 2026-11-26 fell back to eager on
+    ``w.T``). What the GEMM does not serve (float16) still takes CuPy's."""
+    import types
+
+    def own(a, b):
+        raise _CupyOwnMatmul((a.shape, b.shape))
+
+    cupy = types.SimpleNamespace(matmul=own,
+                                 ascontiguousarray=numpy.ascontiguousarray)
+    rng = numpy.random.RandomState(2)
+    u = rng.randn(7, 3)
+    m = rng.randn(7, 5)
+    stack = rng.randn(4, 6, 5)
+    wide = rng.randn(5, 14)
+    cases = [(u.T, m), (m.T, u), (u, u.T), (u.T, u), (m[:, ::2].T, m),
+             (wide[:, ::2], rng.randn(7, 2)), (stack, stack.swapaxes(1, 2)),
+             (stack.swapaxes(1, 2), stack), (m, wide[0, ::3].copy()[:5]),
+             (u.T, wide[0, ::2])]
+    with gemm_module.route_matmul(cupy, gemm):
+        for a, b in cases:
+            before = len(gemm.fake.calls)
+            got = cupy.matmul(a, b)
+            assert got.shape == numpy.matmul(a, b).shape
+            assert _relative(got, numpy.matmul(a, b)) < 1e-14
+            assert any('gemm' in name
+                       for name, _ in gemm.fake.calls[before:])
+        flags = [args[1:3] for name, args in gemm.fake.calls
+                 if name == 'cublasDgemm_v2']
+        # (u.T, m): the operands swap (column-major), m plain, u transposed
+        assert flags[0] == (cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T)
+        with pytest.raises(_CupyOwnMatmul):
+            cupy.matmul(u.astype(numpy.float16).T, m.astype(numpy.float16))
+    assert cupy.matmul is own
