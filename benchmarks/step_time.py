@@ -817,6 +817,16 @@ def images_per_second(median_s: Dict[str, float], batch: int,
     return out
 
 
+def device_bytes_in_use(xp) -> Optional[int]:
+    """Bytes of device memory in use (every process and library), None on
+    the CPU: what one sweep point left behind."""
+    if xp is numpy:
+        return None
+    xp.cuda.Device().synchronize()
+    free, total = xp.cuda.runtime.memGetInfo()
+    return int(total - free)
+
+
 def free_device_memory(xp) -> None:
     """Give the device memory CuPy's pools hold back (between the sweep's
     points, and before the peer, which allocates through PyTorch)."""
@@ -853,6 +863,7 @@ def sweep(args, specs: Dict[str, Dict], xp, target: str,
                     result['median_s'], batch, args.interval, 'kfac_every',
                     'kfac_stale', 'kfac_stale_graph')
                 free_device_memory(xp)
+                result['device_bytes_in_use_after'] = device_bytes_in_use(xp)
                 if args.peer and limit == limits[0]:
                     from benchmarks import peer_pytorch
                     peer = peer_pytorch.run(batch, spec['size'],
