@@ -424,6 +424,7 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
     if use_graphs:
         # eager / captured / replayed steps, and why a step ran eagerly
         summary['cuda_graphs'] = dict(stepper.stats)
+        stepper.close()     # the graph's memory, for a next run (the demo)
     if comm.rank == 0:
         log = run_dir.load_log(out)
         accuracies = [e.get('validation/main/accuracy') for e in log]

@@ -91,7 +91,8 @@ class Runtime:
         self._lock = threading.Lock()
         self._handles: List[int] = []
         self._workspaces: Dict[Tuple[int, int], Workspace] = {}
-        self._retired: List[Workspace] = []
+        #: grown-out buffers, with their (device, stream)
+        self._retired: List[Tuple[Tuple[int, int], Workspace]] = []
 
     def handle(self, handle: Optional[int] = None) -> int:
         """This thread's cuDNN handle on the current device (or
@@ -140,10 +141,21 @@ class Runtime:
         if workspace is None or workspace.nbytes < nbytes:
             with self._lock:
                 if workspace is not None:
-                    self._retired.append(workspace)
+                    self._retired.append((key, workspace))
                 workspace = self._workspaces[key] = self.arrays.alloc(
                     nbytes)
         return workspace
+
+    def release_stream(self, stream: int) -> None:
+        """Let go of the workspaces of ``stream`` (its buffer and the
+        grown-out ones): a closed :class:`chainerkfac.graphs.StepGraph`'s
+        side stream, whose graphs no longer exist. Kept, they would hold
+        memory of that graph's pool after it is gone."""
+        with self._lock:
+            for key in [k for k in self._workspaces if k[1] == stream]:
+                del self._workspaces[key]
+            self._retired = [(k, w) for k, w in self._retired
+                             if k[1] != stream]
 
     def release_workspaces(self) -> None:
         """Let the memory pool have the workspaces back (no captured graph

@@ -90,6 +90,8 @@ class Gemm:
         # (handle, stream) -> (pointer, owner): kept for the process (a
         # captured graph may use it)
         self._workspaces: Dict[Tuple[int, int], Tuple[int, object]] = {}
+        # every thread's [handle, stream] (release_stream resets them)
+        self._entries = []
 
     def handle(self) -> int:
         """This thread's handle on the current device, on the current
@@ -106,6 +108,7 @@ class Gemm:
             entry = mine[device] = [handle, None]
             with self._lock:
                 self._handles.append(handle)
+                self._entries.append(entry)
         stream = self.arrays.stream()
         if entry[1] != stream:
             handle = entry[0]
@@ -171,11 +174,23 @@ class Gemm:
                           zero, p(out), n, m * n, batch)
         return out
 
+    def release_stream(self, stream: int) -> None:
+        """Let go of the workspaces given for ``stream`` (a closed
+        StepGraph's side stream); a handle set to it is set again on its
+        next use (on any thread)."""
+        with self._lock:
+            for key in [k for k in self._workspaces if k[1] == stream]:
+                del self._workspaces[key]
+            for entry in self._entries:
+                if entry[1] == stream:
+                    entry[1] = None     # stream and workspace set anew
+
     def close(self) -> None:
         """Destroy every handle (at exit) and let the workspaces go."""
         with self._lock:
             handles, self._handles = self._handles, []
             self._workspaces.clear()
+            self._entries = []
         self._local = threading.local()
         for handle in handles:
             self.lib.call('cublasDestroy_v2', handle)

@@ -64,11 +64,19 @@ class GraphedOptimizer:
             return 'eager'
         if lossfun is not self._lossfun:
             optimizer = self.optimizer
+            if self.graph is not None:
+                self.graph.close()      # another loss: its graphs go
             self.graph = step_module.StepGraph(
                 lambda *inputs: optimizer.update(lossfun, *inputs),
                 self.adapter, **self._options)
             self._lossfun = lossfun
         return self.graph(*args)
+
+    def close(self) -> None:
+        """Let go of the graph and its memory (:meth:`StepGraph.close`);
+        the optimizer stays usable (a later step captures afresh)."""
+        if self.graph is not None:
+            self.graph.close()
 
     @property
     def stats(self):

@@ -62,6 +62,7 @@ import contextlib
 import functools
 import logging
 import time
+import weakref
 from typing import Callable, List, Optional, Sequence
 
 import chainer
@@ -232,6 +233,7 @@ class StepGraph:
         self._static = ()
         self._pool = None
         self._stream = None
+        self._finalizer = None
         self._failed = set()
         self._reported = {}
         #: Counts: 'eager', 'captured', 'replayed', and each refusal and
@@ -284,7 +286,12 @@ class StepGraph:
     def _capture(self, inputs, signature, baked) -> str:
         start = time.perf_counter()
         cuda = self._cupy.cuda
-        self._stream = self._stream or cuda.Stream(non_blocking=True)
+        if self._stream is None:
+            self._stream = cuda.Stream(non_blocking=True)
+            # the workspaces cuDNN and cuBLAS keep for this stream are cut
+            # from this graph's pool: let them go with the StepGraph
+            self._finalizer = weakref.finalize(
+                self, self._release_stream, self._stream.ptr)
         self._static = tuple(self._cupy.empty(a.shape, a.dtype)
                              for a in inputs)
         if self._pool is None:
@@ -357,6 +364,27 @@ class StepGraph:
     def _signature_of(self, inputs: Sequence) -> tuple:
         return (self._cupy.cuda.runtime.getDevice(),) + tuple(
             (tuple(a.shape), a.dtype.str) for a in inputs)
+
+    def close(self) -> None:
+        """Drop the graph and let go of its memory: the pool, the side
+        stream, and the workspaces the cuDNN backend and the GEMMs keep for
+        that stream (cut from the pool, they would keep part of it alive).
+        Also done when the StepGraph is garbage-collected; a later step
+        captures afresh."""
+        self._drop('closed')
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self._pool = self._stream = None
+
+    @staticmethod
+    def _release_stream(stream: int) -> None:
+        from chainerkfac.cudnn import runtime
+        from chainerkfac.graphs import gemm
+        if runtime._current is not None:
+            runtime._current.release_stream(stream)
+        if gemm._gemm is not None:
+            gemm._gemm.release_stream(stream)
 
     def _drop(self, why: str) -> None:
         if self._graph is not None:

@@ -203,10 +203,28 @@ def test_workspace_per_stream_grows_and_keeps_the_old(backend):
     arrays.current_stream = 0x7000
     other = rt.workspace(10)
     assert other.ptr not in (first.ptr, bigger.ptr)
-    assert rt._retired == [first]      # a captured graph may still use it
+    assert [w for _, w in rt._retired] == [first]   # a graph may use it
     assert rt.workspace(0).nbytes == 0
     rt.release_workspaces()
     assert rt.workspace(10) is not other
+
+
+def test_release_stream_lets_go_of_that_streams_workspaces_only(backend):
+    """A closed StepGraph's side stream: its buffer and its grown-out
+    ones go, the other streams' stay."""
+    rt, arrays = backend.runtime, backend.arrays
+    arrays.current_stream = 0x7000
+    small = rt.workspace(10)
+    grown = rt.workspace(100)
+    arrays.current_stream = 0x8000
+    kept = rt.workspace(10)
+    rt.release_stream(0x7000)
+    assert rt.workspace(10) is kept
+    assert all(k[1] != 0x7000 for k in rt._workspaces)
+    assert all(w is not small for _, w in rt._retired)
+    arrays.current_stream = 0x7000
+    fresh = rt.workspace(10)
+    assert fresh is not grown and fresh is not small
 
 
 def test_one_handle_per_thread_each_on_its_stream(backend):

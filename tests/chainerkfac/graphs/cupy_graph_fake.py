@@ -4,6 +4,7 @@ callable passed to :meth:`FakeCupy.kernel`; it runs at once, or, while a
 stream captures, is recorded into the graph that ``end_capture`` returns
 and runs at each ``launch``. Streams record their waits and launches."""
 import contextlib
+import itertools
 import types
 
 import numpy
@@ -26,6 +27,9 @@ class Graph:
             kernel()
 
 
+_POINTERS = itertools.count(0x9000)
+
+
 class FakeCupy:
     def __init__(self):
         self.log = []
@@ -40,6 +44,7 @@ class FakeCupy:
             def __init__(self, non_blocking=False):
                 Stream.count += 1
                 self.name = 'side{}'.format(Stream.count)
+                self.ptr = next(_POINTERS)     # unique in the process
                 self.non_blocking = non_blocking
 
             def record(self):

@@ -79,6 +79,30 @@ def test_handle_stream_workspace_and_math(gemm):
     assert len(arrays.allocations) == 2
 
 
+def test_release_stream_resets_the_handle_and_drops_the_workspace(gemm):
+    """A closed StepGraph's side stream: its workspace goes (it was cut
+    from that graph's pool), and a handle still set to the stream is set
+    again on next use, with a new workspace: never the released one."""
+    fake, arrays = gemm.fake, gemm.arrays
+    a = numpy.ones((2, 2))
+    arrays.current_stream = 0x6000
+    gemm.matmul(a, a)
+    released = fake.named('cublasSetWorkspace_v2')[-1][1]
+    arrays.current_stream = 0x5000
+    gemm.matmul(a, a)
+    kept = fake.named('cublasSetWorkspace_v2')[-1][1]
+    arrays.current_stream = 0x6000
+    gemm.release_stream(0x6000)
+    assert all(key[1] != 0x6000 for key in gemm._workspaces)
+    gemm.matmul(a, a)          # same pointer, now another stream's
+    assert fake.named('cublasSetStream_v2')[-1][1] == 0x6000
+    assert fake.named('cublasSetWorkspace_v2')[-1][1] not in (released,
+                                                              kept)
+    arrays.current_stream = 0x5000
+    gemm.matmul(a, a)
+    assert fake.named('cublasSetWorkspace_v2')[-1][1] == kept
+
+
 def test_refuses_what_it_does_not_serve(gemm):
     with pytest.raises(TypeError, match='C-contiguous'):
         gemm.matmul(numpy.ones((2, 3), 'f'), numpy.ones((3, 2)))
