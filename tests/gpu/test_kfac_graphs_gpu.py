@@ -148,6 +148,46 @@ def test_recaptures_do_not_grow_device_memory():
         before, first, last, dict(stepper.stats))
 
 
+def test_closed_graphs_give_their_memory_back():
+    """Three graphed K-FAC runs one after another in one process (a
+    sweep, the demo's two runs), each closed: the device memory after the
+    third is within 64 MiB of what it was after the first (a closed
+    StepGraph lets go of its pool and of the cuDNN and cuBLAS workspaces of
+    its side stream, which were cut from that pool; kept, 23 GB stayed in
+    use after two ResNet-50 graphs at batch 64 on an H200)."""
+    import gc
+    import cupy
+    if not chainer.backends.cuda.cudnn_enabled:
+        pytest.skip('the small ResNet is captured with cuDNN convolutions: '
+                    'cuDNN is off here ({})'.format(
+                        chainerkfac.cudnn.describe()))
+    rng = numpy.random.RandomState(0)
+    x = cupy.asarray(rng.randn(64, 3, 32, 32).astype(numpy.float32))
+    t = cupy.asarray(rng.randint(0, 10, 64).astype(numpy.int32))
+
+    def used():
+        gc.collect()
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.cuda.Device().synchronize()
+        free, total = cupy.cuda.runtime.memGetInfo()
+        return total - free
+
+    after = []
+    for _ in range(3):
+        numpy.random.seed(0)
+        model = models.SoftLabelClassifier(models.build_model('small', 10,
+                                                              20, 16))
+        model.to_device('@cupy:0')
+        stepper = graphs.graphed(_kfac(model))
+        for _ in range(12):
+            stepper.update(model, x, t)
+        assert stepper.stats['captured'] >= 1, dict(stepper.stats)
+        stepper.close()
+        del model, stepper
+        after.append(used())
+    assert after[2] - after[0] <= 64 * 2 ** 20, after
+
+
 @pytest.mark.parametrize('kind', ['mlp', 'small_resnet'])
 @pytest.mark.parametrize('make', [_kfac, _guarded], ids=['kfac', 'guarded'])
 def test_fifty_steps_replayed_equal_eager(kind, make):
