@@ -301,6 +301,11 @@ def parse_args(argv=None):
     if args.cuda_graphs == 'on' and not args.gpu:
         parser.error('--cuda-graphs replays GPU work: it needs --gpu (the '
                      'arrays would be NumPy arrays)')
+    for name, value in (('--cudnn-workspace', args.cudnn_workspace),
+                        ('--cudnn-autotune', args.cudnn_autotune)):
+        if value != 'auto' and not args.gpu:
+            parser.error('{} sets cuDNN, which serves only --gpu runs '
+                         '(it would change nothing here)'.format(name))
     if args.crop_size > args.resize:
         parser.error('--crop-size {} is larger than --resize {}: the crop is '
                      'cut from the resized image'.format(args.crop_size,

@@ -89,7 +89,11 @@ def test_cudnn_options():
     args = train_imagenet.parse_args(LISTS)
     assert (args.cudnn_workspace, args.cudnn_autotune) == ('auto', 'auto')
     args = train_imagenet.parse_args(
-        LISTS + ['--cudnn-workspace', '256MiB', '--cudnn-autotune', 'off'])
+        LISTS + ['--gpu', '--cudnn-workspace', '256MiB', '--cudnn-autotune',
+                 'off'])
     assert (args.cudnn_workspace, args.cudnn_autotune) == (256 << 20, 'off')
-    with pytest.raises(SystemExit):
-        train_imagenet.parse_args(LISTS + ['--cudnn-workspace', '1.5GiB'])
+    for bad in (['--gpu', '--cudnn-workspace', '1.5GiB'],
+                ['--cudnn-workspace', '1GiB'],       # no --gpu: no cuDNN
+                ['--cudnn-autotune', 'on']):
+        with pytest.raises(SystemExit):
+            train_imagenet.parse_args(LISTS + bad)
