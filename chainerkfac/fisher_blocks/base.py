@@ -399,6 +399,13 @@ class FisherBlock:
         left out."""
         raise NotImplementedError
 
+    def traced_factors(self, candidates: Dict[str, object]) -> List:
+        """The factors whose traces :meth:`inverse_requests` reads
+        (:func:`chainerkfac.low_rank.mean_eigenvalue`) for these
+        ``candidates``: the optimizer reads them all at once first. None
+        by default."""
+        return []
+
     def keep_candidate(self, factor: str, value) -> None:
         """Store a refreshed factor that cannot be inverted yet (its
         Kronecker partner is missing); its inverse follows at a later

@@ -114,11 +114,18 @@ class KroneckerBlock(FisherBlock):
             pi = 1.0
         return pi * root, root / pi
 
-    def inverse_requests(self, candidates, damping):
+    def traced_factors(self, candidates):
+        a, g = self._pair(candidates)
+        return [] if a is None or g is None else [a, g]
+
+    def _pair(self, candidates):
         # π needs both factors: the refreshed one and, if only one is
         # refreshed this step, the other as stored.
-        a = candidates.get('A', self.factors.get('A'))
-        g = candidates.get('G', self.factors.get('G'))
+        return (candidates.get('A', self.factors.get('A')),
+                candidates.get('G', self.factors.get('G')))
+
+    def inverse_requests(self, candidates, damping):
+        a, g = self._pair(candidates)
         if a is None or g is None:
             return {}
         damping_a, damping_g = self.trace_split(a, g, damping)

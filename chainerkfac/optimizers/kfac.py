@@ -737,23 +737,30 @@ class KFAC(optimizer.GradientMethod):
         """Stage 4: average the reduced factor sums, invert, store."""
         self.fisher_diffs = {}
         requests = []
+        refreshed = []
         for block, sums in factors.items():
             if not sums:
                 continue
-            damping = self.damping * block.damping_scale(self.rho_bn)
             candidates = {}
             for name, total in sums.items():
                 total = low_rank.scaled(total, 1.0 / counts[block][name])
                 candidates[name] = block.candidate(name, total,
                                                    self.factor_decay)
-            wanted = block.inverse_requests(candidates, damping)
-            for name, (matrix, used) in wanted.items():
-                requests.append((block, name, matrix, used))
-            for name in candidates:
-                if name not in wanted:
-                    # Cannot be inverted yet (its partner is missing): keep
-                    # it for when it can.
-                    block.keep_candidate(name, candidates[name])
+            refreshed.append((block, candidates))
+        # the damping's split reads factors' traces: all in one host read
+        traced = [f for block, candidates in refreshed
+                  for f in block.traced_factors(candidates)]
+        with low_rank.traces_read_once(traced):
+            for block, candidates in refreshed:
+                damping = self.damping * block.damping_scale(self.rho_bn)
+                wanted = block.inverse_requests(candidates, damping)
+                for name, (matrix, used) in wanted.items():
+                    requests.append((block, name, matrix, used))
+                for name in candidates:
+                    if name not in wanted:
+                        # Cannot be inverted yet (its partner is missing):
+                        # keep it for when it can.
+                        block.keep_candidate(name, candidates[name])
         results = linalg.damped_inverses(
             [low_rank.inversion_matrix(r[2]) for r in requests],
             [r[3] for r in requests], method=self.inverse_method)

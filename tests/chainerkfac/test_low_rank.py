@@ -9,6 +9,8 @@ tests ask 1e-12.
 """
 import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
 
+import contextlib
+
 import numpy
 import pytest
 
@@ -264,3 +266,75 @@ def test_a_sum_of_many_calls_goes_dense_past_the_budget():
     # 4 calls × 3 samples = 12 columns > budget 10 of A (d = 21).
     assert not isinstance(cell.factors['A'], low_rank.LowRank)
     _compare(Recurrent, batch=3, expect_low_rank=True)
+
+
+def test_traces_read_once_give_each_reads_value():
+    """The traces read together equal each factor's own read, to the bit:
+    dense float32 / float64 / float16, a diagonal, a low-rank factor."""
+    rng = numpy.random.RandomState(5)
+    factors = [rng.randn(4, 4).astype(numpy.float32),
+               rng.randn(3, 3),
+               rng.randn(5, 5).astype(numpy.float16),
+               rng.rand(6),
+               low_rank.LowRank(rng.randn(7, 2))]
+    alone = [low_rank.mean_eigenvalue(f) for f in factors]
+    with low_rank.traces_read_once(factors):
+        together = [low_rank.mean_eigenvalue(f) for f in factors]
+        # a factor it was not given is read as before
+        extra = rng.randn(2, 2)
+        assert low_rank.mean_eigenvalue(extra) == float(numpy.trace(
+            extra)) / 2
+    assert together == alone
+    assert getattr(low_rank._traces, 'read', None) is None
+
+
+def test_a_refresh_step_reads_the_traces_once(monkeypatch):
+    """K-FAC's refresh reads every Kronecker block's factor traces (the
+    damping's split π) in one host read, not one per factor (a GPU refresh
+    of ResNet-50 read 108 one by one); the step is the same to the bit as
+    with one read per factor."""
+    x, t = helpers.data(n=8, shape=(2, 5, 5))
+
+    def train(read_once):
+        numpy.random.seed(0)
+        model = helpers.ConvNet(bn=True)
+        optimizer = helpers.kfac(lr=0.05, momentum=0.9, damping=1e-2,
+                                 low_rank=True).setup(model)
+        for _ in range(3):
+            optimizer.update(helpers.loss_of(model), x, t)
+        return {n: p.array.copy() for n, p in model.namedparams()}
+
+    reads, outside, inside, state = [], [], [], {'in': False}
+    original_read, original_trace = low_rank._to_host, low_rank._device_trace
+    original_once = low_rank.traces_read_once
+
+    def counted(array):
+        reads.append(array.shape)
+        return original_read(array)
+
+    def trace(factor):
+        (inside if state['in'] else outside).append(factor)
+        return original_trace(factor)
+
+    @contextlib.contextmanager
+    def once_marked(factors):
+        state['in'] = True
+        try:
+            with original_once(factors):
+                yield
+        finally:
+            state['in'] = False
+
+    monkeypatch.setattr(low_rank, '_to_host', counted)
+    monkeypatch.setattr(low_rank, '_device_trace', trace)
+    monkeypatch.setattr(low_rank, 'traces_read_once', once_marked)
+    once = train(True)
+    # 3 refresh steps, one read each, of the conv's and the fc's A and G
+    assert reads == [(4,)] * 3, reads
+    assert outside == [] and len(inside) == 3 * 4
+    monkeypatch.setattr(low_rank, 'traces_read_once',
+                        lambda factors: contextlib.nullcontext())
+    each = train(False)
+    assert len(outside) == 3 * 4
+    for name, value in each.items():
+        numpy.testing.assert_array_equal(once[name], value, err_msg=name)
