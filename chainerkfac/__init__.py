@@ -10,11 +10,15 @@
 * :func:`register_block` — Fisher blocks for more link types;
 * :mod:`chainerkfac.serializers` — ``load_npz`` with pickle off;
 * :mod:`chainerkfac.training` — Trainer extensions (schedules, run logs);
-* :mod:`chainerkfac.cudnn` — cuDNN 9 for Chainer on CuPy >= 14 (opt-in).
+* :mod:`chainerkfac.cudnn` — cuDNN 9 for Chainer on CuPy >= 14 (on by
+  default where found; ``CHAINERKFAC_CUDNN=0`` turns it off);
+* :mod:`chainerkfac.graphs` — steady-state steps replayed as CUDA graphs
+  (``chainerkfac.graphs.graphed(optimizer)``).
 """
 from chainerkfac import _compat  # NOQA  (must run before chainer is imported)
 from chainerkfac import cudnn  # NOQA  (so must this: it installs cuDNN)
 from chainerkfac import equations  # NOQA
+from chainerkfac import graphs  # NOQA
 from chainerkfac import optimizers  # NOQA
 from chainerkfac import serializers  # NOQA
 from chainerkfac import training  # NOQA

@@ -220,9 +220,16 @@ class StepGraph:
         self.adapter = adapter
         self.warmup = warmup
         if cupy is None:
-            import cupy
+            try:
+                import cupy
+            except ImportError as error:    # a CPU machine: every step eager
+                cupy = None
+                self._no_cupy = 'CuPy cannot be imported ({}: {})'.format(
+                    type(error).__name__, error)
         self._cupy = cupy
-        if route_linear is None:
+        if route_linear is None and cupy is None:
+            route_linear = contextlib.nullcontext     # nothing to route
+        elif route_linear is None:
             from chainerkfac.graphs import gemm
             route_linear = functools.partial(gemm.route_step, cupy)
         self._route_linear = route_linear
@@ -357,6 +364,8 @@ class StepGraph:
 
     # -- decisions --------------------------------------------------------
     def _refusal(self, inputs) -> Optional[str]:
+        if self._cupy is None:
+            return self._no_cupy
         if not all(isinstance(a, self._cupy.ndarray) for a in inputs):
             return 'inputs are not CuPy arrays'
         return self.adapter.refusal()

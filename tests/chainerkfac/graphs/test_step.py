@@ -237,3 +237,32 @@ def test_graphed_optimizer_closes_a_replaced_graph(monkeypatch):
     second = stepper.graph._stream.ptr
     stepper.close()
     assert released.streams.count(second) == 1
+
+
+def test_graphed_on_a_machine_without_cupy_runs_eagerly(monkeypatch):
+    """``chainerkfac.graphs.graphed(optimizer)``, as the docs write it after
+    ``import chainerkfac``, on a machine without CuPy: every step eager,
+    with the reason, and the same weights as the optimizer alone."""
+    import sys
+    import chainerkfac
+    monkeypatch.setitem(sys.modules, 'cupy', None)    # import fails
+    rng = numpy.random.RandomState(0)
+    x = rng.randn(8, 4).astype(numpy.float32)
+    t = rng.randint(0, 3, 8).astype(numpy.int32)
+
+    def run(wrap):
+        numpy.random.seed(0)
+        model = L.Classifier(L.Linear(4, 3))
+        optimizer = chainerkfac.optimizers.KFAC(lr=0.05, verbose=False)
+        optimizer.setup(model)
+        stepper = chainerkfac.graphs.graphed(optimizer) if wrap \
+            else optimizer
+        modes = [stepper.update(model, x, t) for _ in range(3)]
+        return model.predictor.W.array.copy(), modes, stepper
+
+    wrapped, modes, stepper = run(True)
+    plain, _, _ = run(False)
+    assert modes == ['eager'] * 3
+    reason, = [k for k in stepper.stats if k.startswith('eager: ')]
+    assert 'CuPy cannot be imported' in reason
+    numpy.testing.assert_array_equal(wrapped, plain)
