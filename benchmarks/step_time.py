@@ -915,7 +915,7 @@ def sweep_figure(data: Dict, path: str) -> None:
     from matplotlib.figure import Figure
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     models_ = sorted({r['model'] for r in data['sweep']})
-    figure = Figure(figsize=(6 * len(models_), 4.5))
+    figure = Figure(figsize=(9 * len(models_), 4.5))
     FigureCanvasAgg(figure)
     for i, model in enumerate(models_):
         axes = figure.add_subplot(1, len(models_), i + 1)
@@ -940,7 +940,9 @@ def sweep_figure(data: Dict, path: str) -> None:
         axes.set_xlabel('per-GPU batch')
         axes.set_ylabel('images / s')
         axes.set_title('{} ({})'.format(model, _device_words(data)))
-        axes.legend(fontsize='x-small')
+        # beside the panel: inside, it hid the lines it names
+        axes.legend(fontsize='x-small', loc='upper left',
+                    bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     figure.tight_layout()
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
