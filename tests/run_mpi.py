@@ -12,6 +12,36 @@ import subprocess
 import sys
 import time
 
+#: A launcher that failed to start (before any rank ran a test): Open MPI
+#: 5's "The PMIx server's listener thread failed to start" hit one of the
+#: CI runs on a loaded 2-core machine. Such a launch is tried again (at most
+#: LAUNCH_TRIES times); a launch in which a test ran never is.
+LAUNCH_TRIES = 3
+_LAUNCHER_FAILED = re.compile(
+    r"PMIx server's listener thread failed to start|"
+    r'PMIx_Init failed|prterun was unable to launch', re.IGNORECASE)
+_TESTS_RAN = re.compile(r'\d+ (passed|failed|error|skipped|deselected)')
+
+
+def launcher_failed(rc: int, output: str) -> bool:
+    """Whether a launch failed to start MPI itself (see LAUNCH_TRIES)."""
+    return (rc not in (0, 124) and bool(_LAUNCHER_FAILED.search(output))
+            and not _TESTS_RAN.search(output))
+
+
+def _launch(cmd, env, timeout):
+    try:
+        done = subprocess.run(cmd, env=env, timeout=timeout,
+                              stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT,
+                              universal_newlines=True)
+        return done.returncode, done.stdout
+    except subprocess.TimeoutExpired as expired:
+        output = expired.stdout or ''
+        if isinstance(output, bytes):
+            output = output.decode(errors='replace')
+        return 124, output + 'TIMEOUT after {:.0f} s\n'.format(timeout)
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
@@ -39,19 +69,15 @@ def main(argv=None):
                'tests.mpi_pytest', '-m', args.marker] + args.pytest_args
         print('$ ' + shlex.join(cmd), flush=True)
         start = time.time()
-        try:
-            done = subprocess.run(cmd, env=env, timeout=args.timeout,
-                                  stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT,
-                                  universal_newlines=True)
-            rc, output = done.returncode, done.stdout
-        except subprocess.TimeoutExpired as timeout:
-            output = timeout.stdout or ''
-            if isinstance(output, bytes):
-                output = output.decode(errors='replace')
-            output += 'TIMEOUT after {:.0f} s (-n {})\n'.format(
-                args.timeout, size)
-            rc = 124
+        for attempt in range(1, LAUNCH_TRIES + 1):
+            rc, output = _launch(cmd, env, args.timeout)
+            if attempt == LAUNCH_TRIES or not launcher_failed(rc, output):
+                break
+            sys.stdout.write(output)
+            print('-n {}: mpiexec failed to start (exit {}), launch {} of '
+                  '{}: trying again'.format(size, rc, attempt + 1,
+                                            LAUNCH_TRIES), flush=True)
+            time.sleep(2.0)
         sys.stdout.write(output)
         for word in totals:
             found = re.findall(r'(\d+) ' + word, output)

@@ -1,0 +1,64 @@
+"""tests/run_mpi.py: a launch in which MPI itself failed to start is tried
+again; a launch in which tests ran and failed is not (it fails the suite at
+once). A stand-in ``mpiexec`` (a shell script) plays the launcher."""
+import stat
+
+import pytest
+
+from tests import run_mpi
+
+PMIX = ("The PMIx server's listener thread failed to start. We cannot\n"
+        "continue.\n")
+
+
+def _fake_mpiexec(tmp_path, outcomes):
+    """A launcher whose k-th launch prints outcomes[k] (text, exit)."""
+    counter = tmp_path / 'launches'
+    counter.write_text('0')
+    cases = []
+    for k, (text, rc) in enumerate(outcomes):
+        cases.append('  {}) printf %s {} ; exit {} ;;'.format(
+            k, _quote(text), rc))
+    script = tmp_path / 'mpiexec'
+    script.write_text(
+        '#!/bin/sh\nn=$(cat {c})\necho $((n + 1)) > {c}\ncase $n in\n{}\n'
+        '  *) echo "1 passed"; exit 0 ;;\nesac\n'.format(
+            '\n'.join(cases), c=counter))
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(script), counter
+
+
+def _quote(text):
+    return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
+def test_a_launcher_that_failed_to_start_is_tried_again(tmp_path, capsys,
+                                                        monkeypatch):
+    monkeypatch.setattr(run_mpi.time, 'sleep', lambda s: None)
+    mpiexec, counter = _fake_mpiexec(tmp_path, [(PMIX, 213), (PMIX, 213)])
+    assert run_mpi.main(['--mpiexec', mpiexec, '--sizes', '1']) == 0
+    assert counter.read_text().strip() == '3'
+    out = capsys.readouterr().out
+    assert 'failed to start (exit 213), launch 2 of 3' in out
+    assert 'mpi: 1 passed, 0 failed' in out
+
+
+def test_it_gives_up_after_the_last_try(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(run_mpi.time, 'sleep', lambda s: None)
+    mpiexec, counter = _fake_mpiexec(tmp_path, [(PMIX, 213)] * 3)
+    assert run_mpi.main(['--mpiexec', mpiexec, '--sizes', '1']) == 1
+    assert counter.read_text().strip() == '3'
+    assert 'mpi tests failed for -n 1' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('text, rc', [
+    ('2 passed, 1 failed\n', 1),                    # a test failed
+    (PMIX + '3 passed, 1 error\n', 1),              # tests ran
+    ('Segmentation fault\n', 139),                  # not the launcher
+])
+def test_a_launch_in_which_tests_ran_is_never_retried(tmp_path, text, rc,
+                                                      monkeypatch):
+    monkeypatch.setattr(run_mpi.time, 'sleep', lambda s: None)
+    mpiexec, counter = _fake_mpiexec(tmp_path, [(text, rc)])
+    assert run_mpi.main(['--mpiexec', mpiexec, '--sizes', '1']) == 1
+    assert counter.read_text().strip() == '1'
