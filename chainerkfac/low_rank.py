@@ -97,10 +97,6 @@ class LowRank:
         """``Uᵀ U`` (k, k): the matrix the damped inverse inverts."""
         return linalg.matmul(self.columns.T, self.columns)
 
-    def trace(self) -> float:
-        columns = self.columns
-        return float(get_array_module(columns).vdot(columns, columns))
-
 
 def add(a, b):
     """``a + b`` of two factors, either low rank or dense (arrays): the
