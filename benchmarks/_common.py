@@ -257,12 +257,28 @@ def mpiexec_path() -> str:
     return found
 
 
+def spec_from(args, smoke: Dict, full: Dict, keys: Sequence[str]) -> Dict:
+    """A launching benchmark's sizes: ``smoke`` or ``full`` (``--smoke``),
+    with the options named in ``keys`` that were given over them."""
+    spec = dict(smoke if args.smoke else full)
+    spec.update({k: getattr(args, k) for k in keys if getattr(args, k)})
+    return spec
+
+
+def worker_options(args, keys: Sequence[str]) -> List[str]:
+    """The options named in ``keys`` that were given, and ``--smoke``, as
+    the worker processes' command line."""
+    return (['--{}={}'.format(k, getattr(args, k)) for k in keys
+             if getattr(args, k) is not None] +
+            (['--smoke'] if args.smoke else []))
+
+
 def launch_worker(module: str, processes: int, worker_args: Sequence[str],
                   timeout: float) -> Dict:
     """Run ``python -m module --worker OUT worker_args...`` under ``mpiexec
-    -n processes`` (one BLAS thread per process) and return the JSON the
-    worker wrote to OUT, with the launch's wall time and whether the
-    processes outnumbered the usable cores.
+    -n processes`` (one BLAS thread per process), saying so first, and
+    return the JSON the worker wrote to OUT, with the launch's wall time
+    and whether the processes outnumbered the usable cores.
 
     Raises
     ------
@@ -270,6 +286,9 @@ def launch_worker(module: str, processes: int, worker_args: Sequence[str],
         When the job times out, fails, or writes no result (with the tail
         of its output).
     """
+    print('mpiexec -n {}{} ...'.format(
+        processes, ' (oversubscribed)' if processes > usable_cores() else ''),
+        flush=True)
     with tempfile.TemporaryDirectory(prefix=module.rsplit('.', 1)[-1] +
                                      '.') as tmp:
         out = os.path.join(tmp, 'launch.json')

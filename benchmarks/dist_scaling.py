@@ -214,13 +214,15 @@ def summarise_launch(gathered: List[Dict], size: int) -> Dict:
 
 
 # -- the launcher ----------------------------------------------------------------------
+#: The options a launch passes on to its workers (over the sizes).
+OPTION_KEYS = ('rounds', 'depth', 'width')
+
+
 def launch(processes: int, args, timeout: float) -> Dict:
     """Run the worker under ``mpiexec -n processes``; its figures."""
     return _common.launch_worker(
         'benchmarks.dist_scaling', processes,
-        ['--{}={}'.format(k, getattr(args, k)) for k in ('rounds', 'depth', 'width')
-         if getattr(args, k) is not None] + (['--smoke'] if args.smoke
-                                             else []), timeout)
+        _common.worker_options(args, OPTION_KEYS), timeout)
 
 
 def byte_ratios(result: Dict) -> Dict:
@@ -330,10 +332,7 @@ def parse_args(argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    spec = dict(SMOKE if args.smoke else FULL)
-    for key in ('rounds', 'depth', 'width'):
-        if getattr(args, key):
-            spec[key] = getattr(args, key)
+    spec = _common.spec_from(args, SMOKE, FULL, OPTION_KEYS)
     if args.worker:
         return worker(spec, args.worker)
     counts = sorted({1} | {int(p) for p in (
@@ -347,9 +346,6 @@ def main(argv=None):
         'rank'.format(_common.cpu_model(), _common.usable_cores()),
         statistic='median over steps of the slowest rank', results=[])
     for p in counts:
-        print('mpiexec -n {}{} ...'.format(
-            p, ' (oversubscribed)' if p > _common.usable_cores() else ''),
-            flush=True)
         data['results'].append(launch(p, args, args.timeout))
     for r in data['results']:
         r['byte_ratios'] = byte_ratios(r)

@@ -197,13 +197,15 @@ def summarise_launch(gathered: List, size: int, n_params: int) -> Dict:
     return result
 
 
+#: The options a launch passes on to its workers (over the sizes).
+OPTION_KEYS = ('rounds', 'model')
+
+
 def launch(processes: int, args, timeout: float) -> Dict:
     """Run the worker under ``mpiexec -n processes``; its figures."""
     return _common.launch_worker(
         'benchmarks.shard_update', processes,
-        ['--{}={}'.format(k, getattr(args, k)) for k in ('rounds', 'model')
-         if getattr(args, k) is not None] + (['--smoke'] if args.smoke
-                                             else []), timeout)
+        _common.worker_options(args, OPTION_KEYS), timeout)
 
 
 def tables(data: Dict) -> str:
@@ -260,10 +262,7 @@ def parse_args(argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    spec = dict(SMOKE if args.smoke else FULL)
-    for key in ('rounds', 'model'):
-        if getattr(args, key):
-            spec[key] = getattr(args, key)
+    spec = _common.spec_from(args, SMOKE, FULL, OPTION_KEYS)
     if args.worker:
         return worker(spec, args.worker)
     counts = [int(p) for p in (
@@ -279,9 +278,6 @@ def main(argv=None):
                 results=[])
     data['failed'] = []
     for p in counts:
-        print('mpiexec -n {}{} ...'.format(
-            p, ' (oversubscribed)' if p > _common.usable_cores() else ''),
-            flush=True)
         try:
             data['results'].append(launch(p, args, args.timeout))
         except RuntimeError as error:

@@ -446,3 +446,22 @@ def test_step_time_drop_graph_lets_the_activations_go():
     import gc
     gc.collect()
     assert node() is None
+
+
+def test_launching_benchmarks_pass_their_options_on():
+    """dist_scaling and shard_update: the sizes are the smoke or full
+    ones with the given options over them, and the workers get exactly the
+    given options (and --smoke)."""
+    import types
+    from benchmarks import _common
+    smoke, full = {'rounds': 2, 'model': 'small'}, {'rounds': 8,
+                                                    'model': 'resnet50'}
+    args = types.SimpleNamespace(smoke=False, rounds=3, model=None)
+    assert _common.spec_from(args, smoke, full, ('rounds', 'model')) == {
+        'rounds': 3, 'model': 'resnet50'}
+    assert _common.worker_options(args, ('rounds', 'model')) == [
+        '--rounds=3']
+    args = types.SimpleNamespace(smoke=True, rounds=None, model='small')
+    assert _common.spec_from(args, smoke, full, ('rounds', 'model')) == smoke
+    assert _common.worker_options(args, ('rounds', 'model')) == [
+        '--model=small', '--smoke']
