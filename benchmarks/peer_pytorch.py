@@ -196,7 +196,6 @@ def run(batch: int = DEFAULTS['batch'], size: int = DEFAULTS['size'],
     steps = _build_steps(variants, batch, size, interval)
     result.update(time_rounds(steps, rounds, warmup, torch.cuda.synchronize))
     del steps   # PyTorch's cached blocks back, for the sweep's next point
-    import gc
     gc.collect()
     torch.cuda.empty_cache()
     return result
