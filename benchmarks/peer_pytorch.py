@@ -222,10 +222,17 @@ def table(peer: Dict, ours: Optional[Dict] = None) -> str:
     if ours is not None:
         mine = ours['median_s']
         pairs = [('SGD step', mine.get('sgd'), med.get('sgd')),
+                 ('SGD step, replayed', mine.get('sgd_graph'),
+                  med.get('sgd')),
                  ('K-FAC every step (theirs: inverse)', mine.get('kfac_every'),
                   med.get('kfac_inverse')),
                  ('K-FAC stale step', mine.get('kfac_stale'),
+                  med.get('kfac_inverse_stale')),
+                 ('K-FAC stale step, replayed', mine.get('kfac_stale_graph'),
                   med.get('kfac_inverse_stale'))]
+        # a replayed row only where that variant was run
+        pairs = [p for p in pairs if p[1] is not None or
+                 'replayed' not in p[0]]
         text += '\n\nOurs beside the peer ({} batch {})\n{}'.format(
             ours['model'], ours['batch'], _common.format_table(
                 ['figure', 'chainerkfac [s]', 'peer [s]', 'ours / theirs'],

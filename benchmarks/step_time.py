@@ -8,7 +8,7 @@ its factor capture by layer type; or the inverse stage alone.
         [--inverse-methods cholesky,newton_schulz]
         [--newton-schulz-max-dim N]] [--peer]
         [--batches 32,64,128,256] [--workspace-sizes 8MiB,64MiB,1GiB]
-        [--autotune]
+        [--autotune [auto|on|off]]
 
 For each model (CPU: the small ResNet at batch 128, 32x32, and ResNet-50 at
 batch 8, 224x224; ``--gpu``: the same small ResNet and ResNet-50 at batch
@@ -27,19 +27,27 @@ same fixed batch:
 * ``kfac_newton_schulz``: every step, the factors up to n = 1024
   inverted by the batched Newton–Schulz iteration
   (``inverse_method='newton_schulz'``);
-* ``sgd_graph`` (``--gpu``, opt-in): the momentum SGD step through
+* ``sgd_graph`` (``--gpu``): the momentum SGD step through
   :class:`chainerkfac.graphs.StepGraph`, captured once as a CUDA graph
   and replayed (its counts of eager / captured / replayed steps are
   recorded in ``graph_stats``, the seconds of each capture in
   ``graph_capture_s``);
-* ``kfac_stale_graph`` (``--gpu``, opt-in): ``kfac_stale`` through
+* ``kfac_stale_graph`` (``--gpu``): ``kfac_stale`` through
   :func:`chainerkfac.graphs.graphed`: refresh steps eager, the stale steps
   replayed (each cycle's first captured again; counts and capture seconds
   as for ``sgd_graph``).
 
 The CPU runs ``sgd``, ``kfac_every`` and ``kfac_stale`` by default,
-``--gpu`` the first six (``--variants`` picks any subset that has
-``sgd``).
+``--gpu`` all eight (``--variants`` picks any subset that has ``sgd``).
+
+**cuDNN on the GPU** is set as ``train_imagenet.py --gpu`` sets it
+(:func:`harness.tuning.cudnn_tuning`, whose start-up line the benchmark
+prints and records as ``cudnn``): where a replayed variant runs, as a run
+replays its steps by default, the convolution algorithms are timed
+(``chainer.config.autotune``) with a 1 GiB workspace limit, for every
+variant of the run; otherwise cuDNN's heuristics within Chainer's 8 MiB.
+``--autotune on|off`` and ``--workspace-sizes`` override either. So the
+default ``--gpu --peer`` run times the steps a user's run takes.
 
 After warm-up steps, the variants are timed in *rounds* (one step of each,
 in an order rotated every round), so that the machine's noise hits all
@@ -89,9 +97,13 @@ Cholesky's inverses.
 
 Goals (reported, not asserted): CPU small ResNet, every step ≤ 1.2x and
 stale ≤ 1.3x SGD, ResNet-50 stale ≤ 1.3x SGD (issue 13 and earlier); GPU
-ResNet-50, capture ≤ 0.06 s per refresh step, forward_backward with
-capture ≤ 1.35x SGD's whole step, fp16 factors faster than fp32 (issue 13),
-stale ≤ 1.05x SGD (issue 12), inverse stage alone ≤ 0.12 s (issue 12).
+ResNet-50, capture ≤ 0.05 s per refresh step and the inverse stage alone
+≤ 0.06 s (issue 26), forward_backward with capture ≤ 1.35x SGD's whole
+step, fp16 factors faster than fp32 (issue 13), stale ≤ 1.05x SGD
+(issue 12). Against the peer in the same run (``--peer``; issue 26,
+:data:`PEER_GOALS`): our SGD step ≤ PyTorch's, our stale K-FAC step ≤
+0.8x kfac-pytorch's, our every-step K-FAC step ≤ 0.5x kfac-pytorch's
+inverse method, each with the replayed step where that variant ran.
 Timings are only comparable within one run.
 
 BLAS threads: ``--threads`` (default 1, through threadpoolctl); the JSON
@@ -142,7 +154,7 @@ from chainerkfac import linalg
 from chainerkfac import linalg_cuda
 from chainerkfac import newton_schulz
 from chainerkfac.optimizers import KFAC
-from harness import sizes
+from harness import sizes, tuning
 
 #: name -> KFAC keyword arguments (the refresh interval is added).
 KFAC_VARIANTS = {
@@ -156,8 +168,9 @@ KFAC_VARIANTS = {
 GRAPH_VARIANTS = ('sgd_graph', 'kfac_stale_graph')
 VARIANTS = ('sgd',) + tuple(KFAC_VARIANTS) + GRAPH_VARIANTS
 CPU_VARIANTS = ('sgd', 'kfac_every', 'kfac_stale')
-#: --gpu's default: every variant but the opt-in CUDA-graph ones.
-GPU_VARIANTS = VARIANTS[:-len(GRAPH_VARIANTS)]
+#: --gpu's default: every variant, the replayed ones with them
+#: (``train_imagenet.py --gpu`` replays the steps that refresh nothing).
+GPU_VARIANTS = VARIANTS
 #: Variants with refresh steps, kept apart as ``<variant>_refresh``.
 STALE_VARIANTS = ('kfac_stale', 'kfac_stale_graph')
 #: Every-step variants whose capture is timed by layer type.
@@ -170,11 +183,20 @@ CONV_A = ('auto', 'shifted', 'unfolded')
 GOALS = {
     'cpu': {'small': {'kfac_every': 1.2, 'kfac_stale': 1.3},
             'resnet50': {'kfac_stale': 1.3}},
-    'gpu': {'resnet50': {'kfac_stale': 1.05, 'capture_s': 0.06,
+    'gpu': {'resnet50': {'kfac_stale': 1.05, 'capture_s': 0.05,
                          'forward_backward_over_sgd': 1.35,
                          'fp16_over_fp32': 1.0}},
 }
-INVERSE_GOALS = {'gpu': {'resnet50': 0.12}}
+INVERSE_GOALS = {'gpu': {'resnet50': 0.06}}
+#: Ours over the peer's step in the same run, at most (issue 26): what a
+#: run replays where it can (``sgd_graph``, ``kfac_stale_graph``), else
+#: the eager step; K-FAC every step against kfac-pytorch's inverse method.
+PEER_GOALS = (
+    ('SGD step', ('sgd_graph', 'sgd'), 'sgd', 1.0),
+    ('K-FAC stale step', ('kfac_stale_graph', 'kfac_stale'),
+     'kfac_inverse_stale', 0.8),
+    ('K-FAC every step', ('kfac_every',), 'kfac_inverse', 0.5),
+)
 
 #: name -> model, batch, input size, rounds, warm-up steps, capture steps
 FULL = {
@@ -780,14 +802,50 @@ def inverse_table(data: Dict) -> str:
 
 def run_peer(data: Dict, specs: Dict[str, Dict], interval: int) -> str:
     """Time the PyTorch peer at this run's ResNet-50 batch and size into
-    ``data['peer_pytorch']``; returns its table beside our figures."""
+    ``data['peer_pytorch']``; returns its table beside our figures, and
+    the goals against it (:data:`PEER_GOALS`, into ``data['goals_vs_peer']``
+    where the peer ran)."""
     from benchmarks import peer_pytorch
     spec = specs.get('resnet50', GPU['resnet50'])
     data['peer_pytorch'] = peer_pytorch.run(
         spec['batch'], spec['size'], spec['rounds'], spec['warmup'], interval)
     ours = next((r for r in data['results'] if r['model'] == 'resnet50'),
                 None)
-    return peer_pytorch.table(data['peer_pytorch'], ours)
+    text = peer_pytorch.table(data['peer_pytorch'], ours)
+    if ours is not None and 'skipped' not in data['peer_pytorch']:
+        data['goals_vs_peer'] = goals_vs_peer(
+            ours['median_s'], data['peer_pytorch']['median_s'])
+        text += '\n\n' + goals_vs_peer_table(
+            [(ours['batch'], data['goals_vs_peer'])])
+    return text
+
+
+def goals_vs_peer(ours: Dict[str, float], theirs: Dict[str, float]
+                  ) -> Dict[str, Dict]:
+    """Each goal of :data:`PEER_GOALS` whose steps were both timed: ours
+    (the first of its variants that ran: the replayed step where it was)
+    over the peer's median step, and whether it is met."""
+    out = {}
+    for what, candidates, peer_key, goal in PEER_GOALS:
+        mine = next((v for v in candidates if ours.get(v)), None)
+        if mine is None or not theirs.get(peer_key):
+            continue
+        value = ours[mine] / theirs[peer_key]
+        out[what] = {'ours': mine, 'theirs': peer_key, 'goal': goal,
+                     'value': value, 'met': value <= goal}
+    return out
+
+
+def goals_vs_peer_table(rows) -> str:
+    """``rows``: (batch, :func:`goals_vs_peer` result) pairs."""
+    return ('Goals against the peer, ours / theirs in this run (reported, '
+            'not asserted)\n{}'.format(_common.format_table(
+                ['batch', 'goal', 'ours', 'theirs', 'ours / theirs',
+                 'target', ''],
+                [[batch, what, g['ours'], g['theirs'], g['value'],
+                  '<= {:g}'.format(g['goal']),
+                  'met' if g['met'] else 'NOT met']
+                 for batch, goals_ in rows for what, g in goals_.items()])))
 
 
 # -- the throughput sweep -----------------------------------------------------
@@ -835,20 +893,27 @@ def free_device_memory(xp) -> None:
         xp.get_default_memory_pool().free_all_blocks()
 
 
+def set_workspace_limit(limit: Optional[int]) -> None:
+    """cuDNN's workspace limit for the steps timed next (None: leave
+    Chainer's); a note where Chainer has no cuDNN to give it to."""
+    from chainer.backends import cuda
+    if limit is None:
+        return
+    if not cuda.cudnn_enabled:
+        print('note: Chainer has no cuDNN here, so the workspace limit '
+              'changes nothing', flush=True)
+    cuda.set_max_workspace_size(limit)
+
+
 def sweep(args, specs: Dict[str, Dict], xp, target: str,
           kfac_options: Dict) -> List[Dict]:
     """The step timing of every model at each batch of ``--batches`` and
     each limit of ``--workspace-sizes``; with ``--peer``, the peer at each
     batch (once: our workspace limit is not its)."""
-    from chainer.backends import cuda
     rows = []
-    limits = args.workspace_sizes or [None]
-    if args.workspace_sizes and not cuda.cudnn_enabled:
-        print('note: Chainer has no cuDNN here, so the workspace limits '
-              'change nothing', flush=True)
+    limits = args.workspace_limits
     for limit in limits:
-        if limit is not None:
-            cuda.set_max_workspace_size(limit)
+        set_workspace_limit(limit)
         for name, spec in specs.items():
             for batch in args.batches or [spec['batch']]:
                 spec = dict(spec, batch=batch)
@@ -874,6 +939,8 @@ def sweep(args, specs: Dict[str, Dict], xp, target: str,
                         result['peer_images_per_s'] = images_per_second(
                             peer['median_s'], batch, args.interval,
                             'kfac_inverse', 'kfac_inverse_stale')
+                        result['goals_vs_peer'] = goals_vs_peer(
+                            result['median_s'], peer['median_s'])
                 rows.append(result)
     return rows
 
@@ -897,6 +964,10 @@ def sweep_table(data: Dict) -> str:
                if 'skipped' in r.get('peer_pytorch', {})]
     note = ('\nPeer (PyTorch, kfac-pytorch): skipped: {}'.format(skipped[0])
             if skipped else '')
+    goal_rows = [(r['batch'], r['goals_vs_peer']) for r in data['sweep']
+                 if r.get('goals_vs_peer')]
+    if goal_rows:
+        note += '\n\n' + goals_vs_peer_table(goal_rows)
     return ('Throughput, images per second from the medians ({}; '
             'autotune {}; stale amortised over {} steps)\n{}{}'.format(
                 _device_words(data), 'on' if data['autotune'] else 'off',
@@ -971,9 +1042,8 @@ def parse_args(argv):
                         'resnet50 with --inverse-only)'.format(','.join(FULL)))
     parser.add_argument('--variants', default=None,
                         help='comma-separated subset of {}, with sgd '
-                        '(default: {} on CPU, all but sgd_graph with '
-                        '--gpu)'.format(','.join(VARIANTS),
-                                        ','.join(CPU_VARIANTS)))
+                        '(default: {} on CPU, all with --gpu)'.format(
+                            ','.join(VARIANTS), ','.join(CPU_VARIANTS)))
     parser.add_argument('--rounds', type=int, default=None,
                         help='timed rounds of the small ResNet (default 21); '
                         'with --inverse-only, repeats (default 5)')
@@ -1017,10 +1087,16 @@ def parse_args(argv):
                         'each and report images/s (a table and a PNG)')
     parser.add_argument('--workspace-sizes', type=_byte_list, default=None,
                         help="comma-separated cuDNN workspace limits (e.g. "
-                        "'8MiB,64MiB,1GiB'): time each")
-    parser.add_argument('--autotune', action='store_true',
+                        "'8MiB,64MiB,1GiB'): time each (default: as "
+                        'train_imagenet.py --gpu, 1GiB where a replayed '
+                        "variant runs, else Chainer's 8MiB)")
+    parser.add_argument('--autotune', nargs='?', const='on', default='auto',
+                        choices=('auto', 'on', 'off'),
                         help='time cuDNN\'s convolution algorithms and take '
-                        'the fastest (chainer.config.autotune)')
+                        'the fastest (chainer.config.autotune): on (the '
+                        'flag alone), off, or auto (default: as '
+                        'train_imagenet.py --gpu, on where a replayed '
+                        'variant runs)')
     args = parser.parse_args(argv)
     if (args.batches or args.workspace_sizes) and args.inverse_only:
         parser.error('--batches and --workspace-sizes time steps, not '
@@ -1057,7 +1133,27 @@ def parse_args(argv):
     if graphed and not args.gpu:
         parser.error('the {} variant (CUDA graphs) needs --gpu'.format(
             graphed[0]))
+    args.workspace_limits, args.timed, args.cudnn = cudnn_choice(
+        args.workspace_sizes, args.autotune, args.gpu, bool(graphed))
     return args
+
+
+def cudnn_choice(workspace_sizes, autotune: str, gpu: bool, graphed: bool):
+    """``(limits, timed, words)``: the cuDNN workspace limits to time in
+    turn (None: Chainer's own), whether the algorithms are timed, and a
+    line that says so. On the GPU as ``train_imagenet.py --gpu`` chooses
+    (:func:`harness.tuning.cudnn_tuning`, with CUDA graphs where a
+    replayed variant runs), unless ``--workspace-sizes`` / ``--autotune``
+    say otherwise."""
+    if not gpu:
+        return (list(workspace_sizes or [None]), autotune == 'on',
+                'no cuDNN on the CPU')
+    limits, timed, words = [], False, []
+    for size in workspace_sizes or ['auto']:
+        limit, timed, line = tuning.cudnn_tuning(size, autotune, graphed)
+        limits.append(limit)
+        words.append(line)
+    return limits, timed, '; '.join(words)
 
 
 def _dim_list(text: str) -> List[int]:
@@ -1129,8 +1225,10 @@ def main(argv=None):
     # conv_a_strategy); 'auto' leaves the library's choice.
     kfac_options = ({} if args.conv_a == 'auto' else
                     {'conv_a_strategy': args.conv_a})
+    data['cudnn'] = args.cudnn
+    print('cuDNN: {}'.format(args.cudnn), flush=True)
     with _common.limit_blas_threads(args.threads), \
-            chainer.using_config('autotune', args.autotune):
+            chainer.using_config('autotune', args.timed):
         data['blas_threads'] = _common.blas_threads()
         if args.inverse_only:
             data['inverse'] = []
@@ -1144,7 +1242,7 @@ def main(argv=None):
             text = inverse_table(data)
         elif args.batches or args.workspace_sizes:
             data['variants'] = list(args.variants)
-            data['autotune'] = args.autotune
+            data['autotune'] = args.timed
             data['sweep'] = sweep(args, specs, xp, target, kfac_options)
             text = sweep_table(data)
             png = _png_path(args.out)
@@ -1152,6 +1250,10 @@ def main(argv=None):
             text += '\nwrote {}'.format(png)
         else:
             data['variants'] = list(args.variants)
+            data['autotune'] = args.timed
+            [limit] = args.workspace_limits
+            data['workspace_bytes'] = limit
+            set_workspace_limit(limit)
             data['results'] = []
             for name, spec in specs.items():
                 print('timing {} (batch {}, {} rounds)...'.format(

@@ -353,13 +353,14 @@ def test_step_time_throughput_arithmetic_and_table():
         step_time.parse_args(['--inverse-only', '--batches', '8'])
     with pytest.raises(SystemExit):     # CUDA graphs need a GPU
         step_time.parse_args(['--variants', 'sgd,sgd_graph'])
-    assert 'sgd_graph' not in step_time.parse_args(['--gpu']).variants
+    # --gpu times the replayed steps too, as train_imagenet.py --gpu runs
+    assert 'sgd_graph' in step_time.parse_args(['--gpu']).variants
     assert step_time.parse_args(
         ['--gpu', '--variants', 'sgd,sgd_graph']).variants == (
             'sgd', 'sgd_graph')
     with pytest.raises(SystemExit):     # K-FAC's replayed stale steps too
         step_time.parse_args(['--variants', 'sgd,kfac_stale_graph'])
-    assert 'kfac_stale_graph' not in step_time.parse_args(['--gpu']).variants
+    assert 'kfac_stale_graph' in step_time.parse_args(['--gpu']).variants
     # the GPU's batch limits of the inverse stage, 0 for none batched
     assert step_time.parse_args(
         ['--gpu', '--inverse-only', '--batched-max-dims', '0,256']
@@ -465,3 +466,64 @@ def test_launching_benchmarks_pass_their_options_on():
     assert _common.spec_from(args, smoke, full, ('rounds', 'model')) == smoke
     assert _common.worker_options(args, ('rounds', 'model')) == [
         '--model=small', '--smoke']
+
+
+@pytest.mark.parametrize('argv, limits, timed', [
+    # the default GPU run: replayed variants, so as train_imagenet.py --gpu
+    # with its CUDA graphs: timed algorithms within 1 GiB for every variant
+    (['--gpu'], [1 << 30], True),
+    # eager variants only: cuDNN's heuristics within Chainer's 8 MiB
+    (['--gpu', '--variants', 'sgd,kfac_every'], [None], False),
+    (['--gpu', '--autotune'], [1 << 30], True),
+    (['--gpu', '--autotune', 'off'], [1 << 30], False),
+    (['--gpu', '--variants', 'sgd,kfac_stale', '--autotune'], [None], True),
+    (['--gpu', '--workspace-sizes', '8MiB,64MiB'], [8 << 20, 64 << 20],
+     True),
+    # the CPU has no cuDNN: nothing to set
+    ([], [None], False),
+    (['--autotune'], [None], True),
+])
+def test_step_time_cudnn_as_a_run_sets_it(argv, limits, timed):
+    """The benchmark's cuDNN choice is train_imagenet.py's (the one
+    function, harness.tuning.cudnn_tuning), so that the default --gpu run
+    times the steps a user's run takes; the options override it."""
+    from benchmarks import step_time
+    args = step_time.parse_args(argv)
+    assert (args.workspace_limits, args.timed) == (limits, timed)
+    if '--gpu' in argv:
+        assert ('timed' if timed else "cuDNN's heuristics") in args.cudnn
+    with pytest.raises(SystemExit):
+        step_time.parse_args(['--autotune', 'sometimes'])
+
+
+def test_step_time_goals_against_the_peer():
+    """Ours over the peer's step, the replayed step where it ran, each
+    against the issue's bound; a goal whose steps did not both run is left
+    out, and the table says met / NOT met."""
+    from benchmarks import step_time
+    theirs = {'sgd': 0.020, 'kfac_inverse': 0.30, 'kfac_inverse_stale': 0.04}
+    ours = {'sgd': 0.050, 'sgd_graph': 0.019, 'kfac_every': 0.20,
+            'kfac_stale': 0.07, 'kfac_stale_graph': 0.026}
+    goals = step_time.goals_vs_peer(ours, theirs)
+    assert goals['SGD step']['ours'] == 'sgd_graph'
+    assert goals['SGD step']['value'] == pytest.approx(0.019 / 0.020)
+    assert goals['SGD step']['met']
+    assert goals['K-FAC stale step']['value'] == pytest.approx(0.026 / 0.04)
+    assert goals['K-FAC stale step']['met']           # 0.65 <= 0.8
+    assert goals['K-FAC every step']['value'] == pytest.approx(0.2 / 0.3)
+    assert not goals['K-FAC every step']['met']       # 0.67 > 0.5
+    # without the replayed variants, the eager steps are compared
+    eager = step_time.goals_vs_peer(
+        {'sgd': 0.050, 'kfac_stale': 0.07}, theirs)
+    assert eager['SGD step']['ours'] == 'sgd'
+    assert not eager['SGD step']['met']
+    assert set(eager) == {'SGD step', 'K-FAC stale step'}
+    text = step_time.goals_vs_peer_table([(32, goals)])
+    assert 'Goals against the peer' in text
+    assert text.count('NOT met') == 1 and text.count('met') == 3
+    # in the sweep's table, per batch
+    row = {'model': 'resnet50', 'batch': 64, 'workspace_bytes': 1 << 30,
+           'images_per_s': {'sgd': 1000.0}, 'goals_vs_peer': eager}
+    text = step_time.sweep_table({'sweep': [row], 'gpu': True,
+                                  'autotune': True, 'refresh_interval': 20})
+    assert 'Goals against the peer' in text and '|    64 | SGD step' in text

@@ -113,6 +113,11 @@ def test_table_beside_ours():
     assert 'kfac_inverse_stale_refresh' in text
     assert 'Ours beside the peer (resnet50 batch 32)' in text
     assert '0.5' in text          # ours / theirs for K-FAC every step
+    assert 'replayed' not in text     # those variants did not run
+    ours['median_s'].update(sgd_graph=0.019, kfac_stale_graph=0.03)
+    text = peer_pytorch.table(peer, ours)
+    assert 'SGD step, replayed' in text and '0.95' in text
+    assert 'K-FAC stale step, replayed' in text and '0.75' in text
 
 
 def test_step_time_peer_option(monkeypatch):
