@@ -22,6 +22,13 @@ of the float64 damped factors). Then the same product with:
   float16 result (:func:`chainerkfac.linalg.half_matmul`, the library's
   NumPy twin of the GPU's fp16 GEMM), rescaled.
 
+And, stage 5 in float32, with other factors: ``tf32 factors``, those of
+the same step built from TF32 products (``KFAC(factor_dtype='tf32')``,
+the GPU's Tensor Cores for the capture GEMMs, twinned on the CPU); and, to
+scale them, ``another batch``: the exact factors of another mini-batch of
+the same size on the same weights, the change that the factors' sampling
+makes anyway (the paper's eq. 21 between two batches).
+
 The error of a block is ``‖P − P₆₄‖_F / ‖P₆₄‖_F``; the report gives, per
 precision, its median, 90th percentile and largest over the blocks, the
 block of the largest with the condition numbers κ of its damped factors,
@@ -44,17 +51,13 @@ from chainerkfac import linalg
 from chainerkfac.fisher_blocks import kronecker
 
 PRECISIONS = ('fp32', 'tf32', 'fp16')
+#: The factors changed instead of stage 5's arithmetic (float32 inverses
+#: and GEMMs): built from TF32 products (``factor_dtype='tf32'``), and,
+#: for scale, the exact factors of another mini-batch of the same size
+#: (what the factors' own sampling changes).
+FACTOR_VARIANTS = ('tf32 factors', 'another batch')
 #: Bounds on κ_A κ_G for the "where conditioning allows" columns.
 KAPPA_BOUNDS = (1e2, 1e4, 1e6)
-
-
-def to_tf32(array):
-    """float32 values rounded to TF32's 10-bit mantissa (nearest, ties to
-    even), as float32."""
-    bits = numpy.ascontiguousarray(array, numpy.float32).view(numpy.uint32)
-    rounded = (bits + numpy.uint32(0xFFF) + ((bits >> 13) & 1)) & \
-        numpy.uint32(0xFFFFE000)
-    return rounded.view(numpy.float32)
 
 
 def _half_product(a, b):
@@ -70,7 +73,7 @@ def _half_product(a, b):
 def _products(g_inv, matrix, a_inv) -> Dict[str, numpy.ndarray]:
     g_inv, matrix, a_inv = (x.astype(numpy.float32) for x in
                             (g_inv, matrix, a_inv))
-    tf32 = to_tf32(to_tf32(g_inv).dot(to_tf32(matrix))).dot(to_tf32(a_inv))
+    tf32 = linalg.tf32_matmul(linalg.tf32_matmul(g_inv, matrix), a_inv)
     return {'fp32': g_inv.dot(matrix).dot(a_inv),
             'tf32': tf32,
             'fp16': _half_product(_half_product(g_inv, matrix), a_inv)}
@@ -81,9 +84,13 @@ def _kappa(matrix) -> float:
     return float(values[-1] / values[0]) if values[0] > 0 else math.inf
 
 
-def block_errors(optimizer) -> List[Dict]:
+def block_errors(optimizer, others: Dict = None) -> List[Dict]:
     """Per Kronecker block with full A and G: the condition numbers of
-    the damped factors and each precision's relative error."""
+    the damped factors and each precision's relative error; with
+    ``others`` (name -> an optimizer of the same model after its own step),
+    also the error of the float32 product that takes that optimizer's
+    factors instead (the same gradient, damping split alike)."""
+    others = others or {}
     out = []
     for block in optimizer.blocks:
         if not isinstance(block, kronecker.KroneckerBlock) or \
@@ -110,15 +117,39 @@ def block_errors(optimizer) -> List[Dict]:
                   for name, product in _products(
                       inverses[1].inverse, matrix,
                       inverses[0].inverse).items()}
+        for name, other in others.items():
+            product = _other_factors_product(other, block.name, damping,
+                                             matrix)
+            if product is not None:
+                errors[name] = float(
+                    numpy.linalg.norm(product - reference) / norm)
         out.append({'block': block.name, 'n_a': len(a), 'n_g': len(g),
                     'kappa_a': _kappa(a64), 'kappa_g': _kappa(g64),
                     'errors': errors})
     return out
 
 
+def _other_factors_product(optimizer, name: str, damping: float, matrix):
+    """``G⁻¹ ∇W A⁻¹`` in float32 from the factors of ``optimizer``'s block
+    ``name`` (damping split by their own traces), None where a damped
+    factor is not positive definite in float32."""
+    block = next(b for b in optimizer.blocks if b.name == name)
+    a, g = block.factors['A'], block.factors['G']
+    damping_a, damping_g = block.trace_split(a, g, damping)
+    inverses = linalg.damped_inverses(
+        [a.astype(numpy.float32), g.astype(numpy.float32)],
+        [damping_a, damping_g], max_tries=1)
+    if any(r.inverse is None for r in inverses):
+        return None
+    return _products(inverses[1].inverse, matrix,
+                     inverses[0].inverse)['fp32']
+
+
 def summarise(blocks: List[Dict]) -> Dict[str, Dict]:
     summary = {}
-    for name in PRECISIONS:
+    names = [n for n in PRECISIONS + FACTOR_VARIANTS
+             if all(n in b['errors'] for b in blocks)]
+    for name in names:
         errors = numpy.array([b['errors'][name] for b in blocks])
         worst = blocks[int(errors.argmax())]
         within = {}
@@ -189,7 +220,17 @@ def main(argv=None):
             step = KFACStep(build_model(spec['arch'], spec['kwargs']), 1,
                             False)
             step(x, t)
-            blocks = block_errors(step.optimizer)
+            # the same weights (build_model seeds them) and batch, TF32
+            # products; then the same weights on another batch
+            tf32 = KFACStep(build_model(spec['arch'], spec['kwargs']), 1,
+                            False, factor_dtype='tf32')
+            tf32(x, t)
+            other = KFACStep(build_model(spec['arch'], spec['kwargs']), 1,
+                             False)
+            other(*_batch(spec, numpy, seed=2))
+            blocks = block_errors(step.optimizer, {
+                'tf32 factors': tf32.optimizer,
+                'another batch': other.optimizer})
             data['results'][name] = {'batch': spec['batch'],
                                      'blocks': blocks,
                                      'summary': summarise(blocks)}

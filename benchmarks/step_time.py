@@ -24,6 +24,9 @@ same fixed batch:
 * ``kfac_diag_bn``: every step, diagonal BN Fisher (``bn_fisher='diag'``);
 * ``kfac_fp16``: every step, factors built from fp16 products
   (``factor_dtype='float16'``);
+* ``kfac_tf32``: every step, float32 factors built from TF32 products
+  (``factor_dtype='tf32'``: Tensor Cores on the GPU, for the capture's
+  GEMMs; the CPU rounds the operands, so it is no faster there);
 * ``kfac_newton_schulz``: every step, the factors up to n = 1024
   inverted by the batched Newton–Schulz iteration
   (``inverse_method='newton_schulz'``);
@@ -38,7 +41,7 @@ same fixed batch:
   as for ``sgd_graph``).
 
 The CPU runs ``sgd``, ``kfac_every`` and ``kfac_stale`` by default,
-``--gpu`` all eight (``--variants`` picks any subset that has ``sgd``).
+``--gpu`` all nine (``--variants`` picks any subset that has ``sgd``).
 
 **cuDNN on the GPU** is set as ``train_imagenet.py --gpu`` sets it
 (:func:`harness.tuning.cudnn_tuning`, whose start-up line the benchmark
@@ -162,6 +165,7 @@ KFAC_VARIANTS = {
     'kfac_stale': {},
     'kfac_diag_bn': {'bn_fisher': 'diag'},
     'kfac_fp16': {'factor_dtype': 'float16'},
+    'kfac_tf32': {'factor_dtype': 'tf32'},
     'kfac_newton_schulz': {'inverse_method': 'newton_schulz'},
 }
 #: The opt-in CUDA-graph variants (``--gpu``).
@@ -174,7 +178,7 @@ GPU_VARIANTS = VARIANTS
 #: Variants with refresh steps, kept apart as ``<variant>_refresh``.
 STALE_VARIANTS = ('kfac_stale', 'kfac_stale_graph')
 #: Every-step variants whose capture is timed by layer type.
-CAPTURE_VARIANTS = ('kfac_every', 'kfac_diag_bn', 'kfac_fp16')
+CAPTURE_VARIANTS = ('kfac_every', 'kfac_diag_bn', 'kfac_fp16', 'kfac_tf32')
 STAGES = ('forward_backward', 'factors', 'reduce_scatter', 'inverse',
           'precondition', 'all_gather', 'update')
 CAPTURE_TYPES = ('Linear A', 'Linear G', 'Conv A', 'Conv G', 'BN F')
@@ -475,8 +479,8 @@ def _kfac_variant(variants):
     return next((v for v in variants if v in KFAC_VARIANTS), None)
 
 
-def _batch(spec, xp):
-    rng = numpy.random.RandomState(1)
+def _batch(spec, xp, seed: int = 1):
+    rng = numpy.random.RandomState(seed)
     x = rng.standard_normal((spec['batch'], 3, spec['size'], spec['size'])
                             ).astype(numpy.float32)
     t = rng.randint(0, spec['kwargs']['n_class'], spec['batch']).astype(

@@ -11,6 +11,16 @@ def factor_dtype_for(array_dtype) -> numpy.dtype:
     return numpy.dtype(numpy.float32)
 
 
+#: ``factor_dtype`` for float32 factors from products on TF32 Tensor Cores
+#: (operands with a 10-bit mantissa, fp32 sums): not a NumPy dtype.
+TF32 = 'tf32'
+
+
+def is_tf32(factor_dtype) -> bool:
+    """Whether a ``factor_dtype`` option asks for TF32 products."""
+    return isinstance(factor_dtype, str) and factor_dtype.lower() == TF32
+
+
 def inverse_dtype(dtype) -> numpy.dtype:
     """The dtype an inverse is computed in: fp64 for fp64 factors, else fp32
     (never half precision)."""

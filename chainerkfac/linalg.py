@@ -1,8 +1,9 @@
 """Dense linear algebra of K-FAC, written once for NumPy and CuPy.
 
 * :func:`gram` builds a Kronecker factor ``scale · XᵀX`` from rows ``X``,
-  optionally with fp16 inputs and fp32 accumulation (Tensor Cores on GPU;
-  the NumPy twin rounds the same way so tests can compare the two). Its
+  optionally with fp16 inputs and fp32 accumulation, or TF32 products
+  (:func:`tf32_matmul`; Tensor Cores on GPU, where the NumPy twins round
+  the same way so tests can compare the two). Its
   fp16 pieces (:func:`half_normaliser`, :func:`write_scaled`,
   :func:`half_matmul`, :func:`restore_half`) and :func:`append_ones_row`
   also serve the convolution factors of
@@ -36,7 +37,7 @@ INVERSE_METHODS = ('cholesky', 'newton_schulz')
 
 
 def gram(rows, scale: float, factor_dtype=numpy.float32,
-         append_ones: bool = False):
+         append_ones: bool = False, tf32: bool = False):
     """Return ``scale · rowsᵀ rows`` as a symmetric matrix.
 
     With ``append_ones`` the rows are taken as augmented by a constant 1
@@ -55,21 +56,31 @@ def gram(rows, scale: float, factor_dtype=numpy.float32,
         (restored afterwards in fp32) so that the product cannot overflow
         (:func:`half_normaliser`). Anything else computes in the storage
         dtype (fp32, or fp64 for fp64 inputs).
+    tf32 : bool
+        fp32 products from TF32 operands (:func:`tf32_matmul`); fp64 inputs
+        keep fp64 products. The bias's row and column (``append_ones``)
+        are sums of the rows as they are.
 
     Returns
     -------
     array of shape (D, D), fp32 (fp64 for fp64 inputs).
     """
-    core = _gram(rows, scale, numpy.dtype(factor_dtype))
+    core = _gram(rows, scale, numpy.dtype(factor_dtype), tf32)
     if not append_ones:
         return core
     return append_ones_row(core, rows.sum(axis=0, dtype=core.dtype),
                            rows.shape[0], scale)
 
 
-def _gram(rows, scale, factor_dtype):
+def _gram(rows, scale, factor_dtype, tf32=False):
     xp = get_array_module(rows)
     out_dtype = factor_dtype_for(rows.dtype)
+    if tf32 and out_dtype == numpy.float32 and factor_dtype != numpy.float16:
+        rows = rows.astype(out_dtype, copy=False)
+        if xp is numpy:
+            rows = round_to_tf32(rows)    # then syrk, as below
+        else:
+            return tf32_matmul(rows.T, rows) * out_dtype.type(scale)
     if factor_dtype == numpy.float16:
         normaliser = half_normaliser(rows, scale)
         half = xp.empty(rows.shape, dtype=numpy.float16)
@@ -159,6 +170,30 @@ def half_matmul(a, b):
         return xp.matmul(a, b)
     return numpy.matmul(a.astype(numpy.float32),
                         b.astype(numpy.float32)).astype(numpy.float16)
+
+
+def round_to_tf32(array):
+    """float32 values rounded to TF32's 10-bit mantissa (to nearest, ties
+    to even), as float32; NumPy or CuPy. Rounding twice changes nothing."""
+    xp = get_array_module(array)
+    bits = xp.ascontiguousarray(array, numpy.float32).view(numpy.uint32)
+    rounded = (bits + numpy.uint32(0xFFF) + ((bits >> 13) & 1)) & \
+        numpy.uint32(0xFFFFE000)
+    return rounded.view(numpy.float32)
+
+
+def tf32_matmul(a, b):
+    """``a @ b`` of float32 matrices (or equal stacks of them) on TF32
+    Tensor Cores: the operands taken to TF32's 10-bit mantissa, the
+    products summed in fp32. On CuPy our cuBLAS handle in TF32 math
+    (:func:`chainerkfac.graphs.gemm.tf32_matmul`); on NumPy its twin, which
+    rounds the operands (:func:`round_to_tf32`) and multiplies them in
+    fp32, so that tests on the CPU see the GPU's operands."""
+    xp = get_array_module(a)
+    if xp is numpy:
+        return numpy.matmul(round_to_tf32(a), round_to_tf32(b))
+    from chainerkfac.graphs import gemm
+    return gemm.tf32_matmul(xp, a, b)
 
 
 def matmul(a, b):

@@ -32,6 +32,7 @@ import numpy
 
 from chainer.backend import get_array_module
 
+from chainerkfac import dtypes
 from chainerkfac import linalg
 from chainerkfac import low_rank
 from chainerkfac import packing
@@ -105,8 +106,10 @@ class BlockOptions:
 
     Parameters
     ----------
-    factor_dtype : dtype-like
-        ``float16`` builds factors from half-precision products.
+    factor_dtype : dtype-like or 'tf32'
+        ``float16`` builds factors from half-precision products; ``'tf32'``
+        keeps float32 factors whose products take their operands in TF32
+        (:attr:`factor_tf32`).
     bn_fisher : {'full', 'diag'}
         Fisher of BatchNormalization's (γ, β): full or diagonal.
     max_factor_dim : int or None
@@ -127,7 +130,10 @@ class BlockOptions:
                  max_factor_dim: Optional[int] = None,
                  conv_a_strategy: Optional[str] = None,
                  low_rank: bool = False):
-        self.factor_dtype = numpy.dtype(factor_dtype)
+        #: Float32 products from TF32 operands (Tensor Cores on the GPU).
+        self.factor_tf32 = dtypes.is_tf32(factor_dtype)
+        self.factor_dtype = numpy.dtype(
+            numpy.float32 if self.factor_tf32 else factor_dtype)
         self.bn_fisher = bn_fisher
         self.max_factor_dim = max_factor_dim
         self.conv_a_strategy = conv_a_strategy
@@ -178,6 +184,7 @@ class FisherBlock:
         self.name = name
         self.link = link
         self.factor_dtype = options.factor_dtype
+        self.factor_tf32 = options.factor_tf32
         # This step's capture: sums over the closed micro-batches, and the
         # open micro-batch's sums and calls.
         self._step_sums: Dict[str, object] = {}

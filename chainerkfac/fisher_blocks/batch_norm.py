@@ -110,7 +110,8 @@ class BatchNormalizationBlock(FisherBlock):
         if self._columns_fit('F', n):
             value = low_rank.columns_of(rows.T, float(n))
         elif self.mode == 'full':
-            value = linalg.gram(rows, float(n), self.factor_dtype)
+            value = linalg.gram(rows, float(n), self.factor_dtype,
+                                tf32=self.factor_tf32)
         else:
             value = (rows ** 2).sum(axis=0) * dtype.type(n)
         self._accumulate('F', value)

@@ -194,7 +194,8 @@ class LinearBlock(KroneckerBlock):
                                          append_ones=self.has_bias)
         else:
             value = linalg.gram(rows, 1.0 / x.shape[0], self.factor_dtype,
-                                append_ones=self.has_bias)
+                                append_ones=self.has_bias,
+                                tf32=self.factor_tf32)
         self._accumulate('A', value)
 
     def capture_gradients(self, function, in_data, out_grad):
@@ -207,7 +208,8 @@ class LinearBlock(KroneckerBlock):
         if 'G' in self.diagonal:
             value = linalg.diagonal_gram(gy, float(gy.shape[0]))
         else:
-            value = linalg.gram(gy, float(gy.shape[0]), self.factor_dtype)
+            value = linalg.gram(gy, float(gy.shape[0]), self.factor_dtype,
+                                tf32=self.factor_tf32)
         self._accumulate('G', value)
 
 
@@ -253,7 +255,8 @@ class Convolution2DBlock(KroneckerBlock):
                 strategy = None           # it does not apply to this call
             value = patches.patch_gram(
                 x, geometry, 1.0 / x.shape[0], self.factor_dtype,
-                append_ones=self.has_bias, strategy=strategy)
+                append_ones=self.has_bias, strategy=strategy,
+                tf32=self.factor_tf32)
         self._accumulate('A', value)
 
     def capture_gradients(self, function, in_data, out_grad):
@@ -271,7 +274,8 @@ class Convolution2DBlock(KroneckerBlock):
             value = patches.channel_square_sums(gy, float(n) / locations)
         else:
             value = patches.channel_gram(gy, float(n) / locations,
-                                         self.factor_dtype)
+                                         self.factor_dtype,
+                                         tf32=self.factor_tf32)
         self._accumulate('G', value)
 
 

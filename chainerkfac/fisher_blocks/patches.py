@@ -32,6 +32,14 @@ With ``factor_dtype='float16'`` the operands are written in half precision,
 scaled by ``√scale / max|x|`` in the same copy that lays them out, the
 products accumulate in fp32 (:func:`chainerkfac.linalg.half_matmul`, Tensor
 Cores on GPU) and round to fp16, and the assembly runs in fp32.
+
+With ``tf32`` (``factor_dtype='tf32'``), float32 products take their
+operands to TF32's 10-bit mantissa: the unfolded product on the GPU runs
+on TF32 Tensor Cores (:func:`chainerkfac.linalg.tf32_matmul`); on NumPy,
+and for the shifted product anywhere, the input is rounded
+(:func:`chainerkfac.linalg.round_to_tf32`) and multiplied exactly: the
+same operands, so the CPU is the GPU's twin. The bias's sums
+(``append_ones``) are of the input as it is.
 """
 import functools
 from typing import Dict, NamedTuple, Tuple
@@ -96,7 +104,7 @@ POINTWISE = ConvGeometry(1, 1)
 
 def patch_gram(x, geometry: ConvGeometry, scale: float,
                factor_dtype=numpy.float32, append_ones: bool = False,
-               strategy: str = None):
+               strategy: str = None, tf32: bool = False):
     """``scale · Σ_n Σ_locations p pᵀ`` over the patches ``p`` of ``x``.
 
     Parameters
@@ -117,6 +125,9 @@ def patch_gram(x, geometry: ConvGeometry, scale: float,
         Force a way of forming the product (tests); by default the cheaper
         one by :func:`strategy_costs` on the CPU, and unfolded on the GPU
         (measured faster there).
+    tf32 : bool
+        Products of TF32 operands (module docstring); float32 inputs only
+        (float64 keeps float64 products), not with ``float16``.
 
     Returns
     -------
@@ -134,8 +145,13 @@ def patch_gram(x, geometry: ConvGeometry, scale: float,
     elif strategy not in costs:
         raise ValueError('strategy {!r} does not apply to {} (possible: {})'
                          .format(strategy, geometry, ', '.join(costs)))
-    gram = (_shifted_gram if strategy == 'shifted' else _unfolded_gram)(
-        x, geometry, scale, numpy.dtype(factor_dtype))
+    factor_dtype = numpy.dtype(factor_dtype)
+    tf32 = _tf32(tf32, x, factor_dtype)
+    if strategy == 'shifted':
+        gram = _shifted_gram(linalg.round_to_tf32(x) if tf32 else x,
+                             geometry, scale, factor_dtype)
+    else:
+        gram = _unfolded_gram(x, geometry, scale, factor_dtype, tf32)
     if not append_ones:
         return gram
     oh, ow = geometry.out_size(*x.shape[2:])
@@ -143,10 +159,21 @@ def patch_gram(x, geometry: ConvGeometry, scale: float,
                                   x.shape[0] * oh * ow, scale)
 
 
-def channel_gram(y, scale: float, factor_dtype=numpy.float32):
+def channel_gram(y, scale: float, factor_dtype=numpy.float32,
+                 tf32: bool = False):
     """``scale · Σ_n Σ_locations y yᵀ`` over the channel vectors of ``y``
-    (N, C, H, W): a convolution's G from its output gradient."""
-    return _unfolded_gram(y, POINTWISE, scale, numpy.dtype(factor_dtype))
+    (N, C, H, W): a convolution's G from its output gradient (``tf32`` as
+    :func:`patch_gram`'s)."""
+    factor_dtype = numpy.dtype(factor_dtype)
+    return _unfolded_gram(y, POINTWISE, scale, factor_dtype,
+                          _tf32(tf32, y, factor_dtype))
+
+
+def _tf32(asked: bool, x, factor_dtype) -> bool:
+    """Whether the products go in TF32: asked, of float32 data, and not
+    in half precision."""
+    return bool(asked) and x.dtype == numpy.float32 and \
+        factor_dtype != numpy.float16
 
 
 def patch_square_sums(x, geometry: ConvGeometry, scale: float,
@@ -241,7 +268,7 @@ def unfolded(x, geometry: ConvGeometry, dtype=None, normaliser=None):
     return columns.reshape(c * g.kh * g.kw, n * oh * ow)
 
 
-def _unfolded_gram(x, geometry, scale, factor_dtype):
+def _unfolded_gram(x, geometry, scale, factor_dtype, tf32=False):
     xp = get_array_module(x)
     out_dtype = linalg.factor_dtype_for(x.dtype)
     half = factor_dtype == numpy.float16
@@ -249,19 +276,25 @@ def _unfolded_gram(x, geometry, scale, factor_dtype):
     matrix = unfolded(x, geometry, numpy.float16 if half else out_dtype,
                       normaliser)
     if xp is numpy and not half:
+        if tf32:
+            matrix = linalg.round_to_tf32(matrix)   # the GPU's operands
         # Operands that are one array and its transpose: syrk.
         return matrix.dot(matrix.T) * out_dtype.type(scale)
-    product = column_gram(matrix, half, out_dtype)
+    product = column_gram(matrix, half, out_dtype, tf32=tf32)
     if half:
         return linalg.restore_half(product, out_dtype, normaliser)
     return product * out_dtype.type(scale)
 
 
-def column_gram(matrix, half: bool, out_dtype, pieces: int = None):
+def column_gram(matrix, half: bool, out_dtype, pieces: int = None,
+                tf32: bool = False):
     """``matrix · matrixᵀ`` of a (D, K) matrix with a long K, as the sum of
     ``pieces`` products over equal pieces of K (split-K: a D×D product
     alone keeps few GPU multiprocessors busy when D is small), in
-    ``out_dtype``; fp16 operands (``half``) by :func:`linalg.half_matmul`.
+    ``out_dtype``; fp16 operands (``half``) by :func:`linalg.half_matmul`,
+    float32 ones in TF32 (``tf32``) by :func:`linalg.tf32_matmul`, from
+    one C-contiguous copy of the pieces (the product's second operand is
+    its transpose, which cuBLAS takes with a flag).
 
     ``pieces`` defaults to about one per :data:`SPLIT_K_CHUNK` terms, as
     many as fit :data:`SPLIT_K_MEMORY` elements of partial products.
@@ -272,6 +305,10 @@ def column_gram(matrix, half: bool, out_dtype, pieces: int = None):
         while pieces > 1 and pieces * d * d > SPLIT_K_MEMORY:
             pieces = _pieces(k, k // (pieces - 1))
     batch = matrix.reshape(d, pieces, -1).transpose(1, 0, 2)
+    if tf32:
+        batch = get_array_module(batch).ascontiguousarray(batch)
+        return linalg.tf32_matmul(batch, batch.transpose(0, 2, 1)).sum(
+            axis=0, dtype=out_dtype)
     return _matmul(batch, batch.transpose(0, 2, 1), half).sum(
         axis=0, dtype=out_dtype)
 

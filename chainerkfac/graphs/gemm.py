@@ -8,7 +8,10 @@ its own for each stream (:data:`WORKSPACE_BYTES`; cuBLAS then allocates
 nothing while a stream is captured). :meth:`Gemm.matmul` computes
 ``op(a) @ op(b)`` for C-contiguous float32 / float64 matrices (2-D) or
 equal-length stacks of them (3-D, strided batched), in exact IEEE
-arithmetic (``CUBLAS_PEDANTIC_MATH``: no TF32, as CuPy's default).
+arithmetic (``CUBLAS_PEDANTIC_MATH``: no TF32, as CuPy's default), or,
+asked for float32 (``tf32=True``), on TF32 Tensor Cores (a second handle,
+in ``CUBLAS_TF32_TENSOR_OP_MATH``): K-FAC's factor products with
+``factor_dtype='tf32'`` (:func:`tf32_matmul`).
 
 cuBLAS is column-major: a C-contiguous ``r x c`` matrix is the
 column-major ``c x r`` matrix with leading dimension ``c``, its transpose.
@@ -93,19 +96,19 @@ class Gemm:
         # every thread's [handle, stream] (release_stream resets them)
         self._entries = []
 
-    def handle(self) -> int:
-        """This thread's handle on the current device, on the current
-        stream, with its workspace for that stream."""
+    def handle(self, math: int = cublas.CUBLAS_PEDANTIC_MATH) -> int:
+        """This thread's handle on the current device in the math mode
+        ``math`` (exact by default), on the current stream, with its
+        workspace for that stream."""
         mine = getattr(self._local, 'handles', None)
         if mine is None:
             mine = self._local.handles = {}
         device = self.arrays.device_id()
-        entry = mine.get(device)
+        entry = mine.get((device, math))
         if entry is None:
             handle = self.lib.create()
-            self.lib.call('cublasSetMathMode', handle,
-                          cublas.CUBLAS_PEDANTIC_MATH)
-            entry = mine[device] = [handle, None]
+            self.lib.call('cublasSetMathMode', handle, math)
+            entry = mine[(device, math)] = [handle, None]
             with self._lock:
                 self._handles.append(handle)
                 self._entries.append(entry)
@@ -136,9 +139,10 @@ class Gemm:
                     a.flags.c_contiguous for a in arrays))
 
     def matmul(self, a, b, transa: bool = False, transb: bool = False,
-               out=None):
+               out=None, tf32: bool = False):
         """``op(a) @ op(b)`` (``op`` transposes the last two axes when
-        asked) into ``out`` or a new array; see :meth:`serves`."""
+        asked) into ``out`` or a new array; see :meth:`serves`. ``tf32``:
+        float32 operands on TF32 Tensor Cores (float64 stays exact)."""
         if not self.serves(a, b):
             raise TypeError('Gemm.matmul takes C-contiguous float32 or '
                             'float64 device arrays of one dtype, both 2-D '
@@ -164,7 +168,9 @@ class Gemm:
         p = self.arrays.pointer
         ops = (cublas.CUBLAS_OP_T if transb else cublas.CUBLAS_OP_N,
                cublas.CUBLAS_OP_T if transa else cublas.CUBLAS_OP_N)
-        handle = self.handle()
+        handle = self.handle(
+            cublas.CUBLAS_TF32_TENSOR_OP_MATH if tf32 and a.dtype.char == 'f'
+            else cublas.CUBLAS_PEDANTIC_MATH)
         if batch is None:
             self.lib.call(single, handle, *ops, n, m, k, one, p(b), cols_b,
                           p(a), cols_a, zero, p(out), n)
@@ -315,6 +321,16 @@ def _routed(gemm: Gemm, cupy, a, b):
     if not gemm.serves(a, b):
         return None
     return gemm.matmul(a, b, transa=transa, transb=transb)
+
+
+def tf32_matmul(cupy, a, b, gemm: Optional[Gemm] = None):
+    """``a @ b`` of float32 device matrices (or equal stacks) on TF32
+    Tensor Cores by ``gemm`` (default :func:`default`): a transposed
+    operand goes with cuBLAS's flag, any other strided one is copied
+    C-contiguous first (:func:`route_matmul`'s rule)."""
+    gemm = gemm or default()
+    (a, transa), (b, transb) = _as_operand(cupy, a), _as_operand(cupy, b)
+    return gemm.matmul(a, b, transa=transa, transb=transb, tf32=True)
 
 
 @contextlib.contextmanager

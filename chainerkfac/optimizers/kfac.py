@@ -31,6 +31,7 @@ from chainer import optimizer
 
 from chainerkfac import _logging
 from chainerkfac.accumulation import GradientAccumulator
+from chainerkfac import dtypes
 from chainerkfac import equations
 from chainerkfac import fisher_blocks
 from chainerkfac import linalg
@@ -158,9 +159,13 @@ class KFAC(optimizer.GradientMethod):
         (eq. 23) epochs, which saves nothing in the runs of a few epochs
         that stock scripts make. 1: every step (the paper's configs
         before their stale epochs).
-    factor_dtype : {'float32', 'float16'}
+    factor_dtype : {'float32', 'float16', 'tf32'}
         fp16 builds the factors from half-precision GEMMs with fp32
-        accumulation; inverses are always fp32 (fp64 for fp64 models).
+        accumulation; ``'tf32'`` keeps float32 factors whose products run
+        on TF32 Tensor Cores on the GPU (operands rounded to a 10-bit
+        mantissa, fp32 sums; the CPU rounds the same operands, exactly
+        multiplied); inverses are always fp32 (fp64 for fp64 models, whose
+        products stay fp64).
     factor_decay : float
         Exponential average of refreshed factors (0: the current estimate,
         as in the paper).
@@ -315,7 +320,8 @@ class KFAC(optimizer.GradientMethod):
             'A': equations.resolve_interval(refresh_interval_a),
             'G': equations.resolve_interval(refresh_interval_g),
             'F': equations.resolve_interval(refresh_interval_f)}
-        self.factor_dtype = numpy.dtype(factor_dtype)
+        self.factor_dtype = (dtypes.TF32 if dtypes.is_tf32(factor_dtype)
+                             else numpy.dtype(factor_dtype))
         self.factor_decay = float(factor_decay)
         self.weight_rescale = weight_rescale
         self.skip_layers = skip_layers

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy
 
+from chainerkfac import dtypes
 from chainerkfac import equations
 from chainerkfac.fisher_blocks.batch_norm import BN_FISHER_MODES  # NOQA
 from chainerkfac.linalg import INVERSE_METHODS  # NOQA
@@ -19,7 +20,7 @@ from chainerkfac.linalg import INVERSE_METHODS  # NOQA
 #: root (KFLR's output factor).
 FISHER_TYPES = ('emp', 'mc', 'exact')
 #: ``factor_dtype``: precision of the factors' products.
-FACTOR_DTYPES = ('float32', 'float16')
+FACTOR_DTYPES = ('float32', 'float16', 'tf32')
 #: ``loss_reduction``: how the loss reduces over the mini-batch.
 LOSS_REDUCTIONS = ('mean', 'sum')
 #: ``conv_a_strategy``: how a convolution forms A (None: the cheaper).
@@ -97,7 +98,8 @@ _RULES = {
                            'must be a refresh interval: a positive int, a '
                            'preset name {} or a callable'.format(sorted(
                                equations.REFRESH_PRESETS))),
-    'factor_dtype': (lambda v: _dtype_name(v) in FACTOR_DTYPES,
+    'factor_dtype': (lambda v: dtypes.is_tf32(v) or
+                     _dtype_name(v) in FACTOR_DTYPES,
                      'must be one of {}'.format(FACTOR_DTYPES)),
     'factor_decay': (lambda v: _is_number(v) and 0 <= v < 1,
                      'must lie in [0, 1)'),

@@ -78,10 +78,10 @@ def conv_a(strategy, monkeypatch, dtype, factor_dtype='float32'):
     original = patches.patch_gram
 
     def forced(x, geometry, scale, factor_dtype=numpy.float32,
-               append_ones=False, strategy=None):
+               append_ones=False, strategy=None, tf32=False):
         chosen.append(forced.strategy)
         return original(x, geometry, scale, factor_dtype, append_ones,
-                        forced.strategy)
+                        forced.strategy, tf32)
     forced.strategy = strategy
     monkeypatch.setattr(patches, 'patch_gram', forced)
     with chainer.using_config('dtype', dtype):

@@ -7,6 +7,7 @@ import ctypes
 
 import numpy
 
+from chainerkfac import linalg
 from chainerkfac.graphs import cublas
 
 
@@ -28,6 +29,7 @@ class FakeCublas:
         self.calls = []
         self.live = set()
         self._next = 0x100
+        self.math = {}      # handle -> cublasMath_t (TF32: rounded operands)
 
     def library(self):
         functions = {name: self._function(name)
@@ -57,6 +59,8 @@ class FakeCublas:
             self.live.add(self._next)
         elif name == 'cublasDestroy_v2':
             self.live.remove(args[0])
+        elif name == 'cublasSetMathMode':
+            self.math[args[0]] = args[1]
         elif 'gemm' in name:
             self._gemm(name, args)
         return 0
@@ -65,7 +69,9 @@ class FakeCublas:
         dtype = numpy.dtype('f' if name.startswith('cublasS') else 'd')
         ctype = ctypes.c_float if dtype.char == 'f' else ctypes.c_double
         strided = name.endswith('StridedBatched')
-        _, ta, tb, m, n, k, alpha = args[:7]
+        handle, ta, tb, m, n, k, alpha = args[:7]
+        tf32 = (dtype.char == 'f' and self.math.get(handle) ==
+                cublas.CUBLAS_TF32_TENSOR_OP_MATH)
         rest = list(args[7:])
         if strided:
             a, lda, sa, b, ldb, sb, beta, c, ldc, sc, count = rest
@@ -83,6 +89,8 @@ class FakeCublas:
             C = _col_major(c, m, n, ldc, dtype, i * sc)
             opa = A.T if ta else A
             opb = B.T if tb else B
+            if tf32:    # Tensor Cores: operands with a 10-bit mantissa
+                opa, opb = linalg.round_to_tf32(opa), linalg.round_to_tf32(opb)
             C[...] = alpha * opa.dot(opb) + (beta * C if beta else 0)
 
 

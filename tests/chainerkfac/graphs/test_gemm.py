@@ -10,6 +10,7 @@ import pytest
 import chainer
 import chainer.functions as F
 
+from chainerkfac import linalg
 from chainerkfac.graphs import cublas
 from chainerkfac.graphs import gemm as gemm_module
 from tests.chainerkfac.graphs.cublas_fake import FakeCublas, NumpyArrays
@@ -181,3 +182,45 @@ def test_matmul_routed_for_transposed_and_strided_operands(gemm):
         with pytest.raises(_CupyOwnMatmul):
             cupy.matmul(u.astype(numpy.float16).T, m.astype(numpy.float16))
     assert cupy.matmul is own
+
+
+@pytest.mark.parametrize('batch', [None, 3])
+def test_tf32_on_a_handle_of_its_own(gemm, batch):
+    """``tf32=True`` takes float32 products to a second handle in TF32 math
+    (the stand-in rounds that handle's operands as the Tensor Cores do),
+    leaving the exact handle as it was; float64 stays exact; the routed
+    TF32 product takes a transposed operand with cuBLAS's flag, no
+    copy."""
+    rng = numpy.random.RandomState(1)
+    lead = () if batch is None else (batch,)
+    a = rng.randn(*(lead + (6, 40))).astype(numpy.float32)
+    b = rng.randn(*(lead + (40, 5))).astype(numpy.float32)
+    exact = gemm.matmul(a, b)
+    got = gemm.matmul(a, b, tf32=True)
+    oracle = numpy.matmul(linalg.round_to_tf32(a).astype(numpy.float64),
+                          linalg.round_to_tf32(b).astype(numpy.float64))
+    assert _relative(got, oracle) < 1e-6
+    # TF32's rounding is ~1e-3 of each operand: far above float32's
+    assert _relative(got, exact) > 1e-5
+    fake = gemm.fake
+    modes = [m[1] for m in fake.named('cublasSetMathMode')]
+    assert modes == [cublas.CUBLAS_PEDANTIC_MATH,
+                     cublas.CUBLAS_TF32_TENSOR_OP_MATH]
+    handles = [c[0] for c in fake.calls if 'gemm' in c[0]]
+    assert len(handles) == 2
+    first, second = (args[0] for name, args in fake.calls if 'gemm' in name)
+    assert first != second
+    # float64 asked for TF32 keeps the exact handle
+    gemm.matmul(a.astype(numpy.float64), b.astype(numpy.float64), tf32=True)
+    *_, last = (args[0] for name, args in fake.calls if 'gemm' in name)
+    assert last == first
+    # the K-FAC entry point: b given as a transposed view, no copy made
+    bt = numpy.ascontiguousarray(numpy.swapaxes(b, -1, -2))
+    routed = gemm_module.tf32_matmul(numpy, a, numpy.swapaxes(bt, -1, -2),
+                                     gemm)
+    numpy.testing.assert_array_equal(routed, got)
+    *_, call = (args for name, args in fake.calls if 'gemm' in name)
+    assert call[1] == cublas.CUBLAS_OP_T           # b's flag (swapped)
+    # and linalg's NumPy twin gives the same operands' products
+    twin = linalg.tf32_matmul(a, b)
+    assert _relative(twin, oracle) < 1e-6

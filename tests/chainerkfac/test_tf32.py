@@ -1,0 +1,260 @@
+"""``factor_dtype='tf32'``: float32 factors whose products take their
+operands with TF32's 10-bit mantissa (Tensor Cores on the GPU).
+
+On the CPU the twins round the operands (``linalg.round_to_tf32``) and
+multiply them exactly; they are checked against float64 products of the
+rounded operands (the only error left is float32 summation), and against
+the exact float32 factors (they differ, by about TF32's rounding). On the
+GPU (marked ``gpu``) the Tensor Core products against the twins, within a
+bound from the arithmetic."""
+import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+from chainerkfac import linalg
+from chainerkfac.fisher_blocks import patches
+from chainerkfac.fisher_blocks.patches import ConvGeometry
+from chainerkfac.optimizers import options
+from tests.chainerkfac import helpers
+from tests.chainerkfac.fisher_blocks.test_patches import (
+    CASES, loop_gram, loop_patches, strategies)
+from tests.gpu import support
+
+#: TF32's unit roundoff: 10 mantissa bits kept, to nearest.
+U_TF32 = 2.0 ** -11
+
+
+def test_round_to_tf32_nearest_ties_to_even_and_idempotent():
+    # 1 + 2^-10 is a TF32 number; 1 + 2^-11 ties to even (1); 1 + 3·2^-11
+    # ties to even upwards (1 + 2^-9)
+    values = numpy.array([1 + 2 ** -10, 1 + 2 ** -11, 1 + 3 * 2 ** -11,
+                          -2.5, 0.0, -0.0], numpy.float32)
+    rounded = linalg.round_to_tf32(values)
+    numpy.testing.assert_array_equal(
+        rounded, numpy.array([1 + 2 ** -10, 1.0, 1 + 2 ** -9, -2.5, 0.0,
+                              -0.0], numpy.float32))
+    x = numpy.random.RandomState(0).randn(1000).astype(numpy.float32)
+    once = linalg.round_to_tf32(x)
+    numpy.testing.assert_array_equal(linalg.round_to_tf32(once), once)
+    assert numpy.abs(once - x).max() <= U_TF32 * numpy.abs(x).max()
+    assert numpy.abs(once / x - 1).max() <= U_TF32
+    assert numpy.count_nonzero(once != x) > 900
+    assert numpy.isinf(linalg.round_to_tf32(
+        numpy.array([numpy.inf], numpy.float32)))[0]
+
+
+def test_tf32_matmul_twin_multiplies_the_rounded_operands():
+    rng = numpy.random.RandomState(1)
+    a = rng.randn(3, 5, 64).astype(numpy.float32)
+    b = rng.randn(3, 64, 4).astype(numpy.float32)
+    got = linalg.tf32_matmul(a, b)
+    assert got.dtype == numpy.float32
+    rounded = numpy.matmul(linalg.round_to_tf32(a).astype(numpy.float64),
+                           linalg.round_to_tf32(b).astype(numpy.float64))
+    bound = numpy.matmul(numpy.abs(a), numpy.abs(b))
+    # float32 sums of 64 terms
+    assert (numpy.abs(got - rounded) <= 64 * 2.0 ** -24 * bound).all()
+    exact = numpy.matmul(a.astype(numpy.float64), b.astype(numpy.float64))
+    assert (numpy.abs(got - exact) <= (2 * U_TF32 + 64 * 2.0 ** -24) *
+            bound).all()
+    assert numpy.abs(got - exact).max() > 1e-5 * bound.max()
+
+
+@pytest.mark.parametrize('bias', [False, True])
+def test_gram_in_tf32(bias):
+    """Linear's A (and G, BN's F): the core from the rounded rows, the
+    bias's row and column from the rows as they are."""
+    rows = numpy.random.RandomState(2).randn(40, 7).astype(numpy.float32)
+    got = linalg.gram(rows, 0.25, append_ones=bias, tf32=True)
+    assert got.dtype == numpy.float32
+    r = linalg.round_to_tf32(rows).astype(numpy.float64)
+    core = r.T.dot(r) * 0.25
+    numpy.testing.assert_allclose(got[:7, :7], core, rtol=1e-5, atol=1e-5)
+    exact = linalg.gram(rows.astype(numpy.float64), 0.25, append_ones=bias)
+    assert numpy.abs(got[:7, :7] - exact[:7, :7]).max() > 1e-6
+    if bias:
+        # float32 sums of 40 rows as they are (the rounded rows' sums are
+        # ~1e-3 off, far outside this bound)
+        bound = 40 * 2.0 ** -24 * 0.25 * numpy.abs(rows).sum(axis=0)
+        assert (numpy.abs(got[7, :7] - exact[7, :7]) <= bound).all()
+        r_sums = r.sum(axis=0) * 0.25
+        assert (numpy.abs(r_sums - exact[7, :7]) > bound).any()
+        assert got[7, 7] == exact[7, 7]
+    numpy.testing.assert_array_equal(got, got.T)
+    # float64 rows keep float64 products; float16 keeps its own path
+    numpy.testing.assert_array_equal(
+        linalg.gram(rows.astype(numpy.float64), 0.25, tf32=True),
+        linalg.gram(rows.astype(numpy.float64), 0.25))
+    numpy.testing.assert_array_equal(
+        linalg.gram(rows, 0.25, numpy.float16, tf32=True),
+        linalg.gram(rows, 0.25, numpy.float16))
+
+
+@pytest.mark.parametrize('bias', [False, True])
+@pytest.mark.parametrize('size,geometry', [CASES[0], CASES[2], CASES[9],
+                                           CASES[10], CASES[13]])
+def test_patch_gram_in_tf32_both_strategies(size, geometry, bias):
+    """Convolution's A either way: the patches of the rounded input, the
+    bias's sums of the input as it is; exact float32 factors differ."""
+    x = numpy.random.RandomState(3).randn(6, 3, *size).astype(numpy.float32)
+    rounded = linalg.round_to_tf32(x).astype(numpy.float64)
+    expected = loop_gram(rounded, geometry, 1.0 / 6, bias)
+    if bias:
+        plain = loop_gram(x.astype(numpy.float64), geometry, 1.0 / 6, True)
+        expected[-1], expected[:, -1] = plain[-1], plain[:, -1]
+    magnitude = loop_gram(numpy.abs(x).astype(numpy.float64), geometry,
+                          1.0 / 6, bias)
+    terms = loop_patches(x, geometry).shape[0] * \
+        loop_patches(x, geometry).shape[1]
+    for strategy in strategies(x.shape, geometry):
+        got = patches.patch_gram(x, geometry, 1.0 / 6, append_ones=bias,
+                                 strategy=strategy, tf32=True)
+        assert got.dtype == numpy.float32
+        # float32 sums of the rounded products
+        assert (numpy.abs(got - expected) <=
+                2 * terms * 2.0 ** -24 * magnitude + 1e-30).all(), strategy
+        numpy.testing.assert_array_equal(got, got.T)
+        exact = patches.patch_gram(x, geometry, 1.0 / 6, append_ones=bias,
+                                   strategy=strategy)
+        assert numpy.abs(got - exact).max() > 1e-6 * magnitude.max()
+    # float64 inputs keep float64 products
+    x64 = x.astype(numpy.float64)
+    numpy.testing.assert_array_equal(
+        patches.patch_gram(x64, geometry, 0.5, tf32=True,
+                           strategy='unfolded'),
+        patches.patch_gram(x64, geometry, 0.5, strategy='unfolded'))
+
+
+def test_channel_gram_and_split_k_in_tf32():
+    y = numpy.random.RandomState(4).randn(4, 5, 6, 3).astype(numpy.float32)
+    rows = linalg.round_to_tf32(y).astype(numpy.float64).transpose(
+        0, 2, 3, 1).reshape(-1, 5)
+    numpy.testing.assert_allclose(
+        patches.channel_gram(y, 0.5, tf32=True), rows.T.dot(rows) * 0.5,
+        rtol=1e-5)
+    # the GPU's split-K product, on NumPy through the twin
+    matrix = numpy.random.RandomState(5).randn(6, 96).astype(numpy.float32)
+    r = linalg.round_to_tf32(matrix).astype(numpy.float64)
+    for pieces in (1, 3, None):
+        got = patches.column_gram(matrix, False, numpy.dtype(numpy.float32),
+                                  pieces, tf32=True)
+        numpy.testing.assert_allclose(got, r.dot(r.T), rtol=1e-5, atol=1e-5)
+
+
+class SmallNet(chainer.Chain):
+    """conv → BN → relu → conv → relu → linear, float32."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.c1 = L.Convolution2D(3, 8, 3, pad=1)
+            self.bn = L.BatchNormalization(8)
+            self.c2 = L.Convolution2D(8, 8, 3, stride=2, pad=1, nobias=True)
+            self.fc = L.Linear(8 * 4 * 4, 5)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.c1(x)))
+        return self.fc(F.relu(self.c2(h)))
+
+
+def _factors_after_one_step(factor_dtype):
+    numpy.random.seed(0)
+    model = SmallNet()
+    optimizer = helpers.kfac(lr=0.1, factor_dtype=factor_dtype,
+                             low_rank=False)
+    optimizer.setup(model)
+    rng = numpy.random.RandomState(6)
+    x = rng.randn(16, 3, 8, 8).astype(numpy.float32)
+    t = rng.randint(0, 5, 16).astype(numpy.int32)
+    optimizer.update(helpers.loss_of(model), x, t)
+    return optimizer, {(b.name, k): helpers.dense(v) for b in
+                       optimizer.blocks for k, v in b.factors.items()}
+
+
+def test_kfac_factor_dtype_tf32():
+    """The option reaches every block; every dense factor is float32 and
+    within TF32's rounding of the exact float32 one (relative to its
+    largest entry: each product's operands rounded, 2u), not equal to it;
+    the steps start from the same gradients, so the two runs' weights
+    differ by what the factors' rounding makes of the step."""
+    tf32, got = _factors_after_one_step('tf32')
+    fp32, exact = _factors_after_one_step('float32')
+    assert tf32.factor_dtype == 'tf32'
+    assert all(b.factor_tf32 for b in tf32.blocks if b.factor_names)
+    assert not any(b.factor_tf32 for b in fp32.blocks)
+    assert set(got) == set(exact) and len(got) == 7    # 3 x (A, G) + BN F
+    differ = 0
+    for key, value in got.items():
+        assert value.dtype == numpy.float32, key
+        error = numpy.abs(value - exact[key]).max()
+        assert error <= 4 * U_TF32 * numpy.abs(exact[key]).max(), key
+        differ += error > 0
+    assert differ >= 5
+    assert 'tf32' in repr(tf32.factor_dtype)
+
+
+def test_factor_dtype_option_values():
+    assert 'tf32' in options.FACTOR_DTYPES
+    for bad in ('tf16', 'bfloat16', 'float64'):
+        with pytest.raises(ValueError, match='factor_dtype'):
+            helpers.kfac(factor_dtype=bad)
+    assert helpers.kfac(factor_dtype='TF32').factor_dtype == 'tf32'
+
+
+def test_config_accepts_tf32():
+    """A run's config takes the value (checked by the optimizer's own
+    rules) and hands it to KFAC; a misspelt one names its key."""
+    import config as config_module
+    data = config_module.to_dict(config_module.load(
+        config_module.preset_path('bs4k')))
+    cfg = config_module.from_dict(dict(data, factor_dtype='tf32'))
+    kwargs = config_module.kfac_options(cfg)
+    assert kwargs['factor_dtype'] == 'tf32'
+    kwargs.update(verbose=False)
+    assert chainerkfac.optimizers.KFAC(**kwargs).factor_dtype == 'tf32'
+    with pytest.raises(config_module.ConfigError, match='factor_dtype'):
+        config_module.from_dict(dict(data, factor_dtype='tf16'))
+
+
+# -- GPU: the Tensor Core products against the twins --------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize('bias', [False, True])
+@pytest.mark.parametrize('size,geometry', [CASES[0], CASES[9], CASES[13]])
+def test_gpu_patch_gram_in_tf32_against_the_twin(size, geometry, bias):
+    """Both multiply TF32 operands and sum in float32; the hardware may
+    round an operand otherwise than the twin's nearest-even (truncation:
+    up to 2^-10), so each entry is bounded by 2·2^-10 of its magnitude
+    Gram plus float32 sums."""
+    cupy = support.cupy_or_skip()
+    x = numpy.random.RandomState(7).randn(5, 3, *size).astype(numpy.float32)
+    cpu = patches.patch_gram(x, geometry, 0.2, append_ones=bias,
+                             strategy='unfolded', tf32=True)
+    gpu = patches.patch_gram(cupy.asarray(x), geometry, 0.2,
+                             append_ones=bias, tf32=True)
+    assert isinstance(gpu, cupy.ndarray) and gpu.dtype == numpy.float32
+    magnitude = loop_gram(numpy.abs(x).astype(numpy.float64), geometry, 0.2,
+                          bias)
+    terms = x.shape[0] * numpy.prod(geometry.out_size(*size))
+    bound = (2 * 2.0 ** -10 + 2 * terms * 2.0 ** -24) * magnitude
+    assert (numpy.abs(cupy.asnumpy(gpu) - cpu) <= bound + 1e-30).all()
+    exact = cupy.asnumpy(patches.patch_gram(cupy.asarray(x), geometry, 0.2,
+                                            append_ones=bias))
+    assert numpy.abs(cupy.asnumpy(gpu) - exact).max() > 0   # TF32 ran
+
+
+@pytest.mark.gpu
+def test_gpu_gram_in_tf32_against_the_twin():
+    cupy = support.cupy_or_skip()
+    rows = numpy.random.RandomState(8).randn(64, 33).astype(numpy.float32)
+    cpu = linalg.gram(rows, 0.5, append_ones=True, tf32=True)
+    gpu = cupy.asnumpy(linalg.gram(cupy.asarray(rows), 0.5, append_ones=True,
+                                   tf32=True))
+    a = numpy.abs(rows).astype(numpy.float64)
+    magnitude = linalg.gram(a, 0.5, append_ones=True)
+    bound = (2 * 2.0 ** -10 + 2 * 64 * 2.0 ** -24) * magnitude
+    assert (numpy.abs(gpu - cpu) <= bound).all()
