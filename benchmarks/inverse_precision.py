@@ -107,16 +107,13 @@ def block_errors(optimizer, others: Dict = None) -> List[Dict]:
             matrix = numpy.concatenate([matrix, grads[1][:, None]], axis=1)
         reference = numpy.linalg.inv(g64).dot(
             matrix.astype(numpy.float64)).dot(numpy.linalg.inv(a64))
-        inverses = linalg.damped_inverses(
-            [a.astype(numpy.float32), g.astype(numpy.float32)],
-            [damping_a, damping_g], max_tries=1)
-        if any(r.inverse is None for r in inverses):
+        inverses = _float32_inverses(a, g, damping_a, damping_g)
+        if inverses is None:
             continue
         norm = numpy.linalg.norm(reference)
         errors = {name: float(numpy.linalg.norm(product - reference) / norm)
                   for name, product in _products(
-                      inverses[1].inverse, matrix,
-                      inverses[0].inverse).items()}
+                      inverses[1], matrix, inverses[0]).items()}
         for name, other in others.items():
             product = _other_factors_product(other, block.name, damping,
                                              matrix)
@@ -135,14 +132,21 @@ def _other_factors_product(optimizer, name: str, damping: float, matrix):
     factor is not positive definite in float32."""
     block = next(b for b in optimizer.blocks if b.name == name)
     a, g = block.factors['A'], block.factors['G']
-    damping_a, damping_g = block.trace_split(a, g, damping)
-    inverses = linalg.damped_inverses(
+    inverses = _float32_inverses(a, g, *block.trace_split(a, g, damping))
+    if inverses is None:
+        return None
+    return _products(inverses[1], matrix, inverses[0])['fp32']
+
+
+def _float32_inverses(a, g, damping_a: float, damping_g: float):
+    """``((A + d_A I)⁻¹, (G + d_G I)⁻¹)`` by the library's float32
+    Cholesky, one try (no damping raised); None where either fails."""
+    results = linalg.damped_inverses(
         [a.astype(numpy.float32), g.astype(numpy.float32)],
         [damping_a, damping_g], max_tries=1)
-    if any(r.inverse is None for r in inverses):
+    if any(r.inverse is None for r in results):
         return None
-    return _products(inverses[1].inverse, matrix,
-                     inverses[0].inverse)['fp32']
+    return tuple(r.inverse for r in results)
 
 
 def summarise(blocks: List[Dict]) -> Dict[str, Dict]:

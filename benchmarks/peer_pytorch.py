@@ -221,18 +221,19 @@ def table(peer: Dict, ours: Optional[Dict] = None) -> str:
                     ['variant', 's/step', 'x SGD'], rows)))
     if ours is not None:
         mine = ours['median_s']
-        pairs = [('SGD step', mine.get('sgd'), med.get('sgd')),
-                 ('SGD step, replayed', mine.get('sgd_graph'),
-                  med.get('sgd')),
-                 ('K-FAC every step (theirs: inverse)', mine.get('kfac_every'),
-                  med.get('kfac_inverse')),
-                 ('K-FAC stale step', mine.get('kfac_stale'),
-                  med.get('kfac_inverse_stale')),
-                 ('K-FAC stale step, replayed', mine.get('kfac_stale_graph'),
-                  med.get('kfac_inverse_stale'))]
-        # a replayed row only where that variant was run
-        pairs = [p for p in pairs if p[1] is not None or
-                 'replayed' not in p[0]]
+        # (figure, ours, theirs, replayed): a replayed row only where
+        # that variant was run
+        rows = [('SGD step', 'sgd', 'sgd', False),
+                ('SGD step, replayed', 'sgd_graph', 'sgd', True),
+                ('K-FAC every step (theirs: inverse)', 'kfac_every',
+                 'kfac_inverse', False),
+                ('K-FAC stale step', 'kfac_stale', 'kfac_inverse_stale',
+                 False),
+                ('K-FAC stale step, replayed', 'kfac_stale_graph',
+                 'kfac_inverse_stale', True)]
+        pairs = [(what, mine.get(key), med.get(peer_key))
+                 for what, key, peer_key, replayed in rows
+                 if not replayed or mine.get(key) is not None]
         text += '\n\nOurs beside the peer ({} batch {})\n{}'.format(
             ours['model'], ours['batch'], _common.format_table(
                 ['figure', 'chainerkfac [s]', 'peer [s]', 'ours / theirs'],

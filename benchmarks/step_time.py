@@ -1229,7 +1229,7 @@ def main(argv=None):
     # conv_a_strategy); 'auto' leaves the library's choice.
     kfac_options = ({} if args.conv_a == 'auto' else
                     {'conv_a_strategy': args.conv_a})
-    data['cudnn'] = args.cudnn
+    data['cudnn'], data['autotune'] = args.cudnn, args.timed
     print('cuDNN: {}'.format(args.cudnn), flush=True)
     with _common.limit_blas_threads(args.threads), \
             chainer.using_config('autotune', args.timed):
@@ -1246,7 +1246,6 @@ def main(argv=None):
             text = inverse_table(data)
         elif args.batches or args.workspace_sizes:
             data['variants'] = list(args.variants)
-            data['autotune'] = args.timed
             data['sweep'] = sweep(args, specs, xp, target, kfac_options)
             text = sweep_table(data)
             png = _png_path(args.out)
@@ -1254,7 +1253,6 @@ def main(argv=None):
             text += '\nwrote {}'.format(png)
         else:
             data['variants'] = list(args.variants)
-            data['autotune'] = args.timed
             [limit] = args.workspace_limits
             data['workspace_bytes'] = limit
             set_workspace_limit(limit)

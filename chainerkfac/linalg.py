@@ -75,7 +75,7 @@ def gram(rows, scale: float, factor_dtype=numpy.float32,
 def _gram(rows, scale, factor_dtype, tf32=False):
     xp = get_array_module(rows)
     out_dtype = factor_dtype_for(rows.dtype)
-    if tf32 and out_dtype == numpy.float32 and factor_dtype != numpy.float16:
+    if tf32_products(tf32, rows.dtype, factor_dtype):
         rows = rows.astype(out_dtype, copy=False)
         if xp is numpy:
             rows = round_to_tf32(rows)    # then syrk, as below
@@ -180,6 +180,14 @@ def round_to_tf32(array):
     rounded = (bits + numpy.uint32(0xFFF) + ((bits >> 13) & 1)) & \
         numpy.uint32(0xFFFFE000)
     return rounded.view(numpy.float32)
+
+
+def tf32_products(asked: bool, array_dtype, factor_dtype) -> bool:
+    """Whether a factor of ``array_dtype`` data takes TF32 products:
+    asked, a float32 factor (a float64 model keeps float64 products), and
+    not fp16 products (``factor_dtype`` float16)."""
+    return bool(asked) and factor_dtype_for(array_dtype) == numpy.float32 \
+        and numpy.dtype(factor_dtype) != numpy.float16
 
 
 def tf32_matmul(a, b):

@@ -146,7 +146,7 @@ def patch_gram(x, geometry: ConvGeometry, scale: float,
         raise ValueError('strategy {!r} does not apply to {} (possible: {})'
                          .format(strategy, geometry, ', '.join(costs)))
     factor_dtype = numpy.dtype(factor_dtype)
-    tf32 = _tf32(tf32, x, factor_dtype)
+    tf32 = linalg.tf32_products(tf32, x.dtype, factor_dtype)
     if strategy == 'shifted':
         gram = _shifted_gram(linalg.round_to_tf32(x) if tf32 else x,
                              geometry, scale, factor_dtype)
@@ -164,16 +164,8 @@ def channel_gram(y, scale: float, factor_dtype=numpy.float32,
     """``scale · Σ_n Σ_locations y yᵀ`` over the channel vectors of ``y``
     (N, C, H, W): a convolution's G from its output gradient (``tf32`` as
     :func:`patch_gram`'s)."""
-    factor_dtype = numpy.dtype(factor_dtype)
-    return _unfolded_gram(y, POINTWISE, scale, factor_dtype,
-                          _tf32(tf32, y, factor_dtype))
-
-
-def _tf32(asked: bool, x, factor_dtype) -> bool:
-    """Whether the products go in TF32: asked, of float32 data, and not
-    in half precision."""
-    return bool(asked) and x.dtype == numpy.float32 and \
-        factor_dtype != numpy.float16
+    return _unfolded_gram(y, POINTWISE, scale, numpy.dtype(factor_dtype),
+                          linalg.tf32_products(tf32, y.dtype, factor_dtype))
 
 
 def patch_square_sums(x, geometry: ConvGeometry, scale: float,
@@ -307,10 +299,10 @@ def column_gram(matrix, half: bool, out_dtype, pieces: int = None,
     batch = matrix.reshape(d, pieces, -1).transpose(1, 0, 2)
     if tf32:
         batch = get_array_module(batch).ascontiguousarray(batch)
-        return linalg.tf32_matmul(batch, batch.transpose(0, 2, 1)).sum(
-            axis=0, dtype=out_dtype)
-    return _matmul(batch, batch.transpose(0, 2, 1), half).sum(
-        axis=0, dtype=out_dtype)
+        products = linalg.tf32_matmul(batch, batch.transpose(0, 2, 1))
+    else:
+        products = _matmul(batch, batch.transpose(0, 2, 1), half)
+    return products.sum(axis=0, dtype=out_dtype)
 
 
 def _taps(offset, stride, outputs, size):

@@ -311,8 +311,9 @@ def _as_operand(cupy, array):
     return cupy.ascontiguousarray(array), False
 
 
-def _routed(gemm: Gemm, cupy, a, b):
-    """``a @ b`` by ``gemm``, or None where it does not serve them."""
+def _routed(gemm: Gemm, cupy, a, b, tf32: bool = False):
+    """``a @ b`` by ``gemm`` (``tf32``: on TF32 Tensor Cores), or None
+    where it does not serve them."""
     if not (getattr(a, 'ndim', 0) == getattr(b, 'ndim', 0) and
             a.ndim in (2, 3) and gemm.arrays.serves(a) and
             gemm.arrays.serves(b)):
@@ -320,7 +321,7 @@ def _routed(gemm: Gemm, cupy, a, b):
     (a, transa), (b, transb) = _as_operand(cupy, a), _as_operand(cupy, b)
     if not gemm.serves(a, b):
         return None
-    return gemm.matmul(a, b, transa=transa, transb=transb)
+    return gemm.matmul(a, b, transa=transa, transb=transb, tf32=tf32)
 
 
 def tf32_matmul(cupy, a, b, gemm: Optional[Gemm] = None):
@@ -328,9 +329,12 @@ def tf32_matmul(cupy, a, b, gemm: Optional[Gemm] = None):
     Tensor Cores by ``gemm`` (default :func:`default`): a transposed
     operand goes with cuBLAS's flag, any other strided one is copied
     C-contiguous first (:func:`route_matmul`'s rule)."""
-    gemm = gemm or default()
-    (a, transa), (b, transb) = _as_operand(cupy, a), _as_operand(cupy, b)
-    return gemm.matmul(a, b, transa=transa, transb=transb, tf32=True)
+    product = _routed(gemm or default(), cupy, a, b, tf32=True)
+    if product is None:
+        raise TypeError('tf32_matmul takes float32 device arrays, both 2-D '
+                        'or both 3-D (got {} {} and {} {})'.format(
+                            a.shape, a.dtype, b.shape, b.dtype))
+    return product
 
 
 @contextlib.contextmanager
