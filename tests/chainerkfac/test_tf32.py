@@ -242,9 +242,13 @@ def test_gpu_patch_gram_in_tf32_against_the_twin(size, geometry, bias):
     terms = x.shape[0] * numpy.prod(geometry.out_size(*size))
     bound = (2 * 2.0 ** -10 + 2 * terms * 2.0 ** -24) * magnitude
     assert (numpy.abs(cupy.asnumpy(gpu) - cpu) <= bound + 1e-30).all()
-    exact = cupy.asnumpy(patches.patch_gram(cupy.asarray(x), geometry, 0.2,
-                                            append_ones=bias))
-    assert numpy.abs(cupy.asnumpy(gpu) - exact).max() > 0   # TF32 ran
+    # the products went to our cuBLAS handle in TF32 math (whether cuBLAS
+    # then picks a Tensor Core kernel for so small a product is its own
+    # choice, so the values alone cannot tell)
+    from chainerkfac.graphs import cublas, gemm
+    handles = getattr(gemm.default()._local, 'handles', {})
+    assert any(math == cublas.CUBLAS_TF32_TENSOR_OP_MATH
+               for _, math in handles)
 
 
 @pytest.mark.gpu
