@@ -25,8 +25,10 @@ same fixed batch:
 * ``kfac_fp16``: every step, factors built from fp16 products
   (``factor_dtype='float16'``);
 * ``kfac_tf32``: every step, float32 factors built from TF32 products
-  (``factor_dtype='tf32'``: Tensor Cores on the GPU, for the capture's
-  GEMMs; the CPU rounds the operands, so it is no faster there);
+  and stage 5's products in TF32 (``factor_dtype='tf32'``,
+  ``precondition_dtype='tf32'``: Tensor Cores on the GPU, for the
+  capture's and the preconditioning's GEMMs; the CPU rounds the operands,
+  so it is no faster there);
 * ``kfac_newton_schulz``: every step, the factors up to n = 1024
   inverted by the batched Newton–Schulz iteration
   (``inverse_method='newton_schulz'``);
@@ -38,10 +40,12 @@ same fixed batch:
 * ``kfac_stale_graph`` (``--gpu``): ``kfac_stale`` through
   :func:`chainerkfac.graphs.graphed`: refresh steps eager, the stale steps
   replayed (each cycle's first captured again; counts and capture seconds
-  as for ``sgd_graph``).
+  as for ``sgd_graph``);
+* ``kfac_stale_graph_tf32`` (``--gpu``): the same with ``kfac_tf32``'s
+  options (its stale steps' preconditioning on TF32 Tensor Cores).
 
 The CPU runs ``sgd``, ``kfac_every`` and ``kfac_stale`` by default,
-``--gpu`` all nine (``--variants`` picks any subset that has ``sgd``).
+``--gpu`` all ten (``--variants`` picks any subset that has ``sgd``).
 
 **cuDNN on the GPU** is set as ``train_imagenet.py --gpu`` sets it
 (:func:`harness.tuning.cudnn_tuning`, whose start-up line the benchmark
@@ -165,18 +169,24 @@ KFAC_VARIANTS = {
     'kfac_stale': {},
     'kfac_diag_bn': {'bn_fisher': 'diag'},
     'kfac_fp16': {'factor_dtype': 'float16'},
-    'kfac_tf32': {'factor_dtype': 'tf32'},
+    'kfac_tf32': {'factor_dtype': 'tf32', 'precondition_dtype': 'tf32'},
     'kfac_newton_schulz': {'inverse_method': 'newton_schulz'},
 }
 #: The opt-in CUDA-graph variants (``--gpu``).
-GRAPH_VARIANTS = ('sgd_graph', 'kfac_stale_graph')
+GRAPH_VARIANTS = ('sgd_graph', 'kfac_stale_graph', 'kfac_stale_graph_tf32')
+#: The replayed K-FAC variants: name -> KFAC keyword arguments, and the
+#: every-step variant whose step their refresh steps take.
+KFAC_GRAPH_VARIANTS = {
+    'kfac_stale_graph': ({}, 'kfac_every'),
+    'kfac_stale_graph_tf32': (KFAC_VARIANTS['kfac_tf32'], 'kfac_tf32'),
+}
 VARIANTS = ('sgd',) + tuple(KFAC_VARIANTS) + GRAPH_VARIANTS
 CPU_VARIANTS = ('sgd', 'kfac_every', 'kfac_stale')
 #: --gpu's default: every variant, the replayed ones with them
 #: (``train_imagenet.py --gpu`` replays the steps that refresh nothing).
 GPU_VARIANTS = VARIANTS
 #: Variants with refresh steps, kept apart as ``<variant>_refresh``.
-STALE_VARIANTS = ('kfac_stale', 'kfac_stale_graph')
+STALE_VARIANTS = ('kfac_stale', 'kfac_stale_graph', 'kfac_stale_graph_tf32')
 #: Every-step variants whose capture is timed by layer type.
 CAPTURE_VARIANTS = ('kfac_every', 'kfac_diag_bn', 'kfac_fp16', 'kfac_tf32')
 STAGES = ('forward_backward', 'factors', 'reduce_scatter', 'inverse',
@@ -396,9 +406,10 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             steps[variant] = SGDStep(model, synchronize)
         elif variant == 'sgd_graph':
             steps[variant] = SGDGraphStep(model)
-        elif variant == 'kfac_stale_graph':
+        elif variant in KFAC_GRAPH_VARIANTS:
             steps[variant] = KFACGraphStep(
-                model, interval, **dict(kfac_options or {}))
+                model, interval, **dict(KFAC_GRAPH_VARIANTS[variant][0],
+                                        **(kfac_options or {})))
         else:
             steps[variant] = KFACStep(
                 model, interval if variant == 'kfac_stale' else 1, gpu,
@@ -434,9 +445,10 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             if key != 'sgd' and not key.endswith('_refresh'):
                 ratios[key].append(elapsed / sgd)
         for stale in STALE_VARIANTS:
-            if stale in times and 'kfac_every' in times:
+            every = KFAC_GRAPH_VARIANTS.get(stale, ({}, 'kfac_every'))[1]
+            if stale in times and every in times:
                 ratios[stale + '_amortised'].append(
-                    (times['kfac_every'] + (interval - 1) * times[stale]) /
+                    (times[every] + (interval - 1) * times[stale]) /
                     interval / sgd)
     capture = {}
     for variant in CAPTURE_VARIANTS:
@@ -859,7 +871,8 @@ THROUGHPUT = ('sgd', 'kfac_every', 'kfac_stale', 'kfac_stale_amortised')
 #: graphed K-FAC run takes its refresh steps eagerly, so its cycle is
 #: amortised with ``kfac_every``'s step as well.
 GRAPH_THROUGHPUT = ('sgd_graph', 'kfac_stale_graph',
-                    'kfac_stale_graph_amortised')
+                    'kfac_stale_graph_amortised', 'kfac_stale_graph_tf32',
+                    'kfac_stale_graph_tf32_amortised')
 PEER_THROUGHPUT = ('sgd', 'kfac_inverse', 'kfac_inverse_stale',
                    'kfac_inverse_stale_amortised')
 
@@ -931,6 +944,9 @@ def sweep(args, specs: Dict[str, Dict], xp, target: str,
                 result['images_per_s'] = images_per_second(
                     result['median_s'], batch, args.interval, 'kfac_every',
                     'kfac_stale', 'kfac_stale_graph')
+                result['images_per_s'].update(images_per_second(
+                    result['median_s'], batch, args.interval, 'kfac_tf32',
+                    'kfac_stale_graph_tf32'))
                 free_device_memory(xp)
                 result['device_bytes_in_use_after'] = device_bytes_in_use(xp)
                 if args.peer and limit == limits[0]:

@@ -204,13 +204,18 @@ def tf32_matmul(a, b):
     return gemm.tf32_matmul(xp, a, b)
 
 
-def matmul(a, b):
-    """``a @ b`` of 2-D (or 2-D and 1-D) arrays: NumPy's ``dot``; on CuPy
-    ``cupy.matmul``, which a captured CUDA graph routes to GEMMs it may
-    capture (:func:`chainerkfac.graphs.gemm.route_matmul`)."""
+def matmul(a, b, tf32: bool = False):
+    """``a @ b`` of 2-D (or 2-D and 1-D) arrays, or of equal stacks (3-D):
+    NumPy's ``matmul``; on CuPy ``cupy.matmul``, which a captured CUDA
+    graph routes to GEMMs it may capture
+    (:func:`chainerkfac.graphs.gemm.route_matmul`). ``tf32``: where both
+    are float32 and of one rank, :func:`tf32_matmul` (TF32 Tensor Cores;
+    other dtypes stay exact)."""
+    if tf32 and a.dtype == b.dtype == numpy.float32 and a.ndim == b.ndim:
+        return tf32_matmul(a, b)
     xp = get_array_module(a)
     if xp is numpy:
-        return a.dot(b)
+        return a.dot(b) if a.ndim <= 2 else numpy.matmul(a, b)
     return xp.matmul(a, b)
 
 

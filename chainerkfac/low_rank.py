@@ -308,27 +308,31 @@ def inverse_of(factor, inverse, damping: float):
     return WoodburyInverse(factor.columns, inverse, damping)
 
 
-def left_multiply(inverse, matrix, overwrite: bool = False):
+def left_multiply(inverse, matrix, overwrite: bool = False,
+                  tf32: bool = False):
     """``inverse · matrix``: a Woodbury inverse, a dense one or a diagonal
-    (1-D); with ``overwrite``, a diagonal scales ``matrix`` in place."""
+    (1-D); with ``overwrite``, a diagonal scales ``matrix`` in place;
+    ``tf32``: a dense float32 product on TF32 Tensor Cores
+    (:func:`chainerkfac.linalg.matmul`)."""
     if isinstance(inverse, WoodburyInverse):
         return inverse.left(matrix)
     inverse = inverse.astype(matrix.dtype, copy=False)
     if inverse.ndim == 2:
-        return linalg.matmul(inverse, matrix)
+        return linalg.matmul(inverse, matrix, tf32=tf32)
     if overwrite:
         matrix *= inverse[:, None]
         return matrix
     return inverse[:, None] * matrix
 
 
-def right_multiply(matrix, inverse, overwrite: bool = False):
+def right_multiply(matrix, inverse, overwrite: bool = False,
+                   tf32: bool = False):
     """``matrix · inverse``, as :func:`left_multiply`."""
     if isinstance(inverse, WoodburyInverse):
         return inverse.right(matrix)
     inverse = inverse.astype(matrix.dtype, copy=False)
     if inverse.ndim == 2:
-        return linalg.matmul(matrix, inverse)
+        return linalg.matmul(matrix, inverse, tf32=tf32)
     if overwrite:
         matrix *= inverse
         return matrix

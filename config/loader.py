@@ -86,7 +86,12 @@ class TrainConfig:
         ``'exact'`` (the loss Hessian's root, KFLR).
     factor_dtype : str
         One of :data:`chainerkfac.optimizers.options.FACTOR_DTYPES`
-        (``'float32'``, ``'float16'``): precision of factor construction.
+        (``'float32'``, ``'float16'``, ``'tf32'``): precision of factor
+        construction.
+    precondition_dtype : str
+        One of :data:`chainerkfac.optimizers.options.PRECONDITION_DTYPES`
+        (``'float32'``, ``'tf32'``): stage 5's dense products on TF32
+        Tensor Cores with ``'tf32'``.
     refresh_interval_a, refresh_interval_g, refresh_interval_f : int or str
         Steps between refreshes of the Kronecker factors A and G and of the
         BN Fisher F: a positive int, or a preset of
@@ -145,6 +150,7 @@ class TrainConfig:
     bn_fisher: str = 'full'
     fisher: str = 'emp'
     factor_dtype: str = 'float32'
+    precondition_dtype: str = 'float32'
     refresh_interval_a: Union[int, str] = 1
     refresh_interval_g: Union[int, str] = 1
     refresh_interval_f: Union[int, str] = 1
@@ -394,6 +400,7 @@ def kfac_options(config):
     dict
         ``lr``, ``momentum``, the damping of eqs. (13)-(16), ``rho_bn``,
         ``bn_fisher``, ``fisher``, the refresh intervals, ``factor_dtype``,
+        ``precondition_dtype``,
         ``weight_rescale``, ``max_factor_dim``, ``inverse_method``,
         ``kl_clip`` and ``low_rank``: every option whose library default
         differs from the paper (the stale intervals, the bounded step, the
@@ -408,6 +415,7 @@ def kfac_options(config):
         refresh_interval_g=config.refresh_interval_g,
         refresh_interval_f=config.refresh_interval_f,
         factor_dtype=config.factor_dtype,
+        precondition_dtype=config.precondition_dtype,
         weight_rescale=config.weight_rescale,
         max_factor_dim=config.max_factor_dim,
         inverse_method=config.inverse_method, kl_clip=config.kl_clip,

@@ -124,12 +124,15 @@ class BlockOptions:
         form and precondition by Woodbury where that is cheaper
         (:mod:`chainerkfac.low_rank`). Only exact factors qualify: not with
         fp16 products (their rounded Gram matrix is not low rank).
+    precondition_tf32 : bool
+        Stage 5's dense products of float32 Kronecker blocks on TF32
+        Tensor Cores (:func:`chainerkfac.linalg.tf32_matmul`).
     """
 
     def __init__(self, factor_dtype='float32', bn_fisher: str = 'full',
                  max_factor_dim: Optional[int] = None,
                  conv_a_strategy: Optional[str] = None,
-                 low_rank: bool = False):
+                 low_rank: bool = False, precondition_tf32: bool = False):
         #: Float32 products from TF32 operands (Tensor Cores on the GPU).
         self.factor_tf32 = dtypes.is_tf32(factor_dtype)
         self.factor_dtype = numpy.dtype(
@@ -139,6 +142,7 @@ class BlockOptions:
         self.conv_a_strategy = conv_a_strategy
         self.low_rank = bool(low_rank) and \
             self.factor_dtype != numpy.float16
+        self.precondition_tf32 = bool(precondition_tf32)
 
     def too_large(self, n: int) -> bool:
         """Whether an n×n factor exceeds :attr:`max_factor_dim`."""
@@ -185,6 +189,8 @@ class FisherBlock:
         self.link = link
         self.factor_dtype = options.factor_dtype
         self.factor_tf32 = options.factor_tf32
+        #: Stage 5's dense products on TF32 Tensor Cores (float32 blocks).
+        self.precondition_tf32 = options.precondition_tf32
         # This step's capture: sums over the closed micro-batches, and the
         # open micro-batch's sums and calls.
         self._step_sums: Dict[str, object] = {}

@@ -168,8 +168,10 @@ class KroneckerBlock(FisherBlock):
             xp = get_array_module(matrix)
             matrix = xp.concatenate([matrix, grad_b[:, None]], axis=1)
         if self.has_inverses():
-            matrix = low_rank.left_multiply(self.inverses['G'], matrix)
-            matrix = low_rank.right_multiply(matrix, a_inv)
+            tf32 = self.precondition_tf32
+            matrix = low_rank.left_multiply(self.inverses['G'], matrix,
+                                            tf32=tf32)
+            matrix = low_rank.right_multiply(matrix, a_inv, tf32=tf32)
         if self.has_bias:
             return [matrix[:, :-1].reshape(weight.shape), matrix[:, -1]]
         return [matrix.reshape(weight.shape)]
@@ -313,7 +315,8 @@ class InverseStack:
         return self._stacks
 
 
-def precondition_batch(blocks, grads, damping, stack: InverseStack):
+def precondition_batch(blocks, grads, damping, stack: InverseStack,
+                       tf32: bool = False):
     """:meth:`KroneckerBlock.precondition` of several blocks of one
     :func:`batch_key` at once: a few batched kernels instead of a few per
     block (the GPU's launch count).
@@ -328,6 +331,9 @@ def precondition_batch(blocks, grads, damping, stack: InverseStack):
         The blocks' γ.
     stack : InverseStack
         The cache of the batch's stacked inverses.
+    tf32 : bool
+        The stacked products on TF32 Tensor Cores where they are float32
+        (:func:`chainerkfac.linalg.matmul`).
 
     Returns
     -------
@@ -349,9 +355,9 @@ def precondition_batch(blocks, grads, damping, stack: InverseStack):
     a_inv, g_inv = stack.get(blocks)
     a_inv = a_inv.astype(matrix.dtype, copy=False)
     g_inv = g_inv.astype(matrix.dtype, copy=False)
-    matrix = (xp.matmul(g_inv, matrix) if g_inv.ndim == 3
+    matrix = (linalg.matmul(g_inv, matrix, tf32=tf32) if g_inv.ndim == 3
               else g_inv[:, :, None] * matrix)
-    matrix = (xp.matmul(matrix, a_inv) if a_inv.ndim == 3
+    matrix = (linalg.matmul(matrix, a_inv, tf32=tf32) if a_inv.ndim == 3
               else matrix * a_inv[:, None, :])
     shape = first.link.W.shape
     if first.has_bias:

@@ -21,6 +21,8 @@ from chainerkfac.linalg import INVERSE_METHODS  # NOQA
 FISHER_TYPES = ('emp', 'mc', 'exact')
 #: ``factor_dtype``: precision of the factors' products.
 FACTOR_DTYPES = ('float32', 'float16', 'tf32')
+
+PRECONDITION_DTYPES = ('float32', 'tf32')
 #: ``loss_reduction``: how the loss reduces over the mini-batch.
 LOSS_REDUCTIONS = ('mean', 'sum')
 #: ``conv_a_strategy``: how a convolution forms A (None: the cheaper).
@@ -101,6 +103,8 @@ _RULES = {
     'factor_dtype': (lambda v: dtypes.is_tf32(v) or
                      _dtype_name(v) in FACTOR_DTYPES,
                      'must be one of {}'.format(FACTOR_DTYPES)),
+    'precondition_dtype': (lambda v: v in PRECONDITION_DTYPES,
+                           'must be one of {}'.format(PRECONDITION_DTYPES)),
     'factor_decay': (lambda v: _is_number(v) and 0 <= v < 1,
                      'must lie in [0, 1)'),
     'weight_rescale': (lambda v: isinstance(v, bool) or

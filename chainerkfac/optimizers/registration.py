@@ -10,10 +10,10 @@ SCHEDULE_PROBE_EPOCHS = (0, 1, 2, 5, 10, 20, 30, 40, 50, 60, 80, 100)
 #: fingerprint (besides lr and momentum).
 FINGERPRINTED = ('damping', 'damping_target', 'damping_warmup_steps',
                  'rho_bn', 'bn_fisher', 'fisher', 'mc_samples', 'acc_iters',
-                 'factor_dtype', 'factor_decay', 'weight_rescale',
-                 'loss_reduction', 'max_factor_dim', 'inverse_method',
-                 'low_rank', 'kl_clip', 'fisher_diff', 'shard_update', 't',
-                 'epoch')
+                 'factor_dtype', 'precondition_dtype', 'factor_decay',
+                 'weight_rescale', 'loss_reduction', 'max_factor_dim',
+                 'inverse_method', 'low_rank', 'kl_clip', 'fisher_diff',
+                 'shard_update', 't', 'epoch')
 
 
 def registration_table(blocks, rescale) -> str:

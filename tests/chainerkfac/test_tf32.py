@@ -1,5 +1,6 @@
 """``factor_dtype='tf32'``: float32 factors whose products take their
-operands with TF32's 10-bit mantissa (Tensor Cores on the GPU).
+operands with TF32's 10-bit mantissa (Tensor Cores on the GPU); and
+``precondition_dtype='tf32'``: stage 5's dense products the same way.
 
 On the CPU the twins round the operands (``linalg.round_to_tf32``) and
 multiply them exactly; they are checked against float64 products of the
@@ -221,6 +222,157 @@ def test_config_accepts_tf32():
         config_module.from_dict(dict(data, factor_dtype='tf16'))
 
 
+# -- precondition_dtype='tf32': stage 5 -------------------------------------
+class TwinLayers(chainer.Chain):
+    """Two Linear layers of one shape (one batch of stage 5 on the GPU)
+    between others, float32 or float64."""
+
+    def __init__(self, dtype=numpy.float32):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(12, 24)
+            self.l2 = L.Linear(24, 24)
+            self.l3 = L.Linear(24, 24)
+            self.out = L.Linear(24, 5, nobias=True)
+        self.to_device('@numpy')
+        for param in self.params():
+            param.array = param.array.astype(dtype)
+
+    def forward(self, x):
+        h = F.tanh(self.l1(x))
+        return self.out(F.tanh(self.l3(F.tanh(self.l2(h)))))
+
+
+def _stepped(model, precondition_dtype):
+    """One K-FAC step (dense factors, refreshed), so every block has its
+    inverses; the gradients of that step, per block."""
+    optimizer = helpers.kfac(lr=0.05, precondition_dtype=precondition_dtype,
+                             low_rank=False)
+    optimizer.setup(model)
+    rng = numpy.random.RandomState(4)
+    dtype = model.l1.W.dtype
+    x = rng.randn(20, 12).astype(dtype)
+    t = rng.randint(0, 5, 20).astype(numpy.int32)
+    optimizer.update(helpers.loss_of(model), x, t)
+    model.cleargrads()
+    helpers.loss_of(model)(x, t).backward()
+    grads = {b: [p.grad.copy() for p in b.params] for b in optimizer.blocks}
+    return optimizer, grads
+
+
+def _exact_direction(block, grads, damping):
+    """``G⁻¹ ∇E A⁻¹`` in float64 from the block's own operands, and the
+    same product of their magnitudes (what rounding errors scale with)."""
+    regularized = [numpy.asarray(g, numpy.float64) for g in
+                   block.regularized_grads(grads, damping)]
+    matrix = regularized[0].reshape(block.out_size, -1)
+    if block.has_bias:
+        matrix = numpy.concatenate([matrix, regularized[1][:, None]], 1)
+    g_inv, a_inv = (numpy.asarray(block.inverses[n], numpy.float64)
+                    for n in 'GA')
+    return (g_inv.dot(matrix).dot(a_inv),
+            numpy.abs(g_inv).dot(numpy.abs(matrix)).dot(numpy.abs(a_inv)))
+
+
+def _flat(direction):
+    return numpy.concatenate([numpy.ravel(d) for d in direction])
+
+
+def test_precondition_dtype_tf32_rounds_stage_5s_operands():
+    """Every Kronecker block's direction: within TF32's rounding of the
+    exact product (its three operands and the intermediate product each
+    rounded once, 4u of the magnitude product, and float32 sums) and not
+    equal to float32's, which stays within float32's rounding."""
+    numpy.random.seed(3)
+    optimizer, grads = _stepped(TwinLayers(), 'tf32')
+    blocks = [b for b in optimizer.blocks if b.factor_names]
+    assert len(blocks) == 4 and all(b.precondition_tf32 for b in blocks)
+    for block in blocks:
+        damping = optimizer._block_damping(block)
+        exact, magnitude = _exact_direction(block, grads[block], damping)
+        tf32 = block.precondition(grads[block], damping)
+        block.precondition_tf32 = False
+        fp32 = block.precondition(grads[block], damping)
+        block.precondition_tf32 = True
+        assert tf32[0].dtype == numpy.float32
+        terms = sum(block.inverses['A'].shape) + sum(
+            block.inverses['G'].shape)
+        float32_sums = 2 * terms * 2.0 ** -24
+        magnitude = _flat(_split(block, magnitude))
+        got, plain = _flat(tf32), _flat(fp32)
+        exact = _flat(_split(block, exact))
+        assert (numpy.abs(got - exact) <=
+                (4.5 * U_TF32 + float32_sums) * magnitude).all(), block.name
+        assert (numpy.abs(plain - exact) <=
+                (4 * 2.0 ** -24 + float32_sums) * magnitude).all()
+        assert numpy.abs(got - exact).max() > 10 * numpy.abs(
+            plain - exact).max(), block.name
+
+
+def _split(block, matrix):
+    """A (out, in [+ 1]) matrix as the block's parameter shapes."""
+    shape = block.link.W.shape
+    if block.has_bias:
+        return [matrix[:, :-1].reshape(shape), matrix[:, -1]]
+    return [matrix.reshape(shape)]
+
+
+def test_precondition_batch_tf32_is_the_blocks_own():
+    """The GPU's batched stage 5 (here with NumPy stacks) gives each block
+    its own TF32 direction, up to float32 summation order."""
+    from chainerkfac.fisher_blocks import kronecker
+    numpy.random.seed(5)
+    optimizer, grads = _stepped(TwinLayers(), 'tf32')
+    pair = [helpers.block_named(optimizer, n) for n in ('/l2', '/l3')]
+    assert kronecker.batch_key(pair[0]) == kronecker.batch_key(pair[1])
+    damping = optimizer._block_damping(pair[0])
+    for tf32 in (True, False):
+        batched = kronecker.precondition_batch(
+            pair, [grads[b] for b in pair], damping,
+            kronecker.InverseStack(), tf32=tf32)
+        for block, direction in zip(pair, batched):
+            block.precondition_tf32 = tf32
+            alone = block.precondition(grads[block], damping)
+            _, magnitude = _exact_direction(block, grads[block], damping)
+            bound = 4 * 48 * 2.0 ** -24 * _flat(_split(block, magnitude))
+            assert (numpy.abs(_flat(direction) - _flat(alone)) <=
+                    bound).all()
+    tf32 = kronecker.precondition_batch(
+        pair, [grads[b] for b in pair], damping, kronecker.InverseStack(),
+        tf32=True)
+    assert not numpy.array_equal(_flat(tf32[0]), _flat(batched[0]))
+
+
+def test_precondition_dtype_tf32_leaves_float64_models_exact():
+    runs = []
+    for dtype in ('tf32', 'float32'):
+        numpy.random.seed(3)
+        model = TwinLayers(numpy.float64)
+        _stepped(model, dtype)
+        runs.append([p.array.copy() for p in model.params()])
+    for a, b in zip(*runs):
+        assert a.dtype == numpy.float64
+        numpy.testing.assert_array_equal(a, b)
+
+
+def test_precondition_dtype_option_and_config():
+    assert options.PRECONDITION_DTYPES == ('float32', 'tf32')
+    assert helpers.kfac().precondition_dtype == 'float32'
+    for bad in ('float16', 'TF32x', None):
+        with pytest.raises(ValueError, match='precondition_dtype'):
+            helpers.kfac(precondition_dtype=bad)
+    import config as config_module
+    data = config_module.to_dict(config_module.load(
+        config_module.preset_path('bs4k')))
+    cfg = config_module.from_dict(dict(data, precondition_dtype='tf32'))
+    kwargs = dict(config_module.kfac_options(cfg), verbose=False)
+    assert kwargs['precondition_dtype'] == 'tf32'
+    optimizer = chainerkfac.optimizers.KFAC(**kwargs)
+    assert optimizer.precondition_dtype == 'tf32'
+    with pytest.raises(config_module.ConfigError, match='precondition_dtype'):
+        config_module.from_dict(dict(data, precondition_dtype='half'))
+
+
 # -- GPU: the Tensor Core products against the twins --------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize('bias', [False, True])
@@ -262,3 +414,36 @@ def test_gpu_gram_in_tf32_against_the_twin():
     magnitude = linalg.gram(a, 0.5, append_ones=True)
     bound = (2 * 2.0 ** -10 + 2 * 64 * 2.0 ** -24) * magnitude
     assert (numpy.abs(gpu - cpu) <= bound).all()
+
+
+@pytest.mark.gpu
+def test_gpu_precondition_batch_in_tf32_against_the_twin():
+    """Stage 5's stacked products on the GPU in TF32 against the CPU twin:
+    four operand roundings, each up to 2^-10 where the hardware truncates,
+    of the magnitude product."""
+    cupy = support.cupy_or_skip()
+    from chainerkfac.fisher_blocks import kronecker
+    numpy.random.seed(5)
+    optimizer, grads = _stepped(TwinLayers(), 'tf32')
+    pair = [helpers.block_named(optimizer, n) for n in ('/l2', '/l3')]
+    damping = optimizer._block_damping(pair[0])
+    cpu = kronecker.precondition_batch(pair, [grads[b] for b in pair],
+                                       damping, kronecker.InverseStack(),
+                                       tf32=True)
+    magnitudes = [_flat(_split(b, _exact_direction(b, grads[b], damping)[1]))
+                  for b in pair]
+    for block in pair:
+        block.link.to_device('@cupy:0')
+        block.inverses = {k: cupy.asarray(v) for k, v in
+                          block.inverses.items()}
+    gpu = kronecker.precondition_batch(
+        pair, [[cupy.asarray(g) for g in grads[b]] for b in pair], damping,
+        kronecker.InverseStack(), tf32=True)
+    for c, g, magnitude in zip(cpu, gpu, magnitudes):
+        difference = numpy.abs(_flat([cupy.asnumpy(d) for d in g]) -
+                               _flat(c))
+        assert (difference <= (8 * 2.0 ** -10) * magnitude + 1e-30).all()
+    from chainerkfac.graphs import cublas, gemm
+    handles = getattr(gemm.default()._local, 'handles', {})
+    assert any(math == cublas.CUBLAS_TF32_TENSOR_OP_MATH
+               for _, math in handles)
