@@ -218,6 +218,46 @@ def test_fifty_steps_replayed_equal_eager(kind, make):
                 rtol=0, atol=1e-12)
 
 
+def test_tf32_stage_5_is_replayed_as_taken_eagerly():
+    """float32 K-FAC with TF32 factors and stage 5 (our cuBLAS handle in
+    TF32 math, which the capture then meets on its side stream): the
+    stale steps are replayed, and 20 steps end where the eager run's do
+    (the same kernels on the same operands; float32's rounding of 20
+    steps allowed)."""
+    import cupy
+    rng = numpy.random.RandomState(2)
+    batches = [(cupy.asarray(rng.randn(16, 64).astype(numpy.float32)),
+                cupy.asarray(rng.randint(0, 10, 16).astype(numpy.int32)))
+               for _ in range(20)]
+
+    def run(use_graph):
+        numpy.random.seed(0)
+        model = models.SoftLabelClassifier(_MLP())
+        model.to_device('@cupy:0')
+        optimizer = KFAC(lr=0.02, momentum=0.9, damping=0.1,
+                         refresh_interval_a=5, refresh_interval_g=5,
+                         refresh_interval_f=5, factor_dtype='tf32',
+                         precondition_dtype='tf32',
+                         verbose=False).setup(model)
+        stepper = graphs.graphed(optimizer) if use_graph else optimizer
+        for x, t in batches:
+            if use_graph:
+                stepper.update(model, x, t)
+            else:
+                with graphs.gemm.route_step():
+                    stepper.update(model, x, t)
+        return model, stepper
+    eager, _ = run(False)
+    model, stepper = run(True)
+    assert dict(stepper.stats)['replayed'] >= 8, dict(stepper.stats)
+    reference = support.weights(eager)
+    for name, value in support.weights(model).items():
+        assert value.dtype == numpy.float32
+        numpy.testing.assert_allclose(
+            value, reference[name], rtol=0,
+            atol=1e-5 * abs(reference[name]).max(), err_msg=name)
+
+
 @pytest.mark.parametrize('make', [_kfac, _guarded], ids=['kfac', 'guarded'])
 def test_non_finite_replayed_step_is_undone_on_the_device(make):
     batches = _batches('mlp', 14, nan_at=12)
