@@ -601,14 +601,17 @@ def measure_inverse(name: str, spec: Dict, repeats: int, array_module,
                     target: str = 'cpu', kfac_options: Dict = None,
                     methods: Sequence[str] = ('cholesky',),
                     newton_schulz_max_dim: Optional[int] = None,
-                    batched_max_dims: Sequence[Optional[int]] = (None,)
+                    batched_max_dims: Sequence[Optional[int]] = (None,),
+                    cholesky_inverses: Sequence[Optional[str]] = (None,)
                     ) -> List[Dict]:
     """Capture one every-step K-FAC step's factors, then time the inverse
     stage as the optimizer runs it: every block's requests (the trace-norm
     split of the damping for Kronecker blocks, ρ_BN·γ for BN) in one
     :func:`chainerkfac.linalg.damped_inverses` call; and, apart, the same
-    per factor kind. One result per inverse method and GPU batch limit
+    per factor kind. One result per inverse method, GPU batch limit
     (:data:`chainerkfac.linalg_cuda.BATCHED_MAX_DIM`; None: the
+    library's) and GPU route from a Cholesky factor to its inverse
+    (:data:`chainerkfac.linalg_cuda.CHOLESKY_INVERSE`; None: the
     library's), each a separate timing of the same factors; a result other
     than the first records its largest relative deviation (Frobenius) from
     the first's inverses (Cholesky's, when it is first)."""
@@ -632,17 +635,20 @@ def measure_inverse(name: str, spec: Dict, repeats: int, array_module,
 
     reference = None
     results = []
-    for method, max_dim in [(m, d) for m in methods
-                            for d in batched_max_dims]:
+    for method, max_dim, route in [(m, d, r) for m in methods
+                                   for d in batched_max_dims
+                                   for r in cholesky_inverses]:
         def invert(subset):
             return linalg.damped_inverses(
                 [m for _, m, _ in subset], [d for _, _, d in subset],
                 method=method, newton_schulz_max_dim=newton_schulz_max_dim)
 
-        print('  {}{}...'.format(method, '' if max_dim is None else
-                                 ', batches up to n = {}'.format(max_dim)),
-              flush=True)
-        with _batched_max_dim(max_dim):
+        print('  {}{}{}...'.format(
+            method, '' if max_dim is None else
+            ', batches up to n = {}'.format(max_dim),
+            '' if route is None else ', {} alone'.format(route)),
+            flush=True)
+        with _batched_max_dim(max_dim), _cholesky_inverse(route):
             results.append(_time_inverse(invert, requests, repeats,
                                          synchronize))
             inverses = [r.inverse for r in invert(requests)]
@@ -656,6 +662,8 @@ def measure_inverse(name: str, spec: Dict, repeats: int, array_module,
         results[-1]['method'] = method
         if max_dim is not None:
             results[-1]['batched_max_dim'] = max_dim
+        if route is not None:
+            results[-1]['cholesky_inverse'] = route
         if method == 'newton_schulz':
             limit = (newton_schulz.MAX_DIM if newton_schulz_max_dim is None
                      else newton_schulz_max_dim)
@@ -689,6 +697,19 @@ def _batched_max_dim(max_dim: Optional[int]):
         yield
     finally:
         linalg_cuda.BATCHED_MAX_DIM = saved
+
+
+@contextlib.contextmanager
+def _cholesky_inverse(route: Optional[str]):
+    """Within the block, the GPU goes from a lone factor's Cholesky factor
+    to its inverse by ``route`` (None: the library's)."""
+    saved = linalg_cuda.CHOLESKY_INVERSE
+    if route is not None:
+        linalg_cuda.CHOLESKY_INVERSE = route
+    try:
+        yield
+    finally:
+        linalg_cuda.CHOLESKY_INVERSE = saved
 
 
 def _time_inverse(invert, requests, repeats: int, synchronize) -> Dict:
@@ -798,7 +819,9 @@ def tables(data: Dict) -> str:
 def inverse_table(data: Dict) -> str:
     rows = [[r['model'], r.get('method', 'cholesky') + (
                 ', batches n <= {}'.format(r['batched_max_dim'])
-                if 'batched_max_dim' in r else ''), r['batch'],
+                if 'batched_max_dim' in r else '') + (
+                ', {} alone'.format(r['cholesky_inverse'])
+                if 'cholesky_inverse' in r else ''), r['batch'],
              r['n_factors'], r['sum_n3'], r['max_n'], r['median_s']] +
             [r['by_kind_s'].get(k) for k in ('A', 'G', 'F')] +
             [r.get('max_rel_vs_cholesky', '-'),
@@ -1098,6 +1121,14 @@ def parse_args(argv):
                         'factors to time in turn (0: none batched; '
                         'default: the library\'s, {})'.format(
                             linalg_cuda.BATCHED_MAX_DIM))
+    parser.add_argument('--cholesky-inverses', type=_route_list,
+                        default=None,
+                        help='with --gpu --inverse-only: comma-separated '
+                        'routes from a lone factor\'s Cholesky factor to its '
+                        'inverse to time in turn, of {} (default: the '
+                        "library's, {})".format(
+                            ','.join(linalg_cuda.CHOLESKY_INVERSES),
+                            linalg_cuda.CHOLESKY_INVERSE))
     parser.add_argument('--peer', action='store_true',
                         help='then time PyTorch SGD and kfac-pytorch on '
                         "torchvision's ResNet-50 in this run (needs --gpu; "
@@ -1134,6 +1165,10 @@ def parse_args(argv):
                                                   args.inverse_only):
         parser.error('--batched-max-dims goes with --gpu --inverse-only '
                      '(the CPU inverts factor by factor)')
+    if args.cholesky_inverses is not None and not (args.gpu and
+                                                   args.inverse_only):
+        parser.error('--cholesky-inverses goes with --gpu --inverse-only '
+                     '(cuSOLVER\'s routes)')
     if not args.inverse_only and (args.inverse_methods != ['cholesky'] or
                                   args.newton_schulz_max_dim is not None):
         parser.error('--inverse-methods and --newton-schulz-max-dim go '
@@ -1185,6 +1220,16 @@ def _dim_list(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(
             'expected comma-separated integers >= 0, got {!r}'.format(text))
     return values
+
+
+def _route_list(text: str) -> List[str]:
+    routes = [r for r in text.split(',') if r]
+    if not routes or any(r not in linalg_cuda.CHOLESKY_INVERSES
+                         for r in routes):
+        raise argparse.ArgumentTypeError(
+            'expected some of {}, got {!r}'.format(
+                ','.join(linalg_cuda.CHOLESKY_INVERSES), text))
+    return routes
 
 
 def _int_list(text: str) -> List[int]:
@@ -1258,7 +1303,8 @@ def main(argv=None):
                 data['inverse'] += measure_inverse(
                     name, spec, args.rounds or 5, xp, target, kfac_options,
                     args.inverse_methods, args.newton_schulz_max_dim,
-                    args.batched_max_dims or (None,))
+                    args.batched_max_dims or (None,),
+                    args.cholesky_inverses or (None,))
             text = inverse_table(data)
         elif args.batches or args.workspace_sizes:
             data['variants'] = list(args.variants)

@@ -53,6 +53,16 @@ N_STREAMS = 16
 BATCHED_MAX_DIM = 1024
 #: The fewest factors of one size that make a batch.
 BATCH_MIN = 2
+#: How a factor inverted on its own goes from its Cholesky factor to its
+#: inverse: ``'potri'`` (cuSOLVER's, ≈ 2n³/3 flops) or ``'potrs'`` (two
+#: triangular solves against the identity, ≈ 2n³ flops in cuBLAS's
+#: GEMM-rich ``trsm``, which may run nearer the GPU's peak; where potri
+#: cannot be bound, potrs is used either way). The per-factor inverses of
+#: ResNet-50 (n up to 4608) are most of the inverse stage;
+#: ``benchmarks.step_time --gpu --inverse-only --cholesky-inverses
+#: potri,potrs`` times both on the same factors.
+CHOLESKY_INVERSE = 'potri'
+CHOLESKY_INVERSES = ('potri', 'potrs')
 
 # Columns of the per-factor status array written on the device.
 _INPUT_NONFINITE, _FACTOR_INFO, _INVERSE_INFO, _OUTPUT_NONFINITE = range(4)
@@ -271,7 +281,7 @@ class _Solver(object):
         return _potrf_lwork(self.prefix, n, self.handle, matrix.data.ptr)
 
     def potri_lwork(self, n, matrix) -> int:
-        if self.raw is None:
+        if not self._uses_potri():
             return 0
         return _potri_lwork(self.prefix, n, self.handle, matrix.data.ptr)
 
@@ -281,10 +291,18 @@ class _Solver(object):
         potrf(self.handle, _CUBLAS_FILL_MODE_LOWER, n, matrix.data.ptr, n,
               work.data.ptr, work.size, info_ptr)
 
+    def _uses_potri(self) -> bool:
+        if CHOLESKY_INVERSE not in CHOLESKY_INVERSES:
+            raise ValueError('linalg_cuda.CHOLESKY_INVERSE must be one of '
+                             '{}, got {!r}'.format(CHOLESKY_INVERSES,
+                                                   CHOLESKY_INVERSE))
+        return self.raw is not None and CHOLESKY_INVERSE == 'potri'
+
     def potri(self, n, chol, work, info_ptr):
-        """Inverse of ``chol``'s Cholesky factorisation; its upper
+        """Inverse of ``chol``'s Cholesky factorisation (potri, or potrs
+        against the identity: :data:`CHOLESKY_INVERSE`); its upper
         (row-major) triangle is valid."""
-        if self.raw is not None:
+        if self._uses_potri():
             import cupy
             self.cusolver.setStream(self.handle,
                                     cupy.cuda.get_current_stream().ptr)

@@ -371,6 +371,21 @@ def test_step_time_throughput_arithmetic_and_table():
                 ['--gpu', '--inverse-only', '--batched-max-dims', '-1']):
         with pytest.raises(SystemExit):
             step_time.parse_args(bad)
+    # ... and its routes from a lone factor's Cholesky factor to the inverse
+    assert step_time.parse_args(
+        ['--gpu', '--inverse-only', '--cholesky-inverses', 'potrs,potri']
+    ).cholesky_inverses == ['potrs', 'potri']
+    for bad in (['--inverse-only', '--cholesky-inverses', 'potrs'],
+                ['--gpu', '--inverse-only', '--cholesky-inverses', 'lu']):
+        with pytest.raises(SystemExit):
+            step_time.parse_args(bad)
+    # a replayed stale K-FAC variant with TF32 stage 5, amortised over its
+    # cycle with the every-step TF32 variant
+    assert 'kfac_stale_graph_tf32' in step_time.parse_args(['--gpu']).variants
+    assert step_time.KFAC_VARIANTS['kfac_tf32'] == {
+        'factor_dtype': 'tf32', 'precondition_dtype': 'tf32'}
+    assert step_time.KFAC_GRAPH_VARIANTS['kfac_stale_graph_tf32'] == (
+        step_time.KFAC_VARIANTS['kfac_tf32'], 'kfac_tf32')
 
 
 def test_inverse_precision_smoke(tmp_path):

@@ -104,6 +104,32 @@ def test_emulated_gpu_path_equals_the_reference(potri, batched, emulated,
     assert cuda_emulation._STACK[0].ptr not in {s for _, s in used}
 
 
+@pytest.mark.parametrize('route', linalg_cuda.CHOLESKY_INVERSES)
+def test_cholesky_inverse_route_is_chosen(route, emulated, monkeypatch):
+    """``CHOLESKY_INVERSE`` picks potri or potrs for the lone factors
+    (potri bound either way), with the same results; an unknown route is
+    an error naming the setting."""
+    monkeypatch.setattr(linalg_cuda, '_raw_potri', cuda_emulation.raw_potri)
+    monkeypatch.setattr(linalg_cuda, 'BATCHED_MAX_DIM', 0)
+    monkeypatch.setattr(linalg_cuda, 'CHOLESKY_INVERSE', route)
+    factors = _factors()
+    results = linalg.damped_inverses(
+        [cuda_emulation.array(m) for m, _ in factors],
+        [d for _, d in factors])
+    for (matrix, damping), (inverse, used, _) in zip(factors, results):
+        expected, expected_damping, _ = _reference_inverse(matrix, damping)
+        assert used == expected_damping
+        if expected is not None:
+            numpy.testing.assert_allclose(
+                numpy.asarray(inverse), expected, rtol=0,
+                atol=TOLERANCE[expected.dtype.type] * abs(expected).max())
+    calls = {c[0] for c in cuda_emulation.CALLS}
+    assert calls == {'potrf', route}
+    monkeypatch.setattr(linalg_cuda, 'CHOLESKY_INVERSE', 'lu')
+    with pytest.raises(ValueError, match='CHOLESKY_INVERSE must be one of'):
+        linalg.damped_inverses([cuda_emulation.array(factors[-2][0])], [0.1])
+
+
 def test_potri_check_accepts_a_correct_potri(emulated):
     assert linalg_cuda._check_potri(cuda_emulation.raw_potri()) is None
 
