@@ -16,6 +16,7 @@ from chainerkfac import linalg
 from chainerkfac import low_rank
 from chainerkfac.fisher_blocks.base import (BlockOptions, FactorKind,
                                             FisherBlock, Unsupported)
+from chainerkfac.fused import regularized_grad
 
 BN_FISHER_MODES = ('full', 'diag')
 
@@ -149,3 +150,58 @@ def _sum_of_products(a, b, dtype):
     if xp is numpy:
         return numpy.einsum('ncl,ncl->nc', a, b, dtype=dtype)
     return (a.astype(dtype, copy=False) * b).sum(axis=2)
+
+
+# -- stage 5 in batches (the GPU) ---------------------------------------------
+def batch_key(block):
+    """Blocks with equal keys can be preconditioned as one batch
+    (:func:`precondition_batch`); None for a block that cannot: not a
+    BatchNormalization block, no inverse yet, or a diagonal or low-rank
+    (Woodbury) one."""
+    if not isinstance(block, BatchNormalizationBlock) or \
+            not block.has_inverses():
+        return None
+    inverse = block.inverses['F']
+    if isinstance(inverse, low_rank.WoodburyInverse) or \
+            getattr(inverse, 'ndim', 0) != 2:
+        return None
+    return ('BN', block.channels, numpy.dtype(block.link.gamma.dtype),
+            numpy.dtype(inverse.dtype))
+
+
+def precondition_batch(blocks, grads, damping, stack):
+    """:meth:`BatchNormalizationBlock.precondition` of several blocks of
+    one :func:`batch_key` at once: a few batched kernels (a stacked
+    matrix-vector product) instead of a few per block. ResNet-50's 53
+    full BN Fishers come in 6 sizes.
+
+    Parameters
+    ----------
+    blocks : list of BatchNormalizationBlock
+        Equal :func:`batch_key`, not None.
+    grads : list of list
+        Each block's gradients of (γ, β) (none None).
+    damping : float
+        The blocks' γ of eq. (13) (ρ_BN times the damping).
+    stack : chainerkfac.fisher_blocks.kronecker.InverseStack
+        The cache of the batch's stacked inverses (names ``('F',)``).
+
+    Returns
+    -------
+    list of list
+        Each block's directions of (γ, β).
+    """
+    xp = get_array_module(grads[0][0])
+    gammas = xp.stack([b.link.gamma.array for b in blocks])
+    betas = xp.stack([b.link.beta.array for b in blocks])
+    # eq. (13): γ pulled towards 1, β towards 0, as regularization_means
+    vectors = xp.concatenate([
+        regularized_grad(xp.stack([g[0] for g in grads]), gammas, damping,
+                         mean=1.0),
+        regularized_grad(xp.stack([g[1] for g in grads]), betas, damping)],
+        axis=1)
+    [inverses] = stack.get(blocks)
+    inverses = inverses.astype(vectors.dtype, copy=False)
+    out = linalg.matmul(inverses, vectors[:, :, None])[:, :, 0]
+    c = blocks[0].channels
+    return [[out[i, :c], out[i, c:]] for i in range(len(blocks))]

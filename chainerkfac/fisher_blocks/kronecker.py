@@ -297,20 +297,23 @@ def batch_key(block):
 
 
 class InverseStack:
-    """The inverses of a batch of blocks stacked (B, n, n), kept until one
-    of them changes (a refresh)."""
+    """The inverses ``names`` of a batch of blocks stacked (B, n, n), kept
+    until one of them changes (a refresh)."""
 
-    def __init__(self):
+    def __init__(self, names=('A', 'G')):
+        self.names = tuple(names)
         self._key = None
         self._stacks = None
 
     def get(self, blocks):
-        key = tuple((id(b.inverses['A']), id(b.inverses['G']))
+        """One stack per name, in the order of :attr:`names`."""
+        key = tuple(tuple(id(b.inverses[n]) for n in self.names)
                     for b in blocks)
         if key != self._key:
-            xp = get_array_module(blocks[0].inverses['A'])
+            xp = get_array_module(blocks[0].inverses[self.names[0]])
             self._stacks = tuple(
-                xp.stack([b.inverses[n] for b in blocks]) for n in 'AG')
+                xp.stack([b.inverses[n] for b in blocks])
+                for n in self.names)
             self._key = key
         return self._stacks
 

@@ -40,6 +40,7 @@ from chainerkfac import process_group
 from chainerkfac import sharding
 from chainerkfac.estimator import CurvatureEstimator
 from chainerkfac.low_rank import Exchange
+from chainerkfac.fisher_blocks import batch_norm
 from chainerkfac.fisher_blocks import kronecker
 from chainerkfac.optimizers import hooks
 from chainerkfac.optimizers import options
@@ -802,9 +803,10 @@ class KFAC(optimizer.GradientMethod):
 
     def _precondition_owned(self, grads, present):
         """Stage 5 for every owned block with a gradient. On the GPU the
-        Kronecker blocks of equal shapes go as one batch each (a Python
-        loop over shape groups, a few kernels per group); on the CPU, where
-        batching saves nothing, block by block."""
+        Kronecker blocks of equal shapes go as one batch each, and so do
+        the full BN Fishers of equal sizes (a Python loop over shape
+        groups, a few kernels per group); on the CPU, where batching saves
+        nothing, block by block."""
         owned = [b for b in self.blocks
                  if self.transport.owns(b) and any(present[b])]
         directions = {}
@@ -813,19 +815,27 @@ class KFAC(optimizer.GradientMethod):
         if like is not None and not isinstance(like, numpy.ndarray):
             for block in owned:
                 if all(g is not None for g in grads[block]):
-                    key = kronecker.batch_key(block)
+                    key = (kronecker.batch_key(block) or
+                           batch_norm.batch_key(block))
                     if key is not None:
                         groups.setdefault(key, []).append(block)
         batched = set()
         for key, members in groups.items():
             if len(members) < 2:
                 continue
-            stack = self._inverse_stacks.setdefault(
-                key, kronecker.InverseStack())
             damping = self._block_damping(members[0])
-            out = kronecker.precondition_batch(
-                members, [grads[b] for b in members], damping, stack,
-                tf32=members[0].precondition_tf32)
+            member_grads = [grads[b] for b in members]
+            if isinstance(members[0], batch_norm.BatchNormalizationBlock):
+                stack = self._inverse_stacks.setdefault(
+                    key, kronecker.InverseStack(('F',)))
+                out = batch_norm.precondition_batch(members, member_grads,
+                                                    damping, stack)
+            else:
+                stack = self._inverse_stacks.setdefault(
+                    key, kronecker.InverseStack())
+                out = kronecker.precondition_batch(
+                    members, member_grads, damping, stack,
+                    tf32=members[0].precondition_tf32)
             directions.update(zip(members, out))
             batched.update(members)
         for block in owned:

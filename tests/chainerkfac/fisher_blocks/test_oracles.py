@@ -248,6 +248,67 @@ def test_batched_preconditioning_equals_block_by_block():
                                                   atol=1e-14)
 
 
+class TwinBN(chainer.Chain):
+    """Three BatchNormalizations of 3 channels and one of 4, float64."""
+
+    def __init__(self):
+        super().__init__()
+        with helpers.float64_links(), self.init_scope():
+            self.c0 = L.Convolution2D(2, 3, 3, pad=1)
+            self.c1 = L.Convolution2D(3, 4, 3, pad=1)
+            for i in range(3):
+                setattr(self, 'bn{}'.format(i), L.BatchNormalization(3))
+            self.bn3 = L.BatchNormalization(4)
+            self.fc = L.Linear(36, 3)
+
+    def forward(self, x):
+        h = self.c0(x)
+        h = F.relu(self.bn0(h)) + F.tanh(self.bn1(h)) + self.bn2(h * h)
+        return self.fc(F.relu(self.bn3(self.c1(h))))
+
+
+def test_batched_bn_preconditioning_equals_block_by_block():
+    # The GPU's stage 5 also groups the full BN Fishers of equal sizes
+    # (batch_norm.precondition_batch: a stacked matrix-vector product);
+    # here its NumPy run against each block's own precondition. Diagonal
+    # and low-rank Fishers are not batched.
+    from chainerkfac.fisher_blocks import batch_norm, kronecker
+    for options, batched_sizes, n in (({}, [1, 3], 5),
+                                      ({'bn_fisher': 'diag'}, [], 5),
+                                      ({'low_rank': True}, [], 2)):
+        # 2 samples: every BN Fisher of rank 2 is low rank (Woodbury)
+        x, t = helpers.data(n=n, shape=(2, 3, 3), n_class=3)
+        model = TwinBN()
+        optimizer = helpers.kfac(**dict(dict(low_rank=False), **options))
+        optimizer.setup(model)
+        optimizer.update(helpers.loss_of(model), x, t)
+        bn = [b for b in optimizer.blocks
+              if isinstance(b, batch_norm.BatchNormalizationBlock)]
+        assert len(bn) == 4
+        groups = {}
+        for block in bn:
+            key = batch_norm.batch_key(block)
+            if key is not None:
+                groups.setdefault(key, []).append(block)
+        assert sorted(len(g) for g in groups.values()) == batched_sizes
+        assert all(batch_norm.batch_key(b) is None for b in
+                   optimizer.blocks if b not in bn)
+        rng = numpy.random.RandomState(0)
+        for members in groups.values():
+            grads = [[rng.randn(*p.shape) for p in b.params]
+                     for b in members]
+            stack = kronecker.InverseStack(('F',))
+            batched = batch_norm.precondition_batch(members, grads, 0.01,
+                                                    stack)
+            assert stack.get(members) is stack.get(members)   # cached
+            for block, grad, got in zip(members, grads, batched):
+                expected = block.precondition(grad, 0.01)
+                assert [g.shape for g in got] == [(block.channels,)] * 2
+                for a, b in zip(got, expected):
+                    numpy.testing.assert_allclose(a, b, rtol=1e-12,
+                                                  atol=1e-14)
+
+
 @pytest.mark.parametrize('make, limit', [
     (lambda: helpers.ConvNet(stride=2, pad=1, bn=True), 10),
     (lambda: helpers.ConvNet(ksize=3, dilate=2, pad=2, bias=False), 3),
