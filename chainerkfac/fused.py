@@ -2,7 +2,8 @@
 
 A K-FAC step touches every parameter a few times: the regularised gradient
 of eq. (13), the update of eqs. (19)-(20), the check that no direction is
-NaN or Inf. Written as array expressions, each is several CuPy kernels per
+NaN or Inf; and a refresh step reads every BatchNormalization's input and
+output gradient for the per-sample gradients of its (γ, β). Written as array expressions, each is several CuPy kernels per
 parameter (ResNet-50 has 161): hundreds of launches and, for the finite
 check, a host synchronisation per array. Here each is one kernel per
 parameter (three with eq. 20's norm) and the finite check is one kernel
@@ -155,6 +156,88 @@ def all_finite(arrays: Sequence) -> bool:
     return not bool(bad.get()[0])
 
 
+def bn_sample_grads(x, gy, mean, inv_std, dtype):
+    """Per-sample gradients of a BatchNormalization's (γ, β), unscaled:
+    ``rows[n] = [Σ_l gy x̂, Σ_l gy]`` over the locations ``l`` of each
+    channel, ``x̂ = (x − μ)·σ⁻¹``, formed as ``σ⁻¹ (Σ gy x − μ Σ gy)``
+    without ``x̂``; shape ``(N, 2C)`` in ``dtype``.
+
+    ``x`` and ``gy`` are ``(N, C, L)``; ``mean`` and ``inv_std`` the
+    batch's ``(C,)`` statistics. On the GPU (float32 or float64 data) one
+    kernel reads ``x`` and ``gy`` once and writes the rows: a block per
+    ``(n, c)``, the two sums in ``dtype`` (the generic path was a
+    reduction, a product the size of ``x`` and a second reduction, then
+    four small kernels). Elsewhere, and for float16 data, the array
+    expressions (NumPy's ``einsum`` makes no temporary).
+    """
+    xp = get_array_module(x)
+    dtype = numpy.dtype(dtype)
+    mean = mean.astype(dtype, copy=False)
+    inv_std = inv_std.astype(dtype, copy=False)
+    if xp is not numpy and x.dtype == gy.dtype == dtype and \
+            dtype in _BN_CTYPES:
+        n, c, length = x.shape
+        x = xp.ascontiguousarray(x)
+        gy = xp.ascontiguousarray(gy)
+        rows = xp.empty((n, 2 * c), dtype)
+        threads = 64 if length <= 256 else 256
+        _kernels().bn_sample_grads[dtype](
+            (n * c,), (threads,),
+            (x, gy, xp.ascontiguousarray(mean), xp.ascontiguousarray(inv_std),
+             rows, numpy.int32(c), numpy.int64(length)))
+        return rows
+    g_beta = gy.sum(axis=2, dtype=dtype)
+    if xp is numpy:
+        products = numpy.einsum('ncl,ncl->nc', gy, x, dtype=dtype)
+    else:
+        products = (gy.astype(dtype, copy=False) * x).sum(axis=2)
+    g_gamma = (products - mean * g_beta) * inv_std
+    return xp.concatenate([g_gamma, g_beta], axis=1)
+
+
+_BN_CTYPES = {numpy.dtype(numpy.float32): ('f32', 'float'),
+              numpy.dtype(numpy.float64): ('f64', 'double')}
+
+# One block of ``blockDim.x`` (64 or 256) threads per (n, c) row: strided
+# sums, then a tree in shared memory; thread 0 writes both entries.
+_BN_SOURCE = r'''
+extern "C" __global__ void chainerkfac_bn_sample_grads_{name}(
+        const {ctype}* x, const {ctype}* gy, const {ctype}* mean,
+        const {ctype}* inv_std, {ctype}* rows, const int channels,
+        const long long length) {{
+    __shared__ {ctype} s_gx[256];
+    __shared__ {ctype} s_g[256];
+    const long long row = blockIdx.x;
+    const int c = (int) (row % channels);
+    const long long n = row / channels;
+    const {ctype}* xr = x + row * length;
+    const {ctype}* gr = gy + row * length;
+    {ctype} sum_gx = 0, sum_g = 0;
+    for (long long i = threadIdx.x; i < length; i += blockDim.x) {{
+        const {ctype} g = gr[i];
+        sum_g += g;
+        sum_gx += g * xr[i];
+    }}
+    const int t = threadIdx.x;
+    s_gx[t] = sum_gx;
+    s_g[t] = sum_g;
+    __syncthreads();
+    for (int half = blockDim.x / 2; half > 0; half >>= 1) {{
+        if (t < half) {{
+            s_gx[t] += s_gx[t + half];
+            s_g[t] += s_g[t + half];
+        }}
+        __syncthreads();
+    }}
+    if (t == 0) {{
+        rows[n * 2 * channels + c] = (s_gx[0] - mean[c] * s_g[0]) *
+            inv_std[c];
+        rows[n * 2 * channels + channels + c] = s_g[0];
+    }}
+}}
+'''
+
+
 _FINITE_SOURCE = r'''
 extern "C" __global__ void all_finite_{name}(
         const unsigned long long* pointers, const long long* sizes,
@@ -198,6 +281,10 @@ def _kernels():
             'T scaled = v * (target / (norm + eps)); v = scaled - w; '
             'w = scaled;',
             'chainerkfac_rescaled_step')
+        bn_sample_grads = {
+            dtype: cupy.RawKernel(_BN_SOURCE.format(name=name, ctype=ctype),
+                                  'chainerkfac_bn_sample_grads_' + name)
+            for dtype, (name, ctype) in _BN_CTYPES.items()}
         finite = {
             numpy.dtype(numpy.float32): cupy.RawKernel(
                 _FINITE_SOURCE.format(name='f32', ctype='float'),

@@ -16,6 +16,7 @@ from chainerkfac import linalg
 from chainerkfac import low_rank
 from chainerkfac.fisher_blocks.base import (BlockOptions, FactorKind,
                                             FisherBlock, Unsupported)
+from chainerkfac import fused
 from chainerkfac.fused import regularized_grad
 
 BN_FISHER_MODES = ('full', 'diag')
@@ -99,14 +100,10 @@ class BatchNormalizationBlock(FisherBlock):
         # forming x̂: Σ gy x̂ = σ⁻¹ (Σ gy x − μ Σ gy), sums over locations.
         # (The difference loses ~|μ|/σ of relative precision: negligible
         # for batch-normalised features, where |μ|/σ is of order 1.)
-        x3 = x.reshape(n, c, -1)
-        gy3 = gy.reshape(n, c, -1)
         dtype = linalg.factor_dtype_for(x.dtype)
-        g_beta = gy3.sum(axis=2, dtype=dtype)
-        g_gamma = (_sum_of_products(gy3, x3, dtype) -
-                   mean.astype(dtype, copy=False) * g_beta) * \
-            inv_std.astype(dtype, copy=False)
-        rows = get_array_module(x).concatenate([g_gamma, g_beta], axis=1)
+        rows = fused.bn_sample_grads(x.reshape(n, c, -1),
+                                     gy.reshape(n, c, -1), mean, inv_std,
+                                     dtype)
         # Per-sample gradients N·f: F = (1/N) Σ (N f)(N f)ᵀ = N Σ f fᵀ.
         if self._columns_fit('F', n):
             value = low_rank.columns_of(rows.T, float(n))
@@ -141,15 +138,6 @@ class BatchNormalizationBlock(FisherBlock):
                                             vector[:, None])[:, 0]
         c = self.channels
         return [vector[:c], vector[c:]]
-
-
-def _sum_of_products(a, b, dtype):
-    """``Σ_l a[n, c, l] · b[n, c, l]`` (N, C) in ``dtype``, in one pass
-    without a temporary on NumPy (``einsum``)."""
-    xp = get_array_module(a)
-    if xp is numpy:
-        return numpy.einsum('ncl,ncl->nc', a, b, dtype=dtype)
-    return (a.astype(dtype, copy=False) * b).sum(axis=2)
 
 
 # -- stage 5 in batches (the GPU) ---------------------------------------------
