@@ -13,6 +13,7 @@ import chainerkfac
 from chainerkfac import linalg
 from chainerkfac.optimizers import kfac as kfac_module
 from tests.chainerkfac import helpers
+from tests.chainerkfac.fisher_blocks.test_oracles import TwinBN
 from tests.gpu import support
 
 pytestmark = support.MARKS
@@ -107,28 +108,13 @@ class TwinModel(chainer.Chain):
         return self.f0(h) + self.f1(h)
 
 
-class TwinBNModel(chainer.Chain):
-    """BatchNormalizations of equal sizes: on the GPU their full Fishers
-    are preconditioned as one batch (batch_norm.precondition_batch)."""
+class TwinBNModel(TwinBN):
+    """BatchNormalizations of equal sizes (three of 3 channels, one of 4):
+    on the GPU their full Fishers are preconditioned as one batch
+    (batch_norm.precondition_batch)."""
 
-    in_shape = (2, 5, 5)
+    in_shape = (2, 3, 3)
     n_out = 3
-
-    def __init__(self):
-        super().__init__()
-        import chainer.links as L
-        with helpers.float64_links(), self.init_scope():
-            self.c0 = L.Convolution2D(2, 3, 3, pad=1)
-            self.bn0 = L.BatchNormalization(3)
-            self.bn1 = L.BatchNormalization(3)
-            self.bn2 = L.BatchNormalization(3)
-            self.f0 = L.Linear(75, 3)
-
-    def forward(self, x):
-        import chainer.functions as F
-        h = self.c0(x)
-        h = F.relu(self.bn0(h)) + F.tanh(self.bn1(h)) + self.bn2(h * h)
-        return self.f0(h.reshape(len(x), -1))
 
 
 CASES = {
