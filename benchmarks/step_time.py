@@ -15,8 +15,10 @@ batch 8, 224x224; ``--gpu``: the same small ResNet and ResNet-50 at batch
 32 on GPU 0) each variant trains its own copy of the same network on the
 same fixed batch:
 
-* ``sgd``: :class:`chainer.optimizers.MomentumSGD` (cleargrads, forward,
-  backward, update);
+* ``sgd``: Chainer's MomentumSGD as ``train_imagenet.py`` runs it,
+  :class:`chainerkfac.optimizers.FusedMomentumSGD` (its update in
+  multi-tensor kernels on the GPU, as PyTorch's SGD; the same steps)
+  (cleargrads, forward, backward, update);
 * ``kfac_every``: :class:`chainerkfac.optimizers.KFAC`, every factor
   refreshed (and inverted) every step;
 * ``kfac_stale``: K-FAC with refresh intervals ``--interval`` (20): its
@@ -160,7 +162,7 @@ from chainerkfac import fisher_blocks
 from chainerkfac import linalg
 from chainerkfac import linalg_cuda
 from chainerkfac import newton_schulz
-from chainerkfac.optimizers import KFAC
+from chainerkfac.optimizers import KFAC, FusedMomentumSGD
 from harness import sizes, tuning
 
 #: name -> KFAC keyword arguments (the refresh interval is added).
@@ -246,12 +248,13 @@ def drop_graph(classifier: chainer.Link) -> None:
 
 
 class SGDStep:
-    """Momentum SGD, timed as forward_backward + update."""
+    """Momentum SGD (:class:`~chainerkfac.optimizers.FusedMomentumSGD`),
+    timed as forward_backward + update."""
 
     def __init__(self, model, synchronize: Callable[[], None], lr=0.01):
         self.model = model
         self.synchronize = synchronize
-        self.optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
+        self.optimizer = FusedMomentumSGD(lr=lr, momentum=0.9)
         self.optimizer.setup(model)
         self.stage_times = {}
         self.refreshed = False
@@ -275,7 +278,7 @@ class SGDGraphStep:
 
     def __init__(self, model, lr=0.01):
         from chainerkfac import graphs
-        self.optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
+        self.optimizer = FusedMomentumSGD(lr=lr, momentum=0.9)
         self.optimizer.setup(model)
         self.graph = graphs.StepGraph(
             lambda x, t: self.optimizer.update(model, x, t),

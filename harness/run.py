@@ -69,7 +69,10 @@ def build_optimizer(name, cfg, comm, acc_iters, args, use_graphs=False):
         # Goyal et al.: from the learning rate of a batch of 256 (0.1 for
         # the default) up to the scaled one; never down.
         warmup_start = lr / max(scale, 1.0)
-        actual = chainer.optimizers.MomentumSGD(lr=lr, momentum=momentum)
+        # Chainer's MomentumSGD, its update in multi-tensor kernels on the
+        # GPU (the same steps; on the CPU bit for bit)
+        actual = chainerkfac.optimizers.FusedMomentumSGD(lr=lr,
+                                                         momentum=momentum)
     else:
         # MLPerf-0.6 LARS at 32K (seed 002, Table 1), trust coefficient
         # 1e-3: scaled momentum with base LR 31.2 and momentum 0.9, unscaled

@@ -252,7 +252,9 @@ class GuardedOptimizer:
                 'GuardedOptimizer: shard_update is on for ranks {} only: '
                 'all processes must agree'.format(
                     [r for r, f in enumerate(flags) if f]))
-        if type(optimizer).update is not chainer.GradientMethod.update:
+        if type(optimizer).update is not chainer.GradientMethod.update \
+                and not getattr(optimizer, 'gradient_method_update', False):
+            # (FusedMomentumSGD's update is GradientMethod.update's, fused)
             raise ValueError(
                 'GuardedOptimizer(shard_update=True): {} has its own update '
                 '(the sharded step runs chainer.GradientMethod.update on the '

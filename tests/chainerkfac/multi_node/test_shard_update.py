@@ -17,7 +17,7 @@ import pytest
 import chainer
 
 from chainerkfac import sharding
-from chainerkfac.optimizers import GuardedOptimizer, LARS
+from chainerkfac.optimizers import FusedMomentumSGD, GuardedOptimizer, LARS
 from tests.chainerkfac import helpers
 from tests.chainerkfac.multi_node import common
 
@@ -172,7 +172,11 @@ def _lars(form):
 
 
 BASELINES = {'momentum_sgd': _sgd, 'lars_scaled': _lars('scaled'),
-             'lars_unscaled': _lars('unscaled')}
+             'lars_unscaled': _lars('unscaled'),
+             # its update is GradientMethod.update's, fused: sharded, the
+             # owners update parameter by parameter
+             'fused_momentum_sgd': lambda: FusedMomentumSGD(lr=0.05,
+                                                            momentum=0.9)}
 
 
 def _guarded(comm, make, acc_iters, shard_update, seed=0):

@@ -1,0 +1,226 @@
+"""FusedMomentumSGD against Chainer's MomentumSGD: on the CPU the same
+weights, velocities and step counts bit for bit (the same expression in
+the same order; a model with an unused head, whose cleared gradients
+Chainer reallocates as zeros, moved by weight decay alike), with the
+parameters its kernel does not take (a hooked or disabled rule) going
+Chainer's own way;
+snapshots of either load into the other; a CUDA graph's adapter replays
+it. On the GPU (marked ``gpu``) the multi-tensor kernel against Chainer's
+per-parameter one, within float rounding of the same expression."""
+import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
+
+import io
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import serializers
+
+from chainerkfac import multi_tensor
+from chainerkfac.optimizers import FusedMomentumSGD, GuardedOptimizer
+from tests.chainerkfac import helpers
+from tests.gpu import support
+
+
+class Net(chainer.Chain):
+    """An MLP with a head the loss never uses and more parameters than one
+    kernel launch takes."""
+
+    def __init__(self, dtype=numpy.float32, width=6, depth=20):
+        super().__init__()
+        with chainer.using_config('dtype', dtype), self.init_scope():
+            self.first = L.Linear(5, width)
+            self.hidden = chainer.ChainList(*[
+                L.Linear(width, width) for _ in range(depth)])
+            self.out = L.Linear(width, 3)
+            self.unused = L.Linear(width, 2)
+
+    def forward(self, x):
+        h = F.tanh(self.first(x))
+        for link in self.hidden:
+            h = F.tanh(link(h))
+        return self.out(h)
+
+
+def _data(dtype, steps, seed=0):
+    rng = numpy.random.RandomState(seed)
+    return [(rng.randn(8, 5).astype(dtype),
+             rng.randint(0, 3, 8).astype(numpy.int32)) for _ in range(steps)]
+
+
+def _train(make, dtype=numpy.float32, steps=6, manual=False, prepare=None,
+           xp=numpy):
+    numpy.random.seed(0)
+    model = Net(dtype)
+    if xp is not numpy:
+        model.to_device(support.device())
+    optimizer = make().setup(model)
+    optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-3))
+    if prepare is not None:
+        prepare(model)
+    for x, t in _data(dtype, steps):
+        x, t = xp.asarray(x), xp.asarray(t)
+        helpers.update(optimizer, model, helpers.loss_of(model), x, t,
+                       manual)
+    return model, optimizer
+
+
+def _state(model, optimizer):
+    out = {}
+    for name, param in sorted(model.namedparams()):
+        rule = param.update_rule
+        out[name] = (support.to_cpu(param.array),
+                     None if rule.state is None
+                     else support.to_cpu(rule.state['v']), rule.t)
+    return out, optimizer.t
+
+
+def _sgd():
+    return chainer.optimizers.MomentumSGD(lr=0.1, momentum=0.9)
+
+
+def _fused():
+    return FusedMomentumSGD(lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64,
+                                   numpy.float16])
+@pytest.mark.parametrize('manual', [False, True])
+def test_equals_chainer_bit_for_bit_on_the_cpu(dtype, manual):
+    expected, t = _state(*_train(_sgd, dtype, manual=manual))
+    got, fused_t = _state(*_train(_fused, dtype, manual=manual))
+    assert fused_t == t == 6
+    assert set(got) == set(expected)
+    for name, (weight, velocity, rule_t) in expected.items():
+        numpy.testing.assert_array_equal(got[name][0], weight, err_msg=name)
+        assert got[name][2] == rule_t == 6, name
+        if velocity is None:
+            assert got[name][1] is None, name
+        else:
+            numpy.testing.assert_array_equal(got[name][1], velocity, name)
+    # the unused head moved (weight decay on its zero gradients) as
+    # Chainer moves it
+    assert expected['/unused/W'][1].any()
+
+
+def _hooked_and_disabled(model):
+    calls = []
+    model.hidden[3].W.update_rule.add_hook(
+        lambda rule, param: calls.append(param.name), name='counter')
+    model.hidden[4].b.update_rule.enabled = False
+    model.calls = calls
+
+
+def test_hooked_and_disabled_rules_go_chainers_way():
+    expected, _ = _state(*_train(_sgd, prepare=_hooked_and_disabled))
+    model, optimizer = _train(_fused, prepare=_hooked_and_disabled)
+    got, _ = _state(model, optimizer)
+    assert model.calls == ['W'] * 6
+    assert got['/hidden/4/b'][2] == 0      # disabled: never counted
+    for name, (weight, velocity, rule_t) in expected.items():
+        numpy.testing.assert_array_equal(got[name][0], weight, err_msg=name)
+        assert got[name][2] == rule_t, name
+
+
+def test_the_fused_path_is_taken(monkeypatch):
+    """Every parameter with a plain rule goes to one call per group (the
+    unused head's too: Chainer gives it zero gradients)."""
+    calls = []
+    original = multi_tensor.momentum_sgd
+
+    def spy(params, *args):
+        calls.append(len(params))
+        return original(params, *args)
+    monkeypatch.setattr(multi_tensor, 'momentum_sgd', spy)
+    model, _ = _train(_fused, steps=2)
+    assert calls == [46, 46] == [len(list(model.params()))] * 2
+
+
+def test_snapshots_load_either_way():
+    for save, load in ((_sgd, _fused), (_fused, _sgd)):
+        model, optimizer = _train(save, steps=3)
+        buffer = io.BytesIO()
+        serializers.save_npz(buffer, optimizer)
+        numpy.random.seed(0)
+        other = load().setup(Net())
+        buffer.seek(0)
+        serializers.load_npz(buffer, other)
+        assert other.t == 3
+        for (name, a), (_, b) in zip(sorted(model.namedparams()),
+                                     sorted(other.target.namedparams())):
+            if a.update_rule.state is not None:
+                numpy.testing.assert_array_equal(
+                    a.update_rule.state['v'], b.update_rule.state['v'])
+
+
+def test_guarded_and_graph_adapter_take_it():
+    """GuardedOptimizer drives it as it drives MomentumSGD; the CUDA-graph
+    adapter finds it replayable, and with the hyperparameters in device
+    memory (NumPy twins here) the steps are Chainer's."""
+    from chainerkfac import graphs
+    runs = []
+    for make in (_sgd, _fused):
+        numpy.random.seed(0)
+        model = Net()
+        optimizer = GuardedOptimizer(make()).setup(model)
+        adapter = graphs.ChainerOptimizer(optimizer.actual_optimizer,
+                                          hyperparameters_on_device=True)
+        assert adapter.refusal() is None
+        for step, (x, t) in enumerate(_data(numpy.float32, 4)):
+            optimizer.lr = 0.1 * 0.9 ** step
+            adapter.before_step()
+            optimizer.update(helpers.loss_of(model), x, t)
+        runs.append(_state(model, optimizer)[0])
+    for name, (weight, velocity, _) in runs[0].items():
+        numpy.testing.assert_array_equal(runs[1][name][0], weight, name)
+
+
+def test_numpy_twin_is_chainers_expression():
+    rng = numpy.random.RandomState(1)
+    w, g, v = (rng.randn(7).astype(numpy.float32) for _ in range(3))
+    expected_v = v * numpy.float32(0.9) - numpy.float32(0.1) * g
+    w2, v2 = w.copy(), v.copy()
+    multi_tensor.momentum_sgd([w2], [g], [v2], 0.1, 0.9)
+    numpy.testing.assert_array_equal(v2, expected_v)
+    numpy.testing.assert_array_equal(w2, w + expected_v)
+    multi_tensor.momentum_sgd([], [], [], 0.1, 0.9)      # nothing to do
+
+
+# -- GPU ------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
+def test_gpu_kernel_against_chainers(dtype):
+    """46 parameters (two launches of 32): the weights and
+    velocities of 6 steps within a few roundings of Chainer's (the same
+    expression; the compiler may contract it differently)."""
+    cupy = support.cupy_or_skip()
+    expected, _ = _state(*_train(_sgd, dtype, xp=cupy))
+    got, _ = _state(*_train(_fused, dtype, xp=cupy))
+    unit = numpy.finfo(dtype).eps
+    for name, (weight, velocity, rule_t) in expected.items():
+        scale = abs(weight).max() + 1e-30
+        numpy.testing.assert_allclose(got[name][0], weight, rtol=0,
+                                      atol=64 * unit * scale, err_msg=name)
+        assert got[name][2] == rule_t
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_reads_device_hyperparameters():
+    cupy = support.cupy_or_skip()
+    rng = numpy.random.RandomState(2)
+    sizes = [1, 7, 1000, 70000] * 9          # 36 tensors: two launches
+    host = [[rng.randn(n).astype(numpy.float32) for n in sizes]
+            for _ in range(3)]
+    expected = [[a.copy() for a in group] for group in host]
+    multi_tensor.momentum_sgd(*expected, 0.05, 0.8)
+    for lr, momentum in ((0.05, 0.8), (cupy.asarray(0.05, numpy.float32),
+                                       cupy.asarray(0.8, numpy.float32))):
+        device = [[cupy.asarray(a) for a in group] for group in host]
+        multi_tensor.momentum_sgd(*device, lr, momentum)
+        for got, want in zip(device[0] + device[2],
+                             expected[0] + expected[2]):
+            numpy.testing.assert_allclose(cupy.asnumpy(got), want,
+                                          rtol=4e-7, atol=1e-7)
