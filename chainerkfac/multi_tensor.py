@@ -67,29 +67,35 @@ def momentum_sgd(params: Sequence, grads: Sequence, velocities: Sequence,
             raise ValueError('momentum_sgd takes C-contiguous arrays of one '
                              'dtype ({}), got {} {}'.format(
                                  dtype, array.dtype, array.shape))
-    on_device = not isinstance(lr, (int, float, numpy.generic))
-    if on_device != (not isinstance(momentum, (int, float, numpy.generic))):
-        raise TypeError('momentum_sgd: lr and momentum both host numbers or '
-                        'both device arrays')
-    if on_device:
-        lr_ptr = lr.astype(dtype, copy=False)
-        m_ptr = momentum.astype(dtype, copy=False)
-        lr_val = m_val = dtype.type(0)
-    else:
-        lr_ptr = m_ptr = velocities[0]          # never read
-        lr_val, m_val = dtype.type(lr), dtype.type(momentum)
+    (lr_ptr, lr_val), (m_ptr, m_val) = (
+        _scalar(value, dtype, velocities[0]) for value in (lr, momentum))
+    on_device = numpy.int32(int(not _is_host(lr)) |
+                            int(not _is_host(momentum)) << 1)
     order = sorted(range(len(params)), key=lambda k: -params[k].size)
     kernel = _kernel(dtype)
     for start in range(0, len(order), CHUNK):
         chunk = order[start:start + CHUNK]
         widest = params[chunk[0]].size
         blocks = int(min(MAX_BLOCKS, max(1, -(-widest // (THREADS * 4)))))
-        args = [lr_ptr, m_ptr, lr_val, m_val, numpy.int32(on_device)]
+        args = [lr_ptr, m_ptr, lr_val, m_val, on_device]
         for slot in range(CHUNK):
             k = chunk[slot] if slot < len(chunk) else chunk[0]
             size = params[k].size if slot < len(chunk) else 0
             args += [params[k], grads[k], velocities[k], numpy.int64(size)]
         kernel((blocks, len(chunk)), (THREADS,), tuple(args))
+
+
+def _scalar(value, dtype, unused):
+    """``(device array, host value)`` of a kernel scalar: a host number
+    rounded to ``dtype`` (the array ``unused``, never read, in its place),
+    or a 0-d device array cast to ``dtype``."""
+    if _is_host(value):
+        return unused, dtype.type(value)
+    return value.astype(dtype, copy=False), dtype.type(0)
+
+
+def _is_host(value) -> bool:
+    return isinstance(value, (int, float, numpy.generic))
 
 
 def _host(value, dtype):
@@ -121,7 +127,7 @@ _SOURCE = r'''
 extern "C" __global__ void chainerkfac_momentum_sgd_{name}(
         const {ctype}* lr_ptr, const {ctype}* momentum_ptr,
         const {ctype} lr_value, const {ctype} momentum_value,
-        const int on_device,
+        const int on_device,    /* bit 0: lr, bit 1: momentum */
         {args}) {{
     {ctype}* param = 0;
     const {ctype}* grad = 0;
@@ -131,8 +137,9 @@ extern "C" __global__ void chainerkfac_momentum_sgd_{name}(
         {cases}
         default: return;
     }}
-    const {ctype} lr = on_device ? lr_ptr[0] : lr_value;
-    const {ctype} momentum = on_device ? momentum_ptr[0] : momentum_value;
+    const {ctype} lr = (on_device & 1) ? lr_ptr[0] : lr_value;
+    const {ctype} momentum = (on_device & 2) ? momentum_ptr[0]
+                                             : momentum_value;
     const long long stride = (long long) gridDim.x * blockDim.x;
     for (long long i = (long long) blockIdx.x * blockDim.x + threadIdx.x;
          i < size; i += stride) {{

@@ -216,8 +216,10 @@ def test_gpu_kernel_reads_device_hyperparameters():
             for _ in range(3)]
     expected = [[a.copy() for a in group] for group in host]
     multi_tensor.momentum_sgd(*expected, 0.05, 0.8)
-    for lr, momentum in ((0.05, 0.8), (cupy.asarray(0.05, numpy.float32),
-                                       cupy.asarray(0.8, numpy.float32))):
+    on_device = (cupy.asarray(0.05, numpy.float32),
+                 cupy.asarray(0.8, numpy.float64))     # cast to float32
+    for lr, momentum in ((0.05, 0.8), on_device, (on_device[0], 0.8),
+                         (0.05, on_device[1])):
         device = [[cupy.asarray(a) for a in group] for group in host]
         multi_tensor.momentum_sgd(*device, lr, momentum)
         for got, want in zip(device[0] + device[2],
