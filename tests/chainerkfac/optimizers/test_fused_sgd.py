@@ -226,3 +226,65 @@ def test_gpu_kernel_reads_device_hyperparameters():
                              expected[0] + expected[2]):
             numpy.testing.assert_allclose(cupy.asnumpy(got), want,
                                           rtol=4e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize('scalars', ['host', 'device', 'mixed'])
+def test_gpu_launches_marshalled_as_the_kernel_reads_them(monkeypatch,
+                                                          scalars):
+    """The GPU path's launches against a stand-in kernel that reads its
+    arguments as the CUDA source does (NumPy arrays for device memory):
+    70 tensors in launches of at most 32, largest first, padded with
+    empty slots, sizes as int64, η and m by value or by pointer as the
+    flag bits say; the result is the NumPy twin's."""
+    launches = []
+
+    def kernel(grid, block, args):
+        assert len(args) == 5 + 4 * multi_tensor.CHUNK
+        lr_ptr, m_ptr, lr_value, m_value, flags = args[:5]
+        assert isinstance(flags, numpy.int32) and block == (
+            multi_tensor.THREADS,)
+        assert type(lr_value) is numpy.float32
+        lr = lr_ptr[()] if flags & 1 else lr_value
+        momentum = m_ptr[()] if flags & 2 else m_value
+        blocks, count = grid
+        assert 1 <= blocks <= multi_tensor.MAX_BLOCKS
+        sizes = []
+        for slot in range(multi_tensor.CHUNK):
+            p, g, v, n = args[5 + 4 * slot:9 + 4 * slot]
+            assert isinstance(n, numpy.int64)
+            if slot >= count:
+                assert n == 0
+                continue
+            assert n == p.size == g.size == v.size
+            v[...] = momentum * v - lr * g
+            p += v
+            sizes.append(int(n))
+        assert blocks * multi_tensor.THREADS * 4 >= min(
+            sizes[0], multi_tensor.MAX_BLOCKS * multi_tensor.THREADS * 4)
+        launches.append(sizes)
+
+    class FakeCupy:   # any module other than NumPy takes the GPU path
+        pass
+    monkeypatch.setattr(multi_tensor, 'get_array_module',
+                        lambda a: FakeCupy)
+    monkeypatch.setattr(multi_tensor, '_kernel', lambda dtype: kernel)
+    rng = numpy.random.RandomState(3)
+    sizes = [int(n) for n in rng.randint(1, 3000, 70)] + [300000]
+    groups = [[rng.randn(n).astype(numpy.float32) for n in sizes]
+              for _ in range(3)]
+    expected = [[a.copy() for a in group] for group in groups]
+    lr, momentum = {
+        'host': (0.05, 0.8),
+        'device': (numpy.asarray(0.05, numpy.float32),
+                   numpy.asarray(0.8, numpy.float64)),
+        'mixed': (numpy.asarray(0.05, numpy.float32), 0.8)}[scalars]
+    multi_tensor.momentum_sgd(*groups, lr, momentum)
+    assert [len(s) for s in launches] == [32, 32, 7]
+    flat = [n for s in launches for n in s]
+    assert flat == sorted(sizes, reverse=True)
+    for k in range(len(sizes)):      # the kernel's expression, in float32
+        w, g, v = (group[k] for group in expected)
+        v[...] = numpy.float32(0.8) * v - numpy.float32(0.05) * g
+        w += v
+        numpy.testing.assert_array_equal(groups[0][k], w)
+        numpy.testing.assert_array_equal(groups[2][k], v)
