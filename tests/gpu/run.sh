@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU tests: `pytest -m gpu` (single process), then the distributed GPU
+# The GPU tests: `pytest -m gpu` over the whole suite (single process; the
+# GPU cases beside their CPU twins in tests/chainerkfac too), then the distributed GPU
 # tests under `mpiexec -n 1..4`, every rank on device 0 (host-staged
 # communicator). From the project root:
 #
@@ -92,10 +93,12 @@ single=skipped
 cudnn=skipped
 mpi=skipped
 if [ "$WHAT" != mpi ]; then
-    echo "== pytest -m 'gpu and not mpi' tests/gpu" \
+    # every GPU test of the suite: tests/gpu and the GPU cases that sit
+    # beside their CPU twins (tests/chainerkfac/test_tf32.py, ...)
+    echo "== pytest -m 'gpu and not mpi' tests" \
          "(CHAINERKFAC_CUDNN=${CHAINERKFAC_CUDNN:-})" | tee -a "$LOG"
     "$PY" -m pytest -v -rfEs --durations=10 -p no:cacheprovider \
-        -p chainerkfac._compat -m 'gpu and not mpi' tests/gpu 2>&1 \
+        -p chainerkfac._compat -m 'gpu and not mpi' tests 2>&1 \
         | tee -a "$LOG"
     single=$?
     if [ "${CHAINERKFAC_CUDNN:-}" = 0 ]; then
