@@ -45,6 +45,8 @@ import numpy
 import chainer
 from chainer.backend import get_array_module
 
+from chainerkfac import multi_tensor
+
 logger = logging.getLogger(__name__)
 
 
@@ -210,16 +212,25 @@ def _update_arrays(params) -> List:
 
 def _flag_nonfinite(arrays, flag) -> None:
     """``flag[0] = 1`` if any element of ``arrays`` is NaN or Inf, else 0;
-    on the GPU a fill and one kernel per array, nothing read back."""
+    on the GPU a fill and one multi-tensor kernel per 32 float32 / float64
+    arrays (:func:`chainerkfac.multi_tensor.flag_nonfinite`; one kernel
+    per array for any other floating dtype or a strided view), nothing
+    read back."""
     xp = get_array_module(flag)
     if xp is numpy:
         flag[0] = int(not all(bool(numpy.isfinite(a).all())
                               for a in arrays))
         return
     flag.fill(0)
+    grouped = []
     for array in arrays:
-        if array.dtype.kind == 'f':
+        if array.dtype.kind != 'f':
+            continue
+        if array.dtype in multi_tensor.DTYPES and array.flags.c_contiguous:
+            grouped.append(array)
+        else:
             _kernels().nonfinite(array, flag)
+    multi_tensor.flag_nonfinite(grouped, flag)
 
 
 class _Copies:

@@ -1,22 +1,30 @@
-"""Multi-tensor kernels: one launch updates many parameters.
+"""Multi-tensor kernels: one launch works on many parameters.
 
 Chainer's ``MomentumSGD`` launches one kernel per parameter (161 for
-ResNet-50); PyTorch's SGD updates lists of tensors per launch (its
-``foreach`` path, the default on CUDA). In a replayed CUDA graph the host
-cost of a launch is gone but each small kernel still takes a few
-microseconds of the GPU, and in an eager step each launch costs the host
-tens of microseconds. :func:`momentum_sgd` takes the update of Chainer's
-``MomentumSGDRule`` (``v ← m·v − η·g``, ``w ← w + v``) for up to
-:data:`CHUNK` parameters per launch.
+ResNet-50), and so did K-FAC's update and its device guard's finite check;
+PyTorch's SGD updates lists of tensors per launch (its ``foreach`` path,
+the default on CUDA). In a replayed CUDA graph the host cost of a launch
+is gone but each small kernel still takes a few microseconds of the GPU,
+and in an eager step each launch costs the host tens of microseconds.
+Here one launch takes up to :data:`CHUNK` tensors:
+
+* :func:`momentum_sgd`: Chainer's ``MomentumSGDRule`` (``v ← m·v − η·g``,
+  ``w ← w + v``);
+* :func:`momentum_step`: K-FAC's eqs. (19) without (20)
+  (:func:`chainerkfac.fused.momentum_step`'s kernel);
+* :func:`flag_nonfinite`: set a device flag where any element is NaN or
+  Inf (the device guard's check).
 
 The tensors' addresses and sizes go as the kernel's arguments (no table in
 device memory: nothing is copied from the host, so the launch may be
 captured into a CUDA graph, and a gradient at a new address each eager
-step needs nothing rebuilt). The learning rate and momentum are host
-numbers, or 0-d device arrays that the kernel reads when it runs
-(:mod:`chainerkfac.graphs.hyper`). On NumPy the update is Chainer's CPU
-expression, in its order (``v *= m; v -= η g; w += v``), so the results
-are Chainer's bit for bit. Importing this module does not import CuPy.
+step needs nothing rebuilt); a block's tensor is chosen by a switch on
+``blockIdx.y``. The learning rate and momentum are host numbers, or 0-d
+device arrays that the kernel reads when it runs
+(:mod:`chainerkfac.graphs.hyper`). On NumPy each function computes its
+per-parameter original's expression in its order, so the results are
+those of the code it replaces bit for bit. Importing this module does not
+import CuPy.
 """
 import functools
 from typing import Sequence
@@ -25,20 +33,21 @@ import numpy
 
 from chainer.backend import get_array_module
 
-#: Tensors per launch: 32 × (three pointers and a size) of kernel
-#: arguments, 1 KiB of the 4 KiB a launch may pass.
+#: Tensors per launch: 32 × (up to three pointers and a size) of kernel
+#: arguments, at most 1 KiB of the 4 KiB a launch may pass.
 CHUNK = 32
 #: Threads per block; blocks along x per tensor at most.
 THREADS = 256
 MAX_BLOCKS = 512
-#: The dtypes the kernel serves (float16 parameters keep Chainer's own).
+#: The dtypes the kernels serve (float16 parameters keep their own path).
 DTYPES = {numpy.dtype(numpy.float32): ('f32', 'float'),
           numpy.dtype(numpy.float64): ('f64', 'double')}
 
 
 def momentum_sgd(params: Sequence, grads: Sequence, velocities: Sequence,
                  lr, momentum) -> None:
-    """``v ← m·v − η·g``, then ``w ← w + v``, in place, for every triple.
+    """``v ← m·v − η·g``, then ``w ← w + v``, in place, for every triple
+    (Chainer's ``MomentumSGDRule``).
 
     Parameters
     ----------
@@ -51,37 +60,84 @@ def momentum_sgd(params: Sequence, grads: Sequence, velocities: Sequence,
     """
     if not params:
         return
-    xp = get_array_module(params[0])
-    if xp is numpy:
+    if get_array_module(params[0]) is numpy:
         for w, g, v in zip(params, grads, velocities):
             v *= _host(momentum, v.dtype)
             v -= _host(lr, v.dtype) * g
             w += v
         return
-    dtype = numpy.dtype(params[0].dtype)
-    if dtype not in DTYPES:
-        raise TypeError('momentum_sgd takes float32 or float64 arrays on the '
-                        'GPU, got {}'.format(dtype))
-    for array in list(params) + list(grads) + list(velocities):
-        if array.dtype != dtype or not array.flags.c_contiguous:
-            raise ValueError('momentum_sgd takes C-contiguous arrays of one '
-                             'dtype ({}), got {} {}'.format(
-                                 dtype, array.dtype, array.shape))
+    _launch_update('momentum_sgd', [params, grads, velocities], lr,
+                   momentum)
+
+
+def momentum_step(weights: Sequence, velocities: Sequence,
+                  directions: Sequence, lr, momentum) -> None:
+    """Eq. (19) in place for every triple: ``new = w + (m v − η G)``,
+    ``v ← new − w``, ``w ← new`` (:func:`chainerkfac.fused.momentum_step`
+    without eq. 20; on NumPy that function, parameter by parameter).
+    Arguments as :func:`momentum_sgd`'s, the directions in the place of
+    the gradients."""
+    if not weights:
+        return
+    if get_array_module(weights[0]) is numpy:
+        from chainerkfac import fused
+        for w, v, d in zip(weights, velocities, directions):
+            fused.momentum_step(w, v, d, lr, momentum)
+        return
+    _launch_update('momentum_step', [weights, directions, velocities], lr,
+                   momentum)
+
+
+def flag_nonfinite(arrays: Sequence, flag) -> None:
+    """``flag[0] = 1`` where any element of ``arrays`` (float32 or float64,
+    C-contiguous device arrays) is NaN or Inf; the flag is not cleared
+    here. One launch per :data:`CHUNK` arrays of a dtype."""
+    groups = {}
+    for array in arrays:
+        groups.setdefault(numpy.dtype(array.dtype), []).append(array)
+    for dtype, members in groups.items():
+        _check(dtype, [members])
+        _launches(_kernel('nonfinite', dtype), [flag], [members])
+
+
+def _launch_update(op, tensors, lr, momentum) -> None:
+    dtype = numpy.dtype(tensors[0][0].dtype)
+    _check(dtype, tensors)
+    unused = tensors[2][0]
     (lr_ptr, lr_val), (m_ptr, m_val) = (
-        _scalar(value, dtype, velocities[0]) for value in (lr, momentum))
+        _scalar(value, dtype, unused) for value in (lr, momentum))
     on_device = numpy.int32(int(not _is_host(lr)) |
                             int(not _is_host(momentum)) << 1)
-    order = sorted(range(len(params)), key=lambda k: -params[k].size)
-    kernel = _kernel(dtype)
+    _launches(_kernel(op, dtype),
+              [lr_ptr, m_ptr, lr_val, m_val, on_device], tensors)
+
+
+def _check(dtype, tensors) -> None:
+    if dtype not in DTYPES:
+        raise TypeError('multi-tensor kernels take float32 or float64 arrays '
+                        'on the GPU, got {}'.format(dtype))
+    for array in (a for group in tensors for a in group):
+        if array.dtype != dtype or not array.flags.c_contiguous:
+            raise ValueError('multi-tensor kernels take C-contiguous arrays '
+                             'of one dtype ({}), got {} {}'.format(
+                                 dtype, array.dtype, array.shape))
+
+
+def _launches(kernel, head, tensors) -> None:
+    """Launch ``kernel`` over the tensors, :data:`CHUNK` per launch, the
+    largest first: the ``head`` arguments, then per slot each list's
+    array and the size (empty slots repeat the first tensor, size 0)."""
+    first = tensors[0]
+    order = sorted(range(len(first)), key=lambda k: -first[k].size)
     for start in range(0, len(order), CHUNK):
         chunk = order[start:start + CHUNK]
-        widest = params[chunk[0]].size
+        widest = first[chunk[0]].size
         blocks = int(min(MAX_BLOCKS, max(1, -(-widest // (THREADS * 4)))))
-        args = [lr_ptr, m_ptr, lr_val, m_val, on_device]
+        args = list(head)
         for slot in range(CHUNK):
             k = chunk[slot] if slot < len(chunk) else chunk[0]
-            size = params[k].size if slot < len(chunk) else 0
-            args += [params[k], grads[k], velocities[k], numpy.int64(size)]
+            size = first[k].size if slot < len(chunk) else 0
+            args += [group[k] for group in tensors] + [numpy.int64(size)]
         kernel((blocks, len(chunk)), (THREADS,), tuple(args))
 
 
@@ -107,53 +163,82 @@ def _host(value, dtype):
     return value
 
 
-def source(dtype) -> str:
-    """The CUDA source of the kernel for ``dtype`` (float32 or float64)."""
-    name, ctype = DTYPES[numpy.dtype(dtype)]
-    args = ',\n        '.join(
-        '{c}* p{k}, const {c}* g{k}, {c}* v{k}, const long long n{k}'.format(
-            c=ctype, k=k) for k in range(CHUNK))
-    # a switch on the block's tensor (uniform over the block): the
-    # arguments stay in the parameter space, nothing goes to local memory
-    cases = '\n        '.join(
-        'case {k}: param = p{k}; grad = g{k}; v = v{k}; size = n{k}; '
-        'break;'.format(k=k) for k in range(CHUNK))
-    return _SOURCE.format(name=name, ctype=ctype, args=args, cases=cases)
+# -- the kernels -----------------------------------------------------------------
+#: op -> (the tensors of a slot: (name, const?), the head's parameters,
+#: the per-element body). The update bodies are the per-parameter kernels'
+#: expressions: Chainer's ``v = momentum * v - lr * grad; param += v;`` and
+#: :mod:`chainerkfac.fused`'s ``momentum`` kernel.
+_UPDATE_HEAD = ('const {c}* lr_ptr, const {c}* momentum_ptr, '
+                'const {c} lr_value, const {c} momentum_value, '
+                'const int on_device')   # bit 0: lr, bit 1: momentum
+_SCALARS = '''
+    const {c} lr = (on_device & 1) ? lr_ptr[0] : lr_value;
+    const {c} momentum = (on_device & 2) ? momentum_ptr[0] : momentum_value;'''
+_OPS = {
+    'momentum_sgd': (
+        (('p', False), ('g', True), ('v', False)), _UPDATE_HEAD,
+        _SCALARS, '''
+        {c} vi = v[i];
+        vi = momentum * vi - lr * g[i];
+        v[i] = vi;
+        p[i] += vi;'''),
+    'momentum_step': (
+        (('w', False), ('d', True), ('v', False)), _UPDATE_HEAD,
+        _SCALARS, '''
+        const {c} wi = w[i];
+        {c} step = momentum * v[i] - lr * d[i];
+        {c} new_w = wi + step;
+        v[i] = new_w - wi;
+        w[i] = new_w;'''),
+    'nonfinite': (
+        (('x', True),), 'int* flag', '', '''
+        if (!isfinite(x[i])) flag[0] = 1;'''),
+}
 
-
-# Chainer's MomentumSGDRule kernel is ``v = momentum * v - lr * grad;
-# param += v;``: the same expression, per element.
 _SOURCE = r'''
-extern "C" __global__ void chainerkfac_momentum_sgd_{name}(
-        const {ctype}* lr_ptr, const {ctype}* momentum_ptr,
-        const {ctype} lr_value, const {ctype} momentum_value,
-        const int on_device,    /* bit 0: lr, bit 1: momentum */
+extern "C" __global__ void chainerkfac_{op}_{name}(
+        {head},
         {args}) {{
-    {ctype}* param = 0;
-    const {ctype}* grad = 0;
-    {ctype}* v = 0;
+    {decls}
     long long size = 0;
     switch (blockIdx.y) {{
         {cases}
         default: return;
-    }}
-    const {ctype} lr = (on_device & 1) ? lr_ptr[0] : lr_value;
-    const {ctype} momentum = (on_device & 2) ? momentum_ptr[0]
-                                             : momentum_value;
+    }}{scalars}
     const long long stride = (long long) gridDim.x * blockDim.x;
     for (long long i = (long long) blockIdx.x * blockDim.x + threadIdx.x;
-         i < size; i += stride) {{
-        {ctype} vi = v[i];
-        vi = momentum * vi - lr * grad[i];
-        v[i] = vi;
-        param[i] += vi;
+         i < size; i += stride) {{{body}
     }}
 }}
 '''
 
 
+def source(op: str, dtype) -> str:
+    """The CUDA source of kernel ``op`` for ``dtype`` (float32 or
+    float64)."""
+    name, c = DTYPES[numpy.dtype(dtype)]
+    slots, head, scalars, body = _OPS[op]
+
+    def typed(tensor, const):
+        return '{}{}* {}'.format('const ' if const else '', c, tensor)
+    args = ',\n        '.join(
+        ', '.join([typed('{}{}'.format(t, k), const) for t, const in slots] +
+                  ['const long long n{}'.format(k)]) for k in range(CHUNK))
+    decls = '\n    '.join('{} = 0;'.format(typed(t, const))
+                          for t, const in slots)
+    cases = '\n        '.join(
+        'case {k}: {sets} size = n{k}; break;'.format(
+            k=k, sets=' '.join('{t} = {t}{k};'.format(t=t, k=k)
+                               for t, _ in slots)) for k in range(CHUNK))
+    return _SOURCE.format(op=op, name=name, head=head.format(c=c),
+                          args=args, decls=decls, cases=cases,
+                          scalars=scalars.format(c=c),
+                          body=body.format(c=c))
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(dtype):
+def _kernel(op: str, dtype):
     import cupy
     name, _ = DTYPES[numpy.dtype(dtype)]
-    return cupy.RawKernel(source(dtype), 'chainerkfac_momentum_sgd_' + name)
+    return cupy.RawKernel(source(op, dtype),
+                          'chainerkfac_{}_{}'.format(op, name))

@@ -48,6 +48,7 @@ from chainerkfac.optimizers import registration
 from chainerkfac.optimizers import state
 from chainerkfac.optimizers.rescale import WeightRescale
 from chainerkfac.optimizers.update_rule import RESCALE_EPS  # NOQA
+from chainerkfac.optimizers import update_rule
 from chainerkfac.optimizers.update_rule import KFACRule
 from chainerkfac.stage_timer import StageTimer
 from chainerkfac.step_bound import StepBound
@@ -673,8 +674,7 @@ class KFAC(optimizer.GradientMethod):
         self.t += 1
         if self.guard.check([d for ds in directions.values() for d in ds],
                             self._agree()):
-            for block in self.blocks:
-                self._apply(block, directions.get(block, ()))
+            self._apply([(b, directions.get(b, ())) for b in self.blocks])
         else:
             self.guard.restore()
 
@@ -697,8 +697,7 @@ class KFAC(optimizer.GradientMethod):
         self.t += 1
         if self.guard.check([d for b in mine for d in directions[b]],
                             self._agree()):
-            for block in mine:
-                self._apply(block, directions[block])
+            self._apply([(b, directions[b]) for b in mine])
             self.timer.mark('update', self._like())
             transport.gather_weights(self.blocks, present)
             self.timer.mark('all_gather', self._like())
@@ -711,11 +710,14 @@ class KFAC(optimizer.GradientMethod):
         return transport.agree if transport.size > 1 else None
 
     @staticmethod
-    def _apply(block, directions) -> None:
-        for param, direction in zip(block.params, directions):
-            if direction is not None:
-                param.update_rule.direction = direction
-                param.update()
+    def _apply(pairs) -> None:
+        """Eqs. (19)-(20) for each ``(block, directions)``: on the GPU the
+        parameters without eq. (20) or rule hooks in multi-tensor kernels
+        (:func:`update_rule.apply_all`), the others rule by rule."""
+        update_rule.apply_all(
+            [(param, direction) for block, directions in pairs
+             for param, direction in zip(block.params, directions)
+             if direction is not None])
 
     def _drop_unowned_state(self) -> None:
         """Weight-update sharding: keep the velocities of the parameters

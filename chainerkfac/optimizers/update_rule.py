@@ -1,10 +1,13 @@
-"""The update of one parameter: eqs. (19) and (20)."""
-from typing import Optional
+"""The update of one parameter: eqs. (19) and (20); and of many at once."""
+from typing import Optional, Sequence, Tuple
+
+import numpy
 
 import chainer
 from chainer import optimizer
 
 from chainerkfac import fused
+from chainerkfac import multi_tensor
 
 #: ε of eq. (20).
 RESCALE_EPS = fused.RESCALE_EPS
@@ -49,3 +52,68 @@ class KFACRule(optimizer.UpdateRule):
 
     # One fused kernel per parameter (three with eq. 20) on the GPU.
     update_core_gpu = update_core_cpu
+
+
+def apply_all(pairs: Sequence[Tuple[object, object]]) -> None:
+    """``param.update()`` with ``direction`` for each pair, as
+    :class:`KFACRule` does it: the parameters whose rule would launch the
+    one kernel of eq. (19) alone (a KFACRule, enabled, no hooks, no eq. 20,
+    float32 / float64 C-contiguous device arrays) go in multi-tensor
+    kernels grouped by device, dtype, η and m
+    (:func:`chainerkfac.multi_tensor.momentum_step`: the same expression);
+    every other, and every parameter on the CPU, through its rule."""
+    groups = {}
+    for param, direction in pairs:
+        rule = param.update_rule
+        key = _fused_key(param, rule, direction)
+        if key is None:
+            rule.direction = direction
+            param.update()
+            continue
+        rule.t += 1
+        rule._init_states(param)
+        if not _takes(rule.state['v'], param.array):
+            rule.t -= 1
+            rule.direction = direction
+            param.update()
+            continue
+        groups.setdefault(key, []).append((param, direction))
+    for members in groups.values():
+        hyperparam = members[0][0].update_rule.hyperparam
+        with chainer.using_device(members[0][0].device):
+            multi_tensor.momentum_step(
+                [p.array for p, _ in members],
+                [p.update_rule.state['v'] for p, _ in members],
+                [d for _, d in members], hyperparam.lr, hyperparam.momentum)
+
+
+def _fused_key(param, rule, direction):
+    if type(rule) is not KFACRule or not rule.enabled or \
+            rule.rescale_norm is not None or rule._use_fp32_update or \
+            param._loss_scale is not None:
+        return None
+    hookable = rule._hookable
+    if hookable._pre_update_hooks or hookable._post_update_hooks:
+        return None
+    array = param.array
+    if array is None or type(array) is numpy.ndarray:
+        return None        # the CPU: rule by rule (fused's NumPy twin)
+    if array.dtype not in multi_tensor.DTYPES or \
+            not array.flags.c_contiguous or \
+            getattr(direction, 'dtype', None) != array.dtype or \
+            not direction.flags.c_contiguous:
+        return None
+    hyper = rule.hyperparam
+    return (str(param.device), array.dtype.str, _scalar_key(hyper.lr),
+            _scalar_key(hyper.momentum))
+
+
+def _takes(velocity, array) -> bool:
+    return (type(velocity) is type(array) and velocity.dtype == array.dtype
+            and velocity.flags.c_contiguous)
+
+
+def _scalar_key(value):
+    if isinstance(value, (int, float)):
+        return ('host', float(value))
+    return ('device', id(value))

@@ -267,7 +267,7 @@ def test_gpu_launches_marshalled_as_the_kernel_reads_them(monkeypatch,
         pass
     monkeypatch.setattr(multi_tensor, 'get_array_module',
                         lambda a: FakeCupy)
-    monkeypatch.setattr(multi_tensor, '_kernel', lambda dtype: kernel)
+    monkeypatch.setattr(multi_tensor, '_kernel', lambda op, dtype: kernel)
     rng = numpy.random.RandomState(3)
     sizes = [int(n) for n in rng.randint(1, 3000, 70)] + [300000]
     groups = [[rng.randn(n).astype(numpy.float32) for n in sizes]
@@ -288,3 +288,110 @@ def test_gpu_launches_marshalled_as_the_kernel_reads_them(monkeypatch,
         w += v
         numpy.testing.assert_array_equal(groups[0][k], w)
         numpy.testing.assert_array_equal(groups[2][k], v)
+
+
+# -- K-FAC's update and the device guard's check in multi-tensor kernels -----
+class DeviceLike(numpy.ndarray):
+    """A NumPy array that K-FAC's update takes for a device array (its
+    fused path), computed by the NumPy twins."""
+
+
+def _kfac_params(seed):
+    from chainerkfac.optimizers.update_rule import KFACRule
+    rng = numpy.random.RandomState(seed)
+    params, directions = [], []
+    for k, shape in enumerate([(3, 4), (5,), (2, 2), (7,), (4, 3), (6,)]):
+        param = chainer.Parameter(
+            rng.randn(*shape).astype(numpy.float32).view(DeviceLike))
+        param.update_rule = KFACRule(lr=0.1, momentum=0.9)
+        params.append(param)
+        directions.append(rng.randn(*shape).astype(numpy.float32).view(
+            DeviceLike))
+    params[0].update_rule.rescale_norm = 2.0           # eq. (20)
+    params[1].update_rule.add_hook(lambda rule, p: None, name='hook')
+    params[2].update_rule.enabled = False
+    return params, directions
+
+
+def test_kfac_update_fuses_the_plain_rules(monkeypatch):
+    """apply_all: the rules without eq. (20), hooks or a disabled flag go
+    to one multi-tensor call (here its NumPy twin), the others rule by
+    rule; two steps equal the rules' own updates bit for bit."""
+    from chainerkfac.optimizers import update_rule
+    seen = []
+    original = multi_tensor.momentum_step
+
+    def spy(weights, *args):
+        seen.append(len(weights))
+        return original(weights, *args)
+    monkeypatch.setattr(multi_tensor, 'momentum_step', spy)
+    fused, directions = _kfac_params(4)
+    plain, _ = _kfac_params(4)
+    for step in range(2):
+        update_rule.apply_all(list(zip(fused, directions)))
+        for param, direction in zip(plain, directions):
+            param.update_rule.direction = direction
+            param.update()
+    assert seen == [3, 3]
+    for a, b in zip(fused, plain):
+        numpy.testing.assert_array_equal(a.array, b.array)
+        assert a.update_rule.t == b.update_rule.t
+        # consumed by an update (a disabled rule keeps it, as before)
+        assert (a.update_rule.direction is None) == (
+            b.update_rule.direction is None)
+        if b.update_rule.state is not None:
+            numpy.testing.assert_array_equal(a.update_rule.state['v'],
+                                             b.update_rule.state['v'])
+    assert [p.update_rule.t for p in fused] == [2, 2, 0, 2, 2, 2]
+
+
+@pytest.mark.parametrize('op', ['momentum_step', 'nonfinite'])
+def test_other_kernels_marshalled_as_they_read_them(monkeypatch, op):
+    """K-FAC's step and the finite check through a stand-in kernel, as in
+    the SGD test: the slots' tensors in the source's order."""
+    seen = []
+
+    def kernel(grid, block, args):
+        head = 5 if op == 'momentum_step' else 1
+        width = 4 if op == 'momentum_step' else 2
+        assert len(args) == head + width * multi_tensor.CHUNK
+        for slot in range(grid[1]):
+            tensors = args[head + width * slot:head + width * (slot + 1)]
+            assert all(t.size == tensors[-1] for t in tensors[:-1])
+            if op == 'nonfinite':
+                if not numpy.isfinite(tensors[0]).all():
+                    args[0][0] = 1
+                continue
+            lr, momentum = numpy.float32(0.1), numpy.float32(0.9)
+            w, d, v = tensors[:3]
+            step = momentum * v - lr * d
+            new = w + step
+            v[...] = new - w
+            w[...] = new
+        seen.append(grid[1])
+
+    class FakeCupy:
+        pass
+    monkeypatch.setattr(multi_tensor, 'get_array_module',
+                        lambda a: FakeCupy)
+    monkeypatch.setattr(multi_tensor, '_kernel', lambda o, dtype: kernel)
+    rng = numpy.random.RandomState(5)
+    arrays = [rng.randn(n).astype(numpy.float32) for n in range(1, 40)]
+    if op == 'nonfinite':
+        flag = numpy.zeros(1, numpy.int32)
+        multi_tensor.flag_nonfinite(arrays, flag)
+        assert flag[0] == 0 and seen == [32, 7]
+        arrays[17][3] = numpy.inf
+        multi_tensor.flag_nonfinite(arrays, flag)
+        assert flag[0] == 1
+        return
+    weights = [a.copy() for a in arrays]
+    velocities = [numpy.zeros_like(a) for a in arrays]
+    multi_tensor.momentum_step(weights, velocities, arrays, 0.1, 0.9)
+    from chainerkfac import fused
+    for w0, w, v, d in zip([a.copy() for a in arrays], weights, velocities,
+                           arrays):
+        expected_w, expected_v = w0.copy(), numpy.zeros_like(w0)
+        fused.momentum_step(expected_w, expected_v, d, 0.1, 0.9)
+        numpy.testing.assert_array_equal(w, expected_w)
+        numpy.testing.assert_array_equal(v, expected_v)
