@@ -10,8 +10,11 @@ Here one launch takes up to :data:`CHUNK` tensors:
 
 * :func:`momentum_sgd`: Chainer's ``MomentumSGDRule`` (``v ← m·v − η·g``,
   ``w ← w + v``);
-* :func:`momentum_step`: K-FAC's eqs. (19) without (20)
-  (:func:`chainerkfac.fused.momentum_step`'s kernel);
+* :func:`momentum_step`: K-FAC's eq. (19), and with eq. (20) (the
+  rescale to a norm per weight) in two launches per 32 weights: the
+  unscaled step with each block's sum of squares, then the rescale from
+  those sums added in a fixed order (no atomics: a replay computes what
+  the eager step did) (:func:`chainerkfac.fused.momentum_step`'s kernels);
 * :func:`flag_nonfinite`: set a device flag where any element is NaN or
   Inf (the device guard's check).
 
@@ -27,7 +30,7 @@ those of the code it replaces bit for bit. Importing this module does not
 import CuPy.
 """
 import functools
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy
 
@@ -71,21 +74,46 @@ def momentum_sgd(params: Sequence, grads: Sequence, velocities: Sequence,
 
 
 def momentum_step(weights: Sequence, velocities: Sequence,
-                  directions: Sequence, lr, momentum) -> None:
-    """Eq. (19) in place for every triple: ``new = w + (m v − η G)``,
-    ``v ← new − w``, ``w ← new`` (:func:`chainerkfac.fused.momentum_step`
-    without eq. 20; on NumPy that function, parameter by parameter).
-    Arguments as :func:`momentum_sgd`'s, the directions in the place of
-    the gradients."""
+                  directions: Sequence, lr, momentum,
+                  rescale_norms: Optional[Sequence[float]] = None) -> None:
+    """Eq. (19) in place for every triple: ``new = w + (m v − η G)``; with
+    ``rescale_norms`` (one per weight) eq. (20), ``new ← r · new / (‖new‖ +
+    ε)``; then ``v ← new − w`` and ``w ← new``
+    (:func:`chainerkfac.fused.momentum_step`; on NumPy that function,
+    parameter by parameter). Arguments as :func:`momentum_sgd`'s, the
+    directions in the place of the gradients."""
     if not weights:
         return
     if get_array_module(weights[0]) is numpy:
         from chainerkfac import fused
-        for w, v, d in zip(weights, velocities, directions):
-            fused.momentum_step(w, v, d, lr, momentum)
+        for k, (w, v, d) in enumerate(zip(weights, velocities, directions)):
+            fused.momentum_step(w, v, d, lr, momentum,
+                                None if rescale_norms is None
+                                else rescale_norms[k])
         return
-    _launch_update('momentum_step', [weights, directions, velocities], lr,
-                   momentum)
+    if rescale_norms is None:
+        _launch_update('momentum_step', [weights, directions, velocities],
+                       lr, momentum)
+        return
+    from chainerkfac import fused
+    dtype = numpy.dtype(weights[0].dtype)
+    tensors = [weights, directions, velocities]
+    _check(dtype, tensors)
+    xp = get_array_module(weights[0])
+    (lr_ptr, lr_val), (m_ptr, m_val) = (
+        _scalar(value, dtype, velocities[0]) for value in (lr, momentum))
+    on_device = _on_device(lr, momentum)
+    targets = [dtype.type(r) for r in rescale_norms]
+    eps = dtype.type(fused.RESCALE_EPS)
+    for chunk, blocks in _chunks(weights):
+        # the same chunks and grid for both: the second reads the first's
+        # partial sums by (tensor, block)
+        partials = xp.empty((len(chunk), blocks), numpy.float64)
+        _launch(_kernel('unscaled', dtype),
+                [lr_ptr, m_ptr, lr_val, m_val, on_device, partials],
+                tensors, chunk, blocks)
+        _launch(_kernel('rescaled', dtype), [partials, eps],
+                [weights, velocities], chunk, blocks, [targets])
 
 
 def flag_nonfinite(arrays: Sequence, flag) -> None:
@@ -106,8 +134,7 @@ def _launch_update(op, tensors, lr, momentum) -> None:
     unused = tensors[2][0]
     (lr_ptr, lr_val), (m_ptr, m_val) = (
         _scalar(value, dtype, unused) for value in (lr, momentum))
-    on_device = numpy.int32(int(not _is_host(lr)) |
-                            int(not _is_host(momentum)) << 1)
+    on_device = _on_device(lr, momentum)
     _launches(_kernel(op, dtype),
               [lr_ptr, m_ptr, lr_val, m_val, on_device], tensors)
 
@@ -125,20 +152,38 @@ def _check(dtype, tensors) -> None:
 
 def _launches(kernel, head, tensors) -> None:
     """Launch ``kernel`` over the tensors, :data:`CHUNK` per launch, the
-    largest first: the ``head`` arguments, then per slot each list's
-    array and the size (empty slots repeat the first tensor, size 0)."""
-    first = tensors[0]
+    largest first (:func:`_chunks`, :func:`_launch`)."""
+    for chunk, blocks in _chunks(tensors[0]):
+        _launch(kernel, head, tensors, chunk, blocks)
+
+
+def _chunks(first):
+    """``(indices, blocks)`` of each launch: :data:`CHUNK` tensors at
+    most, the largest first, and the blocks along x for the widest."""
     order = sorted(range(len(first)), key=lambda k: -first[k].size)
     for start in range(0, len(order), CHUNK):
         chunk = order[start:start + CHUNK]
         widest = first[chunk[0]].size
-        blocks = int(min(MAX_BLOCKS, max(1, -(-widest // (THREADS * 4)))))
-        args = list(head)
-        for slot in range(CHUNK):
-            k = chunk[slot] if slot < len(chunk) else chunk[0]
-            size = first[k].size if slot < len(chunk) else 0
-            args += [group[k] for group in tensors] + [numpy.int64(size)]
-        kernel((blocks, len(chunk)), (THREADS,), tuple(args))
+        yield chunk, int(min(MAX_BLOCKS,
+                             max(1, -(-widest // (THREADS * 4)))))
+
+
+def _launch(kernel, head, tensors, chunk, blocks, scalars=()) -> None:
+    """One launch: the ``head`` arguments, then per slot each list's array,
+    each of ``scalars``' values, and the size (empty slots repeat the
+    first tensor, size 0)."""
+    args = list(head)
+    for slot in range(CHUNK):
+        k = chunk[slot] if slot < len(chunk) else chunk[0]
+        size = tensors[0][k].size if slot < len(chunk) else 0
+        args += [group[k] for group in tensors]
+        args += [values[k] for values in scalars] + [numpy.int64(size)]
+    kernel((blocks, len(chunk)), (THREADS,), tuple(args))
+
+
+def _on_device(lr, momentum):
+    return numpy.int32(int(not _is_host(lr)) |
+                       int(not _is_host(momentum)) << 1)
 
 
 def _scalar(value, dtype, unused):
@@ -164,35 +209,77 @@ def _host(value, dtype):
 
 
 # -- the kernels -----------------------------------------------------------------
-#: op -> (the tensors of a slot: (name, const?), the head's parameters,
-#: the per-element body). The update bodies are the per-parameter kernels'
-#: expressions: Chainer's ``v = momentum * v - lr * grad; param += v;`` and
-#: :mod:`chainerkfac.fused`'s ``momentum`` kernel.
+#: op -> (the slot's arguments: (name, 'in' | 'out' | 'scalar'), the head's
+#: parameters, code before the loop, the per-element body, code after).
+#: The update bodies are the per-parameter kernels' expressions: Chainer's
+#: ``v = momentum * v - lr * grad; param += v;`` and
+#: :mod:`chainerkfac.fused`'s ``momentum``, ``unscaled`` and ``rescaled``
+#: kernels (the norm between them: each block's sum of squares in float64,
+#: then the blocks' sums in order, its square root cast to the dtype).
 _UPDATE_HEAD = ('const {c}* lr_ptr, const {c}* momentum_ptr, '
                 'const {c} lr_value, const {c} momentum_value, '
                 'const int on_device')   # bit 0: lr, bit 1: momentum
 _SCALARS = '''
     const {c} lr = (on_device & 1) ? lr_ptr[0] : lr_value;
-    const {c} momentum = (on_device & 2) ? momentum_ptr[0] : momentum_value;'''
+    const {c} momentum = (on_device & 2) ? momentum_ptr[0] : momentum_value;
+'''
+_BLOCK_SUM = '''
+    __shared__ double block_sum[{threads}];
+    block_sum[threadIdx.x] = sum;
+    __syncthreads();
+    for (int half = blockDim.x / 2; half > 0; half >>= 1) {{
+        if (threadIdx.x < half)
+            block_sum[threadIdx.x] += block_sum[threadIdx.x + half];
+        __syncthreads();
+    }}
+    if (threadIdx.x == 0)
+        partials[(long long) blockIdx.y * gridDim.x + blockIdx.x] =
+            block_sum[0];
+'''
+_NORM = '''
+    __shared__ double total;
+    if (threadIdx.x == 0) {{
+        double s = 0;
+        for (int b = 0; b < gridDim.x; ++b)
+            s += partials[(long long) blockIdx.y * gridDim.x + b];
+        total = sqrt(s);
+    }}
+    __syncthreads();
+    const {c} norm = ({c}) total;
+    const {c} factor = target / (norm + eps);
+'''
 _OPS = {
     'momentum_sgd': (
-        (('p', False), ('g', True), ('v', False)), _UPDATE_HEAD,
+        (('p', 'out'), ('g', 'in'), ('v', 'out')), _UPDATE_HEAD,
         _SCALARS, '''
         {c} vi = v[i];
         vi = momentum * vi - lr * g[i];
         v[i] = vi;
-        p[i] += vi;'''),
+        p[i] += vi;''', ''),
     'momentum_step': (
-        (('w', False), ('d', True), ('v', False)), _UPDATE_HEAD,
+        (('w', 'out'), ('d', 'in'), ('v', 'out')), _UPDATE_HEAD,
         _SCALARS, '''
         const {c} wi = w[i];
         {c} step = momentum * v[i] - lr * d[i];
         {c} new_w = wi + step;
         v[i] = new_w - wi;
-        w[i] = new_w;'''),
+        w[i] = new_w;''', ''),
+    'unscaled': (
+        (('w', 'in'), ('d', 'in'), ('v', 'out')),
+        _UPDATE_HEAD + ', double* partials',
+        _SCALARS + '    double sum = 0;\n', '''
+        const {c} u = w[i] + (momentum * v[i] - lr * d[i]);
+        v[i] = u;
+        sum += (double) u * (double) u;''', _BLOCK_SUM),
+    'rescaled': (
+        (('w', 'out'), ('v', 'out'), ('target', 'scalar')),
+        'const double* partials, const {c} eps', _NORM, '''
+        const {c} scaled = v[i] * factor;
+        v[i] = scaled - w[i];
+        w[i] = scaled;''', ''),
     'nonfinite': (
-        (('x', True),), 'int* flag', '', '''
-        if (!isfinite(x[i])) flag[0] = 1;'''),
+        (('x', 'in'),), 'int* flag', '', '''
+        if (!isfinite(x[i])) flag[0] = 1;''', ''),
 }
 
 _SOURCE = r'''
@@ -204,11 +291,11 @@ extern "C" __global__ void chainerkfac_{op}_{name}(
     switch (blockIdx.y) {{
         {cases}
         default: return;
-    }}{scalars}
+    }}{before}
     const long long stride = (long long) gridDim.x * blockDim.x;
     for (long long i = (long long) blockIdx.x * blockDim.x + threadIdx.x;
          i < size; i += stride) {{{body}
-    }}
+    }}{after}
 }}
 '''
 
@@ -217,23 +304,27 @@ def source(op: str, dtype) -> str:
     """The CUDA source of kernel ``op`` for ``dtype`` (float32 or
     float64)."""
     name, c = DTYPES[numpy.dtype(dtype)]
-    slots, head, scalars, body = _OPS[op]
+    slots, head, before, body, after = _OPS[op]
 
-    def typed(tensor, const):
-        return '{}{}* {}'.format('const ' if const else '', c, tensor)
+    def typed(argument, kind):
+        if kind == 'scalar':
+            return '{} {}'.format(c, argument)
+        return '{}{}* {}'.format('const ' if kind == 'in' else '', c,
+                                 argument)
     args = ',\n        '.join(
-        ', '.join([typed('{}{}'.format(t, k), const) for t, const in slots] +
+        ', '.join([typed('{}{}'.format(t, k), kind) for t, kind in slots] +
                   ['const long long n{}'.format(k)]) for k in range(CHUNK))
-    decls = '\n    '.join('{} = 0;'.format(typed(t, const))
-                          for t, const in slots)
+    decls = '\n    '.join('{} = 0;'.format(typed(t, kind))
+                          for t, kind in slots)
     cases = '\n        '.join(
         'case {k}: {sets} size = n{k}; break;'.format(
             k=k, sets=' '.join('{t} = {t}{k};'.format(t=t, k=k)
                                for t, _ in slots)) for k in range(CHUNK))
     return _SOURCE.format(op=op, name=name, head=head.format(c=c),
                           args=args, decls=decls, cases=cases,
-                          scalars=scalars.format(c=c),
-                          body=body.format(c=c))
+                          before=before.format(c=c),
+                          body=body.format(c=c),
+                          after=after.format(c=c, threads=THREADS))
 
 
 @functools.lru_cache(maxsize=None)

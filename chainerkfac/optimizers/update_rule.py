@@ -56,12 +56,12 @@ class KFACRule(optimizer.UpdateRule):
 
 def apply_all(pairs: Sequence[Tuple[object, object]]) -> None:
     """``param.update()`` with ``direction`` for each pair, as
-    :class:`KFACRule` does it: the parameters whose rule would launch the
-    one kernel of eq. (19) alone (a KFACRule, enabled, no hooks, no eq. 20,
-    float32 / float64 C-contiguous device arrays) go in multi-tensor
-    kernels grouped by device, dtype, η and m
-    (:func:`chainerkfac.multi_tensor.momentum_step`: the same expression);
-    every other, and every parameter on the CPU, through its rule."""
+    :class:`KFACRule` does it: the parameters of a plain rule (a KFACRule,
+    enabled, no hooks; float32 / float64 C-contiguous device arrays) go in
+    multi-tensor kernels grouped by device, dtype, η, m and whether eq.
+    (20) rescales them (:func:`chainerkfac.multi_tensor.momentum_step`:
+    the same expressions, the norm summed in another order); every other,
+    and every parameter on the CPU, through its rule."""
     groups = {}
     for param, direction in pairs:
         rule = param.update_rule
@@ -78,19 +78,21 @@ def apply_all(pairs: Sequence[Tuple[object, object]]) -> None:
             param.update()
             continue
         groups.setdefault(key, []).append((param, direction))
-    for members in groups.values():
+    for key, members in groups.items():
         hyperparam = members[0][0].update_rule.hyperparam
+        rescaled = key[-1]
         with chainer.using_device(members[0][0].device):
             multi_tensor.momentum_step(
                 [p.array for p, _ in members],
                 [p.update_rule.state['v'] for p, _ in members],
-                [d for _, d in members], hyperparam.lr, hyperparam.momentum)
+                [d for _, d in members], hyperparam.lr, hyperparam.momentum,
+                [p.update_rule.rescale_norm for p, _ in members]
+                if rescaled else None)
 
 
 def _fused_key(param, rule, direction):
     if type(rule) is not KFACRule or not rule.enabled or \
-            rule.rescale_norm is not None or rule._use_fp32_update or \
-            param._loss_scale is not None:
+            rule._use_fp32_update or param._loss_scale is not None:
         return None
     hookable = rule._hookable
     if hookable._pre_update_hooks or hookable._post_update_hooks:
@@ -105,7 +107,7 @@ def _fused_key(param, rule, direction):
         return None
     hyper = rule.hyperparam
     return (str(param.device), array.dtype.str, _scalar_key(hyper.lr),
-            _scalar_key(hyper.momentum))
+            _scalar_key(hyper.momentum), rule.rescale_norm is not None)
 
 
 def _takes(velocity, array) -> bool:

@@ -314,9 +314,10 @@ def _kfac_params(seed):
 
 
 def test_kfac_update_fuses_the_plain_rules(monkeypatch):
-    """apply_all: the rules without eq. (20), hooks or a disabled flag go
-    to one multi-tensor call (here its NumPy twin), the others rule by
-    rule; two steps equal the rules' own updates bit for bit."""
+    """apply_all: the plain rules go to one multi-tensor call per group
+    (here its NumPy twin), those with eq. (20) to one of their own; the
+    hooked and the disabled rule by rule; two steps equal the rules' own
+    updates bit for bit."""
     from chainerkfac.optimizers import update_rule
     seen = []
     original = multi_tensor.momentum_step
@@ -332,7 +333,7 @@ def test_kfac_update_fuses_the_plain_rules(monkeypatch):
         for param, direction in zip(plain, directions):
             param.update_rule.direction = direction
             param.update()
-    assert seen == [3, 3]
+    assert seen == [1, 3] * 2   # the rescaled one (eq. 20), the plain ones
     for a, b in zip(fused, plain):
         numpy.testing.assert_array_equal(a.array, b.array)
         assert a.update_rule.t == b.update_rule.t
@@ -395,3 +396,97 @@ def test_other_kernels_marshalled_as_they_read_them(monkeypatch, op):
         fused.momentum_step(expected_w, expected_v, d, 0.1, 0.9)
         numpy.testing.assert_array_equal(w, expected_w)
         numpy.testing.assert_array_equal(v, expected_v)
+
+
+def test_rescaled_step_marshalled_as_the_kernels_read_it(monkeypatch):
+    """Eq. (20) in two launches per chunk through stand-in kernels that
+    read the arguments as the CUDA sources do: the first writes each
+    block's sum of squares of the unscaled weights (the elements a block's
+    grid-stride loop visits), the second adds a tensor's sums in order and
+    rescales; the result is fused.momentum_step's within float32
+    rounding (its norm sums in another order)."""
+    from chainerkfac import fused
+    launches = []
+
+    def kernels(op, dtype):
+        def unscaled(grid, block, args):
+            lr, momentum = args[2], args[3]
+            partials = args[5]
+            blocks, count = grid
+            assert partials.shape == (count, blocks)
+            for slot in range(count):
+                w, d, v, n = args[6 + 4 * slot:10 + 4 * slot]
+                v[...] = w + (momentum * v - lr * d)
+                owner = (numpy.arange(n) // multi_tensor.THREADS) % blocks
+                for b in range(blocks):
+                    chosen = v[owner == b].astype(numpy.float64)
+                    partials[slot, b] = (chosen * chosen).sum()
+            launches.append(('unscaled', grid))
+
+        def rescaled(grid, block, args):
+            partials, eps = args[:2]
+            assert launches[-1] == ('unscaled', grid)   # the same grid
+            for slot in range(grid[1]):
+                w, v, target, n = args[2 + 4 * slot:6 + 4 * slot]
+                assert isinstance(target, numpy.float32)
+                norm = numpy.float32(numpy.sqrt(partials[slot].sum()))
+                factor = target / (norm + eps)
+                scaled = v * factor
+                v[...] = scaled - w
+                w[...] = scaled
+            launches.append(('rescaled', grid))
+        return {'unscaled': unscaled, 'rescaled': rescaled}[op]
+
+    class FakeCupy:
+        @staticmethod
+        def empty(shape, dtype):
+            return numpy.full(shape, numpy.nan, dtype)
+    monkeypatch.setattr(multi_tensor, 'get_array_module',
+                        lambda a: FakeCupy)
+    monkeypatch.setattr(multi_tensor, '_kernel', kernels)
+    rng = numpy.random.RandomState(6)
+    sizes = [1, 5, 700, 3000, 300000] * 8            # 40: two chunks
+    directions = [rng.randn(n).astype(numpy.float32) for n in sizes]
+    weights = [rng.randn(n).astype(numpy.float32) for n in sizes]
+    velocities = [rng.randn(n).astype(numpy.float32) * 0.1 for n in sizes]
+    targets = [float(k + 1) for k in range(len(sizes))]
+    expected = [(w.copy(), v.copy()) for w, v in zip(weights, velocities)]
+    multi_tensor.momentum_step(weights, velocities, directions, 0.1, 0.9,
+                               targets)
+    assert [op for op, _ in launches] == ['unscaled', 'rescaled'] * 2
+    assert max(grid[0] for _, grid in launches) > 1    # several blocks
+    for k, ((w, v), d) in enumerate(zip(expected, directions)):
+        fused.momentum_step(w, v, d, 0.1, 0.9, targets[k])
+        numpy.testing.assert_allclose(weights[k], w, rtol=2e-6,
+                                      atol=2e-6 * abs(w).max())
+        assert abs(numpy.linalg.norm(weights[k]) - targets[k]) < \
+            1e-5 * targets[k]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
+@pytest.mark.parametrize('rescaled', [False, True])
+def test_gpu_kfac_step_kernels_against_per_parameter(dtype, rescaled):
+    """K-FAC's eq. (19) (and 20) for 40 weights in multi-tensor kernels
+    against fused.momentum_step weight by weight on the GPU: the same
+    expressions, the norms summed in another order."""
+    cupy = support.cupy_or_skip()
+    from chainerkfac import fused
+    rng = numpy.random.RandomState(7)
+    sizes = [1, 5, 700, 3000, 300000] * 8
+    host = [[rng.randn(n).astype(dtype) for n in sizes] for _ in range(3)]
+    targets = [float(k + 1) for k in range(len(sizes))] if rescaled \
+        else None
+    weights, velocities, directions = ([cupy.asarray(a) for a in group]
+                                       for group in host)
+    multi_tensor.momentum_step(weights, velocities, directions, 0.1, 0.9,
+                               targets)
+    unit = numpy.finfo(dtype).eps
+    for k in range(len(sizes)):
+        w, v, d = (cupy.asarray(group[k]) for group in host)
+        fused.momentum_step(w, v, d, 0.1, 0.9,
+                            None if targets is None else targets[k])
+        scale = float(abs(w).max())
+        numpy.testing.assert_allclose(cupy.asnumpy(weights[k]),
+                                      cupy.asnumpy(w), rtol=0,
+                                      atol=16 * unit * scale)
