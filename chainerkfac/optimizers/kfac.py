@@ -712,8 +712,9 @@ class KFAC(optimizer.GradientMethod):
     @staticmethod
     def _apply(pairs) -> None:
         """Eqs. (19)-(20) for each ``(block, directions)``: on the GPU the
-        parameters without eq. (20) or rule hooks in multi-tensor kernels
-        (:func:`update_rule.apply_all`), the others rule by rule."""
+        parameters of plain rules (no hooks) in multi-tensor kernels, with
+        and without eq. (20) (:func:`update_rule.apply_all`), the others
+        rule by rule."""
         update_rule.apply_all(
             [(param, direction) for block, directions in pairs
              for param, direction in zip(block.params, directions)
