@@ -125,16 +125,23 @@ def test_hooked_and_disabled_rules_go_chainers_way():
         assert got[name][2] == rule_t, name
 
 
+def _spy(monkeypatch, name):
+    """The lengths of the tensor lists that multi_tensor.<name> is called
+    with, the calls going through."""
+    calls = []
+    original = getattr(multi_tensor, name)
+
+    def spy(tensors, *args):
+        calls.append(len(tensors))
+        return original(tensors, *args)
+    monkeypatch.setattr(multi_tensor, name, spy)
+    return calls
+
+
 def test_the_fused_path_is_taken(monkeypatch):
     """Every parameter with a plain rule goes to one call per group (the
     unused head's too: Chainer gives it zero gradients)."""
-    calls = []
-    original = multi_tensor.momentum_sgd
-
-    def spy(params, *args):
-        calls.append(len(params))
-        return original(params, *args)
-    monkeypatch.setattr(multi_tensor, 'momentum_sgd', spy)
+    calls = _spy(monkeypatch, 'momentum_sgd')
     model, _ = _train(_fused, steps=2)
     assert calls == [46, 46] == [len(list(model.params()))] * 2
 
@@ -319,13 +326,7 @@ def test_kfac_update_fuses_the_plain_rules(monkeypatch):
     hooked and the disabled rule by rule; two steps equal the rules' own
     updates bit for bit."""
     from chainerkfac.optimizers import update_rule
-    seen = []
-    original = multi_tensor.momentum_step
-
-    def spy(weights, *args):
-        seen.append(len(weights))
-        return original(weights, *args)
-    monkeypatch.setattr(multi_tensor, 'momentum_step', spy)
+    seen = _spy(monkeypatch, 'momentum_step')
     fused, directions = _kfac_params(4)
     plain, _ = _kfac_params(4)
     for step in range(2):
