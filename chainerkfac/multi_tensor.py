@@ -16,7 +16,11 @@ Here one launch takes up to :data:`CHUNK` tensors:
   those sums added in a fixed order (no atomics: a replay computes what
   the eager step did) (:func:`chainerkfac.fused.momentum_step`'s kernels);
 * :func:`flag_nonfinite`: set a device flag where any element is NaN or
-  Inf (the device guard's check).
+  Inf (the device guard's check);
+* :func:`bound_terms` and :func:`scale`: the bounded step's per-parameter
+  terms ``⟨d, g⟩ + γ⟨d, w⟩ − γ μ Σd`` (two deterministic passes: each
+  block's float64 sums, then a tensor's blocks added in order) and its
+  scaling of the directions by ν.
 
 The tensors' addresses and sizes go as the kernel's arguments (no table in
 device memory: nothing is copied from the host, so the launch may be
@@ -128,6 +132,45 @@ def flag_nonfinite(arrays: Sequence, flag) -> None:
         _launches(_kernel('nonfinite', dtype), [flag], [members])
 
 
+def bound_terms(directions: Sequence, grads: Sequence, weights: Sequence,
+                dampings: Sequence, means: Sequence[float]):
+    """Per parameter, ``⟨d, g⟩ + γ ⟨d, w⟩`` and, where its regularisation
+    mean μ is not 0, ``− γ μ Σd`` (:func:`chainerkfac.step_bound.
+    metric_term`'s terms), in float64 on the device: a ``(count,)`` array.
+
+    ``directions``, ``grads``, ``weights``: C-contiguous device arrays of
+    one dtype (float32 or float64); ``dampings``: each parameter's γ, a 0-d
+    float64 device array (read when the kernel runs); ``means``: host
+    numbers. The sums are float64 from each element on.
+    """
+    xp = get_array_module(directions[0])
+    dtype = numpy.dtype(directions[0].dtype)
+    tensors = [directions, grads, weights]
+    _check(dtype, tensors)
+    terms = xp.empty(len(directions), numpy.float64)
+    means = [numpy.float64(m) for m in means]
+    for chunk, blocks in _chunks(directions):
+        partials = xp.empty((len(chunk), blocks, 3), numpy.float64)
+        _launch(_kernel('dots', dtype), [partials], tensors, chunk, blocks)
+        # one thread per tensor adds its blocks' sums in order and writes
+        # its term at its own index
+        _launch(_kernel('terms', dtype),
+                [partials, numpy.int32(blocks), terms], [dampings], chunk, 1,
+                [means, [numpy.int64(k) for k in range(len(directions))]])
+    return terms
+
+
+def scale(arrays: Sequence, factor) -> None:
+    """``x *= factor`` in place for every array (C-contiguous device
+    arrays of one dtype), ``factor`` a 0-d float64 device array cast to
+    the arrays' dtype first (as ``x *= factor.astype(x.dtype)``)."""
+    if not arrays:
+        return
+    dtype = numpy.dtype(arrays[0].dtype)
+    _check(dtype, [arrays])
+    _launches(_kernel('scale', dtype), [factor], [arrays])
+
+
 def _launch_update(op, tensors, lr, momentum) -> None:
     dtype = numpy.dtype(tensors[0][0].dtype)
     _check(dtype, tensors)
@@ -209,8 +252,10 @@ def _host(value, dtype):
 
 
 # -- the kernels -----------------------------------------------------------------
-#: op -> (the slot's arguments: (name, 'in' | 'out' | 'scalar'), the head's
-#: parameters, code before the loop, the per-element body, code after).
+#: op -> (the slot's arguments: (name, kind), the head's parameters, code
+#: before the loop, the per-element body, code after). Kinds: ``'in'``,
+#: ``'out'`` (pointers of the dtype), ``'scalar'`` (the dtype),
+#: ``'dptr'`` / ``'dscalar'`` (float64 pointer / value), ``'iscalar'``.
 #: The update bodies are the per-parameter kernels' expressions: Chainer's
 #: ``v = momentum * v - lr * grad; param += v;`` and
 #: :mod:`chainerkfac.fused`'s ``momentum``, ``unscaled`` and ``rescaled``
@@ -248,7 +293,54 @@ _NORM = '''
     const {c} norm = ({c}) total;
     const {c} factor = target / (norm + eps);
 '''
+_BLOCK_SUMS3 = '''
+    __shared__ double block_sums[3][{threads}];
+    block_sums[0][threadIdx.x] = dg;
+    block_sums[1][threadIdx.x] = dw;
+    block_sums[2][threadIdx.x] = sd;
+    __syncthreads();
+    for (int half = blockDim.x / 2; half > 0; half >>= 1) {{
+        if (threadIdx.x < half)
+            for (int j = 0; j < 3; ++j)
+                block_sums[j][threadIdx.x] +=
+                    block_sums[j][threadIdx.x + half];
+        __syncthreads();
+    }}
+    if (threadIdx.x == 0)
+        for (int j = 0; j < 3; ++j)
+            partials[((long long) blockIdx.y * gridDim.x + blockIdx.x) * 3
+                     + j] = block_sums[j][0];
+'''
+_TERM = '''
+    if (threadIdx.x == 0) {{
+        double sums[3] = {{0, 0, 0}};
+        for (int b = 0; b < blocks; ++b)
+            for (int j = 0; j < 3; ++j)
+                sums[j] += partials[((long long) blockIdx.y * blocks + b) * 3
+                                    + j];
+        const double gamma = damping[0];
+        double term = sums[0] + gamma * sums[1];
+        if (mean != 0) term = term - gamma * mean * sums[2];
+        terms[index] = term;
+    }}
+    return;
+'''
 _OPS = {
+    'dots': (
+        (('d', 'in'), ('g', 'in'), ('w', 'in')), 'double* partials',
+        '\n    double dg = 0, dw = 0, sd = 0;\n', '''
+        const double di = (double) d[i];
+        dg += di * (double) g[i];
+        dw += di * (double) w[i];
+        sd += di;''', _BLOCK_SUMS3),
+    'terms': (
+        (('damping', 'dptr'), ('mean', 'dscalar'), ('index', 'iscalar')),
+        'const double* partials, const int blocks, double* terms', _TERM,
+        '', ''),
+    'scale': (
+        (('x', 'out'),), 'const double* factor',
+        '\n    const {c} f = ({c}) factor[0];\n', '''
+        x[i] *= f;''', ''),
     'momentum_sgd': (
         (('p', 'out'), ('g', 'in'), ('v', 'out')), _UPDATE_HEAD,
         _SCALARS, '''
@@ -307,10 +399,10 @@ def source(op: str, dtype) -> str:
     slots, head, before, body, after = _OPS[op]
 
     def typed(argument, kind):
-        if kind == 'scalar':
-            return '{} {}'.format(c, argument)
-        return '{}{}* {}'.format('const ' if kind == 'in' else '', c,
-                                 argument)
+        return {'in': 'const {c}* {a}', 'out': '{c}* {a}',
+                'scalar': '{c} {a}', 'dptr': 'const double* {a}',
+                'dscalar': 'double {a}', 'iscalar': 'long long {a}'}[
+                    kind].format(c=c, a=argument)
     args = ',\n        '.join(
         ', '.join([typed('{}{}'.format(t, k), kind) for t, kind in slots] +
                   ['const long long n{}'.format(k)]) for k in range(CHUNK))

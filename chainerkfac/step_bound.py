@@ -46,6 +46,8 @@ import numpy
 
 from chainer.backend import get_array_module
 
+from chainerkfac import multi_tensor
+
 
 def metric_term(block, grads: Sequence, directions: Sequence,
                 damping: float) -> float:
@@ -70,14 +72,32 @@ def _device_term(block, grads, directions, damping):
             block.params, grads, directions, block.regularization_means()):
         if direction is None or grad is None:
             continue
-        xp = get_array_module(direction)
-        flat = direction.ravel()
-        term = _inner(xp, flat, grad.ravel()) + damping * _inner(
-            xp, flat, param.array.ravel())
-        if mean:
-            term = term - damping * mean * flat.sum()
-        total = total + term
+        total = total + _param_term(get_array_module(direction), param,
+                                    grad, direction, damping, mean)
     return total
+
+
+def _param_term(xp, param, grad, direction, damping, mean):
+    """One parameter's term of :func:`_device_term`."""
+    flat = direction.ravel()
+    term = _inner(xp, flat, grad.ravel()) + damping * _inner(
+        xp, flat, param.array.ravel())
+    if mean:
+        term = term - damping * mean * flat.sum()
+    return term
+
+
+def _fits(direction, grad, weight, damping) -> bool:
+    """Whether :func:`chainerkfac.multi_tensor.bound_terms` takes the
+    three arrays (float32 / float64, one dtype, C-contiguous) and γ (a 0-d
+    float64 device array)."""
+    return (getattr(damping, 'shape', None) == () and
+            getattr(damping, 'dtype', None) == numpy.float64 and
+            type(damping) is not numpy.ndarray and
+            direction.dtype in multi_tensor.DTYPES and
+            grad.dtype == direction.dtype == weight.dtype and
+            direction.flags.c_contiguous and grad.flags.c_contiguous and
+            weight.flags.c_contiguous)
 
 
 def _inner(xp, a, b):
@@ -178,12 +198,22 @@ class StepBound:
         and the terms' damping are device scalars (float64), ν and the
         metric stay on the device (:attr:`scale`, :attr:`metric` are 0-d
         arrays, rewritten by each replay), and the arithmetic is
-        :meth:`apply`'s operation for operation: the same ν to the bit."""
+        :meth:`apply`'s operation for operation: the same ν to the bit.
+
+        On the GPU the parameters' terms and the scaling run in
+        multi-tensor kernels (:func:`chainerkfac.multi_tensor.bound_terms`
+        and :func:`~chainerkfac.multi_tensor.scale`: about 12 launches for
+        ResNet-50's 161 parameters where each took about 11), with float64
+        sums from each element on: ν then agrees with :meth:`apply`'s to
+        float64 rounding, not to the bit."""
+        xp = get_array_module(lr)
+        if xp is not numpy:
+            self._apply_in_multi_tensor_kernels(xp, terms, scaled, lr)
+            return
         partial = 0.0
         for block, grads, directions, damping in terms:
             partial = partial + _device_term(block, grads, directions,
                                              damping)
-        xp = get_array_module(lr)
         metric = lr * lr * partial
         magnitude = xp.abs(metric)
         # ν = min(1, √(c / |m|)); 1 for m = 0 (c / tiny is huge, as c / 0
@@ -195,6 +225,46 @@ class StepBound:
             for direction in directions:
                 if direction is not None:
                     direction *= scale.astype(direction.dtype)
+        self.metric, self.scale = metric, scale
+
+    def _apply_in_multi_tensor_kernels(self, xp, terms, scaled, lr) -> None:
+        groups = {}          # dtype -> (directions, grads, weights, γ, μ)
+        partial = 0.0
+        for block, grads, directions, damping in terms:
+            for param, grad, direction, mean in zip(
+                    block.params, grads, directions,
+                    block.regularization_means()):
+                if direction is None or grad is None:
+                    continue
+                if not _fits(direction, grad, param.array, damping):
+                    partial = partial + _param_term(
+                        xp, param, grad, direction, damping, mean)
+                    continue
+                group = groups.setdefault(numpy.dtype(direction.dtype),
+                                          ([], [], [], [], []))
+                for values, value in zip(group, (direction, grad,
+                                                 param.array, damping,
+                                                 mean)):
+                    values.append(value)
+        for group in groups.values():
+            partial = partial + multi_tensor.bound_terms(*group).sum()
+        metric = lr * lr * partial
+        magnitude = xp.abs(metric)
+        scale = xp.minimum(1.0, xp.sqrt(self.kl_clip / xp.maximum(
+            magnitude, numpy.finfo(numpy.float64).tiny)))
+        scale = xp.where(xp.isfinite(metric), scale, numpy.nan)
+        fused = {}
+        for directions in scaled:
+            for direction in directions:
+                if direction is None:
+                    continue
+                if direction.dtype in multi_tensor.DTYPES and \
+                        direction.flags.c_contiguous:
+                    fused.setdefault(direction.dtype, []).append(direction)
+                else:
+                    direction *= scale.astype(direction.dtype)
+        for arrays in fused.values():
+            multi_tensor.scale(arrays, scale)
         self.metric, self.scale = metric, scale
 
     def observation(self) -> dict:

@@ -387,6 +387,7 @@ class KFAC(optimizer.GradientMethod):
         self._table_shown = False
         self._warned_uncaptured: set = set()
         self._inverse_stacks: Dict = {}
+        self._step_dampings: Dict = {}
         #: Stage 3's agreement on the form of low-rank factors.
         self._exchange = Exchange()
 
@@ -595,6 +596,9 @@ class KFAC(optimizer.GradientMethod):
 
     # -- stages 3-6 and the update --------------------------------------------
     def _step(self):
+        # this step's device γ per scale (made again each step: the device
+        # damping is rewritten in place before it)
+        self._step_dampings = {}
         if self.shard_update:
             hooks.check_sharded(self)
         blocks, transport = self.blocks, self.transport
@@ -876,11 +880,15 @@ class KFAC(optimizer.GradientMethod):
 
     def _block_damping(self, block):
         """γ of a block in stage 5: a float, or a device scalar
-        (:attr:`device_damping`)."""
+        (:attr:`device_damping`), made once per step for each scale (ρ_BN
+        or 1: two kernels a step where each block took one)."""
         scale = block.damping_scale(self.rho_bn)
         if self.device_damping is None:
             return self.damping * scale
-        return self.device_damping * scale
+        cached = self._step_dampings.get(scale)
+        if cached is None:
+            cached = self._step_dampings[scale] = self.device_damping * scale
+        return cached
 
     # -- between steps --------------------------------------------------------
     def _close_step(self, refreshed, retries: int, step: int) -> None:

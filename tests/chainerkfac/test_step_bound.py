@@ -298,3 +298,145 @@ def test_device_terms_take_no_cupy_dot(monkeypatch):
         float(numpy.dot(d.ravel(), (g + damping * (p.array - mean)).ravel()))
         for p, g, d, mean in zip(params, grads, directions, [0.0, 0.25]))
     assert abs(float(got) - expected) <= 1e-13 * abs(expected)
+
+
+# -- the GPU's multi-tensor path, through stand-in kernels ---------------------
+class DeviceLike(numpy.ndarray):
+    """A NumPy array the bound takes for a device array."""
+
+
+def _stand_in_kernels(op, dtype):
+    """The multi-tensor kernels of the bound as their CUDA sources read
+    their arguments (multi_tensor.source('dots' | 'terms' | 'scale'))."""
+    from chainerkfac import multi_tensor
+    threads, chunk = multi_tensor.THREADS, multi_tensor.CHUNK
+
+    def dots(grid, block, args):
+        partials = args[0]
+        blocks, count = grid
+        for slot in range(count):
+            d, g, w, n = (a.ravel() if hasattr(a, 'ravel') and a.ndim
+                          else a for a in args[1 + 4 * slot:5 + 4 * slot])
+            owner = (numpy.arange(n) // threads) % blocks
+            for b in range(blocks):
+                mine = owner == b
+                dd = d[mine].astype(numpy.float64)
+                partials[slot, b] = [(dd * g[mine]).sum(),
+                                     (dd * w[mine]).sum(), dd.sum()]
+
+    def terms(grid, block, args):
+        partials, blocks, out = args[:3]
+        assert grid[0] == 1 and partials.shape[1] == blocks
+        for slot in range(grid[1]):
+            damping, mean, index, _ = args[3 + 4 * slot:7 + 4 * slot]
+            sums = partials[slot].sum(axis=0)
+            term = sums[0] + damping[()] * sums[1]
+            if mean != 0:
+                term = term - damping[()] * mean * sums[2]
+            out[index] = term
+
+    def scale(grid, block, args):
+        factor = args[0]
+        for slot in range(grid[1]):
+            x, n = args[1 + 2 * slot:3 + 2 * slot]
+            x *= factor.astype(x.dtype)
+        assert len(args) == 1 + 2 * chunk
+    return {'dots': dots, 'terms': terms, 'scale': scale}[op]
+
+
+def _bound_inputs(kind, seed=8):
+    import types
+    rng = numpy.random.RandomState(seed)
+    scaled = []
+    lr = numpy.asarray(0.3).view(kind)
+    terms = []
+    for k, shapes in enumerate([[(4, 3), (4,)], [(5,), (5,)],
+                                [(70, 300)], [(2, 2, 3)]]):
+        params = [chainer.Parameter(rng.randn(*s).view(kind))
+                  for s in shapes]
+        grads = [rng.randn(*s).view(kind) for s in shapes]
+        directions = [rng.randn(*s).view(kind) for s in shapes]
+        means = [1.0, 0.0] if k == 1 else [0.0] * len(shapes)
+        block = types.SimpleNamespace(params=params,
+                                      regularization_means=lambda m=means: m)
+        damping = numpy.asarray(0.01 * (k + 1)).view(kind)
+        terms.append((block, grads, directions, damping))
+        scaled.append(directions)
+    return terms, scaled, lr
+
+
+@pytest.mark.parametrize('kl_clip', [1e-3, 1e6])
+def test_multi_tensor_bound_equals_the_per_parameter_one(monkeypatch,
+                                                         kl_clip):
+    """apply_on_device's GPU path (multi-tensor terms and scaling, here
+    through stand-in kernels over device-like arrays) against its NumPy
+    path on the same float64 values: ν and every scaled direction to
+    float64 rounding (the sums run in another order)."""
+    from chainerkfac import multi_tensor
+
+    class FakeXp:
+        abs, minimum, maximum = numpy.abs, numpy.minimum, numpy.maximum
+        sqrt, where, isfinite = numpy.sqrt, numpy.where, numpy.isfinite
+
+        @staticmethod
+        def empty(shape, dtype):
+            return numpy.full(shape, numpy.nan, dtype)
+    reference = step_bound.StepBound(kl_clip)
+    terms, scaled, lr = _bound_inputs(numpy.ndarray)
+    reference.apply_on_device(terms, scaled, lr)
+    monkeypatch.setattr(step_bound, 'get_array_module', lambda a: FakeXp)
+    monkeypatch.setattr(multi_tensor, 'get_array_module', lambda a: FakeXp)
+    monkeypatch.setattr(multi_tensor, '_kernel', _stand_in_kernels)
+    bound = step_bound.StepBound(kl_clip)
+    fused_terms, fused_scaled, fused_lr = _bound_inputs(DeviceLike)
+    bound.apply_on_device(fused_terms, fused_scaled, fused_lr)
+    assert float(bound.metric) == pytest.approx(float(reference.metric),
+                                                rel=1e-13)
+    assert float(bound.scale) == pytest.approx(float(reference.scale),
+                                               rel=1e-13)
+    assert (float(bound.scale) < 1) == (kl_clip < 1)
+    for got, want in zip(fused_scaled, scaled):
+        for a, b in zip(got, want):
+            numpy.testing.assert_allclose(a, b, rtol=1e-13)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
+def test_gpu_multi_tensor_bound_against_numpy(dtype):
+    """The bound's multi-tensor kernels on the GPU against its NumPy path
+    on the same values (float64 sums on both sides from float32 data:
+    ν to 1e-12 relative; the scaled directions to one rounding of their
+    dtype)."""
+    from tests.gpu import support
+    cupy = support.cupy_or_skip()
+    terms, scaled, lr = _bound_inputs(numpy.ndarray)
+    for block, grads, directions, _ in terms:
+        for p in block.params:
+            p.array = p.array.astype(dtype)
+        grads[:] = [g.astype(dtype) for g in grads]
+        directions[:] = [d.astype(dtype) for d in directions]
+    import types
+    gpu_terms, gpu_scaled = [], []
+    for block, grads, directions, damping in terms:
+        params = [chainer.Parameter(cupy.asarray(p.array))
+                  for p in block.params]
+        gpu_block = types.SimpleNamespace(
+            params=params, regularization_means=block.regularization_means)
+        moved = [cupy.asarray(d) for d in directions]
+        gpu_terms.append((gpu_block, [cupy.asarray(g) for g in grads],
+                          moved, cupy.asarray(damping)))
+        gpu_scaled.append(moved)
+    reference = step_bound.StepBound(1e-3)
+    reference.apply_on_device(
+        [(b, [g.astype(numpy.float64) for g in gs],
+          [d.astype(numpy.float64) for d in ds], damping)
+         for b, gs, ds, damping in terms],
+        scaled, lr)
+    bound = step_bound.StepBound(1e-3)
+    bound.apply_on_device(gpu_terms, gpu_scaled, cupy.asarray(lr))
+    assert float(bound.scale) == pytest.approx(float(reference.scale),
+                                               rel=1e-12)
+    unit = numpy.finfo(dtype).eps
+    for got, want in zip(gpu_scaled, scaled):
+        for a, b in zip(got, want):
+            numpy.testing.assert_allclose(cupy.asnumpy(a), b, rtol=2 * unit)
