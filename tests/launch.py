@@ -4,6 +4,8 @@ import subprocess
 import sys
 import time
 
+from tests.run_mpi import LAUNCH_TRIES, launcher_failed  # NOQA (re-exported)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
 
@@ -21,11 +23,19 @@ def mpi_env():
 
 
 def run_mpi(args, nproc, timeout=60):
-    """Run ``python args...`` on ``nproc`` ranks; return (process, seconds)."""
+    """Run ``python args...`` on ``nproc`` ranks; return (process, seconds)
+    of the launch that ran: one whose launcher itself failed to start
+    (Open MPI's PMIx listener on a loaded machine) is started again, as
+    :mod:`tests.run_mpi` does."""
     cmd = [sys.executable] + [str(a) for a in args]
     if nproc > 1:
         cmd = [MPIEXEC, '-n', str(nproc)] + cmd
-    start = time.time()
-    proc = subprocess.run(cmd, env=mpi_env(), cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    for attempt in range(1, LAUNCH_TRIES + 1):
+        start = time.time()
+        proc = subprocess.run(cmd, env=mpi_env(), cwd=REPO,
+                              capture_output=True, text=True,
+                              timeout=timeout)
+        if nproc == 1 or attempt == LAUNCH_TRIES or not launcher_failed(
+                proc.returncode, proc.stdout + proc.stderr):
+            break
     return proc, time.time() - start

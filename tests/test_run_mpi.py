@@ -62,3 +62,30 @@ def test_a_launch_in_which_tests_ran_is_never_retried(tmp_path, text, rc,
     mpiexec, counter = _fake_mpiexec(tmp_path, [(text, rc)])
     assert run_mpi.main(['--mpiexec', mpiexec, '--sizes', '1']) == 1
     assert counter.read_text().strip() == '1'
+
+
+def test_the_tests_own_launches_are_tried_again(tmp_path, monkeypatch):
+    """The scripts' direct launches (tests.launch.run_mpi,
+    tests.scripts.conftest.run, test_preemption's Launch) start a run again
+    where the launcher failed to start, and only then."""
+    from tests import launch
+    from tests.scripts import conftest, test_preemption
+    mpiexec, counter = _fake_mpiexec(tmp_path, [(PMIX, 213)])
+    monkeypatch.setattr(launch, 'MPIEXEC', mpiexec)
+    proc, _ = launch.run_mpi(['-c', 'pass'], 2)
+    assert proc.returncode == 0 and counter.read_text().strip() == '2'
+    counter.write_text('0')
+    result = conftest.run(['true'], 2)
+    assert result.returncode == 0 and '1 passed' in result.stdout
+    assert counter.read_text().strip() == '2'
+    counter.write_text('0')
+    run = test_preemption.Launch(['true'], 2, str(tmp_path / 'log'))
+    run.process.wait()
+    assert run.running() and run.tries == 2      # started again
+    run.process.wait()
+    assert not run.running() and run.wait(5) == 0
+    mpiexec, counter = _fake_mpiexec(tmp_path, [('Segmentation fault\n',
+                                                 139)])
+    monkeypatch.setattr(launch, 'MPIEXEC', mpiexec)
+    assert conftest.run(['true'], 2).returncode == 139   # not the launcher
+    assert counter.read_text().strip() == '1'

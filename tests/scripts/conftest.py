@@ -37,11 +37,20 @@ def command(dataset, out, *extra, train=None, val=None, config=None):
 
 
 def run(cmd, nproc=1, timeout=300):
+    """Run ``cmd`` (under ``mpiexec -n nproc`` for more than one), its
+    output in ``stdout``; a launch whose launcher itself failed to start
+    (Open MPI's PMIx listener on a loaded machine) is started again, as
+    :mod:`tests.run_mpi` does."""
     if nproc > 1:
         cmd = [launch.MPIEXEC, '-n', str(nproc)] + cmd
-    return subprocess.run(cmd, env=launch.mpi_env(), cwd=ROOT,
-                          timeout=timeout, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, universal_newlines=True)
+    for attempt in range(1, launch.LAUNCH_TRIES + 1):
+        result = subprocess.run(cmd, env=launch.mpi_env(), cwd=ROOT,
+                                timeout=timeout, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT,
+                                universal_newlines=True)
+        if nproc == 1 or attempt == launch.LAUNCH_TRIES or \
+                not launch.launcher_failed(result.returncode, result.stdout):
+            return result
 
 
 def start(cmd, nproc=1):

@@ -171,12 +171,49 @@ def test_stopped_at_random_points_and_resumed_ends_bit_for_bit(
     assert_same_run(uninterrupted[nproc], out, nproc)
 
 
+class Launch:
+    """``mpiexec -n nproc cmd`` in its own session, output to the file
+    ``log``; started again (at most ``launch.LAUNCH_TRIES`` times) where it
+    ended because its launcher failed to start (Open MPI's PMIx listener on
+    a loaded machine: one CI run lost this test to it)."""
+
+    def __init__(self, cmd, nproc, log):
+        self.cmd, self.nproc, self.log = cmd, nproc, log
+        self.tries = 0
+        self._start()
+
+    def _start(self):
+        self.tries += 1
+        with open(self.log, 'w') as log:
+            self.process = subprocess.Popen(
+                [launch.MPIEXEC, '-n', str(self.nproc)] + self.cmd,
+                env=launch.mpi_env(), cwd=launch.REPO, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def pid(self):
+        return self.process.pid
+
+    def running(self) -> bool:
+        """Whether the run goes on (started again if its launcher
+        failed)."""
+        rc = self.process.poll()
+        if rc is None:
+            return True
+        with open(self.log) as f:
+            output = f.read()
+        if self.tries < launch.LAUNCH_TRIES and \
+                launch.launcher_failed(rc, output):
+            self._start()
+            return True
+        return False
+
+    def wait(self, timeout):
+        return self.process.wait(timeout=timeout)
+
+
 def start(cmd, nproc, log):
-    """``mpiexec -n nproc cmd`` in its own session, output to ``log``."""
-    return subprocess.Popen(
-        [launch.MPIEXEC, '-n', str(nproc)] + cmd, env=launch.mpi_env(),
-        cwd=launch.REPO, stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True)
+    return Launch(cmd, nproc, log)
 
 
 def wait_for_snapshot(out, step, nproc, process, timeout=240):
@@ -184,7 +221,7 @@ def wait_for_snapshot(out, step, nproc, process, timeout=240):
     while not all(os.path.exists(os.path.join(out, 'snapshot_step_{}.rank{}'
                                               .format(step, r)))
                   for r in range(nproc)):
-        assert process.poll() is None, 'the run ended before step {}'.format(
+        assert process.running(), 'the run ended before step {}'.format(
             step)
         assert time.time() < deadline, 'no snapshot after {} s'.format(
             timeout)
@@ -206,16 +243,15 @@ def test_signal_forwarded_by_mpiexec_stops_every_rank_and_its_loaders(
     (``--loaderjob 1``) hold it blocked and live on to the stop. Snapshots
     every 0.3 s by rank 0's clock: every rank writes the same ones."""
     out, nproc = str(tmp_path / 'run'), 3
-    with open(str(tmp_path / 'output'), 'w') as log:
-        process = start(preempt_command(dataset, out, '--loaderjob', '1',
-                                        '--snapshot-every', '0.005min'),
-                        nproc, log)
-        deadline = time.time() + 240
-        while not (os.path.isdir(out) and snapshot_steps(out, nproc - 1)):
-            assert process.poll() is None and time.time() < deadline
-            time.sleep(0.02)
-        os.kill(process.pid, signal.SIGUSR1)
-        assert process.wait(timeout=120) == RESUME_STATUS
+    process = start(preempt_command(dataset, out, '--loaderjob', '1',
+                                    '--snapshot-every', '0.005min'),
+                    nproc, str(tmp_path / 'output'))
+    deadline = time.time() + 240
+    while not (os.path.isdir(out) and snapshot_steps(out, nproc - 1)):
+        assert process.running() and time.time() < deadline
+        time.sleep(0.02)
+    os.kill(process.pid, signal.SIGUSR1)
+    assert process.wait(timeout=120) == RESUME_STATUS
     with open(str(tmp_path / 'output')) as f:
         output = f.read()
     assert 'stopped by SIGUSR1 at the end of step' in output, output[-3000:]
@@ -232,12 +268,12 @@ def test_sigkill_right_after_the_signal_falls_back_to_a_whole_snapshot(
     the stop is not written, or not whole (a temporary file, or one rank's
     file only); ``--resume latest`` takes the newest whole one."""
     out, nproc = str(tmp_path / 'run'), 2
-    with open(str(tmp_path / 'output'), 'w') as log:
-        process = start(preempt_command(dataset, out), nproc, log)
-        wait_for_snapshot(out, 3, nproc, process)
-        os.kill(process.pid, signal.SIGUSR1)
-        time.sleep(0.05)
-        kill(process)
+    process = start(preempt_command(dataset, out), nproc,
+                    str(tmp_path / 'output'))
+    wait_for_snapshot(out, 3, nproc, process)
+    os.kill(process.pid, signal.SIGUSR1)
+    time.sleep(0.05)
+    kill(process.process)
     result = resume_until_done(dataset, out, nproc)
     assert 'resumed from' in result.stdout
     assert_same_run(uninterrupted[nproc], out, nproc)
