@@ -221,8 +221,11 @@ def wait_for_snapshot(out, step, nproc, process, timeout=240):
     while not all(os.path.exists(os.path.join(out, 'snapshot_step_{}.rank{}'
                                               .format(step, r)))
                   for r in range(nproc)):
-        assert process.running(), 'the run ended before step {}'.format(
-            step)
+        # a Launch starts its run again if the launcher failed; a job
+        # script's Popen is what it is
+        alive = (process.running() if isinstance(process, Launch)
+                 else process.poll() is None)
+        assert alive, 'the run ended before step {}'.format(step)
         assert time.time() < deadline, 'no snapshot after {} s'.format(
             timeout)
         time.sleep(0.02)
