@@ -68,9 +68,10 @@ def momentum_sgd(params: Sequence, grads: Sequence, velocities: Sequence,
     if not params:
         return
     if get_array_module(params[0]) is numpy:
+        from chainerkfac.fused import _host_scalar
         for w, g, v in zip(params, grads, velocities):
-            v *= _host(momentum, v.dtype)
-            v -= _host(lr, v.dtype) * g
+            v *= _host_scalar(momentum, v.dtype)
+            v -= _host_scalar(lr, v.dtype) * g
             w += v
         return
     _launch_update('momentum_sgd', [params, grads, velocities], lr,
@@ -104,18 +105,15 @@ def momentum_step(weights: Sequence, velocities: Sequence,
     tensors = [weights, directions, velocities]
     _check(dtype, tensors)
     xp = get_array_module(weights[0])
-    (lr_ptr, lr_val), (m_ptr, m_val) = (
-        _scalar(value, dtype, velocities[0]) for value in (lr, momentum))
-    on_device = _on_device(lr, momentum)
+    head = _update_head(lr, momentum, dtype, velocities[0])
     targets = [dtype.type(r) for r in rescale_norms]
     eps = dtype.type(fused.RESCALE_EPS)
     for chunk, blocks in _chunks(weights):
         # the same chunks and grid for both: the second reads the first's
         # partial sums by (tensor, block)
         partials = xp.empty((len(chunk), blocks), numpy.float64)
-        _launch(_kernel('unscaled', dtype),
-                [lr_ptr, m_ptr, lr_val, m_val, on_device, partials],
-                tensors, chunk, blocks)
+        _launch(_kernel('unscaled', dtype), head + [partials], tensors,
+                chunk, blocks)
         _launch(_kernel('rescaled', dtype), [partials, eps],
                 [weights, velocities], chunk, blocks, [targets])
 
@@ -174,12 +172,28 @@ def scale(arrays: Sequence, factor) -> None:
 def _launch_update(op, tensors, lr, momentum) -> None:
     dtype = numpy.dtype(tensors[0][0].dtype)
     _check(dtype, tensors)
-    unused = tensors[2][0]
+    _launches(_kernel(op, dtype),
+              _update_head(lr, momentum, dtype, tensors[2][0]), tensors)
+
+
+def _update_head(lr, momentum, dtype, unused) -> list:
+    """The update kernels' first arguments (``_UPDATE_HEAD``): η's and m's
+    device pointers and host values, and the bits saying which is read
+    (``unused``, an array never read, stands in for a host number's
+    pointer)."""
     (lr_ptr, lr_val), (m_ptr, m_val) = (
         _scalar(value, dtype, unused) for value in (lr, momentum))
-    on_device = _on_device(lr, momentum)
-    _launches(_kernel(op, dtype),
-              [lr_ptr, m_ptr, lr_val, m_val, on_device], tensors)
+    on_device = numpy.int32(int(not _is_host(lr)) |
+                            int(not _is_host(momentum)) << 1)
+    return [lr_ptr, m_ptr, lr_val, m_val, on_device]
+
+
+def group_key(value):
+    """What groups parameters by a hyperparameter: a host number's value,
+    or a device scalar itself (the kernel reads it by its address)."""
+    if isinstance(value, (int, float)):
+        return ('host', float(value))
+    return ('device', id(value))
 
 
 def _check(dtype, tensors) -> None:
@@ -224,11 +238,6 @@ def _launch(kernel, head, tensors, chunk, blocks, scalars=()) -> None:
     kernel((blocks, len(chunk)), (THREADS,), tuple(args))
 
 
-def _on_device(lr, momentum):
-    return numpy.int32(int(not _is_host(lr)) |
-                       int(not _is_host(momentum)) << 1)
-
-
 def _scalar(value, dtype, unused):
     """``(device array, host value)`` of a kernel scalar: a host number
     rounded to ``dtype`` (the array ``unused``, never read, in its place),
@@ -240,15 +249,6 @@ def _scalar(value, dtype, unused):
 
 def _is_host(value) -> bool:
     return isinstance(value, (int, float, numpy.generic))
-
-
-def _host(value, dtype):
-    """A host operand for NumPy: a Python number as it is (NumPy rounds it
-    to the array's dtype, as Chainer's CPU update does), a NumPy scalar or
-    0-d array rounded to ``dtype``."""
-    if isinstance(value, (numpy.ndarray, numpy.generic)):
-        return numpy.dtype(dtype).type(value)
-    return value
 
 
 # -- the kernels -----------------------------------------------------------------

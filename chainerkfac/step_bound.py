@@ -77,6 +77,33 @@ def _device_term(block, grads, directions, damping):
     return total
 
 
+def _multi_tensor_partial(xp, terms):
+    """:func:`_device_term`'s sum over ``terms`` on the GPU: the
+    parameters' terms in multi-tensor kernels
+    (:func:`chainerkfac.multi_tensor.bound_terms`), one by one where the
+    kernels do not take their arrays."""
+    groups = {}          # dtype -> (directions, grads, weights, γ, μ)
+    partial = 0.0
+    for block, grads, directions, damping in terms:
+        for param, grad, direction, mean in zip(
+                block.params, grads, directions,
+                block.regularization_means()):
+            if direction is None or grad is None:
+                continue
+            if not _fits(direction, grad, param.array, damping):
+                partial = partial + _param_term(
+                    xp, param, grad, direction, damping, mean)
+                continue
+            group = groups.setdefault(numpy.dtype(direction.dtype),
+                                      ([], [], [], [], []))
+            for values, value in zip(group, (direction, grad, param.array,
+                                             damping, mean)):
+                values.append(value)
+    for group in groups.values():
+        partial = partial + multi_tensor.bound_terms(*group).sum()
+    return partial
+
+
 def _param_term(xp, param, grad, direction, damping, mean):
     """One parameter's term of :func:`_device_term`."""
     flat = direction.ravel()
@@ -207,49 +234,17 @@ class StepBound:
         sums from each element on: ν then agrees with :meth:`apply`'s to
         float64 rounding, not to the bit."""
         xp = get_array_module(lr)
-        if xp is not numpy:
-            self._apply_in_multi_tensor_kernels(xp, terms, scaled, lr)
-            return
-        partial = 0.0
-        for block, grads, directions, damping in terms:
-            partial = partial + _device_term(block, grads, directions,
-                                             damping)
+        if xp is numpy:
+            partial = 0.0
+            for block, grads, directions, damping in terms:
+                partial = partial + _device_term(block, grads, directions,
+                                                 damping)
+        else:
+            partial = _multi_tensor_partial(xp, terms)
         metric = lr * lr * partial
         magnitude = xp.abs(metric)
         # ν = min(1, √(c / |m|)); 1 for m = 0 (c / tiny is huge, as c / 0
         # is infinite), NaN for a non-finite m (scale_of's rule)
-        scale = xp.minimum(1.0, xp.sqrt(self.kl_clip / xp.maximum(
-            magnitude, numpy.finfo(numpy.float64).tiny)))
-        scale = xp.where(xp.isfinite(metric), scale, numpy.nan)
-        for directions in scaled:
-            for direction in directions:
-                if direction is not None:
-                    direction *= scale.astype(direction.dtype)
-        self.metric, self.scale = metric, scale
-
-    def _apply_in_multi_tensor_kernels(self, xp, terms, scaled, lr) -> None:
-        groups = {}          # dtype -> (directions, grads, weights, γ, μ)
-        partial = 0.0
-        for block, grads, directions, damping in terms:
-            for param, grad, direction, mean in zip(
-                    block.params, grads, directions,
-                    block.regularization_means()):
-                if direction is None or grad is None:
-                    continue
-                if not _fits(direction, grad, param.array, damping):
-                    partial = partial + _param_term(
-                        xp, param, grad, direction, damping, mean)
-                    continue
-                group = groups.setdefault(numpy.dtype(direction.dtype),
-                                          ([], [], [], [], []))
-                for values, value in zip(group, (direction, grad,
-                                                 param.array, damping,
-                                                 mean)):
-                    values.append(value)
-        for group in groups.values():
-            partial = partial + multi_tensor.bound_terms(*group).sum()
-        metric = lr * lr * partial
-        magnitude = xp.abs(metric)
         scale = xp.minimum(1.0, xp.sqrt(self.kl_clip / xp.maximum(
             magnitude, numpy.finfo(numpy.float64).tiny)))
         scale = xp.where(xp.isfinite(metric), scale, numpy.nan)
@@ -258,7 +253,8 @@ class StepBound:
             for direction in directions:
                 if direction is None:
                     continue
-                if direction.dtype in multi_tensor.DTYPES and \
+                if xp is not numpy and \
+                        direction.dtype in multi_tensor.DTYPES and \
                         direction.flags.c_contiguous:
                     fused.setdefault(direction.dtype, []).append(direction)
                 else:

@@ -109,8 +109,8 @@ def _fused_key(param):
               array.flags.c_contiguous and grad.flags.c_contiguous):
         return None          # iDeep, ChainerX, float16: Chainer's own
     hyper = rule.hyperparam
-    return (str(param.device), array.dtype.str, _scalar_key(hyper.lr),
-            _scalar_key(hyper.momentum))
+    return (str(param.device), array.dtype.str, multi_tensor.group_key(hyper.lr),
+            multi_tensor.group_key(hyper.momentum))
 
 
 def _takes(velocity, array) -> bool:
@@ -125,9 +125,3 @@ def _takes(velocity, array) -> bool:
 def _is_cupy(array) -> bool:
     cuda = chainer.backends.cuda
     return cuda.available and isinstance(array, cuda.ndarray)
-
-
-def _scalar_key(value):
-    if isinstance(value, (int, float)):
-        return ('host', float(value))
-    return ('device', id(value))

@@ -106,16 +106,10 @@ def _fused_key(param, rule, direction):
             not direction.flags.c_contiguous:
         return None
     hyper = rule.hyperparam
-    return (str(param.device), array.dtype.str, _scalar_key(hyper.lr),
-            _scalar_key(hyper.momentum), rule.rescale_norm is not None)
+    return (str(param.device), array.dtype.str, multi_tensor.group_key(hyper.lr),
+            multi_tensor.group_key(hyper.momentum), rule.rescale_norm is not None)
 
 
 def _takes(velocity, array) -> bool:
     return (type(velocity) is type(array) and velocity.dtype == array.dtype
             and velocity.flags.c_contiguous)
-
-
-def _scalar_key(value):
-    if isinstance(value, (int, float)):
-        return ('host', float(value))
-    return ('device', id(value))
