@@ -14,6 +14,8 @@ import types
 
 import numpy
 
+from tests import cuda_cpu
+
 
 class Array(numpy.ndarray):
     """A NumPy array with CuPy's ``.data.ptr`` and ``.get()``."""
@@ -225,7 +227,10 @@ def modules():
     cupy.arange = lambda n, dtype=None: array(numpy.arange(n, dtype=dtype))
     cupy.asarray = array
     cupy.ascontiguousarray = array
-    cupy.ElementwiseKernel = _kernel
+    # linalg_cuda's kernel bodies themselves where a C++ compiler is here
+    # (tests/cuda_cpu.py), else their NumPy re-tellings
+    cupy.ElementwiseKernel = (cuda_cpu.ElementwiseKernel
+                              if cuda_cpu.compiler() else _kernel)
     cupy.cuda = types.SimpleNamespace(
         get_current_stream=lambda: _STACK[-1], Stream=Stream,
         Device=lambda device_id=0: contextlib.nullcontext(),
