@@ -173,6 +173,10 @@ KFAC_VARIANTS = {
     'kfac_fp16': {'factor_dtype': 'float16'},
     'kfac_tf32': {'factor_dtype': 'tf32', 'precondition_dtype': 'tf32'},
     'kfac_newton_schulz': {'inverse_method': 'newton_schulz'},
+    # the library's default: a factor of few per-sample vectors (BN's
+    # Fisher and the FC's A at a small per-GPU batch, the 3×3 convs' A of
+    # res5) inverted by Woodbury, exactly
+    'kfac_low_rank': {'low_rank': True},
 }
 #: The opt-in CUDA-graph variants (``--gpu``).
 GRAPH_VARIANTS = ('sgd_graph', 'kfac_stale_graph', 'kfac_stale_graph_tf32')
@@ -190,7 +194,8 @@ GPU_VARIANTS = VARIANTS
 #: Variants with refresh steps, kept apart as ``<variant>_refresh``.
 STALE_VARIANTS = ('kfac_stale', 'kfac_stale_graph', 'kfac_stale_graph_tf32')
 #: Every-step variants whose capture is timed by layer type.
-CAPTURE_VARIANTS = ('kfac_every', 'kfac_diag_bn', 'kfac_fp16', 'kfac_tf32')
+CAPTURE_VARIANTS = ('kfac_every', 'kfac_diag_bn', 'kfac_fp16', 'kfac_tf32',
+                    'kfac_low_rank')
 STAGES = ('forward_backward', 'factors', 'reduce_scatter', 'inverse',
           'precondition', 'all_gather', 'update')
 CAPTURE_TYPES = ('Linear A', 'Linear G', 'Conv A', 'Conv G', 'BN F')
@@ -212,6 +217,8 @@ PEER_GOALS = (
     ('K-FAC stale step', ('kfac_stale_graph', 'kfac_stale'),
      'kfac_inverse_stale', 0.8),
     ('K-FAC every step', ('kfac_every',), 'kfac_inverse', 0.5),
+    ('K-FAC every step, low-rank factors', ('kfac_low_rank',),
+     'kfac_inverse', 0.5),
 )
 
 #: name -> model, batch, input size, rounds, warm-up steps, capture steps

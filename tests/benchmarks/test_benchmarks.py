@@ -79,7 +79,7 @@ def test_step_time_smoke(tmp_path):
 
 def test_step_time_smoke_every_variant(tmp_path):
     variants = ('sgd,kfac_every,kfac_stale,kfac_diag_bn,kfac_fp16,'
-                'kfac_tf32,kfac_newton_schulz')
+                'kfac_tf32,kfac_newton_schulz,kfac_low_rank')
     data, stdout = run_benchmark('step_time', tmp_path, '--variants',
                                  variants)
     assert data['variants'] == variants.split(',')
@@ -87,12 +87,13 @@ def test_step_time_smoke_every_variant(tmp_path):
     for variant in variants.split(','):
         assert positive(result['median_s'][variant])
     for variant in ('kfac_diag_bn', 'kfac_fp16', 'kfac_tf32',
-                    'kfac_newton_schulz'):
+                    'kfac_newton_schulz', 'kfac_low_rank'):
         assert positive(result['ratio_to_sgd'][variant])
         assert set(result['stage_times_s'][variant]) == set(STAGES)
         assert positive(result['extra_over_sgd'][variant]['inverse'])
     assert set(result['capture_by_type_s']) == {
-        'kfac_every', 'kfac_diag_bn', 'kfac_fp16', 'kfac_tf32'}
+        'kfac_every', 'kfac_diag_bn', 'kfac_fp16', 'kfac_tf32',
+        'kfac_low_rank'}
     assert 'kfac_fp16 [s]' in stdout
 
 
@@ -516,7 +517,8 @@ def test_step_time_goals_against_the_peer():
     from benchmarks import step_time
     theirs = {'sgd': 0.020, 'kfac_inverse': 0.30, 'kfac_inverse_stale': 0.04}
     ours = {'sgd': 0.050, 'sgd_graph': 0.019, 'kfac_every': 0.20,
-            'kfac_stale': 0.07, 'kfac_stale_graph': 0.026}
+            'kfac_stale': 0.07, 'kfac_stale_graph': 0.026,
+            'kfac_low_rank': 0.12}
     goals = step_time.goals_vs_peer(ours, theirs)
     assert goals['SGD step']['ours'] == 'sgd_graph'
     assert goals['SGD step']['value'] == pytest.approx(0.019 / 0.020)
@@ -525,6 +527,9 @@ def test_step_time_goals_against_the_peer():
     assert goals['K-FAC stale step']['met']           # 0.65 <= 0.8
     assert goals['K-FAC every step']['value'] == pytest.approx(0.2 / 0.3)
     assert not goals['K-FAC every step']['met']       # 0.67 > 0.5
+    low_rank = goals['K-FAC every step, low-rank factors']
+    assert low_rank['value'] == pytest.approx(0.12 / 0.3)
+    assert low_rank['met'] and low_rank['ours'] == 'kfac_low_rank'
     # without the replayed variants, the eager steps are compared
     eager = step_time.goals_vs_peer(
         {'sgd': 0.050, 'kfac_stale': 0.07}, theirs)
@@ -533,7 +538,7 @@ def test_step_time_goals_against_the_peer():
     assert set(eager) == {'SGD step', 'K-FAC stale step'}
     text = step_time.goals_vs_peer_table([(32, goals)])
     assert 'Goals against the peer' in text
-    assert text.count('NOT met') == 1 and text.count('met') == 3
+    assert text.count('NOT met') == 1 and text.count('met') == 4
     # in the sweep's table, per batch
     row = {'model': 'resnet50', 'batch': 64, 'workspace_bytes': 1 << 30,
            'images_per_s': {'sgd': 1000.0}, 'goals_vs_peer': eager}
