@@ -30,7 +30,8 @@ Floating point: ``-ffp-contract=off`` (no fused multiply-add), so a kernel
 and its NumPy twin agree bit for bit where they compute the same
 expression in the same order; NVRTC contracts by default, so the GPU may
 differ from both in the last bit. Needs ``g++`` (C++17); :func:`compiler`
-says whether it is there.
+says whether it is there, :func:`unavailable` whether a probe kernel
+builds and runs.
 """
 import ctypes
 import functools
@@ -199,6 +200,35 @@ def compiler():
     return shutil.which(os.environ.get('CXX', 'g++'))
 
 
+_PROBE = r'''
+extern "C" __global__ void probe(const float* x, float* out) {
+    __shared__ float s[4];
+    s[threadIdx.x] = x[threadIdx.x] + (float) (_Float16) 0.5f;
+    __syncthreads();
+    if (threadIdx.x == 0) out[blockIdx.x] = s[0] + s[1] + s[2] + s[3];
+}
+'''
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable():
+    """Why the kernels cannot run here (no compiler, or it cannot build
+    and run a probe kernel: C++17, ``_Float16``, ``ucontext``), or None."""
+    if compiler() is None:
+        return 'no C++ compiler (g++) to run the CUDA sources on the CPU'
+    try:
+        out = numpy.zeros(2, numpy.float32)
+        RawKernel(_PROBE, 'probe')((2,), (4,), (
+            numpy.arange(4, dtype=numpy.float32), out))
+    except Exception as error:   # any failure: the reason is the message
+        return 'the CUDA sources cannot run on this CPU: {}'.format(
+            str(error).strip().splitlines()[-1][:300])
+    if out.tolist() != [8.0, 8.0]:
+        return 'the probe kernel computed {} (expected [8, 8])'.format(
+            out.tolist())
+    return None
+
+
 def _cache_dir():
     path = os.path.join(tempfile.gettempdir(),
                         'chainerkfac-cuda-cpu-{}'.format(os.getuid()))
@@ -214,7 +244,7 @@ def _library(code: str):
     if cxx is None:
         raise RuntimeError('tests.cuda_cpu needs a C++ compiler (g++)')
     text = _HEADER + '\n#line 1 "kernel.cu"\n' + code
-    digest = hashlib.sha1(text.encode()).hexdigest()[:20]
+    digest = hashlib.sha1((cxx + "\0" + text).encode()).hexdigest()[:20]
     target = os.path.join(_cache_dir(), digest + '.so')
     if not os.path.exists(target):
         source = os.path.join(_cache_dir(), digest + '.cpp')

@@ -229,8 +229,8 @@ def modules():
     cupy.ascontiguousarray = array
     # linalg_cuda's kernel bodies themselves where a C++ compiler is here
     # (tests/cuda_cpu.py), else their NumPy re-tellings
-    cupy.ElementwiseKernel = (cuda_cpu.ElementwiseKernel
-                              if cuda_cpu.compiler() else _kernel)
+    cupy.ElementwiseKernel = (_kernel if cuda_cpu.unavailable()
+                              else cuda_cpu.ElementwiseKernel)
     cupy.cuda = types.SimpleNamespace(
         get_current_stream=lambda: _STACK[-1], Stream=Stream,
         Device=lambda device_id=0: contextlib.nullcontext(),
