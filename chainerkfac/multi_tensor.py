@@ -9,7 +9,8 @@ and in an eager step each launch costs the host tens of microseconds.
 Here one launch takes up to :data:`CHUNK` tensors:
 
 * :func:`momentum_sgd`: Chainer's ``MomentumSGDRule`` (``v ← m·v − η·g``,
-  ``w ← w + v``);
+  ``w ← w + v``), optionally after Chainer's ``WeightDecay`` hook (``g ←
+  g + λ·w``) in the same pass;
 * :func:`momentum_step`: K-FAC's eq. (19), and with eq. (20) (the
   rescale to a norm per weight) in two launches per 32 weights: the
   unscaled step with each block's sum of squares, then the rescale from
@@ -52,9 +53,11 @@ DTYPES = {numpy.dtype(numpy.float32): ('f32', 'float'),
 
 
 def momentum_sgd(params: Sequence, grads: Sequence, velocities: Sequence,
-                 lr, momentum) -> None:
+                 lr, momentum, weight_decay: Optional[float] = None
+                 ) -> None:
     """``v ← m·v − η·g``, then ``w ← w + v``, in place, for every triple
-    (Chainer's ``MomentumSGDRule``).
+    (Chainer's ``MomentumSGDRule``); with ``weight_decay`` first ``g ← g +
+    λ·w`` (Chainer's ``WeightDecay`` hook, the gradient left so).
 
     Parameters
     ----------
@@ -64,18 +67,31 @@ def momentum_sgd(params: Sequence, grads: Sequence, velocities: Sequence,
     lr, momentum : float or 0-d array
         η and m: host numbers (rounded to the arrays' dtype, as Chainer's
         kernel takes them), or 0-d device arrays read when the kernel runs.
+    weight_decay : float, optional
+        λ, a host number (rounded to the dtype, as the hook's kernel takes
+        it).
     """
     if not params:
         return
     if get_array_module(params[0]) is numpy:
         from chainerkfac.fused import _host_scalar
         for w, g, v in zip(params, grads, velocities):
+            if weight_decay is not None:
+                g += weight_decay * w      # the hook's expression
             v *= _host_scalar(momentum, v.dtype)
             v -= _host_scalar(lr, v.dtype) * g
             w += v
         return
-    _launch_update('momentum_sgd', [params, grads, velocities], lr,
-                   momentum)
+    if weight_decay is None:
+        _launch_update('momentum_sgd', [params, grads, velocities], lr,
+                       momentum)
+        return
+    dtype = numpy.dtype(params[0].dtype)
+    tensors = [params, grads, velocities]
+    _check(dtype, tensors)
+    _launches(_kernel('momentum_sgd_wd', dtype),
+              _update_head(lr, momentum, dtype, velocities[0]) +
+              [dtype.type(weight_decay)], tensors)
 
 
 def momentum_step(weights: Sequence, velocities: Sequence,
@@ -346,6 +362,16 @@ _OPS = {
         _SCALARS, '''
         {c} vi = v[i];
         vi = momentum * vi - lr * g[i];
+        v[i] = vi;
+        p[i] += vi;''', ''),
+    'momentum_sgd_wd': (
+        (('p', 'out'), ('g', 'out'), ('v', 'out')),
+        _UPDATE_HEAD + ', const {c} decay', _SCALARS, '''
+        {c} gi = g[i];
+        gi += decay * p[i];
+        g[i] = gi;
+        {c} vi = v[i];
+        vi = momentum * vi - lr * gi;
         v[i] = vi;
         p[i] += vi;''', ''),
     'momentum_step': (

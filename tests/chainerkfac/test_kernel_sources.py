@@ -509,18 +509,20 @@ def _on_emulated_device(model):
 @pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
 def test_fused_momentum_sgd_trains_as_chainers(dtype):
     """FusedMomentumSGD with its parameters on the emulated device (one
-    kernel per 32 parameters, from the optimizer's own grouping) against
-    Chainer's MomentumSGD on the CPU: the same weights bit for bit after
-    six steps, the unused head moved by weight decay alike."""
+    kernel per 32 parameters, from the optimizer's own grouping, the
+    WeightDecay hook folded in) against Chainer's MomentumSGD on the CPU:
+    the same weights bit for bit after six steps, the unused head moved by
+    weight decay alike."""
     from tests.chainerkfac.optimizers import test_fused_sgd as sgd
     expected, _ = sgd._state(*sgd._train(sgd._sgd, dtype))
     with emulated('forward'):
         model, optimizer = sgd._train(sgd._fused, dtype,
                                       prepare=_on_emulated_device)
-        launches = multi_tensor._kernel('momentum_sgd',
+        launches = multi_tensor._kernel('momentum_sgd_wd',
                                         numpy.dtype(dtype)).launches
     got, _ = sgd._state(model, optimizer)
-    assert launches == 6 * 2       # 46 parameters: two launches a step
+    # 46 parameters: two launches a step, the WeightDecay hook in them
+    assert launches == 6 * 2
     for name, (weight, velocity, _) in expected.items():
         numpy.testing.assert_array_equal(got[name][0], weight, name)
         numpy.testing.assert_array_equal(got[name][1], velocity, name)

@@ -106,6 +106,65 @@ def test_equals_chainer_bit_for_bit_on_the_cpu(dtype, manual):
     assert expected['/unused/W'][1].any()
 
 
+def _grads_after(make, hooks, steps=3):
+    """Weights, velocities and gradients after ``steps`` updates with the
+    optimizer-level ``hooks`` (made fresh)."""
+    numpy.random.seed(0)
+    model = Net()
+    optimizer = make().setup(model)
+    for hook in hooks():
+        optimizer.add_hook(hook)
+    for x, t in _data(numpy.float32, steps):
+        optimizer.update(helpers.loss_of(model), x, t)
+    return {name: (p.array.copy(), p.grad.copy(),
+                   p.update_rule.state['v'].copy())
+            for name, p in model.namedparams()}
+
+
+@pytest.mark.parametrize('hooks', [
+    lambda: [chainer.optimizer_hooks.WeightDecay(1e-2)],
+    lambda: [chainer.optimizer_hooks.WeightDecay(1e-2),
+             chainer.optimizer_hooks.GradientClipping(0.5)],
+    lambda: [chainer.optimizer_hooks.GradientClipping(0.5),
+             chainer.optimizer_hooks.WeightDecay(1e-2)],
+    lambda: [chainer.optimizer_hooks.Lasso(1e-3)],
+], ids=['weight decay', 'decay then clipping', 'clipping then decay',
+        'lasso'])
+def test_optimizer_hooks_as_chainer_calls_them(monkeypatch, hooks):
+    """A lone WeightDecay hook is folded into the kernel's pass (the
+    gradients left with λ·w added, as the hook leaves them); with other
+    hooks Chainer calls them all in their order first. Weights,
+    velocities and gradients are Chainer's bit for bit either way."""
+    seen = []
+    original = multi_tensor.momentum_sgd
+
+    def spy(*args):
+        seen.append(args[5] if len(args) > 5 else None)
+        return original(*args)
+    monkeypatch.setattr(multi_tensor, 'momentum_sgd', spy)
+    expected = _grads_after(_sgd, hooks)
+    got = _grads_after(_fused, hooks)
+    lone = len(hooks()) == 1 and isinstance(
+        hooks()[0], chainer.optimizer_hooks.WeightDecay)
+    assert seen == [1e-2 if lone else None] * 3
+    for name, arrays in expected.items():
+        for a, b in zip(got[name], arrays):
+            numpy.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_folded_weight_decay_reaches_the_parameters_chainer_updates():
+    """Parameters that go Chainer's way (a hooked rule, float16) still get
+    the folded WeightDecay hook, once, before their update."""
+    def prepare(model):
+        model.hidden[3].W.update_rule.add_hook(lambda rule, param: None,
+                                               name='noop')
+    expected, _ = _state(*_train(_sgd, prepare=prepare))
+    got, _ = _state(*_train(_fused, prepare=prepare))
+    for name, (weight, velocity, _) in expected.items():
+        numpy.testing.assert_array_equal(got[name][0], weight, err_msg=name)
+        numpy.testing.assert_array_equal(got[name][1], velocity, name)
+
+
 def _hooked_and_disabled(model):
     calls = []
     model.hidden[3].W.update_rule.add_hook(
@@ -200,9 +259,10 @@ def test_numpy_twin_is_chainers_expression():
 @pytest.mark.gpu
 @pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
 def test_gpu_kernel_against_chainers(dtype):
-    """46 parameters (two launches of 32): the weights and
-    velocities of 6 steps within a few roundings of Chainer's (the same
-    expression; the compiler may contract it differently)."""
+    """46 parameters (two launches of 32), the WeightDecay hook folded into
+    them: the weights and velocities of 6 steps within a few roundings of
+    Chainer's (the same expression; the compiler may contract it
+    differently)."""
     cupy = support.cupy_or_skip()
     expected, _ = _state(*_train(_sgd, dtype, xp=cupy))
     got, _ = _state(*_train(_fused, dtype, xp=cupy))
