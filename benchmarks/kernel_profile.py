@@ -13,8 +13,10 @@ of the process whichever library launched it: CuPy's kernels, this
 project's ctypes cuDNN and cuBLAS, PyTorch's own — so both sides are
 measured by one method, in one process. Ours: ResNet-50 under Chainer,
 the variants of :mod:`benchmarks.step_time` (its step classes; cuDNN
-chosen as ``train_imagenet.py --gpu`` chooses it). The peer's: torchvision's
-ResNet-50 with ``torch.optim.SGD`` and kfac-pytorch
+chosen as ``train_imagenet.py --gpu`` chooses it). The peer's: the same
+network in PyTorch (torchvision's ResNet-50, the strides moved to ours:
+:func:`benchmarks.peer_pytorch.resnet50`) with ``torch.optim.SGD`` and
+kfac-pytorch
 (:mod:`benchmarks.peer_pytorch`). A stale K-FAC variant is profiled on
 stale steps only (the steps start after a refresh).
 

@@ -1,9 +1,9 @@
 """The peer, timed in the same run: PyTorch SGD and kfac-pytorch's
-``KFACPreconditioner`` on torchvision's ResNet-50.
+``KFACPreconditioner`` on torchvision's ResNet-50, made our network.
 
     python -m benchmarks.peer_pytorch [--batch 32] [--size 224]
         [--rounds 11] [--warmup 3] [--interval 20] [--variants ...]
-        [--exact-fp32] [--out FILE.json]
+        [--arch v1|v1.5] [--exact-fp32] [--out FILE.json]
 
 or ``python -m benchmarks.step_time --gpu --peer``, which runs it after its
 own figures and records these beside them in the same JSON.
@@ -22,6 +22,13 @@ step; medians over the rounds, ratios per round to the SGD step):
 * ``kfac_inverse_stale``: INVERSE with ``factor_update_steps`` and
   ``inv_update_steps`` = ``--interval`` (20); its refresh steps are kept
   apart as ``kfac_inverse_stale_refresh``.
+
+The network is ours (``--arch v1``, the default): torchvision's
+ResNet-50 with each downsampling bottleneck's stride moved from its 3×3
+convolution to its first 1×1, as in He et al. (2016), the paper and
+``models/resnet50.py`` — the same convolution shapes, so a ratio of steps
+compares the frameworks, not two networks (torchvision's v1.5, ``--arch
+v1.5``, does about 6 % more multiply-adds at 224²: 4.1 against 3.9 G).
 
 float32 throughout. PyTorch's own defaults otherwise:
 ``torch.backends.cudnn.allow_tf32`` True (convolutions may use TF32, as
@@ -42,7 +49,39 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 VARIANTS = ('sgd', 'kfac_inverse', 'kfac_eigen', 'kfac_inverse_stale')
-DEFAULTS = dict(batch=32, size=224, rounds=11, warmup=3, interval=20)
+DEFAULTS = dict(batch=32, size=224, rounds=11, warmup=3, interval=20,
+                arch='v1')
+#: ``'v1'``: a downsampling bottleneck's stride on its first 1×1
+#: convolution (ours); ``'v1.5'``: on its 3×3 (torchvision's).
+ARCHS = ('v1', 'v1.5')
+
+
+def stride_on_first_1x1(model) -> int:
+    """Move each bottleneck's stride from its 3×3 convolution (``conv2``)
+    to its first 1×1 (``conv1``) in a torchvision ResNet (``layer1`` …
+    ``layer4``), in place: ResNet v1, our ``models/resnet50.py``. The
+    projection shortcut keeps its stride. Returns how many blocks moved
+    (3 for ResNet-50)."""
+    moved = 0
+    for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
+        for block in stage:
+            stride = tuple(block.conv2.stride)
+            if stride != (1, 1):
+                block.conv1.stride, block.conv2.stride = stride, (1, 1)
+                moved += 1
+    return moved
+
+
+def resnet50(arch: str = DEFAULTS['arch']):
+    """torchvision's ResNet-50, untrained, as ``arch`` (:data:`ARCHS`)."""
+    import torchvision
+    if arch not in ARCHS:
+        raise ValueError('arch must be one of {}, got {!r}'.format(
+            ARCHS, arch))
+    model = torchvision.models.resnet50(weights=None)
+    if arch == 'v1':
+        stride_on_first_1x1(model)
+    return model
 
 
 def why_unavailable() -> Optional[str]:
@@ -117,11 +156,11 @@ def time_rounds(steps: Dict[str, Callable[[], bool]], rounds: int,
 
 
 def _build_steps(variants: Sequence[str], batch: int, size: int,
-                 interval: int) -> Dict[str, Callable[[], bool]]:
-    """One torchvision ResNet-50 per variant (same initial weights), on
-    ``cuda``, and its step."""
+                 interval: int, arch: str = DEFAULTS['arch']
+                 ) -> Dict[str, Callable[[], bool]]:
+    """One ResNet-50 per variant (:func:`resnet50`, same initial weights),
+    on ``cuda``, and its step."""
     import torch
-    import torchvision
     from kfac.enums import ComputeMethod
     from kfac.preconditioner import KFACPreconditioner
 
@@ -132,7 +171,7 @@ def _build_steps(variants: Sequence[str], batch: int, size: int,
     steps = {}
     for name in variants:
         torch.manual_seed(0)
-        model = torchvision.models.resnet50(weights=None).cuda()
+        model = resnet50(arch).cuda()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         preconditioner = None
         if name != 'sgd':
@@ -163,8 +202,8 @@ def _step(model, optimizer, preconditioner, criterion, x, t):
 def run(batch: int = DEFAULTS['batch'], size: int = DEFAULTS['size'],
         rounds: int = DEFAULTS['rounds'], warmup: int = DEFAULTS['warmup'],
         interval: int = DEFAULTS['interval'],
-        variants: Sequence[str] = VARIANTS, exact_fp32: bool = False
-        ) -> Dict:
+        variants: Sequence[str] = VARIANTS, exact_fp32: bool = False,
+        arch: str = DEFAULTS['arch']) -> Dict:
     """The peer's figures (module docstring), or ``{'skipped': reason}``."""
     reason = why_unavailable()
     if reason is not None:
@@ -179,7 +218,8 @@ def run(batch: int = DEFAULTS['batch'], size: int = DEFAULTS['size'],
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
     result = {
-        'peer': 'pytorch', 'model': 'torchvision resnet50', 'batch': batch,
+        'peer': 'pytorch', 'model': 'torchvision resnet50', 'arch': arch,
+        'batch': batch,
         'input': [3, size, size], 'dtype': 'float32', 'rounds': rounds,
         'warmup_steps': warmup, 'refresh_interval': interval,
         'variants': list(variants),
@@ -193,7 +233,7 @@ def run(batch: int = DEFAULTS['batch'], size: int = DEFAULTS['size'],
             'cuda.matmul.allow_tf32': torch.backends.cuda.matmul.allow_tf32,
             'cudnn.benchmark': torch.backends.cudnn.benchmark},
     }
-    steps = _build_steps(variants, batch, size, interval)
+    steps = _build_steps(variants, batch, size, interval, arch)
     result.update(time_rounds(steps, rounds, warmup, torch.cuda.synchronize))
     del steps   # PyTorch's cached blocks back, for the sweep's next point
     gc.collect()
@@ -255,6 +295,9 @@ def parse_args(argv):
     parser.add_argument('--variants', default=','.join(VARIANTS),
                         help='comma-separated subset of {}, with sgd'.format(
                             ','.join(VARIANTS)))
+    parser.add_argument('--arch', choices=ARCHS, default=DEFAULTS['arch'],
+                        help="v1: our network (the stride on the first "
+                        "1x1); v1.5: torchvision's (on the 3x3)")
     parser.add_argument('--exact-fp32', action='store_true',
                         help='turn TF32 off in PyTorch (cuDNN and matmul)')
     parser.add_argument('--out', default='result/peer_pytorch.json')
@@ -280,7 +323,7 @@ def main(argv=None):
     data = _common.header('peer_pytorch', argv, gpu=False)
     data['peer_pytorch'] = run(args.batch, args.size, args.rounds,
                                args.warmup, args.interval, args.variants,
-                               args.exact_fp32)
+                               args.exact_fp32, args.arch)
     print(table(data['peer_pytorch']))
     _common.write_json(args.out, data)
     print('wrote {}'.format(args.out))

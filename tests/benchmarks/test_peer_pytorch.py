@@ -135,3 +135,59 @@ def test_step_time_peer_option(monkeypatch):
     assert data['peer_pytorch'] == {
         'skipped': 'PyTorch cannot be imported (test)'}
     assert 'skipped: PyTorch cannot be imported (test)' in text
+
+
+def _torchvision_like_resnet50():
+    """torchvision's ResNet-50 as far as strides go (its Bottleneck: the
+    stride on ``conv2``, the 3×3, and on the ``downsample`` projection;
+    layer2-4 start with stride 2)."""
+    import types
+
+    def conv(stride):
+        return types.SimpleNamespace(stride=(stride, stride))
+
+    def stage(blocks, stride):
+        return [types.SimpleNamespace(
+            conv1=conv(1), conv2=conv(stride if k == 0 else 1), conv3=conv(1),
+            downsample=conv(stride) if k == 0 else None)
+            for k in range(blocks)]
+    return types.SimpleNamespace(
+        layer1=stage(3, 1), layer2=stage(4, 2), layer3=stage(6, 2),
+        layer4=stage(3, 2))
+
+
+def _strides(block):
+    return tuple(tuple(c.stride) for c in (block.conv1, block.conv2,
+                                           block.conv3))
+
+
+@pytest.mark.parametrize('arch', ['v1', 'v1.5'])
+def test_the_peer_is_our_network(monkeypatch, arch):
+    """--arch v1 (the default) moves each strided bottleneck's stride to
+    its first 1×1 convolution: then every block's (conv1, conv2, conv3)
+    strides are those of models/resnet50.py, block for block; v1.5 keeps
+    torchvision's."""
+    import types
+    from models.resnet50 import ResNet50
+    fake = types.SimpleNamespace(models=types.SimpleNamespace(
+        resnet50=lambda weights: _torchvision_like_resnet50()))
+    monkeypatch.setitem(sys.modules, 'torchvision', fake)
+    assert peer_pytorch.parse_args([]).arch == 'v1'
+    assert peer_pytorch.parse_args(['--arch', 'v1.5']).arch == 'v1.5'
+    peer = peer_pytorch.resnet50(arch)
+    ours = ResNet50(n_class=10)
+    stages = [list(getattr(ours, 'res{}'.format(i)).children())
+              for i in range(2, 6)]
+    theirs = [peer.layer1, peer.layer2, peer.layer3, peer.layer4]
+    differ = 0
+    for our_stage, their_stage in zip(stages, theirs):
+        assert len(our_stage) == len(their_stage)
+        for mine, other in zip(our_stage, their_stage):
+            differ += _strides(mine) != _strides(other)
+            assert tuple(other.downsample.stride if other.downsample else
+                         (1, 1)) == (tuple(mine.conv_shortcut.stride)
+                                     if hasattr(mine, 'conv_shortcut')
+                                     else (1, 1))
+    assert differ == (0 if arch == 'v1' else 3)
+    with pytest.raises(ValueError, match='arch must be one of'):
+        peer_pytorch.resnet50('v2')
