@@ -586,14 +586,8 @@ def test_bounded_step_on_the_device_equals_the_cpu(kl_clip):
         launches = [multi_tensor._kernel(op, numpy.dtype(numpy.float64))
                     .launches for op in ('dots', 'terms', 'scale')]
     assert launches == [1, 1, 1]
-    assert float(bound.metric) == pytest.approx(float(reference.metric),
-                                                rel=1e-13)
-    assert float(bound.scale) == pytest.approx(float(reference.scale),
-                                               rel=1e-13)
-    assert (float(bound.scale) < 1) == (kl_clip < 1)
-    for got, want in zip(device_scaled, scaled):
-        for a, b in zip(got, want):
-            numpy.testing.assert_allclose(a, b, rtol=1e-13)
+    bound_tests.assert_bounds_agree(bound, device_scaled, reference, scaled,
+                                    kl_clip)
 
 
 class _GuardedNet(chainer.Chain):
