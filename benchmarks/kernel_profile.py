@@ -80,12 +80,14 @@ ORDER = tuple(c for c, _ in CATEGORIES) + (MEMORY, OTHER)
 
 #: Our variants (:mod:`benchmarks.step_time`'s) and the peer's.
 VARIANTS = ('sgd', 'sgd_graph', 'kfac_every', 'kfac_tf32', 'kfac_fp16',
-            'kfac_stale', 'kfac_stale_graph', 'kfac_stale_graph_tf32')
+            'kfac_low_rank', 'kfac_stale', 'kfac_stale_graph',
+            'kfac_stale_graph_tf32')
 PEER_VARIANTS = ('sgd', 'kfac_inverse', 'kfac_inverse_stale')
 DEFAULT_VARIANTS = ('sgd', 'sgd_graph', 'kfac_every', 'kfac_stale_graph')
 #: Ours -> the peer's variant it is compared with.
 PAIRS = {'sgd': 'sgd', 'sgd_graph': 'sgd', 'kfac_every': 'kfac_inverse',
          'kfac_tf32': 'kfac_inverse', 'kfac_fp16': 'kfac_inverse',
+         'kfac_low_rank': 'kfac_inverse',
          'kfac_stale': 'kfac_inverse_stale',
          'kfac_stale_graph': 'kfac_inverse_stale',
          'kfac_stale_graph_tf32': 'kfac_inverse_stale'}
@@ -396,8 +398,8 @@ def _our_step(step_time, variant, model, interval, synchronize):
     if variant in step_time.KFAC_GRAPH_VARIANTS:
         return step_time.KFACGraphStep(
             model, interval, **step_time.KFAC_GRAPH_VARIANTS[variant][0])
-    every = variant in ('kfac_every', 'kfac_tf32', 'kfac_fp16')
-    return step_time.KFACStep(model, 1 if every else interval, True,
+    return step_time.KFACStep(model, interval if variant in STALE else 1,
+                              True,
                               **step_time.KFAC_VARIANTS[variant])
 
 

@@ -310,3 +310,29 @@ def test_every_variant_has_a_peer_and_a_step():
     assert set(kp.PAIRS.values()) <= set(kp.PEER_VARIANTS)
     for variant in kp.VARIANTS:
         assert (variant in step_time.VARIANTS), variant
+
+
+def test_our_steps_refresh_as_their_variants_say():
+    """Every K-FAC variant but the stale ones refreshes at every step,
+    with its step_time options; the stale ones at the interval."""
+    import types
+    from benchmarks import step_time
+    made = []
+
+    def kfac_step(model, interval, gpu, **options):
+        made.append((interval, options))
+    fake = types.SimpleNamespace(
+        SGDStep=lambda *a: 'sgd', SGDGraphStep=lambda *a: 'sgd_graph',
+        KFACGraphStep=lambda *a, **k: 'graph', KFACStep=kfac_step,
+        KFAC_GRAPH_VARIANTS=step_time.KFAC_GRAPH_VARIANTS,
+        KFAC_VARIANTS=step_time.KFAC_VARIANTS)
+    for variant in kp.VARIANTS:
+        made.clear()
+        kp._our_step(fake, variant, None, 20, None)
+        if variant in step_time.KFAC_VARIANTS:
+            [(interval, options)] = made
+            assert interval == (20 if variant in kp.STALE else 1), variant
+            assert options == step_time.KFAC_VARIANTS[variant]
+    made.clear()
+    kp._our_step(fake, 'kfac_low_rank', None, 20, None)
+    assert made == [(1, {'low_rank': True})]
