@@ -247,7 +247,9 @@ def _library(code: str):
     digest = hashlib.sha1((cxx + "\0" + text).encode()).hexdigest()[:20]
     target = os.path.join(_cache_dir(), digest + '.so')
     if not os.path.exists(target):
-        source = os.path.join(_cache_dir(), digest + '.cpp')
+        # per process: concurrent test processes may compile the same text
+        source = os.path.join(_cache_dir(), '{}.{}.cpp'.format(
+            digest, os.getpid()))
         with open(source, 'w') as f:
             f.write(text)
         partial = target + '.{}.tmp'.format(os.getpid())
@@ -256,6 +258,7 @@ def _library(code: str):
              '-ffp-contract=off', '-fno-strict-aliasing', '-w',
              source, '-o', partial],
             capture_output=True, text=True)
+        os.remove(source)
         if result.returncode:
             raise RuntimeError('the kernel source does not compile as '
                                'C++:\n' + result.stderr[-4000:])
