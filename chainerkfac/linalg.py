@@ -204,6 +204,21 @@ def tf32_matmul(a, b):
     return gemm.tf32_matmul(xp, a, b)
 
 
+def in_place_matmul(a, b):
+    """``a @ b`` of views of one array (a 3-D stack and its transpose:
+    the split-K pieces of a Gram product): on CuPy by our cuBLAS handle,
+    which reads row-strided operands where they are
+    (:func:`chainerkfac.graphs.gemm.in_place_matmul`), where CuPy's
+    matmul would copy both first; CuPy's own where that handle is not
+    there or does not serve them; NumPy's on the CPU."""
+    xp = get_array_module(a)
+    if xp is numpy:
+        return numpy.matmul(a, b)
+    from chainerkfac.graphs import gemm
+    product = gemm.in_place_matmul(xp, a, b)
+    return xp.matmul(a, b) if product is None else product
+
+
 def matmul(a, b, tf32: bool = False):
     """``a @ b`` of 2-D (or 2-D and 1-D) arrays, or of equal stacks (3-D):
     NumPy's ``matmul``; on CuPy ``cupy.matmul``, which a captured CUDA

@@ -284,9 +284,12 @@ def column_gram(matrix, half: bool, out_dtype, pieces: int = None,
     ``pieces`` products over equal pieces of K (split-K: a D×D product
     alone keeps few GPU multiprocessors busy when D is small), in
     ``out_dtype``; fp16 operands (``half``) by :func:`linalg.half_matmul`,
-    float32 ones in TF32 (``tf32``) by :func:`linalg.tf32_matmul`, from
-    one C-contiguous copy of the pieces (the product's second operand is
-    its transpose, which cuBLAS takes with a flag).
+    float32 ones in TF32 (``tf32``) by :func:`linalg.tf32_matmul`, others
+    by :func:`linalg.in_place_matmul`. On the GPU the pieces are views of
+    ``matrix`` that cuBLAS reads where they are (the rows K apart, the
+    pieces K / pieces apart; the second operand, the transpose, with
+    cuBLAS's flag): no copy of the patches (CuPy's matmul made two, one
+    of them transposed); fp16 keeps CuPy's.
 
     ``pieces`` defaults to about one per :data:`SPLIT_K_CHUNK` terms, as
     many as fit :data:`SPLIT_K_MEMORY` elements of partial products.
@@ -298,10 +301,11 @@ def column_gram(matrix, half: bool, out_dtype, pieces: int = None,
             pieces = _pieces(k, k // (pieces - 1))
     batch = matrix.reshape(d, pieces, -1).transpose(1, 0, 2)
     if tf32:
-        batch = get_array_module(batch).ascontiguousarray(batch)
         products = linalg.tf32_matmul(batch, batch.transpose(0, 2, 1))
+    elif half:
+        products = linalg.half_matmul(batch, batch.transpose(0, 2, 1))
     else:
-        products = _matmul(batch, batch.transpose(0, 2, 1), half)
+        products = linalg.in_place_matmul(batch, batch.transpose(0, 2, 1))
     return products.sum(axis=0, dtype=out_dtype)
 
 

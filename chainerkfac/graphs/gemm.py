@@ -131,12 +131,15 @@ class Gemm:
 
     def serves(self, *arrays) -> bool:
         """Whether :meth:`matmul` takes these operands: device arrays of
-        one dtype, float32 or float64, C-contiguous, 2-D or 3-D alike."""
+        one dtype, float32 or float64, 2-D or 3-D alike, each row-major
+        (:func:`row_major`: C-contiguous, or rows at a regular stride,
+        e.g. a column block of a wider matrix, and matrices of a stack at
+        any regular stride)."""
         first = arrays[0]
         return (all(self.arrays.serves(a) for a in arrays) and
                 first.dtype.char in _GEMMS and first.ndim in (2, 3) and
                 all(a.dtype == first.dtype and a.ndim == first.ndim and
-                    a.flags.c_contiguous for a in arrays))
+                    row_major(a) is not None for a in arrays))
 
     def matmul(self, a, b, transa: bool = False, transb: bool = False,
                out=None, tf32: bool = False):
@@ -144,10 +147,12 @@ class Gemm:
         asked) into ``out`` or a new array; see :meth:`serves`. ``tf32``:
         float32 operands on TF32 Tensor Cores (float64 stays exact)."""
         if not self.serves(a, b):
-            raise TypeError('Gemm.matmul takes C-contiguous float32 or '
-                            'float64 device arrays of one dtype, both 2-D '
-                            'or both 3-D (got {} {} and {} {})'.format(
-                                a.shape, a.dtype, b.shape, b.dtype))
+            raise TypeError('Gemm.matmul takes row-major (C-contiguous or '
+                            'row-strided) float32 or float64 device arrays '
+                            'of one dtype, both 2-D or both 3-D (got {} {} '
+                            '{} and {} {} {})'.format(
+                                a.shape, a.dtype, a.strides, b.shape,
+                                b.dtype, b.strides))
         rows_a, cols_a = a.shape[-2:]
         rows_b, cols_b = b.shape[-2:]
         m, k = (cols_a, rows_a) if transa else (rows_a, cols_a)
@@ -160,24 +165,26 @@ class Gemm:
         shape = (m, n) if batch is None else (batch, m, n)
         if out is None:
             out = self.arrays.empty(shape, a.dtype)
-        elif tuple(out.shape) != shape or not self.serves(a, out):
+        elif tuple(out.shape) != shape or not self.serves(a, out) or \
+                not out.flags.c_contiguous:
             raise ValueError('matmul: out must be C-contiguous {} {}'.format(
                 shape, a.dtype))
         single, strided, _ = _GEMMS[a.dtype.char]
         one, zero = _SCALARS[a.dtype.char]
         p = self.arrays.pointer
+        (ld_a, stride_a), (ld_b, stride_b) = row_major(a), row_major(b)
         ops = (cublas.CUBLAS_OP_T if transb else cublas.CUBLAS_OP_N,
                cublas.CUBLAS_OP_T if transa else cublas.CUBLAS_OP_N)
         handle = self.handle(
             cublas.CUBLAS_TF32_TENSOR_OP_MATH if tf32 and a.dtype.char == 'f'
             else cublas.CUBLAS_PEDANTIC_MATH)
         if batch is None:
-            self.lib.call(single, handle, *ops, n, m, k, one, p(b), cols_b,
-                          p(a), cols_a, zero, p(out), n)
+            self.lib.call(single, handle, *ops, n, m, k, one, p(b), ld_b,
+                          p(a), ld_a, zero, p(out), n)
         elif batch:
-            self.lib.call(strided, handle, *ops, n, m, k, one, p(b), cols_b,
-                          rows_b * cols_b, p(a), cols_a, rows_a * cols_a,
-                          zero, p(out), n, m * n, batch)
+            self.lib.call(strided, handle, *ops, n, m, k, one, p(b), ld_b,
+                          stride_b, p(a), ld_a, stride_a, zero, p(out), n,
+                          m * n, batch)
         return out
 
     def release_stream(self, stream: int) -> None:
@@ -202,6 +209,31 @@ class Gemm:
             self.lib.call('cublasDestroy_v2', handle)
 
 
+def row_major(array) -> Optional[Tuple[int, int]]:
+    """``(ld, stride)`` in elements where cuBLAS can read ``array`` (2-D,
+    or a 3-D stack) in place as row-major matrices: the elements of a row
+    adjacent, the rows ``ld`` apart (at least a row's length), the
+    matrices of a stack ``stride`` apart (0 for 2-D); else None. A
+    C-contiguous array has ``ld`` = its columns; a column block of a wider
+    matrix (``x[:, a:b]``), or the pieces of a split-K product
+    (``x.reshape(d, p, -1).transpose(1, 0, 2)``), need no copy."""
+    itemsize = array.dtype.itemsize
+    if array.ndim not in (2, 3) or any(s % itemsize or s < 0
+                                       for s in array.strides):
+        return None
+    rows, cols = array.shape[-2:]
+    ld, step = (s // itemsize for s in array.strides[-2:])
+    if cols > 1 and step != 1:
+        return None
+    if rows <= 1:
+        ld = max(cols, 1)        # the row stride of a single row is moot
+    if ld < max(cols, 1):
+        return None
+    # the matrices of a stack may interleave (split-K pieces): cuBLAS
+    # reads its operands, any stride will do
+    return ld, array.strides[0] // itemsize if array.ndim == 3 else 0
+
+
 _gemm: Optional[Gemm] = None
 
 
@@ -216,6 +248,29 @@ def default() -> Gemm:
         _gemm = Gemm(cublas.load(), CupyArrays(cupy))
         atexit.register(_gemm.close)
     return _gemm
+
+
+def in_place_matmul(cupy, a, b):
+    """``a @ b`` of float32 / float64 device operands that are views —
+    row-strided (:func:`row_major`) or the transposes of such — read by
+    cuBLAS where they are; None where this process has no cuBLAS of its
+    own (:func:`chainerkfac.graphs.cublas.load` found none) or the
+    operands are not served. CuPy's matmul copies both operands of a 3-D
+    product C-contiguous first (one of them transposed): for K-FAC's
+    split-K Gram of a convolution's patches, two passes over the largest
+    matrix of a refresh step."""
+    global _no_library
+    if _no_library:
+        return None
+    try:
+        gemm = default()
+    except OSError:          # LibraryNotFound, or a cuBLAS without a symbol
+        _no_library = True
+        return None
+    return _routed(gemm, cupy, a, b)
+
+
+_no_library = False
 
 
 @contextlib.contextmanager
@@ -302,11 +357,13 @@ def route_matmul(cupy, gemm: Optional[Gemm] = None):
 
 def _as_operand(cupy, array):
     """``(matrix, transposed)``: ``array`` is ``op(matrix)`` with ``matrix``
-    C-contiguous (module docstring of :func:`route_matmul`)."""
-    if array.flags.c_contiguous:
+    row-major (:func:`row_major`; module docstring of
+    :func:`route_matmul`), a C-contiguous copy where neither it nor its
+    transpose is."""
+    if row_major(array) is not None:
         return array, False
     swapped = array.swapaxes(-1, -2)
-    if swapped.flags.c_contiguous:
+    if row_major(swapped) is not None:
         return swapped, True
     return cupy.ascontiguousarray(array), False
 

@@ -240,3 +240,57 @@ def test_split_k_column_gram_equals_product(half):
     numpy.testing.assert_array_equal(
         patches.column_gram(operand, half, numpy.dtype(numpy.float32), 3),
         expected.sum(axis=0))
+
+
+class _OnDevice(numpy.ndarray):
+    """A NumPy array that the Gram code takes for a device array."""
+
+
+@pytest.mark.parametrize('tf32', [False, True])
+@pytest.mark.parametrize('pieces', [1, 4])
+def test_gpu_column_gram_reads_the_patches_in_place(monkeypatch, tf32,
+                                                    pieces):
+    """On the GPU the split-K pieces go to our cuBLAS handle as views of
+    the patch matrix (rows K apart, pieces K / pieces apart, the second
+    operand as the first's transpose with cuBLAS's flag): no copy, where
+    CuPy's matmul copied both operands (here a computing cuBLAS stand-in
+    reads memory as cuBLAS does; any copy or CuPy matmul fails the
+    test). The result is the exact Gram (float64) or TF32's (float32)."""
+    import types
+    from chainerkfac import linalg
+    from chainerkfac.graphs import gemm as gemm_module
+    from tests.chainerkfac.graphs.cublas_fake import FakeCublas, NumpyArrays
+
+    def refused(*args, **kwargs):
+        raise AssertionError('the patches were copied or CuPy multiplied')
+
+    class Arrays(NumpyArrays):
+        def serves(self, array):
+            return isinstance(array, _OnDevice)
+
+        def empty(self, shape, dtype):
+            return super().empty(shape, dtype).view(_OnDevice)
+
+    fake_cupy = types.SimpleNamespace(matmul=refused,
+                                      ascontiguousarray=refused)
+    fake = FakeCublas()
+    gemm = gemm_module.Gemm(fake.library(), Arrays())
+    monkeypatch.setattr(gemm_module, '_gemm', gemm)
+    monkeypatch.setattr(linalg, 'get_array_module', lambda *a: (
+        fake_cupy if isinstance(a[0], _OnDevice) else numpy))
+    dtype = numpy.float32 if tf32 else numpy.float64
+    matrix = numpy.random.RandomState(10).randn(6, 64).astype(dtype)
+    got = patches.column_gram(matrix.view(_OnDevice), False,
+                              numpy.dtype(dtype), pieces, tf32=tf32)
+    exact = patches.column_gram(matrix, False, numpy.dtype(dtype), pieces,
+                                tf32=tf32)
+    numpy.testing.assert_allclose(got, exact, rtol=1e-6 if tf32 else 1e-14)
+    call, = fake.calls[-1:]
+    assert call[0] == ('cublasSgemmStridedBatched' if tf32 else
+                       'cublasDgemmStridedBatched')
+    args = call[1]
+    # (B, ldb, strideB) then (A, lda, strideA): both the patch matrix
+    assert args[7] == args[10] == matrix.ctypes.data
+    assert args[8:10] == args[11:13] == (64, 64 // pieces)
+    assert args[1:3] == (1, 0)       # B = Aᵀ by cuBLAS's flag
+    gemm.close()

@@ -107,8 +107,10 @@ def test_release_stream_resets_the_handle_and_drops_the_workspace(gemm):
 def test_refuses_what_it_does_not_serve(gemm):
     with pytest.raises(TypeError, match='C-contiguous'):
         gemm.matmul(numpy.ones((2, 3), 'f'), numpy.ones((3, 2)))
-    with pytest.raises(TypeError):
-        gemm.matmul(numpy.ones((4, 4))[:, :2], numpy.ones((2, 2)))
+    with pytest.raises(TypeError):     # a row's elements not adjacent
+        gemm.matmul(numpy.ones((4, 4))[:, ::2], numpy.ones((2, 2)))
+    with pytest.raises(TypeError):     # rows in reverse
+        gemm.matmul(numpy.ones((4, 2))[::-1], numpy.ones((2, 2)))
     with pytest.raises(ValueError, match='do not match'):
         gemm.matmul(numpy.ones((2, 3)), numpy.ones((2, 3)))
     assert not gemm.serves(numpy.ones((2, 2), 'e'))
@@ -142,6 +144,40 @@ def test_linear_routed_through_it(gemm):
 
 class _CupyOwnMatmul(Exception):
     pass
+
+
+def test_row_strided_operands_go_in_place(gemm):
+    """A column block of a wider matrix, and the split-K pieces of
+    ``patches.column_gram`` (``x.reshape(d, p, -1).transpose(1, 0, 2)``
+    times its transpose), go to cuBLAS where they are: the leading
+    dimension and the stack's stride from their strides (the pieces
+    interleave), no copy; the products equal NumPy's."""
+    import types
+
+    def refused(*args, **kwargs):
+        raise AssertionError('an operand was copied')
+    cupy = types.SimpleNamespace(ascontiguousarray=refused)
+    rng = numpy.random.RandomState(3)
+    x = rng.randn(6, 40)
+    assert gemm_module.row_major(x) == (40, 0)
+    block = x[:, 5:15]
+    y = rng.randn(10, 3)
+    got = gemm_module._routed(gemm, cupy, block, y)
+    assert _relative(got, block.dot(y)) < 1e-14
+    call, = gemm.fake.named('cublasDgemm_v2')
+    assert call[8:11:2] == (3, 40)         # ldb of y (first), lda of block
+    pieces = x.reshape(6, 4, 10).transpose(1, 0, 2)
+    assert gemm_module.row_major(pieces) == (40, 10)
+    got = gemm_module._routed(gemm, cupy, pieces, pieces.transpose(0, 2, 1))
+    assert _relative(got, numpy.matmul(pieces, pieces.transpose(0, 2, 1))
+                     ) < 1e-14
+    assert _relative(got.sum(axis=0), x.dot(x.T)) < 1e-14
+    call, = gemm.fake.named('cublasDgemmStridedBatched')
+    assert call[1:3] == (cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N)
+    assert call[7:10] + call[10:13] == (call[7], 40, 10, call[10], 40, 10)
+    # a single row and a one-matrix stack: any row stride will do
+    assert gemm_module.row_major(x[2:3, :7]) == (7, 0)
+    assert gemm_module.row_major(x[None, :, :5])[0] == 40
 
 
 def test_matmul_routed_for_transposed_and_strided_operands(gemm):
@@ -224,3 +260,30 @@ def test_tf32_on_a_handle_of_its_own(gemm, batch):
     # and linalg's NumPy twin gives the same operands' products
     twin = linalg.tf32_matmul(a, b)
     assert _relative(twin, oracle) < 1e-6
+
+
+def test_in_place_matmul_without_a_cublas_of_its_own(monkeypatch):
+    """Where no cuBLAS can be loaded, linalg.in_place_matmul takes CuPy's
+    matmul (and tries to load once only)."""
+    import types
+    from chainerkfac._binding import LibraryNotFound
+    loads = []
+
+    def load():
+        loads.append(1)
+        raise LibraryNotFound('no libcublas here')
+    monkeypatch.setattr(gemm_module, '_gemm', None)
+    monkeypatch.setattr(gemm_module, '_no_library', False)
+    monkeypatch.setattr(cublas, 'load', load)
+    monkeypatch.setitem(__import__('sys').modules, 'cupy',
+                        types.SimpleNamespace())
+    own = []
+    cupy = types.SimpleNamespace(
+        matmul=lambda a, b: own.append(1) or numpy.matmul(a, b))
+    monkeypatch.setattr(linalg, 'get_array_module', lambda *a: cupy)
+    x = numpy.random.RandomState(4).randn(3, 4, 5)
+    for _ in range(2):
+        got = linalg.in_place_matmul(x, x.transpose(0, 2, 1))
+        numpy.testing.assert_array_equal(got, numpy.matmul(
+            x, x.transpose(0, 2, 1)))
+    assert own == [1, 1] and loads == [1]
