@@ -162,12 +162,13 @@ def restore_half(product, out_dtype, normaliser: HalfNormaliser):
 
 def half_matmul(a, b):
     """``a @ b`` of fp16 matrices (or batches) with fp32 accumulation and an
-    fp16 result: cuBLAS (Tensor Cores) on CuPy; on NumPy its twin, which
+    fp16 result: cuBLAS (Tensor Cores) on CuPy, views read in place
+    (:func:`in_place_matmul`); on NumPy its twin, which
     multiplies the same fp16 values in fp32 and rounds the result to fp16,
     so that tests on CPU see the GPU's roundings."""
     xp = get_array_module(a)
     if xp is not numpy:
-        return xp.matmul(a, b)
+        return in_place_matmul(a, b)
     return numpy.matmul(a.astype(numpy.float32),
                         b.astype(numpy.float32)).astype(numpy.float16)
 

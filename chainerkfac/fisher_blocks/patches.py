@@ -289,7 +289,7 @@ def column_gram(matrix, half: bool, out_dtype, pieces: int = None,
     ``matrix`` that cuBLAS reads where they are (the rows K apart, the
     pieces K / pieces apart; the second operand, the transpose, with
     cuBLAS's flag): no copy of the patches (CuPy's matmul made two, one
-    of them transposed); fp16 keeps CuPy's.
+    of them transposed).
 
     ``pieces`` defaults to about one per :data:`SPLIT_K_CHUNK` terms, as
     many as fit :data:`SPLIT_K_MEMORY` elements of partial products.

@@ -57,6 +57,23 @@ def _gemm(strided: bool) -> Prototype:
     return Prototype((_p, _i, _i, _i, _i, _i, _p) + a + a + tail)
 
 
+#: The mixed-precision GEMM's types (``cublasGemmEx``): fp16 operands and
+#: result (``cudaDataType_t``), fp32 accumulation (``cublasComputeType_t``),
+#: cuBLAS's choice of algorithm.
+CUDA_R_16F = 2
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_GEMM_DEFAULT = -1
+
+
+def _gemm_ex(strided: bool) -> Prototype:
+    # handle, transa, transb, m, n, k, alpha, A, Atype, lda, [strideA], B,
+    # Btype, ldb, [strideB], beta, C, Ctype, ldc, [strideC, batchCount],
+    # computeType, algo
+    a = (_p, _i, _i) + ((_ll,) if strided else ())
+    tail = (_p, _p, _i, _i) + ((_ll, _i) if strided else ()) + (_i, _i)
+    return Prototype((_p, _i, _i, _i, _i, _i, _p) + a + a + tail)
+
+
 #: C name -> prototype, as in cuBLAS's ``cublas_api.h`` (12.x and 13.x).
 PROTOTYPES: Dict[str, Prototype] = {
     'cublasCreate_v2': Prototype((ctypes.POINTER(ctypes.c_void_p),)),
@@ -70,6 +87,8 @@ PROTOTYPES: Dict[str, Prototype] = {
     'cublasDgemm_v2': _gemm(False),
     'cublasSgemmStridedBatched': _gemm(True),
     'cublasDgemmStridedBatched': _gemm(True),
+    'cublasGemmEx': _gemm_ex(False),
+    'cublasGemmStridedBatchedEx': _gemm_ex(True),
 }
 
 

@@ -44,7 +44,10 @@ WORKSPACE_BYTES = 32 * 1024 * 1024
 _GEMMS = {'f': ('cublasSgemm_v2', 'cublasSgemmStridedBatched',
                 ctypes.c_float),
           'd': ('cublasDgemm_v2', 'cublasDgemmStridedBatched',
-                ctypes.c_double)}
+                ctypes.c_double),
+          # fp16 operands and result, fp32 accumulation (fp32 scalars)
+          'e': ('cublasGemmEx', 'cublasGemmStridedBatchedEx',
+                ctypes.c_float)}
 _SCALARS = {char: (ctypes.byref(ctype(1.0)), ctypes.byref(ctype(0.0)))
             for char, (_, _, ctype) in _GEMMS.items()}
 
@@ -131,7 +134,8 @@ class Gemm:
 
     def serves(self, *arrays) -> bool:
         """Whether :meth:`matmul` takes these operands: device arrays of
-        one dtype, float32 or float64, 2-D or 3-D alike, each row-major
+        one dtype, float16, float32 or float64, 2-D or 3-D alike, each
+        row-major
         (:func:`row_major`: C-contiguous, or rows at a regular stride,
         e.g. a column block of a wider matrix, and matrices of a stack at
         any regular stride)."""
@@ -145,11 +149,14 @@ class Gemm:
                out=None, tf32: bool = False):
         """``op(a) @ op(b)`` (``op`` transposes the last two axes when
         asked) into ``out`` or a new array; see :meth:`serves`. ``tf32``:
-        float32 operands on TF32 Tensor Cores (float64 stays exact)."""
+        float32 operands on TF32 Tensor Cores (float64 stays exact).
+        float16: ``cublasGemmEx``, fp32 accumulation, an fp16 result
+        (CuPy's fp16 matmul)."""
         if not self.serves(a, b):
             raise TypeError('Gemm.matmul takes row-major (C-contiguous or '
-                            'row-strided) float32 or float64 device arrays '
-                            'of one dtype, both 2-D or both 3-D (got {} {} '
+                            'row-strided) float16, float32 or float64 '
+                            'device arrays of one dtype, both 2-D or both '
+                            '3-D (got {} {} '
                             '{} and {} {} {})'.format(
                                 a.shape, a.dtype, a.strides, b.shape,
                                 b.dtype, b.strides))
@@ -175,6 +182,21 @@ class Gemm:
         (ld_a, stride_a), (ld_b, stride_b) = row_major(a), row_major(b)
         ops = (cublas.CUBLAS_OP_T if transb else cublas.CUBLAS_OP_N,
                cublas.CUBLAS_OP_T if transa else cublas.CUBLAS_OP_N)
+        if a.dtype.char == 'e':
+            # Tensor Cores (the default math; CuPy's fp16 matmul alike)
+            handle = self.handle(cublas.CUBLAS_DEFAULT_MATH)
+            half, tail = cublas.CUDA_R_16F, (cublas.CUBLAS_COMPUTE_32F,
+                                             cublas.CUBLAS_GEMM_DEFAULT)
+            if batch is None:
+                self.lib.call(single, handle, *ops, n, m, k, one, p(b), half,
+                              ld_b, p(a), half, ld_a, zero, p(out), half, n,
+                              *tail)
+            elif batch:
+                self.lib.call(strided, handle, *ops, n, m, k, one, p(b),
+                              half, ld_b, stride_b, p(a), half, ld_a,
+                              stride_a, zero, p(out), half, n, m * n, batch,
+                              *tail)
+            return out
         handle = self.handle(
             cublas.CUBLAS_TF32_TENSOR_OP_MATH if tf32 and a.dtype.char == 'f'
             else cublas.CUBLAS_PEDANTIC_MATH)

@@ -246,16 +246,19 @@ class _OnDevice(numpy.ndarray):
     """A NumPy array that the Gram code takes for a device array."""
 
 
-@pytest.mark.parametrize('tf32', [False, True])
+@pytest.mark.parametrize('tf32, half', [(False, False), (True, False),
+                                        (False, True)],
+                         ids=['exact', 'tf32', 'fp16'])
 @pytest.mark.parametrize('pieces', [1, 4])
-def test_gpu_column_gram_reads_the_patches_in_place(monkeypatch, tf32,
+def test_gpu_column_gram_reads_the_patches_in_place(monkeypatch, tf32, half,
                                                     pieces):
     """On the GPU the split-K pieces go to our cuBLAS handle as views of
     the patch matrix (rows K apart, pieces K / pieces apart, the second
     operand as the first's transpose with cuBLAS's flag): no copy, where
     CuPy's matmul copied both operands (here a computing cuBLAS stand-in
     reads memory as cuBLAS does; any copy or CuPy matmul fails the
-    test). The result is the exact Gram (float64) or TF32's (float32)."""
+    test). The result is the exact Gram (float64), TF32's (float32) or
+    the fp16 twin's (integers: exact but for fp16's rounding)."""
     import types
     from chainerkfac import linalg
     from chainerkfac.graphs import gemm as gemm_module
@@ -278,19 +281,33 @@ def test_gpu_column_gram_reads_the_patches_in_place(monkeypatch, tf32,
     monkeypatch.setattr(gemm_module, '_gemm', gemm)
     monkeypatch.setattr(linalg, 'get_array_module', lambda *a: (
         fake_cupy if isinstance(a[0], _OnDevice) else numpy))
-    dtype = numpy.float32 if tf32 else numpy.float64
-    matrix = numpy.random.RandomState(10).randn(6, 64).astype(dtype)
-    got = patches.column_gram(matrix.view(_OnDevice), False,
-                              numpy.dtype(dtype), pieces, tf32=tf32)
-    exact = patches.column_gram(matrix, False, numpy.dtype(dtype), pieces,
-                                tf32=tf32)
-    numpy.testing.assert_allclose(got, exact, rtol=1e-6 if tf32 else 1e-14)
+    rng = numpy.random.RandomState(10)
+    if half:
+        matrix = rng.randint(-30, 31, (6, 64)).astype(numpy.float16)
+        out_dtype = numpy.dtype(numpy.float32)
+    else:
+        out_dtype = numpy.dtype(numpy.float32 if tf32 else numpy.float64)
+        matrix = rng.randn(6, 64).astype(out_dtype)
+    got = patches.column_gram(matrix.view(_OnDevice), half, out_dtype,
+                              pieces, tf32=tf32)
+    twin = patches.column_gram(matrix, half, out_dtype, pieces, tf32=tf32)
+    if half:
+        numpy.testing.assert_array_equal(got, twin)
+    else:
+        numpy.testing.assert_allclose(got, twin,
+                                      rtol=1e-6 if tf32 else 1e-14)
     call, = fake.calls[-1:]
-    assert call[0] == ('cublasSgemmStridedBatched' if tf32 else
-                       'cublasDgemmStridedBatched')
+    assert call[0] == {(False, False): 'cublasDgemmStridedBatched',
+                       (True, False): 'cublasSgemmStridedBatched',
+                       (False, True): 'cublasGemmStridedBatchedEx'}[
+                           tf32, half]
     args = call[1]
-    # (B, ldb, strideB) then (A, lda, strideA): both the patch matrix
-    assert args[7] == args[10] == matrix.ctypes.data
-    assert args[8:10] == args[11:13] == (64, 64 // pieces)
+    # (B, [type,] ldb, strideB) then (A, [type,] lda, strideA): both the
+    # patch matrix
+    typed = 1 if half else 0
+    b_at, a_at = 7, 10 + typed
+    assert args[b_at] == args[a_at] == matrix.ctypes.data
+    assert args[b_at + 1 + typed:b_at + 3 + typed] == \
+        args[a_at + 1 + typed:a_at + 3 + typed] == (64, 64 // pieces)
     assert args[1:3] == (1, 0)       # B = Aᵀ by cuBLAS's flag
     gemm.close()

@@ -61,11 +61,13 @@ class FakeCublas:
             self.live.remove(args[0])
         elif name == 'cublasSetMathMode':
             self.math[args[0]] = args[1]
-        elif 'gemm' in name:
+        elif 'gemm' in name.lower():
             self._gemm(name, args)
         return 0
 
     def _gemm(self, name, args):
+        if name.startswith('cublasGemm'):      # Ex: fp16 in and out
+            return self._gemm_ex(name, args)
         dtype = numpy.dtype('f' if name.startswith('cublasS') else 'd')
         ctype = ctypes.c_float if dtype.char == 'f' else ctypes.c_double
         strided = name.endswith('StridedBatched')
@@ -92,6 +94,37 @@ class FakeCublas:
             if tf32:    # Tensor Cores: operands with a 10-bit mantissa
                 opa, opb = linalg.round_to_tf32(opa), linalg.round_to_tf32(opb)
             C[...] = alpha * opa.dot(opb) + (beta * C if beta else 0)
+
+
+    def _gemm_ex(self, name, args):
+        """cublasGemmEx / cublasGemmStridedBatchedEx with fp16 operands
+        and result and fp32 accumulation (what the library asks): the
+        fp16 values multiplied in fp32, the result rounded to fp16."""
+        dtype = numpy.dtype(numpy.float16)
+        handle, ta, tb, m, n, k, alpha = args[:7]
+        rest = list(args[7:])
+        if name.endswith('StridedBatchedEx'):
+            (a, ta_, lda, sa, b, tb_, ldb, sb, beta, c, tc, ldc, sc, count,
+             compute, algo) = rest
+        else:
+            (a, ta_, lda, b, tb_, ldb, beta, c, tc, ldc, compute, algo) = rest
+            sa = sb = sc = 0
+            count = 1
+        assert ta_ == tb_ == tc == cublas.CUDA_R_16F
+        assert compute == cublas.CUBLAS_COMPUTE_32F
+        alpha = alpha._obj.value
+        beta = beta._obj.value
+        for i in range(count):
+            A = _col_major(a, *((k, m) if ta else (m, k)), lda, dtype,
+                           i * sa).astype(numpy.float32)
+            B = _col_major(b, *((n, k) if tb else (k, n)), ldb, dtype,
+                           i * sb).astype(numpy.float32)
+            C = _col_major(c, m, n, ldc, dtype, i * sc)
+            product = numpy.float32(alpha) * (A.T if ta else A).dot(
+                B.T if tb else B)
+            if beta:
+                product += numpy.float32(beta) * C.astype(numpy.float32)
+            C[...] = product.astype(numpy.float16)
 
 
 class NumpyArrays:

@@ -113,7 +113,8 @@ def test_refuses_what_it_does_not_serve(gemm):
         gemm.matmul(numpy.ones((4, 2))[::-1], numpy.ones((2, 2)))
     with pytest.raises(ValueError, match='do not match'):
         gemm.matmul(numpy.ones((2, 3)), numpy.ones((2, 3)))
-    assert not gemm.serves(numpy.ones((2, 2), 'e'))
+    assert not gemm.serves(numpy.ones((2, 2), numpy.complex128))
+    assert not gemm.serves(numpy.ones((2, 2), numpy.int32))
 
 
 def test_linear_routed_through_it(gemm):
@@ -186,7 +187,7 @@ def test_matmul_routed_for_transposed_and_strided_operands(gemm):
     as its matrix with the transposition flag, another strided operand as
     a C-contiguous copy; never to CuPy's own matmul (its cuBLAS refuses a
     capturing stream: the H200 run of 2026-11-26 fell back to eager on
-    ``w.T``). What the GEMM does not serve (float16) still takes CuPy's."""
+    ``w.T``). What the GEMM does not serve (complex) still takes CuPy's."""
     import types
 
     def own(a, b):
@@ -216,7 +217,8 @@ def test_matmul_routed_for_transposed_and_strided_operands(gemm):
         # (u.T, m): the operands swap (column-major), m plain, u transposed
         assert flags[0] == (cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T)
         with pytest.raises(_CupyOwnMatmul):
-            cupy.matmul(u.astype(numpy.float16).T, m.astype(numpy.float16))
+            cupy.matmul(u.astype(numpy.complex128).T,
+                        m.astype(numpy.complex128))
     assert cupy.matmul is own
 
 
@@ -287,3 +289,32 @@ def test_in_place_matmul_without_a_cublas_of_its_own(monkeypatch):
         numpy.testing.assert_array_equal(got, numpy.matmul(
             x, x.transpose(0, 2, 1)))
     assert own == [1, 1] and loads == [1]
+
+
+@pytest.mark.parametrize('batch', [None, 3])
+@pytest.mark.parametrize('transb', [False, True])
+def test_half_matmul_by_gemm_ex(gemm, batch, transb):
+    """float16 operands go to cublasGemmEx / cublasGemmStridedBatchedEx
+    (fp16 in and out, fp32 accumulation) on a handle in cuBLAS's default
+    math (Tensor Cores), reading row-strided views in place: the same
+    values as linalg.half_matmul's NumPy twin (integers: exact in fp32;
+    their products round in fp16 above 2048, as the twin rounds them)."""
+    rng = numpy.random.RandomState(5)
+    lead = () if batch is None else (batch,)
+    wide = rng.randint(-40, 41, lead + (6, 40)).astype(numpy.float16)
+    a = wide[..., :30]                      # a column block: ld 40
+    b = rng.randint(-40, 41, lead + ((7, 30) if transb else (30, 7))
+                    ).astype(numpy.float16)
+    got = gemm.matmul(a, b, transb=transb)
+    expected = linalg.half_matmul(a, numpy.swapaxes(b, -1, -2) if transb
+                                  else b)
+    assert got.dtype == numpy.float16
+    numpy.testing.assert_array_equal(got, expected)
+    assert (abs(expected.astype(numpy.float64)) > 2048).any()
+    name = 'cublasGemmEx' if batch is None else 'cublasGemmStridedBatchedEx'
+    call, = gemm.fake.named(name)
+    modes = [m[1] for m in gemm.fake.named('cublasSetMathMode')]
+    assert modes == [cublas.CUBLAS_DEFAULT_MATH]
+    assert call[-2:] == (cublas.CUBLAS_COMPUTE_32F,
+                         cublas.CUBLAS_GEMM_DEFAULT)
+    assert call[12 if batch is None else 13] == 40       # lda of the block
