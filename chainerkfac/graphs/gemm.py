@@ -273,10 +273,10 @@ def default() -> Gemm:
 
 
 def in_place_matmul(cupy, a, b):
-    """``a @ b`` of float32 / float64 device operands that are views —
-    row-strided (:func:`row_major`) or the transposes of such — read by
-    cuBLAS where they are; None where this process has no cuBLAS of its
-    own (:func:`chainerkfac.graphs.cublas.load` found none) or the
+    """``a @ b`` of float16 / float32 / float64 device operands that are
+    views — row-strided (:func:`row_major`) or the transposes of such —
+    read by cuBLAS where they are; None where this process has no cuBLAS
+    of its own (:func:`chainerkfac.graphs.cublas.load` found none) or the
     operands are not served. CuPy's matmul copies both operands of a 3-D
     product C-contiguous first (one of them transposed): for K-FAC's
     split-K Gram of a convolution's patches, two passes over the largest
