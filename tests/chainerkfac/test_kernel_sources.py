@@ -42,8 +42,8 @@ U = {numpy.float32: 2.0 ** -24, numpy.float64: 2.0 ** -53}
 
 
 class Device:
-    """The emulated device: a fake ``cupy`` whose kernels are tests.
-    cuda_cpu's, arrays in guard bands."""
+    """The emulated device: a fake ``cupy`` whose kernels are those of
+    tests/cuda_cpu.py, its arrays in guard bands."""
 
     def __init__(self, schedule):
         self.guarded = cuda_cpu.Guarded()
