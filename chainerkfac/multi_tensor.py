@@ -85,13 +85,9 @@ def momentum_sgd(params: Sequence, grads: Sequence, velocities: Sequence,
     if weight_decay is None:
         _launch_update('momentum_sgd', [params, grads, velocities], lr,
                        momentum)
-        return
-    dtype = numpy.dtype(params[0].dtype)
-    tensors = [params, grads, velocities]
-    _check(dtype, tensors)
-    _launches(_kernel('momentum_sgd_wd', dtype),
-              _update_head(lr, momentum, dtype, velocities[0]) +
-              [dtype.type(weight_decay)], tensors)
+    else:
+        _launch_update('momentum_sgd_wd', [params, grads, velocities], lr,
+                       momentum, weight_decay)
 
 
 def momentum_step(weights: Sequence, velocities: Sequence,
@@ -185,11 +181,14 @@ def scale(arrays: Sequence, factor) -> None:
     _launches(_kernel('scale', dtype), [factor], [arrays])
 
 
-def _launch_update(op, tensors, lr, momentum) -> None:
+def _launch_update(op, tensors, lr, momentum, *more) -> None:
+    """An update kernel's launches: its head (:func:`_update_head`, then
+    ``more`` host numbers rounded to the dtype) and the tensors."""
     dtype = numpy.dtype(tensors[0][0].dtype)
     _check(dtype, tensors)
     _launches(_kernel(op, dtype),
-              _update_head(lr, momentum, dtype, tensors[2][0]), tensors)
+              _update_head(lr, momentum, dtype, tensors[2][0]) +
+              [dtype.type(value) for value in more], tensors)
 
 
 def _update_head(lr, momentum, dtype, unused) -> list:
