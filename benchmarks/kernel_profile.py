@@ -80,14 +80,14 @@ ORDER = tuple(c for c, _ in CATEGORIES) + (MEMORY, OTHER)
 
 #: Our variants (:mod:`benchmarks.step_time`'s) and the peer's.
 VARIANTS = ('sgd', 'sgd_graph', 'kfac_every', 'kfac_tf32', 'kfac_fp16',
-            'kfac_low_rank', 'kfac_stale', 'kfac_stale_graph',
+            'kfac_low_rank', 'kfac_shifted', 'kfac_stale', 'kfac_stale_graph',
             'kfac_stale_graph_tf32')
 PEER_VARIANTS = ('sgd', 'kfac_inverse', 'kfac_inverse_stale')
 DEFAULT_VARIANTS = ('sgd', 'sgd_graph', 'kfac_every', 'kfac_stale_graph')
 #: Ours -> the peer's variant it is compared with.
 PAIRS = {'sgd': 'sgd', 'sgd_graph': 'sgd', 'kfac_every': 'kfac_inverse',
          'kfac_tf32': 'kfac_inverse', 'kfac_fp16': 'kfac_inverse',
-         'kfac_low_rank': 'kfac_inverse',
+         'kfac_low_rank': 'kfac_inverse', 'kfac_shifted': 'kfac_inverse',
          'kfac_stale': 'kfac_inverse_stale',
          'kfac_stale_graph': 'kfac_inverse_stale',
          'kfac_stale_graph_tf32': 'kfac_inverse_stale'}

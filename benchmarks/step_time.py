@@ -34,6 +34,13 @@ same fixed batch:
 * ``kfac_newton_schulz``: every step, the factors up to n = 1024
   inverted by the batched Newton–Schulz iteration
   (``inverse_method='newton_schulz'``);
+* ``kfac_low_rank``: every step at ``KFAC()``'s own default, a factor of
+  few per-sample vectors kept low rank and inverted by Woodbury, exactly
+  (``low_rank=True``);
+* ``kfac_shifted``: every step, each stride-1 convolution's A formed by
+  shifted products (``conv_a_strategy='shifted'``; the GPU's default is
+  the unfolded product until a GPU has timed the two; not in ``--gpu``'s
+  default run);
 * ``sgd_graph`` (``--gpu``): the momentum SGD step through
   :class:`chainerkfac.graphs.StepGraph`, captured once as a CUDA graph
   and replayed (its counts of eager / captured / replayed steps are
@@ -47,7 +54,8 @@ same fixed batch:
   options (its stale steps' preconditioning on TF32 Tensor Cores).
 
 The CPU runs ``sgd``, ``kfac_every`` and ``kfac_stale`` by default,
-``--gpu`` all ten (``--variants`` picks any subset that has ``sgd``).
+``--gpu`` all but ``kfac_shifted`` (``--variants`` picks any subset that
+has ``sgd``).
 
 **cuDNN on the GPU** is set as ``train_imagenet.py --gpu`` sets it
 (:func:`harness.tuning.cudnn_tuning`, whose start-up line the benchmark
@@ -177,6 +185,9 @@ KFAC_VARIANTS = {
     # Fisher and the FC's A at a small per-GPU batch, the 3×3 convs' A of
     # res5) inverted by Woodbury, exactly
     'kfac_low_rank': {'low_rank': True},
+    # A of the stride-1 convolutions from shifted products (the CPU's
+    # choice where its cost model says so, the GPU's to be timed)
+    'kfac_shifted': {'conv_a_strategy': 'shifted'},
 }
 #: The opt-in CUDA-graph variants (``--gpu``).
 GRAPH_VARIANTS = ('sgd_graph', 'kfac_stale_graph', 'kfac_stale_graph_tf32')
@@ -189,13 +200,14 @@ KFAC_GRAPH_VARIANTS = {
 VARIANTS = ('sgd',) + tuple(KFAC_VARIANTS) + GRAPH_VARIANTS
 CPU_VARIANTS = ('sgd', 'kfac_every', 'kfac_stale')
 #: --gpu's default: every variant, the replayed ones with them
-#: (``train_imagenet.py --gpu`` replays the steps that refresh nothing).
-GPU_VARIANTS = VARIANTS
+#: (``train_imagenet.py --gpu`` replays the steps that refresh nothing),
+#: but the shifted A, which runs apart until a GPU has timed it.
+GPU_VARIANTS = tuple(v for v in VARIANTS if v != 'kfac_shifted')
 #: Variants with refresh steps, kept apart as ``<variant>_refresh``.
 STALE_VARIANTS = ('kfac_stale', 'kfac_stale_graph', 'kfac_stale_graph_tf32')
 #: Every-step variants whose capture is timed by layer type.
 CAPTURE_VARIANTS = ('kfac_every', 'kfac_diag_bn', 'kfac_fp16', 'kfac_tf32',
-                    'kfac_low_rank')
+                    'kfac_low_rank', 'kfac_shifted')
 STAGES = ('forward_backward', 'factors', 'reduce_scatter', 'inverse',
           'precondition', 'all_gather', 'update')
 CAPTURE_TYPES = ('Linear A', 'Linear G', 'Conv A', 'Conv G', 'BN F')
@@ -421,9 +433,10 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
                 model, interval, **dict(KFAC_GRAPH_VARIANTS[variant][0],
                                         **(kfac_options or {})))
         else:
+            # the variant's own options win over --conv-a's
             steps[variant] = KFACStep(
                 model, interval if variant == 'kfac_stale' else 1, gpu,
-                **dict(KFAC_VARIANTS[variant], **(kfac_options or {})))
+                **dict(kfac_options or {}, **KFAC_VARIANTS[variant]))
     for variant in variants:
         for _ in range(warmup):
             steps[variant](x, t)

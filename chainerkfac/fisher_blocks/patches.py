@@ -20,13 +20,15 @@ ways (:func:`patch_gram` picks the cheaper by :func:`strategy_costs`):
   ``((a'−a)·dy, (b'−b)·dx)``, summed over the locations tap ``(a, b)``
   sees, so all blocks come from ``kw + (2kw−1)·(kh−1)`` offsets (the
   others are their transposes) instead of ``(kh·kw)²`` pairs of taps:
-  products of ``2kw−1`` horizontally shifted copies of the input against
-  ``kh`` vertically shifted copies, ``13·C²`` multiply-adds per location
-  for a 3×3 kernel instead of ``(9·C)²/2``. The taps' windows differ
-  only at the border: the image is cut into a few row and column bands,
-  the products are summed over each (row band, column band) rectangle,
-  and each block adds up the rectangles inside its window
-  (:func:`_shifted_plan`).
+  one product of ``2kw−1`` horizontally shifted copies of the input
+  against ``kh`` vertically shifted copies, ``15·C²`` multiply-adds per
+  location for a 3×3 kernel (13 of them used) instead of ``(9·C)²`` (a
+  GEMM) or half that (``syrk``). The input is laid out with zeros after
+  each row, so that the product over every location is each offset's
+  full correlation; the taps' windows differ from it only at the border,
+  and a few products over the border rows, columns and their crossings
+  correct each block (:func:`_shifted_plan`). On the GPU that is five
+  cuBLAS calls a layer, the first split-K, reading its operands in place.
 
 With ``factor_dtype='float16'`` the operands are written in half precision,
 scaled by ``√scale / max|x|`` in the same copy that lays them out, the
@@ -34,11 +36,10 @@ products accumulate in fp32 (:func:`chainerkfac.linalg.half_matmul`, Tensor
 Cores on GPU) and round to fp16, and the assembly runs in fp32.
 
 With ``tf32`` (``factor_dtype='tf32'``), float32 products take their
-operands to TF32's 10-bit mantissa: the unfolded product on the GPU runs
-on TF32 Tensor Cores (:func:`chainerkfac.linalg.tf32_matmul`); on NumPy,
-and for the shifted product anywhere, the input is rounded
-(:func:`chainerkfac.linalg.round_to_tf32`) and multiplied exactly: the
-same operands, so the CPU is the GPU's twin. The bias's sums
+operands to TF32's 10-bit mantissa: on the GPU they run on TF32 Tensor
+Cores (:func:`chainerkfac.linalg.tf32_matmul`); on NumPy the operands are
+rounded (:func:`chainerkfac.linalg.round_to_tf32`) and multiplied exactly:
+the same operands, so the CPU is the GPU's twin. The bias's sums
 (``append_ones``) are of the input as it is.
 """
 import functools
@@ -53,12 +54,12 @@ from chainer.utils import conv
 from chainerkfac import linalg
 
 #: Cost of copying one element, in multiply-add equivalents, for
-#: :func:`strategy_costs`: a strided copy moves ~1.5e9 elements/s and a GEMM
-#: does ~1.5e10 multiply-adds/s on one core of the development machine.
-COPY_COST = 10.0
-#: Positions per chunk of the shifted product: BLAS runs skinny products
-#: (small output, long sum) ~2x faster as a batch of sums of 128-512 terms.
-CHUNK = 256
+#: :func:`strategy_costs`: fitted to both strategies' times on ResNet-style
+#: 3×3 layers (C 16-512, H 7-56, batches 8 and 32; a 2-core Xeon, OpenBLAS
+#: with 2 threads), where a GEMM does ~9e10 multiply-adds/s and a strided
+#: copy into fresh memory moves ~7e8 elements/s. Every layer of that grid
+#: then takes the faster strategy, or one within 0.4 ms of it.
+COPY_COST = 100.0
 #: Samples moved per copy when the input is laid out with samples innermost.
 SAMPLE_BLOCK = 8
 #: Split-K of the unfolded product on GPU (:func:`column_gram`): terms per
@@ -122,9 +123,9 @@ def patch_gram(x, geometry: ConvGeometry, scale: float,
         Patches augmented by a constant 1 (the bias): one more row and
         column, ``scale · Σ p`` and ``scale · N·oh·ow``.
     strategy : {'unfolded', 'shifted'}, optional
-        Force a way of forming the product (tests); by default the cheaper
-        one by :func:`strategy_costs` on the CPU, and unfolded on the GPU
-        (measured faster there).
+        Force a way of forming the product; by default the cheaper one by
+        :func:`strategy_costs` on the CPU, and unfolded on the GPU (see
+        below).
     tf32 : bool
         Products of TF32 operands (module docstring); float32 inputs only
         (float64 keeps float64 products), not with ``float16``.
@@ -137,9 +138,13 @@ def patch_gram(x, geometry: ConvGeometry, scale: float,
     xp = get_array_module(x)
     costs = strategy_costs(x.shape, geometry, xp)
     if strategy is None:
-        # On the GPU the shifted product's many small kernels lose to one
-        # unfolded product: ResNet-50, batch 32, one H100, Conv A capture
+        # On the GPU the shifted product as it was then (a product per
+        # band rectangle, CuPy's matmul copying operands) lost to the
+        # unfolded one: ResNet-50, batch 32, one H100, Conv A capture
         # 0.062 s unfolded against 0.117 s as the CPU cost model chose.
+        # Today's (five cuBLAS calls a layer, 2.6-4.9x fewer multiply-adds
+        # on ResNet-50's 3x3 layers) waits for a GPU to time it
+        # (benchmarks.step_time's kfac_shifted variant).
         strategy = ('unfolded' if xp is not numpy
                     else min(costs, key=costs.get))
     elif strategy not in costs:
@@ -148,8 +153,7 @@ def patch_gram(x, geometry: ConvGeometry, scale: float,
     factor_dtype = numpy.dtype(factor_dtype)
     tf32 = linalg.tf32_products(tf32, x.dtype, factor_dtype)
     if strategy == 'shifted':
-        gram = _shifted_gram(linalg.round_to_tf32(x) if tf32 else x,
-                             geometry, scale, factor_dtype)
+        gram = _shifted_gram(x, geometry, scale, factor_dtype, tf32)
     else:
         gram = _unfolded_gram(x, geometry, scale, factor_dtype, tf32)
     if not append_ones:
@@ -209,25 +213,22 @@ def strategy_costs(x_shape, geometry: ConvGeometry, xp=numpy
              COPY_COST * d * columns}
     if g.sy == g.sx == 1 and g.kh * g.kw > 1:
         plan = _shifted_plan(h, w, g)
-        outputs = gathered = 0
-        for lo, hi in plan.row_bands:
-            for c_lo, c_hi in plan.col_bands:
-                rows, run = hi - lo, (c_hi - c_lo) * n
-                if run < CHUNK and rows > 1:
-                    gathered += rows * run
-                    rows, run = 1, rows * run
-                outputs += rows * _pieces(run)
-        products = g.kw + plan.left * (g.kh - 1)
-        shifts, width, terms = plan.coefficients.shape
-        taps = (g.kh * g.kw) ** 2
-        # Operands, gathered rectangles, partial products, and the
-        # assembly: sums, weighted sums, their gather, the transposed pairs.
-        copies = ((plan.left + g.kh + 1) * c * n * h * w +
-                  (plan.left + g.kh) * c * gathered +
-                  (outputs * products + 2 * shifts * terms + shifts * width +
-                   6 * taps) * c * c)
-        costs['shifted'] = (products * c * c * n * h * w +
-                            plan.coefficients.size * c * c +
+        positions, pieces, _, length = _shifted_layout(h, w, n, g, xp)
+        operands = (plan.left + g.kh) * c
+        # Positions of the border terms: rows (with their gaps), columns,
+        # cells.
+        border = (len(plan.rows) * (w + plan.gap) * n + len(plan.cols) *
+                  h * n + len(plan.rows) * len(plan.cols) * n)
+        shifts, taps = plan.left * g.kh, (g.kh * g.kw) ** 2
+        # The layout, the shifted operands, the gathered border, the
+        # partial products and terms, and the assembly: the blocks (all
+        # slots), their gather, the pairs (half of them transposed).
+        copies = (c * length + operands * (positions + border) +
+                  (pieces + plan.terms) * shifts * c * c +
+                  (plan.weights.shape[0] * plan.weights.shape[1] +
+                   len(plan.first) + 2 * taps) * c * c)
+        costs['shifted'] = (shifts * c * c * (positions + border) +
+                            plan.weights.size * c * c +
                             COPY_COST * copies)
     return costs
 
@@ -294,19 +295,23 @@ def column_gram(matrix, half: bool, out_dtype, pieces: int = None,
     ``pieces`` defaults to about one per :data:`SPLIT_K_CHUNK` terms, as
     many as fit :data:`SPLIT_K_MEMORY` elements of partial products.
     """
-    d, k = matrix.shape
+    return split_k_product(matrix, matrix, half, out_dtype, pieces, tf32)
+
+
+def split_k_product(left, right, half: bool, out_dtype, pieces: int = None,
+                    tf32: bool = False):
+    """``left · rightᵀ`` of a (D₁, K) and a (D₂, K) matrix, as
+    :func:`column_gram` forms ``matrix · matrixᵀ`` (``pieces`` must
+    divide K)."""
+    (d1, k), d2 = left.shape, right.shape[0]
     if pieces is None:
         pieces = _pieces(k, SPLIT_K_CHUNK)
-        while pieces > 1 and pieces * d * d > SPLIT_K_MEMORY:
+        while pieces > 1 and pieces * d1 * d2 > SPLIT_K_MEMORY:
             pieces = _pieces(k, k // (pieces - 1))
-    batch = matrix.reshape(d, pieces, -1).transpose(1, 0, 2)
-    if tf32:
-        products = linalg.tf32_matmul(batch, batch.transpose(0, 2, 1))
-    elif half:
-        products = linalg.half_matmul(batch, batch.transpose(0, 2, 1))
-    else:
-        products = linalg.in_place_matmul(batch, batch.transpose(0, 2, 1))
-    return products.sum(axis=0, dtype=out_dtype)
+    lhs, rhs = (operand.reshape(operand.shape[0], pieces, -1).transpose(
+        1, 0, 2) for operand in (left, right))
+    return _matmul(lhs, rhs.transpose(0, 2, 1), half, tf32).sum(
+        axis=0, dtype=out_dtype)
 
 
 def _taps(offset, stride, outputs, size):
@@ -340,221 +345,260 @@ def _patch_sums(x, geometry, dtype):
 class _ShiftedPlan(NamedTuple):
     """What :func:`_shifted_gram` needs beyond the data (host arrays)."""
     left: int                  # 2kw − 1 horizontal shifts
-    row_bands: Tuple[Tuple[int, int], ...]
-    col_bands: Tuple[Tuple[int, int], ...]
-    #: (shifts, blocks per shift, row bands · column bands): which band
-    #: sums make each computed block (shift index ``b·kh + a``).
-    coefficients: numpy.ndarray
-    #: Per pair of taps (kh·kw · kh·kw, row-major): the computed block it
-    #: is (index into shifts · blocks per shift), and the weights of that
-    #: block and of its transpose (1, 0; 0, 1; or ½, ½ on the diagonal,
-    #: which makes it exactly symmetric).
-    source: numpy.ndarray
-    direct: numpy.ndarray
-    mirrored: numpy.ndarray
+    gap: int                   # zero columns after each row of the layout
+    #: Input rows (columns) outside some tap's window: each has a term.
+    rows: Tuple[int, ...]
+    cols: Tuple[int, ...]
+    #: How many terms: the full sum, then one per row, column and (row,
+    #: column) cell above.
+    terms: int
+    #: (shifts, slots, terms), shift index ``a·left + b``: how the terms'
+    #: C×C blocks of a shift make the blocks of the factor at that shift,
+    #: +1 or −1 (slots beyond a shift's blocks are zero).
+    weights: numpy.ndarray
+    #: The blocks of the factor computed, the diagonal's first: each one's
+    #: slot (shift · slots + slot), and its pair of taps (kernel row · kw +
+    #: kernel column), first and second.
+    slot: numpy.ndarray
+    first: numpy.ndarray
+    second: numpy.ndarray
+
+
+def _window(tap: int, step: int, pad: int, outputs: int, size: int):
+    """``(lo, hi)``: the input indices in ``[0, size)`` that a kernel tap
+    (row or column) reads over the ``outputs`` locations of a stride-1
+    convolution."""
+    first = tap * step - pad
+    return min(size, max(0, first)), max(0, min(size, first + outputs))
 
 
 @functools.lru_cache(maxsize=256)
 def _shifted_plan(h: int, w: int, geometry: ConvGeometry) -> _ShiftedPlan:
     """Which sums make each block of :func:`_shifted_gram`, for one size.
 
-    Sums run over the locations ``(u, v)`` (and all samples) of the input.
-    The product of the ``b``-th left operand (the input shifted by ``−sx``
-    columns, ``sx = (b − kw + 1)·dx``) and the ``a``-th right operand
-    (shifted by ``a·dy`` rows) pairs, at location ``(u, v)``, the input at
-    ``(u, v − sx)`` with the one at ``(u + a·dy, v)``: in the flat layout
-    (C, H, W, N), ``sx·N`` positions before and ``a·dy·W·N`` after. For the
-    block of kernel taps ``(a₁, b₁)``, ``(a₁ + a, b₂)`` with
-    ``(b₂ − b₁)·dx = sx``, the wanted pairs are those whose ``(u, v)`` lies
-    in rows ``[max(0, a₁·dy − ph), min(H, a₁·dy − ph + oh, H − a·dy))`` and
-    columns ``[max(0, b₂·dx − pw, sx), min(W, b₂·dx − pw + ow, W + sx))``:
-    the first element inside its tap's window of output locations, no wrap
-    across a row or an image. The bounds of all blocks cut the rows and the
-    columns into bands; each block is a sum of (row band, column band)
-    sums. Blocks with ``a < 0``, or ``a = 0`` and ``sx < 0``, are
+    The input is laid out (C, H, W + gap, N), each row followed by
+    ``gap = (kw − 1)·dx`` zero columns and the image by zero rows, so that
+    a shifted read past a row's end, or the image's, reads zeros. A
+    position ``t = (u, v)`` of that layout (any column, gap included)
+    pairs the ``b``-th left operand, the input shifted by
+    ``sx = (b − kw + 1)·dx`` columns, with the ``a``-th right operand,
+    shifted by ``a·dy`` rows: the input at ``(u, v − sx)`` with the one at
+    ``(u + a·dy, v)``, and zero where either lies outside the image. Summed
+    over all positions, that is every pair of input locations at that
+    offset: the *full* term. The block of kernel taps ``(a₁, b₁)``,
+    ``(a₁ + a, b₂)`` with ``(b₂ − b₁)·dx = sx`` wants the positions whose
+    row ``u`` the tap ``a₁`` reads (:func:`_window`; the row of the first
+    element) and whose column ``v`` the tap ``b₂`` reads (the column of
+    the second): the full term less the rows and the columns outside those
+    windows, plus their crossings, counted twice. Windows differ from the
+    image only at its border, so the terms are the full one, and one per
+    such row, column and (row, column) cell: for a 3×3 kernel with padding
+    1, nine. Blocks with ``a < 0``, or ``a = 0`` and ``sx < 0``, are
     transposes of others.
     """
     g = geometry
     oh, ow = g.out_size(h, w)
     left = 2 * g.kw - 1
-    blocks = []   # (shift index, taps, row bounds, column bounds)
+    row_windows = [_window(a, g.dy, g.ph, oh, h) for a in range(g.kh)]
+    col_windows = [_window(b, g.dx, g.pw, ow, w) for b in range(g.kw)]
+    rows = tuple(sorted({u for lo, hi in row_windows for u in range(h)
+                         if not lo <= u < hi}))
+    cols = tuple(sorted({v for lo, hi in col_windows for v in range(w)
+                         if not lo <= v < hi}))
+    terms = 1 + len(rows) + len(cols) + len(rows) * len(cols)
+
+    def signs(a1, b2):
+        """The terms of the block whose row window is tap ``a1``'s and
+        whose column window is tap ``b2``'s, with their signs."""
+        lo, hi = row_windows[a1]
+        c_lo, c_hi = col_windows[b2]
+        out_r = [i for i, u in enumerate(rows) if not lo <= u < hi]
+        out_c = [j for j, v in enumerate(cols) if not c_lo <= v < c_hi]
+        return ([(0, 1.0)] + [(1 + i, -1.0) for i in out_r] +
+                [(1 + len(rows) + j, -1.0) for j in out_c] +
+                [(1 + len(rows) + len(cols) + i * len(cols) + j, 1.0)
+                 for i in out_r for j in out_c])
+
+    blocks = {}   # shift → [(a1, b1, b2)]
     for a in range(g.kh):
         for b in range(left):
-            sx = (b - g.kw + 1) * g.dx
-            for a1 in range(g.kh - a):
-                row_lo = min(h, max(0, a1 * g.dy - g.ph))
-                row_hi = max(row_lo, min(h, a1 * g.dy - g.ph + oh,
-                                         h - a * g.dy))
-                for b1 in range(g.kw):
-                    b2 = b1 + b - g.kw + 1
-                    if not 0 <= b2 < g.kw or (a == 0 and sx < 0):
-                        continue
-                    col_lo = min(w, max(0, b2 * g.dx - g.pw, sx))
-                    col_hi = max(col_lo, min(w, b2 * g.dx - g.pw + ow,
-                                             w + sx))
-                    blocks.append((b * g.kh + a, (a1, b1, a1 + a, b2),
-                                   (row_lo, row_hi), (col_lo, col_hi)))
-    row_bands = _bands(h, [k for _, _, bounds, _ in blocks for k in bounds])
-    col_bands = _bands(w, [k for _, _, _, bounds in blocks for k in bounds])
-    shifts = g.kh * left
-    per_shift = [0] * shifts
-    slots = []
-    for shift, _, _, _ in blocks:
-        slots.append(per_shift[shift])
-        per_shift[shift] += 1
-    width = max(per_shift)
-    coefficients = numpy.zeros((shifts, width, len(row_bands),
-                                len(col_bands)))
-    taps = g.kh * g.kw
-    source = numpy.full((taps, taps), -1, numpy.intp)
-    direct = numpy.zeros((taps, taps))
-    mirrored = numpy.zeros((taps, taps))
-    for (shift, (a1, b1, a2, b2), (row_lo, row_hi), (col_lo, col_hi)), \
-            slot in zip(blocks, slots):
-        for i, (lo, hi) in enumerate(row_bands):
-            for j, (c_lo, c_hi) in enumerate(col_bands):
-                if row_lo <= lo and hi <= row_hi and \
-                        col_lo <= c_lo and c_hi <= col_hi:
-                    coefficients[shift, slot, i, j] = 1.0
-        first, second = a1 * g.kw + b1, a2 * g.kw + b2
-        source[first, second] = source[second, first] = shift * width + slot
-        if first == second:
-            direct[first, first] = mirrored[first, first] = 0.5
-        else:
-            direct[first, second] = mirrored[second, first] = 1.0
-    assert (source >= 0).all()
-    return _ShiftedPlan(left, row_bands, col_bands,
-                        coefficients.reshape(shifts, width, -1),
-                        source.reshape(-1), direct.reshape(-1),
-                        mirrored.reshape(-1))
+            blocks[a * left + b] = [
+                (a1, b1, b1 + b - g.kw + 1) for a1 in range(g.kh - a)
+                for b1 in range(g.kw)
+                if 0 <= b1 + b - g.kw + 1 < g.kw and
+                not (a == 0 and b < g.kw - 1)]
+    slots = max(len(taps) for taps in blocks.values())
+    weights = numpy.zeros((g.kh * left, slots, terms))
+    computed = []   # (off the diagonal, slot, first, second)
+    for shift, taps in blocks.items():
+        a = shift // left
+        for slot, (a1, b1, b2) in enumerate(taps):
+            for term, sign in signs(a1, b2):
+                weights[shift, slot, term] = sign
+            first, second = a1 * g.kw + b1, (a1 + a) * g.kw + b2
+            computed.append((first != second, shift * slots + slot, first,
+                             second))
+    computed.sort()
+    assert len(computed) == g.kh * g.kw * (g.kh * g.kw + 1) // 2
+    _, slot, first, second = (numpy.array(column, dtype=numpy.intp)
+                              for column in zip(*computed))
+    return _ShiftedPlan(left, (g.kw - 1) * g.dx, rows, cols, terms, weights,
+                        slot, first, second)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_arrays(h: int, w: int, geometry: ConvGeometry, xp, dtype,
+def _plan_arrays(h: int, w: int, n: int, geometry: ConvGeometry, xp, dtype,
                  device: str):
     """The plan's arrays on ``device`` (cached: no host-to-device copy,
-    hence no synchronisation, per call): coefficients, source, direct and
-    mirrored weights, the latter as (pairs, 1, 1)."""
-    plan = _shifted_plan(h, w, geometry)
-    return (xp.asarray(plan.coefficients, dtype=dtype),
-            xp.asarray(plan.source),
-            xp.asarray(plan.direct, dtype=dtype).reshape(-1, 1, 1),
-            xp.asarray(plan.mirrored, dtype=dtype).reshape(-1, 1, 1))
+    hence no synchronisation, per call): the weights; the slots and both
+    taps' kernel rows and columns of the blocks on the diagonal, then of
+    the others; the positions of the border terms
+    (:func:`_border_positions`)."""
+    g = geometry
+    plan = _shifted_plan(h, w, g)
+    taps = g.kh * g.kw
+
+    def blocks(part):
+        return tuple(xp.asarray(index) for index in (
+            plan.slot[part], plan.first[part] // g.kw,
+            plan.first[part] % g.kw, plan.second[part] // g.kw,
+            plan.second[part] % g.kw))
+
+    return (xp.asarray(plan.weights, dtype=dtype),
+            blocks(slice(None, taps)), blocks(slice(taps, None)),
+            [(count, xp.asarray(where)) for count, where in
+             _border_positions(h, w, n, plan)])
 
 
-def _bands(size, bounds):
-    """The non-empty intervals between consecutive cut points of
-    ``[0, size)``."""
-    cuts = sorted({0, size} | {k for k in bounds if 0 < k < size})
-    return tuple(zip(cuts[:-1], cuts[1:]))
+def _border_positions(h: int, w: int, n: int, plan: _ShiftedPlan):
+    """``(terms, positions)`` of the border rows, columns and cells (those
+    there are), in the layout of :func:`_shifted_gram`: the positions of
+    each term in turn, equally many."""
+    grid = numpy.arange(h * (w + plan.gap) * n).reshape(h, -1, n)
+    rows, cols = list(plan.rows), list(plan.cols)
+    groups = [(len(rows), grid[rows]),
+              (len(cols), grid[:, cols].transpose(1, 0, 2)),
+              (len(rows) * len(cols), grid[rows][:, cols])]
+    return [(count, where.reshape(-1)) for count, where in groups if count]
 
 
-def _shifted_gram(x, geometry, scale, factor_dtype):
+def _shifted_layout(h: int, w: int, n: int, geometry: ConvGeometry,
+                    xp) -> Tuple[int, int, int, int]:
+    """``(positions, pieces, front, length)`` of :func:`_shifted_gram`'s
+    layout: the positions summed (the image's rows with their gaps, then
+    zeros up to a multiple of ``pieces``), the split-K pieces of the full
+    term (about :data:`SPLIT_K_CHUNK` positions each on CuPy), the zeros
+    before the image, and the length of a channel's row."""
+    g = geometry
+    gap = (g.kw - 1) * g.dx
+    row = (w + gap) * n
+    image = h * row
+    # One product on NumPy (measured faster than pieces of 256 to 4096
+    # positions), split-K on CuPy.
+    pieces = 1 if xp is numpy else max(1, round(image / SPLIT_K_CHUNK))
+    positions = -(-image // pieces) * pieces
+    front = gap * n
+    # Reads run up to gap columns before and after a position (left
+    # operands) and (kh − 1)·dy rows after it (right operands).
+    return (positions, pieces, front,
+            front + positions + max(gap * n, (g.kh - 1) * g.dy * row))
+
+
+def _shifted_gram(x, geometry, scale, factor_dtype, tf32=False):
     xp = get_array_module(x)
     out_dtype = linalg.factor_dtype_for(x.dtype)
     n, c, h, w = x.shape
     g = geometry
     plan = _shifted_plan(h, w, g)
+    weights, diagonal, others, border = _plan_arrays(
+        h, w, n, g, xp, out_dtype,
+        str(chainer.backend.get_device_from_array(x)))
     half = factor_dtype == numpy.float16
     work_dtype = numpy.float16 if half else out_dtype
     normaliser = linalg.half_normaliser(x, scale) if half else None
-    row = w * n
-    size = h * row
-    # The input laid out (C, H, W, N), the samples of a location adjacent,
-    # with zero margins, so that every shifted operand is a slice:
-    # (kw − 1)·dx locations before, as many plus (kh − 1)·dy rows after.
-    margin = (g.kw - 1) * g.dx * n
-    flat = xp.zeros((c, 2 * margin + (g.kh - 1) * g.dy * row + size),
-                    dtype=work_dtype)
-    locations = flat[:, margin:margin + size].reshape(c, h, w, n)
+    positions, pieces, front, length = _shifted_layout(h, w, n, g, xp)
+    wide = w + plan.gap
+    row = wide * n
+    # The input laid out (C, H, W + gap, N), the samples of a location
+    # adjacent, zeros around (_shifted_plan).
+    flat = xp.zeros((c, length), dtype=work_dtype)
+    image = flat[:, front:front + h * row].reshape(c, h, wide, n)
     # A few samples at a time: each copy then reads that many contiguous
     # streams (10x faster on NumPy than the whole transpose at once).
     for first in range(0, n, SAMPLE_BLOCK):
         samples = slice(first, first + SAMPLE_BLOCK)
-        linalg.write_scaled(locations[..., samples],
+        linalg.write_scaled(image[:, :, :w, samples],
                             x[samples].transpose(1, 2, 3, 0), normaliser)
-    del locations
-    left = xp.empty((plan.left, c, size), dtype=work_dtype)
+    del image
+    left = xp.empty((plan.left, c, positions), dtype=work_dtype)
     for b in range(plan.left):
-        start = margin - (b - g.kw + 1) * g.dx * n
-        left[b] = flat[:, start:start + size]
-    right = xp.empty((g.kh, c, size), dtype=work_dtype)
+        start = front - (b - g.kw + 1) * g.dx * n
+        left[b] = flat[:, start:start + positions]
+    right = xp.empty((g.kh, c, positions), dtype=work_dtype)
     for a in range(g.kh):
-        start = margin + a * g.dy * row
-        right[a] = flat[:, start:start + size]
+        start = front + a * g.dy * row
+        right[a] = flat[:, start:start + positions]
     del flat
-    left_c, right_c = plan.left * c, g.kh * c
-    left = left.reshape(left_c, h, row)
-    right = right.reshape(right_c, h, row)
-    # The sum over each (row band, column band) rectangle, every location
-    # once, as a batch of products over pieces of about CHUNK locations
-    # (the pieces make the skinny product GEMMs of a size BLAS does well):
-    # in place, a row at a time, when a row of the rectangle is that long;
-    # else from a contiguous copy of the rectangle. Offsets in the same row
-    # (a = 0) only for sx ≥ 0: the others are their transposes.
-    terms = len(plan.row_bands) * len(plan.col_bands)
-    # Sums per (shift b·kh + a, term), written in place by the reductions.
-    basis = xp.zeros((plan.left, g.kh, terms, c, c), dtype=out_dtype)
-    term = 0
-    for r_lo, r_hi in plan.row_bands:
-        for c_lo, c_hi in plan.col_bands:
-            lhs, rhs = (_rectangle(operand, r_lo, r_hi, c_lo * n, c_hi * n)
-                        for operand in (left, right))
-            rhs = rhs.transpose(0, 1, 3, 2)
-            batch = lhs.shape[:2]
-            same_row = _matmul(lhs[:, :, (g.kw - 1) * c:], rhs[..., :c], half)
-            same_row.reshape(batch + (g.kw, c, c)).sum(
-                axis=(0, 1), dtype=out_dtype,
-                out=basis[g.kw - 1:, 0, term])
-            if g.kh > 1:
-                below = _matmul(lhs, rhs[..., c:], half)
-                below.reshape(batch + (plan.left, c, g.kh - 1, c)).sum(
-                    axis=(0, 1), dtype=out_dtype,
-                    out=basis[:, 1:, term].transpose(0, 2, 1, 3))
-            term += 1
+    left = left.reshape(plan.left * c, positions)
+    right = right.reshape(g.kh * c, positions)
+    # The terms, (kh, left) blocks of C×C each, products of the operands
+    # over some positions: the full one over all of them (split-K), and
+    # those of the border rows, columns and cells, gathered (a few
+    # positions each).
+    terms = xp.empty((plan.terms, g.kh, plan.left, c, c), dtype=out_dtype)
+    as_blocks = (-1, plan.left, c, g.kh, c)
+    terms[0] = split_k_product(left, right, half, out_dtype, pieces,
+                               tf32).reshape(as_blocks).transpose(
+                                   0, 3, 1, 2, 4)[0]
+    done = 1
+    for count, where in border:
+        lhs, rhs = (operand.take(where, axis=1).reshape(
+            operand.shape[0], count, -1).transpose(1, 0, 2)
+            for operand in (left, right))
+        terms[done:done + count] = _matmul(
+            lhs, rhs.transpose(0, 2, 1), half, tf32).reshape(
+                as_blocks).transpose(0, 3, 1, 2, 4)
+        done += count
     del left, right
-    weights, source, direct, mirrored = _plan_arrays(
-        h, w, g, xp, out_dtype, str(chainer.backend.get_device_from_array(x)))
-    blocks = xp.matmul(weights, basis.reshape(plan.left * g.kh, terms, -1))
-    blocks = blocks.reshape(-1, c, c)[source]
-    # Scale (or, for fp16 operands, their normalisation) restored on the
-    # way into the (C, kh, kw, C, kh, kw) layout of the factor.
+    # Each block of the factor, its shift's blocks of the terms weighted,
+    # the scale (or, for fp16 operands, their normalisation) restored;
+    # then into the (C, kh, kw, C, kh, kw) layout of the factor: the
+    # diagonal's made exactly symmetric, the others with their transposes.
     restore = (normaliser.peak * normaliser.peak if half
                else out_dtype.type(scale))
-    taps = (g.kh, g.kw) * 2
+    blocks = linalg.in_place_matmul(
+        weights * restore,
+        terms.reshape(plan.terms, -1, c * c).transpose(1, 0, 2))
+    blocks = blocks.reshape(-1, c, c)
+    del terms
     gram = xp.empty((c, g.kh, g.kw, c, g.kh, g.kw), dtype=out_dtype)
     pairs = gram.transpose(1, 2, 4, 5, 0, 3)   # a view: (taps², C, C)
-    xp.multiply(blocks.reshape(taps + (c, c)),
-                (direct * restore).reshape(taps + (1, 1)), out=pairs)
-    pairs += (blocks.transpose(0, 2, 1) * (mirrored * restore)).reshape(
-        taps + (c, c))
+    slot, a1, b1, a2, b2 = diagonal
+    square = blocks.take(slot, axis=0)
+    pairs[a1, b1, a1, b1] = (square + square.transpose(0, 2, 1)) * \
+        out_dtype.type(0.5)
+    slot, a1, b1, a2, b2 = others
+    square = blocks.take(slot, axis=0)
+    pairs[a1, b1, a2, b2] = square
+    pairs[a2, b2, a1, b1] = square.transpose(0, 2, 1)
     return gram.reshape(c * g.kh * g.kw, -1)
 
 
-def _rectangle(operand, r_lo, r_hi, c_lo, c_hi):
-    """Rows ``[r_lo, r_hi)`` and positions ``[c_lo, c_hi)`` within a row of
-    a (k·C, rows, row) operand as a batch (rows or 1, pieces, k·C, piece)."""
-    rows, run = r_hi - r_lo, c_hi - c_lo
-    block = operand[:, r_lo:r_hi, c_lo:c_hi]
-    if run < CHUNK and rows > 1:
-        block = get_array_module(operand).ascontiguousarray(block).reshape(
-            operand.shape[0], 1, rows * run)
-        rows, run = 1, rows * run
-    pieces = _pieces(run)
-    return block.reshape(operand.shape[0], rows, pieces, -1).transpose(
-        1, 2, 0, 3)
-
-
-def _pieces(length: int, chunk: int = None) -> int:
-    """Into how many equal chunks of about ``chunk`` (:data:`CHUNK`)
-    positions a run of ``length`` positions is cut for a batched product."""
-    pieces = max(1, length // (chunk or CHUNK))
+def _pieces(length: int, chunk: int) -> int:
+    """Into how many equal chunks of about ``chunk`` positions a run of
+    ``length`` positions is cut for a batched product."""
+    pieces = max(1, length // chunk)
     while length % pieces:
         pieces -= 1
     return pieces
 
 
-def _matmul(a, b, half):
-    """``a @ b``; for fp16 operands (``half``) with fp32 accumulation."""
-    return linalg.half_matmul(a, b) if half else get_array_module(a).matmul(
-        a, b)
+def _matmul(a, b, half: bool, tf32: bool = False):
+    """``a @ b``: for fp16 operands (``half``) with fp32 accumulation, for
+    ``tf32`` ones on TF32 Tensor Cores, else exact; operands that are
+    views are read where they are (:func:`linalg.in_place_matmul`)."""
+    if half:
+        return linalg.half_matmul(a, b)
+    if tf32:
+        return linalg.tf32_matmul(a, b)
+    return linalg.in_place_matmul(a, b)

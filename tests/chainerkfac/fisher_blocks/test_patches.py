@@ -58,6 +58,14 @@ CASES = [
     ((6, 6), ConvGeometry(1, 1)),
     ((6, 5), ConvGeometry(1, 1, 2, 2)),
     ((5, 5), ConvGeometry(1, 1, 2, 1, 1, 2)),
+    # the shifted product's border terms: a 1×1 image (every row and
+    # column outside some tap's window), padding less than half the
+    # kernel, a row kernel, valid padding with dilation (several rows and
+    # columns per side)
+    ((1, 1), ConvGeometry(3, 3, 1, 1, 1, 1)),
+    ((9, 4), ConvGeometry(5, 3, 1, 1, 1, 2)),
+    ((4, 9), ConvGeometry(1, 3, 1, 1, 0, 1)),
+    ((9, 8), ConvGeometry(3, 3, 1, 1, 0, 0, 3, 2)),
 ]
 
 
@@ -212,7 +220,7 @@ def test_gpu_channel_gram_equals_numpy(dtype):
 
 def test_cases_cover_both_strategies():
     kinds = [strategies((1, 1) + size, g) for size, g in CASES]
-    assert sum(k == ['shifted', 'unfolded'] for k in kinds) >= 8
+    assert sum(k == ['shifted', 'unfolded'] for k in kinds) >= 12
     assert sum(k == ['unfolded'] for k in kinds) >= 5
 
 
@@ -310,4 +318,98 @@ def test_gpu_column_gram_reads_the_patches_in_place(monkeypatch, tf32, half,
     assert args[b_at + 1 + typed:b_at + 3 + typed] == \
         args[a_at + 1 + typed:a_at + 3 + typed] == (64, 64 // pieces)
     assert args[1:3] == (1, 0)       # B = Aᵀ by cuBLAS's flag
+    gemm.close()
+
+
+class _DeviceModule:
+    """NumPy taken for CuPy: its arrays are :class:`_OnDevice`; ``matmul``
+    is refused (every product must go to our cuBLAS handle)."""
+
+    def __init__(self):
+        self.made = []
+
+    def matmul(self, *args, **kwargs):
+        raise AssertionError('a product went to CuPy\'s matmul')
+
+    def __getattr__(self, name):
+        function = getattr(numpy, name)
+
+        def on_device(*args, **kwargs):
+            result = function(*args, **kwargs)
+            if isinstance(result, numpy.ndarray):
+                result = result.view(_OnDevice)
+                self.made.append(result)
+            return result
+        return on_device
+
+
+@pytest.mark.parametrize('tf32, half', [(False, False), (True, False),
+                                        (False, True)],
+                         ids=['exact', 'tf32', 'fp16'])
+def test_gpu_shifted_gram_goes_to_cublas_in_place(monkeypatch, tf32, half):
+    """On the GPU the shifted product is a few cuBLAS calls: the full
+    term one split-K call reading the shifted operands where they are
+    (``(2kw − 1)·C`` by ``kh·C`` per position), one batched call per
+    kind of border term (rows, columns, cells), and one for the blocks'
+    weighted sums; no CuPy matmul. Its result is NumPy's: to 1e-14 in
+    float64, TF32's operands (float32), or the fp16 twin's."""
+    from chainerkfac import linalg
+    from chainerkfac.graphs import gemm as gemm_module
+    from tests.chainerkfac.graphs.cublas_fake import FakeCublas, NumpyArrays
+
+    class Arrays(NumpyArrays):
+        def serves(self, array):
+            return isinstance(array, _OnDevice)
+
+        def empty(self, shape, dtype):
+            return super().empty(shape, dtype).view(_OnDevice)
+
+    device = _DeviceModule()
+    fake = FakeCublas()
+    gemm = gemm_module.Gemm(fake.library(), Arrays())
+    monkeypatch.setattr(gemm_module, '_gemm', gemm)
+    for module in (linalg, patches):
+        monkeypatch.setattr(module, 'get_array_module', lambda *a: (
+            device if isinstance(a[0], _OnDevice) else numpy))
+    monkeypatch.setattr(patches, 'SPLIT_K_CHUNK', 64)
+    g = ConvGeometry(3, 3, 1, 1, 1, 1)
+    dtype = numpy.float64 if not (tf32 or half) else numpy.float32
+    x = numpy.random.RandomState(11).randn(4, 3, 5, 6).astype(dtype)
+    factor_dtype = numpy.float16 if half else dtype
+    got = patches.patch_gram(x.view(_OnDevice), g, 0.25, factor_dtype,
+                             strategy='shifted', tf32=tf32)
+    twin = patches.patch_gram(x, g, 0.25, factor_dtype, strategy='shifted',
+                              tf32=tf32)
+    assert isinstance(got, _OnDevice) and got.dtype == twin.dtype
+    numpy.testing.assert_array_equal(got, got.T)
+    # summed in another order (split-K pieces): a few roundings of the
+    # largest entry (2^-53 in float64, 2^-24 in float32); fp16 rounds
+    # each piece's sum (2^-11) where NumPy's twin rounds the whole one
+    numpy.testing.assert_allclose(got, twin, rtol=0, atol={
+        (False, False): 1e-14, (True, False): 1e-6, (False, True): 2e-3}[
+            tf32, half] * numpy.abs(twin).max())
+    if not half:   # the twin against im2col's product
+        numpy.testing.assert_allclose(
+            twin, patches.patch_gram(x, g, 0.25, strategy='unfolded',
+                                     tf32=tf32),
+            rtol=1e-5 if tf32 else 1e-13, atol=1e-5 if tf32 else 1e-13)
+    gemms = [args for name, args in fake.calls if 'gemm' in name.lower()]
+    assert len(gemms) == 5           # full, rows, columns, cells, blocks
+    positions, pieces, _, _ = patches._shifted_layout(5, 6, 4, g, device)
+    assert pieces > 1
+    left, = [a for a in device.made if a.shape == (5, 3, positions)]
+    right, = [a for a in device.made if a.shape == (3, 3, positions)]
+    args = gemms[0]
+    typed = 1 if half else 0
+    b_at, a_at = 7, 10 + typed
+    # cuBLAS's A is our right operand (transposed by its flag), its B our
+    # left; both read where they are, K = positions / pieces
+    assert args[3:6] == (9, 15, positions // pieces)
+    assert args[a_at] == left.ctypes.data
+    assert args[b_at] == right.ctypes.data
+    assert args[b_at + 1 + typed:b_at + 3 + typed] == \
+        args[a_at + 1 + typed:a_at + 3 + typed] == (
+            positions, positions // pieces)
+    assert args[1:3] == (1, 0)
+    assert args[-3 if half else -1] == pieces     # the batch count
     gemm.close()
