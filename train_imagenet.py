@@ -168,9 +168,10 @@ def parse_args(argv=None):
                              "is then the step), else Chainer's 8MiB")
     parser.add_argument('--cudnn-autotune', default='auto',
                         choices=('auto', 'on', 'off'),
-                        help="time cuDNN's convolution algorithms on the "
-                             'first step of each shape and keep the '
-                             "fastest (chainer.config.autotune). auto "
+                        help="time cuDNN's convolution algorithms (and "
+                             "K-FAC's two ways of forming a convolution's "
+                             'A) on the first step of each shape and keep '
+                             "the fastest (chainer.config.autotune). auto "
                              '(default): on where CUDA graphs replay the '
                              'steps')
     parser.add_argument('--arch', choices=models.ARCHS, default='resnet50')

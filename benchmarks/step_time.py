@@ -506,8 +506,26 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
                                      for v in graphed}
     if profile and kfac_variant is not None:
         result['profile'] = profile_step(steps[_kfac_variant(variants)], x, t)
+    if gpu:
+        # the ways of forming A that timing chose (chainer.config.autotune)
+        result['conv_a_timed'] = conv_a_timed()
     result['goals'] = goals(result, target)
     return result
+
+
+def conv_a_timed() -> Dict[str, int]:
+    """How many input shapes of this process's convolutions took each way
+    of forming A by timing (:func:`chainerkfac.fisher_blocks.patches.
+    timed_choices`), and the shapes: ``{'shifted': n, 'unfolded': m,
+    'shapes': {'N×C×H×W kh×kw': way}}``."""
+    from chainerkfac.fisher_blocks import patches
+    choices = patches.timed_choices()
+    out = {way: sum(v == way for v in choices.values())
+           for way in ('shifted', 'unfolded')}
+    out['shapes'] = {'{} {}x{}'.format('x'.join(map(str, key[0])),
+                                       key[2].kh, key[2].kw): way
+                     for key, way in choices.items()}
+    return out
 
 
 def _kfac_variant(variants):
@@ -827,16 +845,22 @@ def tables(data: Dict) -> str:
     captures = _common.format_table(
         ['model', 'variant'] + list(CAPTURE_TYPES) +
         ['total', 'total / SGD step (paired)'], capture_rows)
+    timed = ''.join(
+        '\n{}: convolution input shapes whose A took the shifted / unfolded '
+        'product by timing (autotune): {} / {}'.format(
+            r['model'], r['conv_a_timed']['shifted'],
+            r['conv_a_timed']['unfolded'])
+        for r in results if r.get('conv_a_timed', {}).get('shapes'))
     return ('Step time, medians over rounds ({}); ratios are per-round '
             'medians\n{}\n\nGoals (reported, not asserted)\n{}\n\n'
             'Stage times [s], medians\n{}\n\n'
             "Where K-FAC's extra time goes [s] (stage medians minus SGD's)\n"
             '{}\n\nCapture per refresh step by layer type [s], medians over '
-            '{} timed step(s) ({})\n{}'.format(
+            '{} timed step(s) ({})\n{}{}'.format(
                 _device_words(data), summary, goal_table, stages, extras,
                 ', '.join(str(r['capture_steps']) for r in results),
                 'device synchronised around each call' if data['gpu']
-                else 'wall time', captures))
+                else 'wall time', captures, timed))
 
 
 def inverse_table(data: Dict) -> str:

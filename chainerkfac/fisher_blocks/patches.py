@@ -5,7 +5,8 @@ patches ``p`` of the layer input, a patch being ordered (channel, kernel row,
 kernel column) like ``W.reshape(d_out, -1)``; the output-gradient factor
 ``G`` is the Gram matrix of the channel vectors of ``gy`` over samples and
 locations. This module forms both for NumPy and CuPy alike, in one of two
-ways (:func:`patch_gram` picks the cheaper by :func:`strategy_costs`):
+ways (:func:`patch_gram` picks the cheaper by :func:`strategy_costs` on the
+CPU, the faster by timing on the GPU under ``chainer.config.autotune``):
 
 * **unfolded** (any stride, padding, dilation, ``cover_all``): the patch
   matrix is written once, directly in the layout of the product,
@@ -43,7 +44,8 @@ the same operands, so the CPU is the GPU's twin. The bias's sums
 (``append_ones``) are of the input as it is.
 """
 import functools
-from typing import Dict, NamedTuple, Tuple
+import logging
+from typing import Callable, Dict, NamedTuple, Tuple
 
 import numpy
 
@@ -52,6 +54,8 @@ from chainer.backend import get_array_module
 from chainer.utils import conv
 
 from chainerkfac import linalg
+
+logger = logging.getLogger(__name__)
 
 #: Cost of copying one element, in multiply-add equivalents, for
 #: :func:`strategy_costs`: fitted to both strategies' times on ResNet-style
@@ -123,9 +127,11 @@ def patch_gram(x, geometry: ConvGeometry, scale: float,
         Patches augmented by a constant 1 (the bias): one more row and
         column, ``scale · Σ p`` and ``scale · N·oh·ow``.
     strategy : {'unfolded', 'shifted'}, optional
-        Force a way of forming the product; by default the cheaper one by
-        :func:`strategy_costs` on the CPU, and unfolded on the GPU (see
-        below).
+        Force a way of forming the product. By default the cheaper one by
+        :func:`strategy_costs` on the CPU; on the GPU the unfolded one,
+        unless ``chainer.config.autotune`` is set (as for cuDNN's
+        algorithms): then both are timed the first time an input shape
+        is seen and the faster is kept for it (:func:`timed_choices`).
     tf32 : bool
         Products of TF32 operands (module docstring); float32 inputs only
         (float64 keeps float64 products), not with ``float16``.
@@ -137,30 +143,107 @@ def patch_gram(x, geometry: ConvGeometry, scale: float,
     """
     xp = get_array_module(x)
     costs = strategy_costs(x.shape, geometry, xp)
-    if strategy is None:
+    if strategy is not None and strategy not in costs:
+        raise ValueError('strategy {!r} does not apply to {} (possible: {})'
+                         .format(strategy, geometry, ', '.join(costs)))
+    factor_dtype = numpy.dtype(factor_dtype)
+    tf32 = linalg.tf32_products(tf32, x.dtype, factor_dtype)
+
+    def form(way):
+        if way == 'shifted':
+            return _shifted_gram(x, geometry, scale, factor_dtype, tf32)
+        return _unfolded_gram(x, geometry, scale, factor_dtype, tf32)
+
+    if strategy is not None:
+        gram = form(strategy)
+    elif xp is numpy:
+        gram = form(min(costs, key=costs.get))
+    elif len(costs) > 1 and chainer.config.autotune and \
+            not xp.cuda.get_current_stream().is_capturing():
+        gram = _timed_choice(
+            (x.shape, x.dtype.str, geometry, factor_dtype.str, tf32,
+             str(chainer.backend.get_device_from_array(x))), form, xp)
+    else:
         # On the GPU the shifted product as it was then (a product per
         # band rectangle, CuPy's matmul copying operands) lost to the
         # unfolded one: ResNet-50, batch 32, one H100, Conv A capture
         # 0.062 s unfolded against 0.117 s as the CPU cost model chose.
         # Today's (five cuBLAS calls a layer, 2.6-4.9x fewer multiply-adds
-        # on ResNet-50's 3x3 layers) waits for a GPU to time it
-        # (benchmarks.step_time's kfac_shifted variant).
-        strategy = ('unfolded' if xp is not numpy
-                    else min(costs, key=costs.get))
-    elif strategy not in costs:
-        raise ValueError('strategy {!r} does not apply to {} (possible: {})'
-                         .format(strategy, geometry, ', '.join(costs)))
-    factor_dtype = numpy.dtype(factor_dtype)
-    tf32 = linalg.tf32_products(tf32, x.dtype, factor_dtype)
-    if strategy == 'shifted':
-        gram = _shifted_gram(x, geometry, scale, factor_dtype, tf32)
-    else:
-        gram = _unfolded_gram(x, geometry, scale, factor_dtype, tf32)
+        # on ResNet-50's 3x3 layers) has not been timed on a GPU: it is
+        # chosen where it is timed faster (``chainer.config.autotune``).
+        gram = form('unfolded')
     if not append_ones:
         return gram
     oh, ow = geometry.out_size(*x.shape[2:])
     return linalg.append_ones_row(gram, _patch_sums(x, geometry, gram.dtype),
                                   x.shape[0] * oh * ow, scale)
+
+
+#: :func:`patch_gram`'s choices by timing (CuPy, ``chainer.config.
+#: autotune``): input shape, dtype, geometry, factor dtype, TF32, device
+#: → the strategy kept.
+_TIMED: Dict[tuple, str] = {}
+#: How far the two strategies' factors may differ for the timing to
+#: choose between them, relative to the factor's largest entry: the
+#: roundings of a few thousand fp32 (TF32, fp16) terms summed in other
+#: orders, where a defective path is off by O(1).
+AGREEMENT = {'float32': 1e-4, 'float64': 1e-10}
+AGREEMENT_REDUCED = 2e-2   # TF32 or fp16 operands
+
+
+def timed_choices() -> Dict[tuple, str]:
+    """The strategies :func:`patch_gram` chose by timing in this process:
+    ``(shape, dtype, geometry, factor dtype, tf32, device) → strategy``."""
+    return dict(_TIMED)
+
+
+def _timed_choice(key: tuple, form: Callable[[str], object], xp):
+    """The factor by the strategy timed faster for ``key`` (timed, with a
+    warm-up of each, the first time the key is seen). A strategy that
+    raises, or whose factor does not agree with the other's, is not
+    chosen, and the reason is logged once."""
+    chosen = _TIMED.get(key)
+    if chosen is not None:
+        return form(chosen)
+    results, seconds = {}, {}
+    for way in ('unfolded', 'shifted'):
+        try:
+            form(way)                                   # warm-up
+            results[way], seconds[way] = _timed(xp, lambda: form(way))
+        except Exception as error:   # any failure: the way is not chosen
+            if way == 'unfolded':
+                raise
+            logger.warning('convolution A %s: the shifted product failed '
+                           '(%s: %s); the unfolded one is kept', key,
+                           type(error).__name__, error)
+    chosen = 'unfolded'
+    if 'shifted' in results:
+        unfolded, shifted = results['unfolded'], results['shifted']
+        peak = float(abs(unfolded).max())
+        tolerance = (AGREEMENT_REDUCED if key[3] == numpy.dtype(
+            numpy.float16).str or key[4] else AGREEMENT.get(
+                numpy.dtype(unfolded.dtype).name, 1e-4)) * peak
+        gap = float(abs(shifted - unfolded).max())
+        if not gap <= tolerance:
+            logger.warning('convolution A %s: the shifted product differs '
+                           'from the unfolded one by %.3g (largest entry '
+                           '%.3g); the unfolded one is kept', key, gap, peak)
+        elif seconds['shifted'] < seconds['unfolded']:
+            chosen = 'shifted'
+    _TIMED[key] = chosen
+    logger.debug('convolution A %s: unfolded %.3g s, shifted %s s: %s', key,
+                 seconds['unfolded'], seconds.get('shifted'), chosen)
+    return results[chosen]
+
+
+def _timed(xp, run: Callable[[], object]):
+    """``(run(), seconds)`` on the device, between two CUDA events."""
+    start, stop = xp.cuda.Event(), xp.cuda.Event()
+    start.record()
+    result = run()
+    stop.record()
+    stop.synchronize()
+    return result, xp.cuda.get_elapsed_time(start, stop) / 1000.0
 
 
 def channel_gram(y, scale: float, factor_dtype=numpy.float32,

@@ -545,3 +545,18 @@ def test_step_time_goals_against_the_peer():
     text = step_time.sweep_table({'sweep': [row], 'gpu': True,
                                   'autotune': True, 'refresh_interval': 20})
     assert 'Goals against the peer' in text and '|    64 | SGD step' in text
+
+
+def test_step_time_reports_the_timed_ways_of_forming_a(monkeypatch):
+    """The GPU run records which way each convolution input shape's A
+    took by timing (autotune), and the summary counts them."""
+    from benchmarks import step_time
+    from chainerkfac.fisher_blocks import patches
+    g = patches.ConvGeometry(3, 3, 1, 1, 1, 1)
+    monkeypatch.setattr(patches, '_TIMED', {
+        ((32, 64, 56, 56), '<f4', g, '<f4', False, '@cupy:0'): 'shifted',
+        ((32, 512, 7, 7), '<f4', g, '<f4', False, '@cupy:0'): 'unfolded',
+        ((32, 128, 28, 28), '<f4', g, '<f4', False, '@cupy:0'): 'shifted'})
+    timed = step_time.conv_a_timed()
+    assert (timed['shifted'], timed['unfolded']) == (2, 1)
+    assert timed['shapes']['32x512x7x7 3x3'] == 'unfolded'

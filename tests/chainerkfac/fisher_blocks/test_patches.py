@@ -207,6 +207,27 @@ def test_gpu_patch_gram_equals_numpy(size, geometry, bias, dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_timed_strategy_equals_numpy(monkeypatch):
+    """With ``chainer.config.autotune`` the GPU times both ways once per
+    input shape (they agree, or the shifted one is not chosen) and keeps
+    the faster: either gives NumPy's factor."""
+    import chainer
+    cupy = support.cupy_or_skip()
+    monkeypatch.setattr(patches, '_TIMED', {})
+    g = ConvGeometry(3, 3, 1, 1, 1, 1)
+    x = numpy.random.RandomState(13).randn(8, 16, 14, 14).astype(
+        numpy.float32)
+    cpu = patches.patch_gram(x, g, 0.125, strategy='unfolded')
+    with chainer.using_config('autotune', True):
+        for _ in range(2):
+            gpu = patches.patch_gram(cupy.asarray(x), g, 0.125)
+            numpy.testing.assert_allclose(
+                cupy.asnumpy(gpu), cpu, rtol=0,
+                atol=1e-5 * numpy.abs(cpu).max())
+    assert len(patches.timed_choices()) == 1
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize('dtype', ['float32', 'float16'])
 def test_gpu_channel_gram_equals_numpy(dtype):
     cupy = support.cupy_or_skip()
@@ -413,3 +434,95 @@ def test_gpu_shifted_gram_goes_to_cublas_in_place(monkeypatch, tf32, half):
     assert args[1:3] == (1, 0)
     assert args[-3 if half else -1] == pieces     # the batch count
     gemm.close()
+
+
+class _Stream:
+    capturing = False
+
+    def is_capturing(self):
+        return self.capturing
+
+
+@pytest.fixture
+def timed_device(monkeypatch):
+    """A device (:class:`_DeviceModule` with a CUDA stream) whose two ways
+    of forming A are NumPy's, counted, and whose timer reports scripted
+    seconds; a fresh table of timed choices."""
+    import types
+    device = _DeviceModule()
+    stream = _Stream()
+    device.cuda = types.SimpleNamespace(get_current_stream=lambda: stream)
+    monkeypatch.setattr(patches, 'get_array_module', lambda *a: (
+        device if isinstance(a[0], _OnDevice) else numpy))
+    monkeypatch.setattr(patches, '_TIMED', {})
+    state = types.SimpleNamespace(calls=[], seconds={}, stream=stream,
+                                  shifted=None)
+    for way, original in (('unfolded', patches._unfolded_gram),
+                          ('shifted', patches._shifted_gram)):
+        def counted(x, *args, way=way, original=original):
+            state.calls.append(way)
+            if way == 'shifted' and state.shifted is not None:
+                return state.shifted(x.view(numpy.ndarray), *args)
+            return original(x.view(numpy.ndarray), *args)
+        monkeypatch.setattr(patches, '_{}_gram'.format(way), counted)
+
+    def timed(xp, run):
+        before = len(state.calls)
+        result = run()
+        return result, state.seconds[state.calls[before]]
+    monkeypatch.setattr(patches, '_timed', timed)
+    return state
+
+
+def test_gpu_strategy_timed_under_autotune(timed_device, caplog):
+    """On the GPU, with ``chainer.config.autotune``, A's two ways are
+    timed once per input shape (after a warm-up of each) and the faster
+    kept; without autotune, or while a CUDA graph is being captured, the
+    unfolded way, untimed. A way that fails or disagrees is not chosen."""
+    import chainer
+    g = ConvGeometry(3, 3, 1, 1, 1, 1)
+    x = numpy.random.RandomState(12).randn(2, 3, 6, 6)
+    state = timed_device
+    state.seconds = {'unfolded': 2.0, 'shifted': 1.0}
+
+    def gram(array):
+        state.calls.clear()
+        got = patches.patch_gram(array.view(_OnDevice), g, 0.5)
+        numpy.testing.assert_allclose(got, loop_gram(array, g, 0.5),
+                                      rtol=1e-12, atol=1e-12)
+        return list(state.calls)
+
+    assert gram(x) == ['unfolded'] and not patches.timed_choices()
+    with chainer.using_config('autotune', True):
+        assert gram(x) == ['unfolded'] * 2 + ['shifted'] * 2
+        assert list(patches.timed_choices().values()) == ['shifted']
+        assert gram(x) == ['shifted']          # the choice is kept
+        state.stream.capturing = True
+        assert gram(x[:1]) == ['unfolded']     # no timing in a capture
+        state.stream.capturing = False
+        state.seconds = {'unfolded': 1.0, 'shifted': 2.0}
+        assert gram(x[:1]) == ['unfolded'] * 2 + ['shifted'] * 2
+        assert sorted(patches.timed_choices().values()) == [
+            'shifted', 'unfolded']
+        # a way that fails, or whose factor differs, is not chosen
+        state.seconds = {'unfolded': 2.0, 'shifted': 1.0}
+
+        def fails(*args):
+            raise RuntimeError('no kernel')
+        state.shifted = fails
+        assert gram(x[:, :2]) == ['unfolded'] * 2 + ['shifted']
+        assert 'no kernel' in caplog.text
+        state.shifted = _shifted_off
+        assert gram(x[:, :1]) == ['unfolded'] * 2 + ['shifted'] * 2
+        assert 'differs' in caplog.text
+        assert patches.timed_choices()[next(
+            k for k in patches.timed_choices() if k[0] == (2, 1, 6, 6))] == \
+            'unfolded'
+
+
+def _shifted_off(x, geometry, scale, *args):
+    """The factor with the input's first row left out: what a wrong border
+    term would give."""
+    wrong = x.copy()
+    wrong[:, :, 0] = 0.0
+    return loop_gram(wrong, geometry, scale)
