@@ -376,6 +376,51 @@ def test_factor_fp16_is_close_to_fp32():
         assert 0 < err <= 2e-3 * numpy.abs(ref).max()
 
 
+class _Geometries(chainer.Chain):
+    """Stride-1 convolutions of several geometries (padding above and
+    below half the kernel, dilation, a row kernel, a 5×5), then one of
+    stride 2 (unfolded only), float64."""
+
+    def __init__(self):
+        super().__init__()
+        with helpers.float64_links(), self.init_scope():
+            self.c1 = L.Convolution2D(2, 3, 3, pad=1)
+            self.c2 = L.Convolution2D(3, 3, 3, pad=2, dilate=2, nobias=True)
+            self.c3 = L.Convolution2D(3, 4, (1, 3), pad=(0, 2))
+            self.c4 = L.Convolution2D(4, 3, 5, pad=1)
+            self.c5 = L.Convolution2D(3, 3, 3, stride=2, pad=1)
+            self.fc = L.Linear(None, 4)
+
+    def forward(self, x):
+        h = x
+        for conv in (self.c1, self.c2, self.c3, self.c4, self.c5):
+            h = F.tanh(conv(h))
+        return self.fc(h)
+
+
+def test_shifted_and_unfolded_a_train_alike():
+    """Three K-FAC steps with every stride-1 convolution's A formed by
+    shifted products and by the patch matrix give the same weights
+    (float64: the two sum in other orders)."""
+    x, t = helpers.data(n=5, shape=(2, 7, 6))
+    base = _Geometries()
+    base(x)
+    weights = {}
+    for strategy in ('shifted', 'unfolded'):
+        model = clone(base)
+        optimizer = helpers.kfac(lr=0.05, conv_a_strategy=strategy)
+        optimizer.setup(model)
+        for _ in range(3):
+            optimizer.update(helpers.loss_of(model), x, t)
+        weights[strategy] = {name: param.array.copy()
+                             for name, param in model.namedparams()}
+    start = dict(base.namedparams())
+    for name, value in weights['shifted'].items():
+        numpy.testing.assert_allclose(value, weights['unfolded'][name],
+                                      rtol=1e-10, atol=1e-12, err_msg=name)
+        assert not numpy.allclose(value, start[name].array), name
+
+
 @pytest.mark.parametrize('kwargs,match', [
     (dict(damping=0.0), 'damping'),
     (dict(bn_fisher='block'), 'bn_fisher'),
