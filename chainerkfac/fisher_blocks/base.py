@@ -118,7 +118,8 @@ class BlockOptions:
         ``None``: no limit.
     conv_a_strategy : {'unfolded', 'shifted'}, optional
         How a convolution forms ``A`` (:func:`chainerkfac.fisher_blocks.
-        patches.patch_gram`); by default the cheaper one.
+        patches.patch_gram`); by default the library's choice (by cost on
+        the CPU, by timing on the GPU under ``chainer.config.autotune``).
     low_rank : bool
         Capture a Kronecker factor of few per-sample vectors in per-sample
         form and precondition by Woodbury where that is cheaper

@@ -252,7 +252,10 @@ class KFAC(optimizer.GradientMethod):
         shorter); ``None``: no bound (the paper).
     conv_a_strategy : {'unfolded', 'shifted'}, optional
         Force how convolutions form A where it applies (benchmarks); by
-        default the cheaper one (:mod:`chainerkfac.fisher_blocks.patches`).
+        default the cheaper one by a cost model on the CPU, and on the GPU
+        the unfolded one, or the faster by timing under
+        ``chainer.config.autotune`` (:func:`chainerkfac.fisher_blocks.
+        patches.patch_gram`).
     fisher_diff : bool
         Compute Diff(t) of eq. (21) for every refreshed factor
         (:attr:`fisher_diffs`, and reported as ``kfac/diff/...``).

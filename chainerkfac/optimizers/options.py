@@ -25,7 +25,8 @@ FACTOR_DTYPES = ('float32', 'float16', 'tf32')
 PRECONDITION_DTYPES = ('float32', 'tf32')
 #: ``loss_reduction``: how the loss reduces over the mini-batch.
 LOSS_REDUCTIONS = ('mean', 'sum')
-#: ``conv_a_strategy``: how a convolution forms A (None: the cheaper).
+#: ``conv_a_strategy``: how a convolution forms A (None: the library's
+#: choice, by cost on the CPU, by timing on the GPU under autotune).
 CONV_A_STRATEGIES = ('unfolded', 'shifted')
 #: ``weight_rescale``: the string value (besides True / False).
 WEIGHT_RESCALE_CHOICES = ('auto',)
