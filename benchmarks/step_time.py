@@ -38,9 +38,9 @@ same fixed batch:
   few per-sample vectors kept low rank and inverted by Woodbury, exactly
   (``low_rank=True``);
 * ``kfac_shifted``: every step, each stride-1 convolution's A formed by
-  shifted products (``conv_a_strategy='shifted'``; the GPU's default is
-  the unfolded product until a GPU has timed the two; not in ``--gpu``'s
-  default run);
+  shifted products (``conv_a_strategy='shifted'``; ``kfac_every`` takes
+  the library's choice: on the GPU the unfolded product, or under
+  autotune the faster by timing; not in ``--gpu``'s default run);
 * ``sgd_graph`` (``--gpu``): the momentum SGD step through
   :class:`chainerkfac.graphs.StepGraph`, captured once as a CUDA graph
   and replayed (its counts of eager / captured / replayed steps are
@@ -167,6 +167,7 @@ import numpy
 import models
 from benchmarks import _common
 from chainerkfac import fisher_blocks
+from chainerkfac.fisher_blocks import patches
 from chainerkfac import linalg
 from chainerkfac import linalg_cuda
 from chainerkfac import newton_schulz
@@ -513,12 +514,11 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
     return result
 
 
-def conv_a_timed() -> Dict[str, int]:
+def conv_a_timed() -> Dict[str, object]:
     """How many input shapes of this process's convolutions took each way
     of forming A by timing (:func:`chainerkfac.fisher_blocks.patches.
     timed_choices`), and the shapes: ``{'shifted': n, 'unfolded': m,
     'shapes': {'N×C×H×W kh×kw': way}}``."""
-    from chainerkfac.fisher_blocks import patches
     choices = patches.timed_choices()
     out = {way: sum(v == way for v in choices.values())
            for way in ('shifted', 'unfolded')}

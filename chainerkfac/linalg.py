@@ -206,10 +206,10 @@ def tf32_matmul(a, b):
 
 
 def in_place_matmul(a, b):
-    """``a @ b`` of views of one array (a 3-D stack and its transpose:
-    the split-K pieces of a Gram product): on CuPy by our cuBLAS handle,
-    which reads row-strided operands where they are
-    (:func:`chainerkfac.graphs.gemm.in_place_matmul`), where CuPy's
+    """``a @ b`` of 2-D or 3-D operands that may be views (row-strided, or
+    the transposes of such: the split-K pieces of a product and their
+    transposes): on CuPy by our cuBLAS handle, which reads them where they
+    are (:func:`chainerkfac.graphs.gemm.in_place_matmul`), where CuPy's
     matmul would copy both first; CuPy's own where that handle is not
     there or does not serve them; NumPy's on the CPU."""
     xp = get_array_module(a)

@@ -433,12 +433,10 @@ class _ShiftedPlan(NamedTuple):
     #: Input rows (columns) outside some tap's window: each has a term.
     rows: Tuple[int, ...]
     cols: Tuple[int, ...]
-    #: How many terms: the full sum, then one per row, column and (row,
-    #: column) cell above.
-    terms: int
     #: (shifts, slots, terms), shift index ``a·left + b``: how the terms'
     #: C×C blocks of a shift make the blocks of the factor at that shift,
-    #: +1 or −1 (slots beyond a shift's blocks are zero).
+    #: +1 or −1 (slots beyond a shift's blocks are zero). The terms: the
+    #: full sum, then one per row, column and (row, column) cell above.
     weights: numpy.ndarray
     #: The blocks of the factor computed, the diagonal's first: each one's
     #: slot (shift · slots + slot), and its pair of taps (kernel row · kw +
@@ -446,6 +444,10 @@ class _ShiftedPlan(NamedTuple):
     slot: numpy.ndarray
     first: numpy.ndarray
     second: numpy.ndarray
+
+    @property
+    def terms(self) -> int:
+        return self.weights.shape[2]
 
 
 def _window(tap: int, step: int, pad: int, outputs: int, size: int):
@@ -526,8 +528,8 @@ def _shifted_plan(h: int, w: int, geometry: ConvGeometry) -> _ShiftedPlan:
     assert len(computed) == g.kh * g.kw * (g.kh * g.kw + 1) // 2
     _, slot, first, second = (numpy.array(column, dtype=numpy.intp)
                               for column in zip(*computed))
-    return _ShiftedPlan(left, (g.kw - 1) * g.dx, rows, cols, terms, weights,
-                        slot, first, second)
+    return _ShiftedPlan(left, (g.kw - 1) * g.dx, rows, cols, weights, slot,
+                        first, second)
 
 
 @functools.lru_cache(maxsize=256)
@@ -656,7 +658,8 @@ def _shifted_gram(x, geometry, scale, factor_dtype, tf32=False):
     blocks = blocks.reshape(-1, c, c)
     del terms
     gram = xp.empty((c, g.kh, g.kw, c, g.kh, g.kw), dtype=out_dtype)
-    pairs = gram.transpose(1, 2, 4, 5, 0, 3)   # a view: (taps², C, C)
+    # a view: (kh, kw, kh, kw, C, C), a block per pair of taps
+    pairs = gram.transpose(1, 2, 4, 5, 0, 3)
     slot, a1, b1, a2, b2 = diagonal
     square = blocks.take(slot, axis=0)
     pairs[a1, b1, a1, b1] = (square + square.transpose(0, 2, 1)) * \

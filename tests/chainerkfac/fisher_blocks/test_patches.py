@@ -275,6 +275,37 @@ class _OnDevice(numpy.ndarray):
     """A NumPy array that the Gram code takes for a device array."""
 
 
+def _device_gemm(monkeypatch):
+    """Our cuBLAS handle over the computing cuBLAS stand-in, serving
+    :class:`_OnDevice` arrays, installed as the process's: ``(fake,
+    gemm)``."""
+    from chainerkfac.graphs import gemm as gemm_module
+    from tests.chainerkfac.graphs.cublas_fake import FakeCublas, NumpyArrays
+
+    class Arrays(NumpyArrays):
+        def serves(self, array):
+            return isinstance(array, _OnDevice)
+
+        def empty(self, shape, dtype):
+            return super().empty(shape, dtype).view(_OnDevice)
+
+    fake = FakeCublas()
+    gemm = gemm_module.Gemm(fake.library(), Arrays())
+    monkeypatch.setattr(gemm_module, '_gemm', gemm)
+    return fake, gemm
+
+
+def _strided_operands(args, half):
+    """A recorded ``cublas?gemmStridedBatched(Ex)`` call's ``(pointer, ld,
+    stride)`` of cuBLAS's A, then of its B: for the row-major ``a @ b``,
+    cuBLAS computes the column-major ``bᵀ aᵀ``, so its A is our ``b`` and
+    its B our ``a``."""
+    typed = 1 if half else 0
+    b_at, a_at = 7, 10 + typed
+    return ((args[b_at],) + tuple(args[b_at + 1 + typed:b_at + 3 + typed]),
+            (args[a_at],) + tuple(args[a_at + 1 + typed:a_at + 3 + typed]))
+
+
 @pytest.mark.parametrize('tf32, half', [(False, False), (True, False),
                                         (False, True)],
                          ids=['exact', 'tf32', 'fp16'])
@@ -290,24 +321,13 @@ def test_gpu_column_gram_reads_the_patches_in_place(monkeypatch, tf32, half,
     the fp16 twin's (integers: exact but for fp16's rounding)."""
     import types
     from chainerkfac import linalg
-    from chainerkfac.graphs import gemm as gemm_module
-    from tests.chainerkfac.graphs.cublas_fake import FakeCublas, NumpyArrays
 
     def refused(*args, **kwargs):
         raise AssertionError('the patches were copied or CuPy multiplied')
 
-    class Arrays(NumpyArrays):
-        def serves(self, array):
-            return isinstance(array, _OnDevice)
-
-        def empty(self, shape, dtype):
-            return super().empty(shape, dtype).view(_OnDevice)
-
     fake_cupy = types.SimpleNamespace(matmul=refused,
                                       ascontiguousarray=refused)
-    fake = FakeCublas()
-    gemm = gemm_module.Gemm(fake.library(), Arrays())
-    monkeypatch.setattr(gemm_module, '_gemm', gemm)
+    fake, gemm = _device_gemm(monkeypatch)
     monkeypatch.setattr(linalg, 'get_array_module', lambda *a: (
         fake_cupy if isinstance(a[0], _OnDevice) else numpy))
     rng = numpy.random.RandomState(10)
@@ -331,13 +351,9 @@ def test_gpu_column_gram_reads_the_patches_in_place(monkeypatch, tf32, half,
                        (False, True): 'cublasGemmStridedBatchedEx'}[
                            tf32, half]
     args = call[1]
-    # (B, [type,] ldb, strideB) then (A, [type,] lda, strideA): both the
-    # patch matrix
-    typed = 1 if half else 0
-    b_at, a_at = 7, 10 + typed
-    assert args[b_at] == args[a_at] == matrix.ctypes.data
-    assert args[b_at + 1 + typed:b_at + 3 + typed] == \
-        args[a_at + 1 + typed:a_at + 3 + typed] == (64, 64 // pieces)
+    # both operands the patch matrix itself, read in place
+    assert _strided_operands(args, half) == (
+        (matrix.ctypes.data, 64, 64 // pieces),) * 2
     assert args[1:3] == (1, 0)       # B = Aᵀ by cuBLAS's flag
     gemm.close()
 
@@ -375,20 +391,9 @@ def test_gpu_shifted_gram_goes_to_cublas_in_place(monkeypatch, tf32, half):
     weighted sums; no CuPy matmul. Its result is NumPy's: to 1e-14 in
     float64, TF32's operands (float32), or the fp16 twin's."""
     from chainerkfac import linalg
-    from chainerkfac.graphs import gemm as gemm_module
-    from tests.chainerkfac.graphs.cublas_fake import FakeCublas, NumpyArrays
-
-    class Arrays(NumpyArrays):
-        def serves(self, array):
-            return isinstance(array, _OnDevice)
-
-        def empty(self, shape, dtype):
-            return super().empty(shape, dtype).view(_OnDevice)
 
     device = _DeviceModule()
-    fake = FakeCublas()
-    gemm = gemm_module.Gemm(fake.library(), Arrays())
-    monkeypatch.setattr(gemm_module, '_gemm', gemm)
+    fake, gemm = _device_gemm(monkeypatch)
     for module in (linalg, patches):
         monkeypatch.setattr(module, 'get_array_module', lambda *a: (
             device if isinstance(a[0], _OnDevice) else numpy))
@@ -421,16 +426,12 @@ def test_gpu_shifted_gram_goes_to_cublas_in_place(monkeypatch, tf32, half):
     left, = [a for a in device.made if a.shape == (5, 3, positions)]
     right, = [a for a in device.made if a.shape == (3, 3, positions)]
     args = gemms[0]
-    typed = 1 if half else 0
-    b_at, a_at = 7, 10 + typed
     # cuBLAS's A is our right operand (transposed by its flag), its B our
     # left; both read where they are, K = positions / pieces
     assert args[3:6] == (9, 15, positions // pieces)
-    assert args[a_at] == left.ctypes.data
-    assert args[b_at] == right.ctypes.data
-    assert args[b_at + 1 + typed:b_at + 3 + typed] == \
-        args[a_at + 1 + typed:a_at + 3 + typed] == (
-            positions, positions // pieces)
+    assert _strided_operands(args, half) == (
+        (right.ctypes.data, positions, positions // pieces),
+        (left.ctypes.data, positions, positions // pieces))
     assert args[1:3] == (1, 0)
     assert args[-3 if half else -1] == pieces     # the batch count
     gemm.close()

@@ -83,24 +83,16 @@ class FakeCublas:
         alpha = ctypes.cast(alpha, ctypes.POINTER(ctype)).contents.value \
             if isinstance(alpha, int) else alpha._obj.value
         beta = beta._obj.value
-        for i in range(count):
-            shape_a = (k, m) if ta else (m, k)
-            shape_b = (n, k) if tb else (k, n)
-            A = _col_major(a, *shape_a, lda, dtype, i * sa)
-            B = _col_major(b, *shape_b, ldb, dtype, i * sb)
-            C = _col_major(c, m, n, ldc, dtype, i * sc)
-            opa = A.T if ta else A
-            opb = B.T if tb else B
+        for opa, opb, C in _operands(dtype, ta, tb, m, n, k, (a, lda, sa),
+                                     (b, ldb, sb), (c, ldc, sc), count):
             if tf32:    # Tensor Cores: operands with a 10-bit mantissa
                 opa, opb = linalg.round_to_tf32(opa), linalg.round_to_tf32(opb)
             C[...] = alpha * opa.dot(opb) + (beta * C if beta else 0)
-
 
     def _gemm_ex(self, name, args):
         """cublasGemmEx / cublasGemmStridedBatchedEx with fp16 operands
         and result and fp32 accumulation (what the library asks): the
         fp16 values multiplied in fp32, the result rounded to fp16."""
-        dtype = numpy.dtype(numpy.float16)
         handle, ta, tb, m, n, k, alpha = args[:7]
         rest = list(args[7:])
         if name.endswith('StridedBatchedEx'):
@@ -112,19 +104,29 @@ class FakeCublas:
             count = 1
         assert ta_ == tb_ == tc == cublas.CUDA_R_16F
         assert compute == cublas.CUBLAS_COMPUTE_32F
-        alpha = alpha._obj.value
-        beta = beta._obj.value
-        for i in range(count):
-            A = _col_major(a, *((k, m) if ta else (m, k)), lda, dtype,
-                           i * sa).astype(numpy.float32)
-            B = _col_major(b, *((n, k) if tb else (k, n)), ldb, dtype,
-                           i * sb).astype(numpy.float32)
-            C = _col_major(c, m, n, ldc, dtype, i * sc)
-            product = numpy.float32(alpha) * (A.T if ta else A).dot(
-                B.T if tb else B)
+        alpha = numpy.float32(alpha._obj.value)
+        beta = numpy.float32(beta._obj.value)
+        for opa, opb, C in _operands(numpy.dtype(numpy.float16), ta, tb, m, n,
+                                     k, (a, lda, sa), (b, ldb, sb),
+                                     (c, ldc, sc), count):
+            product = alpha * opa.astype(numpy.float32).dot(
+                opb.astype(numpy.float32))
             if beta:
-                product += numpy.float32(beta) * C.astype(numpy.float32)
+                product += beta * C.astype(numpy.float32)
             C[...] = product.astype(numpy.float16)
+
+
+def _operands(dtype, ta, tb, m, n, k, a, b, c, count):
+    """Per matrix of a (strided batched) GEMM, ``(op(A), op(B), C)`` read
+    from memory as cuBLAS reads it: ``a``, ``b``, ``c`` are ``(pointer,
+    leading dimension, stride)``, column-major."""
+    for i in range(count):
+        A = _col_major(a[0], *((k, m) if ta else (m, k)), a[1], dtype,
+                       i * a[2])
+        B = _col_major(b[0], *((n, k) if tb else (k, n)), b[1], dtype,
+                       i * b[2])
+        yield (A.T if ta else A), (B.T if tb else B), _col_major(
+            c[0], m, n, c[1], dtype, i * c[2])
 
 
 class NumpyArrays:
