@@ -34,7 +34,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy
 
-from chainerkfac import dtypes
+from chainerkfac import _binding, dtypes
 
 logger = logging.getLogger(__name__)
 
@@ -439,20 +439,10 @@ def _loaded_cusolver() -> Optional[str]:
     must not reach another."""
     import cupy
     cupy.cuda.device.get_cusolver_handle()  # makes CuPy load cuSOLVER
-    try:
-        with open('/proc/self/maps') as maps:
-            paths = {line.split(None, 5)[5].strip() for line in maps
-                     if 'libcusolver.so' in line and
-                     len(line.split(None, 5)) == 6}
-    except OSError:
-        paths = set()
+    paths = _binding.mapped_files(('libcusolver.so',))
     if len(paths) == 1:
-        return paths.pop()
-    try:
-        from cuda import pathfinder
-        return pathfinder.load_nvidia_dynamic_lib('cusolver').abs_path
-    except Exception:  # no cuda-pathfinder, or it cannot find the library
-        return None
+        return paths[0]
+    return _binding.pathfinder_path('cusolver')
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,6 +18,11 @@ Here one launch takes up to :data:`CHUNK` tensors:
   the eager step did) (:func:`chainerkfac.fused.momentum_step`'s kernels);
 * :func:`flag_nonfinite`: set a device flag where any element is NaN or
   Inf (the device guard's check);
+* :func:`regularized`: eq. (13)'s ``g + γ (w − μ)`` of many parameters
+  written into the slots of one stacked array (what K-FAC's batched
+  preconditioning multiplies): in place of ``xp.stack``, whose CuPy
+  implementation copies a table of pointers from the host for more than 8
+  small arrays, which a CUDA graph's capture refuses;
 * :func:`bound_terms` and :func:`scale`: the bounded step's per-parameter
   terms ``⟨d, g⟩ + γ⟨d, w⟩ − γ μ Σd`` (two deterministic passes: each
   block's float64 sums, then a tensor's blocks added in order) and its
@@ -128,6 +133,48 @@ def momentum_step(weights: Sequence, velocities: Sequence,
                 chunk, blocks)
         _launch(_kernel('rescaled', dtype), [partials, eps],
                 [weights, velocities], chunk, blocks, [targets])
+
+
+def regularized(grads: Sequence, weights: Sequence, damping, mean: float,
+                outs: Sequence) -> None:
+    """``outs[k] ← grads[k] + γ (weights[k] − μ)`` (eq. 13,
+    :func:`chainerkfac.fused.regularized_grad`'s expression) for every
+    ``k``: the regularised gradients written where the caller wants them,
+    the slots of one stacked array (``[stack[k] for k ...]``, or row
+    pieces ``stack[k, :c]``).
+
+    Parameters
+    ----------
+    grads, weights, outs : sequences of arrays
+        Aligned, each triple of one size and dtype on one device; ``outs``
+        are written, not read.
+    damping : float or 0-d array
+        γ: a host number (rounded to the dtype), or a 0-d device array
+        read when the kernel runs (a CUDA graph's replay takes its step's
+        value).
+    mean : float
+        μ, a host number.
+
+    On the GPU one launch per :data:`CHUNK` parameters where every array
+    is C-contiguous float32 / float64; otherwise (float16, strided views)
+    :func:`chainerkfac.fused.regularized_grad` per parameter and a copy
+    into its slot. Neither copies from the host, so both may be captured.
+    On NumPy each slot is the fused function's NumPy twin.
+    """
+    if not grads:
+        return
+    from chainerkfac import fused
+    dtype = numpy.dtype(grads[0].dtype)
+    if get_array_module(grads[0]) is numpy or dtype not in DTYPES or any(
+            a.dtype != dtype or not a.flags.c_contiguous
+            for group in (grads, weights, outs) for a in group):
+        for g, w, out in zip(grads, weights, outs):
+            out[...] = fused.regularized_grad(g, w, damping, mean)
+        return
+    d_ptr, d_value = _scalar(damping, dtype, outs[0])
+    head = [d_ptr, d_value, numpy.int32(not _is_host(damping)),
+            dtype.type(mean)]
+    _launches(_kernel('regularized', dtype), head, [grads, weights, outs])
 
 
 def flag_nonfinite(arrays: Sequence, flag) -> None:
@@ -394,6 +441,12 @@ _OPS = {
         const {c} scaled = v[i] * factor;
         v[i] = scaled - w[i];
         w[i] = scaled;''', ''),
+    'regularized': (
+        (('g', 'in'), ('w', 'in'), ('out', 'out')),
+        'const {c}* d_ptr, const {c} d_value, const int d_on_device, '
+        'const {c} mu',
+        '\n    const {c} d = d_on_device ? d_ptr[0] : d_value;\n', '''
+        out[i] = g[i] + d * (w[i] - mu);''', ''),
     'nonfinite': (
         (('x', 'in'),), 'int* flag', '', '''
         if (!isfinite(x[i])) flag[0] = 1;''', ''),

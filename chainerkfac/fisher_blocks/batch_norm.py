@@ -14,10 +14,10 @@ from chainer.backend import get_array_module
 
 from chainerkfac import linalg
 from chainerkfac import low_rank
+from chainerkfac import multi_tensor
 from chainerkfac.fisher_blocks.base import (BlockOptions, FactorKind,
                                             FisherBlock, Unsupported)
 from chainerkfac import fused
-from chainerkfac.fused import regularized_grad
 
 BN_FISHER_MODES = ('full', 'diag')
 
@@ -180,16 +180,17 @@ def precondition_batch(blocks, grads, damping, stack):
         Each block's directions of (γ, β).
     """
     xp = get_array_module(grads[0][0])
-    gammas = xp.stack([b.link.gamma.array for b in blocks])
-    betas = xp.stack([b.link.beta.array for b in blocks])
-    # eq. (13): γ pulled towards 1, β towards 0, as regularization_means
-    vectors = xp.concatenate([
-        regularized_grad(xp.stack([g[0] for g in grads]), gammas, damping,
-                         mean=1.0),
-        regularized_grad(xp.stack([g[1] for g in grads]), betas, damping)],
-        axis=1)
+    c = blocks[0].channels
+    # eq. (13): γ pulled towards 1, β towards 0, as regularization_means;
+    # written into the rows of one stack (not xp.stack: see multi_tensor)
+    vectors = xp.empty((len(blocks), 2 * c), grads[0][0].dtype)
+    multi_tensor.regularized([g[0] for g in grads],
+                             [b.link.gamma.array for b in blocks], damping,
+                             1.0, [vectors[i, :c] for i in range(len(blocks))])
+    multi_tensor.regularized([g[1] for g in grads],
+                             [b.link.beta.array for b in blocks], damping,
+                             0.0, [vectors[i, c:] for i in range(len(blocks))])
     [inverses] = stack.get(blocks)
     inverses = inverses.astype(vectors.dtype, copy=False)
     out = linalg.matmul(inverses, vectors[:, :, None])[:, :, 0]
-    c = blocks[0].channels
     return [[out[i, :c], out[i, c:]] for i in range(len(blocks))]

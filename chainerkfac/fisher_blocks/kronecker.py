@@ -31,10 +31,10 @@ from chainer.backend import get_array_module
 
 from chainerkfac import linalg
 from chainerkfac import low_rank
+from chainerkfac import multi_tensor
 from chainerkfac.fisher_blocks import patches
 from chainerkfac.fisher_blocks.base import (BlockOptions, FactorKind,
                                             FisherBlock, Unsupported)
-from chainerkfac.fused import regularized_grad
 
 
 class KroneckerBlock(FisherBlock):
@@ -298,23 +298,34 @@ def batch_key(block):
 
 class InverseStack:
     """The inverses ``names`` of a batch of blocks stacked (B, n, n), kept
-    until one of them changes (a refresh)."""
+    until one of them is another array (a refresh, a restore).
+
+    It holds the inverses it stacked, so that "the same" is identity, not
+    an ``id`` that a new array may take over from a freed one. The stack
+    is written slot by slot (not ``xp.stack``, whose CuPy implementation
+    copies a table of pointers from the host for more than 8 small
+    arrays, which a CUDA graph's capture refuses)."""
 
     def __init__(self, names=('A', 'G')):
         self.names = tuple(names)
-        self._key = None
+        self._members = ()
         self._stacks = None
 
     def get(self, blocks):
         """One stack per name, in the order of :attr:`names`."""
-        key = tuple(tuple(id(b.inverses[n]) for n in self.names)
-                    for b in blocks)
-        if key != self._key:
-            xp = get_array_module(blocks[0].inverses[self.names[0]])
-            self._stacks = tuple(
-                xp.stack([b.inverses[n] for b in blocks])
-                for n in self.names)
-            self._key = key
+        members = tuple(b.inverses[n] for b in blocks for n in self.names)
+        if len(members) != len(self._members) or any(
+                a is not b for a, b in zip(members, self._members)):
+            stacks = []
+            for name in self.names:
+                first = blocks[0].inverses[name]
+                xp = get_array_module(first)
+                out = xp.empty((len(blocks),) + first.shape, first.dtype)
+                for k, block in enumerate(blocks):
+                    out[k] = block.inverses[name]
+                stacks.append(out)
+            self._stacks = tuple(stacks)
+            self._members = members
         return self._stacks
 
 
@@ -346,14 +357,18 @@ def precondition_batch(blocks, grads, damping, stack: InverseStack,
     xp = get_array_module(grads[0][0])
     first = blocks[0]
     out_size = first.out_size
-    weights = xp.stack([b.link.W.array for b in blocks])
-    grad_w = regularized_grad(xp.stack([g[0] for g in grads]), weights,
-                              damping)
+    # eq. (13) into the slots of one stack (not xp.stack: see multi_tensor)
+    grad_w = xp.empty((len(blocks),) + first.link.W.shape,
+                      grads[0][0].dtype)
+    multi_tensor.regularized([g[0] for g in grads],
+                             [b.link.W.array for b in blocks], damping, 0.0,
+                             list(grad_w))
     matrix = grad_w.reshape(len(blocks), out_size, -1)
     if first.has_bias:
-        biases = xp.stack([b.link.b.array for b in blocks])
-        grad_b = regularized_grad(xp.stack([g[1] for g in grads]), biases,
-                                  damping)
+        grad_b = xp.empty((len(blocks), out_size), grads[0][1].dtype)
+        multi_tensor.regularized([g[1] for g in grads],
+                                 [b.link.b.array for b in blocks], damping,
+                                 0.0, list(grad_b))
         matrix = xp.concatenate([matrix, grad_b[:, :, None]], axis=2)
     a_inv, g_inv = stack.get(blocks)
     a_inv = a_inv.astype(matrix.dtype, copy=False)

@@ -15,16 +15,20 @@ captures ``cublas<t>gemm`` (probed on an H100 with CuPy 14.2 and
 gemm` uses them.
 
 Which library (:func:`candidates`): the ``libcublas`` already mapped into
-this process (CuPy's: one cuBLAS build per process), then the
-``nvidia-cublas`` / ``nvidia-cublas-cu12`` wheels' ``nvidia/cublas/lib``,
-then the system loader path, each soname of :data:`SONAMES` in turn.
+this process (CuPy's: one cuBLAS build per process;
+:func:`chainerkfac.graphs.gemm.default` makes CuPy load it first), then the
+one NVIDIA's ``cuda-pathfinder`` finds (what CuPy 14 loads from the CUDA
+wheels), then the wheels' folders — ``nvidia/cu13/lib`` of CUDA 13's
+``nvidia-cublas``, ``nvidia/cublas/lib`` of ``nvidia-cublas-cu12`` — then
+the system loader path, each soname of :data:`SONAMES` in turn.
 """
 import ctypes
 import importlib.util
 import os
 from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple
 
-from chainerkfac._binding import LibraryNotFound, bind_prototypes
+from chainerkfac._binding import (LibraryNotFound, bind_prototypes,
+                                  mapped_files, pathfinder_path)
 
 #: Newest first: CUDA 13's cuBLAS, then CUDA 12's.
 SONAMES = ('libcublas.so.13', 'libcublas.so.12')
@@ -148,32 +152,41 @@ class Library:
 
 def _loaded() -> List[str]:
     """The libcublas files mapped into this process (CuPy's)."""
-    try:
-        with open('/proc/self/maps') as maps:
-            paths = {line.split(None, 5)[5].strip() for line in maps
-                     if len(line.split(None, 5)) == 6 and
-                     os.path.basename(line.split(None, 5)[5].strip())
-                     in SONAMES}
-    except OSError:
-        return []
-    return sorted(paths)
+    return mapped_files(SONAMES)
+
+
+def _pathfinder() -> List[str]:
+    """The cuBLAS that NVIDIA's ``cuda-pathfinder`` finds, if any."""
+    path = pathfinder_path('cublas')
+    return [] if path is None else [path]
+
+
+#: The library folders of NVIDIA's cuBLAS wheels, by package: CUDA 13's
+#: ``nvidia-cublas`` installs into ``nvidia/cu13``, CUDA 12's
+#: ``nvidia-cublas-cu12`` into ``nvidia/cublas``.
+WHEEL_PACKAGES = ('nvidia.cu13', 'nvidia.cublas')
 
 
 def wheel_folders() -> List[str]:
-    """``nvidia/cublas/lib`` of the cuBLAS wheels on ``sys.path``."""
-    try:
-        spec = importlib.util.find_spec('nvidia.cublas')
-    except (ImportError, ValueError):
-        return []
-    if spec is None:
-        return []
-    return [os.path.join(p, 'lib')
-            for p in (spec.submodule_search_locations or ())]
+    """The ``lib`` folders of the cuBLAS wheels on ``sys.path``
+    (:data:`WHEEL_PACKAGES`; namespace packages, found without importing
+    them)."""
+    folders = []
+    for package in WHEEL_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None:
+            folders += [os.path.join(p, 'lib')
+                        for p in (spec.submodule_search_locations or ())]
+    return folders
 
 
 def candidates() -> Iterator[str]:
     """Paths (or sonames for the loader) to try, in order."""
     yield from _loaded()
+    yield from _pathfinder()
     for folder in wheel_folders():
         for name in SONAMES:
             path = os.path.join(folder, name)

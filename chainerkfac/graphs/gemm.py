@@ -30,12 +30,15 @@ whole step.
 """
 import contextlib
 import ctypes
+import logging
 import threading
 from typing import Dict, Optional, Tuple
 
 import numpy
 
 from chainerkfac.graphs import cublas
+
+logger = logging.getLogger(__name__)
 
 #: Workspace per handle and stream (cuBLAS's own default on Hopper is 32
 #: MiB; the probe captured sgemm with this size).
@@ -267,6 +270,13 @@ def default() -> Gemm:
     if _gemm is None:
         import atexit
         import cupy
+        # CuPy opens its cuBLAS lazily (for its first handle): open it now,
+        # so that cublas.load() takes that build rather than looking for
+        # one of its own (CUDA 13's wheels are on no loader path)
+        try:
+            cupy.cuda.device.get_cublas_handle()
+        except Exception as error:  # load() says what is missing
+            logger.debug('CuPy could not open its cuBLAS: %s', error)
         _gemm = Gemm(cublas.load(), CupyArrays(cupy))
         atexit.register(_gemm.close)
     return _gemm

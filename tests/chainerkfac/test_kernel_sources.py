@@ -366,6 +366,144 @@ def test_regularized_grad_is_eq13(device, dtype, mean):
     numpy.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
+@pytest.mark.parametrize('scalars', ['host', 'device'])
+@pytest.mark.parametrize('mean', [0.0, 1.0])
+def test_multi_tensor_regularized_is_eq13(device, dtype, scalars, mean):
+    """multi_tensor.regularized: eq. (13) of 40 parameters into their
+    slots, two launches, bit for bit the fused kernel's NumPy twin."""
+    rng = numpy.random.RandomState(10)
+    g, w = (_tensors(rng, SIZES, dtype) for _ in range(2))
+    outs = [device.array(numpy.full(n, numpy.nan, dtype)) for n in SIZES]
+    damping = 1e-3 if scalars == 'host' else device.array(
+        numpy.float64(1e-3))
+    multi_tensor.regularized([device.array(a) for a in g],
+                             [device.array(a) for a in w], damping, mean,
+                             outs)
+    assert multi_tensor._kernel('regularized',
+                                numpy.dtype(dtype)).launches == 2
+    for k in range(len(SIZES)):
+        numpy.testing.assert_array_equal(
+            outs[k], fused.regularized_grad(g[k], w[k], 1e-3, mean))
+
+
+class _CaptureRules:
+    """CuPy 14's rules while a stream captures, on the emulated device:
+    no copy from the host (``cupy.asarray`` of host data), and so no
+    ``stack`` / ``concatenate`` of more than 8 arrays of one dtype
+    averaging under 2 MiB, which CuPy joins in one kernel after copying a
+    table of their pointers from the host
+    (``cupy/_core/_routines_manipulation.pyx``,
+    ``_concatenate_single_kernel``; ``cupy/cuda/memory.pyx``: "the current
+    stream is capturing, so H2D transfers are disallowed")."""
+
+    def __init__(self, dev):
+        self.dev, self.capturing = dev, False
+        self.joined = []
+
+    def install(self, patch):
+        cupy = self.dev.cupy
+        for name in ('stack', 'concatenate'):
+            patch.setattr(cupy, name, self._joining(getattr(numpy, name)),
+                          raising=False)
+        asarray = cupy.asarray
+
+        def to_device(a, dtype=None):
+            if self.capturing and not isinstance(a, cuda_emulation.Array):
+                raise RuntimeError('the current stream is capturing, so '
+                                   'H2D transfers are disallowed')
+            return asarray(a, dtype)
+        patch.setattr(cupy, 'asarray', to_device)
+
+    def _joining(self, function):
+        def join(arrays, *args, **kwargs):
+            arrays = list(arrays)
+            self.joined.append(len(arrays))
+            if (self.capturing and len(arrays) > 8 and
+                    len({a.dtype for a in arrays}) == 1 and
+                    sum(a.nbytes for a in arrays) < 2 ** 21 * len(arrays)):
+                raise RuntimeError('the current stream is capturing, so '
+                                   'H2D transfers are disallowed')
+            return function(arrays, *args, **kwargs).view(
+                cuda_emulation.Array)
+        return join
+
+
+def _spd(rng, n, dtype):
+    m = rng.randn(n, n)
+    return (m @ m.T / n + numpy.eye(n)).astype(dtype)
+
+
+@pytest.mark.parametrize('kind', ['kronecker', 'kronecker_bias', 'bn'])
+def test_batched_preconditioning_captures_beyond_eight_blocks(device, kind):
+    """K-FAC's stage 5 on the GPU batches blocks of equal shapes; ResNet-50
+    has 16 BN layers of 256 channels. With CuPy's capture rules modelled
+    (:class:`_CaptureRules`), 12 blocks' batched preconditioning runs on
+    the emulated device while "capturing" (it stacked with xp.stack
+    before: refused there, so the stale step ran eagerly), and equals
+    the same function on NumPy; the inverse stack is made before the
+    capture (the eager refresh step) and reused."""
+    from chainerkfac.fisher_blocks import batch_norm, kronecker
+    rules = _CaptureRules(device)
+    rng = numpy.random.RandomState(11)
+    dtype, count, c = numpy.float32, 12, 5
+
+    def variable(a):
+        return types.SimpleNamespace(array=a, shape=a.shape)
+
+    def blocks_on(to):
+        made = []
+        for k in range(count):
+            r = numpy.random.RandomState(100 + k)
+            if kind == 'bn':
+                link = types.SimpleNamespace(
+                    gamma=variable(to(r.randn(c).astype(dtype))),
+                    beta=variable(to(r.randn(c).astype(dtype))))
+                made.append(types.SimpleNamespace(
+                    link=link, channels=c,
+                    inverses={'F': to(_spd(r, 2 * c, dtype))}))
+            else:
+                bias = kind == 'kronecker_bias'
+                link = types.SimpleNamespace(
+                    W=variable(to(r.randn(c, 3, 2, 2).astype(dtype))),
+                    b=variable(to(r.randn(c).astype(dtype)))
+                    if bias else None)
+                made.append(types.SimpleNamespace(
+                    link=link, has_bias=bias, out_size=c,
+                    inverses={'A': to(_spd(r, 12 + bias, dtype)),
+                              'G': to(_spd(r, c, dtype))}))
+        return made
+
+    grads = [[rng.randn(*shape).astype(dtype) for shape in (
+        [(c,), (c,)] if kind == 'bn' else
+        [(c, 3, 2, 2)] + [(c,)] * (kind == 'kronecker_bias'))]
+        for _ in range(count)]
+    on_device = [[device.array(g) for g in gs] for gs in grads]
+    if kind == 'bn':
+        run = batch_norm.precondition_batch
+        names = ('F',)
+    else:
+        run = kronecker.precondition_batch
+        names = ('A', 'G')
+    expected = run(blocks_on(numpy.asarray), grads, 0.01,
+                   kronecker.InverseStack(names))
+    members = blocks_on(device.array)
+    stack = kronecker.InverseStack(names)
+    with pytest.MonkeyPatch.context() as patch:
+        rules.install(patch)
+        for module in (batch_norm, kronecker):
+            patch.setattr(module, 'get_array_module',
+                          device.get_array_module)
+        run(members, on_device, 0.01, stack)      # eager: stacks made
+        rules.capturing = True
+        got = run(members, on_device, 0.01, stack)
+    assert max(rules.joined, default=0) <= 2
+    for directions, wanted in zip(got, expected):
+        for a, b in zip(directions, wanted):
+            assert isinstance(a, cuda_emulation.Array)
+            numpy.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
 # -- the device guard's copies and check ---------------------------------------------
 @pytest.mark.parametrize('flag_value', [0, 1])
 def test_guard_copies_every_item_size(device, flag_value):
