@@ -42,6 +42,10 @@ CUBLAS_OP_T = 1
 CUBLAS_DEFAULT_MATH = 0
 CUBLAS_PEDANTIC_MATH = 2
 CUBLAS_TF32_TENSOR_OP_MATH = 3
+#: A flag of cublasMath_t: a mixed-precision GEMM's reductions (split-K's
+#: partial sums) in the accumulator's type, not the lower-precision
+#: output's (fp16 factors are accumulated in fp32 throughout).
+CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION = 16
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int

@@ -186,8 +186,12 @@ class Gemm:
         ops = (cublas.CUBLAS_OP_T if transb else cublas.CUBLAS_OP_N,
                cublas.CUBLAS_OP_T if transa else cublas.CUBLAS_OP_N)
         if a.dtype.char == 'e':
-            # Tensor Cores (the default math; CuPy's fp16 matmul alike)
-            handle = self.handle(cublas.CUBLAS_DEFAULT_MATH)
+            # Tensor Cores (the default math, as CuPy's fp16 matmul), the
+            # partial sums of a split-K in fp32 too (not the fp16 output's
+            # precision, which cuBLAS allows unless told not to)
+            handle = self.handle(
+                cublas.CUBLAS_DEFAULT_MATH |
+                cublas.CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)
             half, tail = cublas.CUDA_R_16F, (cublas.CUBLAS_COMPUTE_32F,
                                              cublas.CUBLAS_GEMM_DEFAULT)
             if batch is None:

@@ -4,9 +4,10 @@ it binds resolves, its prototypes and constants agree with
 
 Skipped, with the reason, where no libcublas is found (CI has none). To run
 them on a CPU machine, put a wheel on the path, never as a dependency:
-``pip download --no-deps nvidia-cublas-cu12``, unzip its ``nvidia/``
-into /tmp/cublas and
-``PYTHONPATH=/tmp/cublas pytest tests/chainerkfac/graphs``.
+``pip download --no-deps nvidia-cublas`` (CUDA 13; ``nvidia-cublas-cu12``
+for 12), unzip its ``nvidia/`` into /tmp/cublas and
+``PYTHONPATH=/tmp/cublas pytest tests/chainerkfac/graphs`` (cuBLAS is
+found in ``nvidia/cu13/lib``, its header in ``nvidia/cu13/include``).
 """
 import ctypes
 import os
@@ -49,7 +50,7 @@ def _header():
 HEADER = _header()
 needs_header = pytest.mark.skipif(
     HEADER is None, reason='no cublas_api.h beside the library (the '
-    'nvidia-cublas wheels ship it in nvidia/cublas/include)')
+    'nvidia-cublas wheels ship it in nvidia/cu13/include)')
 
 
 def test_every_symbol_resolves():
@@ -79,8 +80,9 @@ def test_prototypes_match_the_header():
             return 'pointer'
         base = ' '.join(declaration.split()[:-1])
         if base in ('int', 'cublasOperation_t', 'cublasStatus_t',
-                    'cublasMath_t'):
-            return ctypes.c_int
+                    'cublasMath_t', 'cudaDataType', 'cudaDataType_t',
+                    'cublasComputeType_t', 'cublasGemmAlgo_t'):
+            return ctypes.c_int     # enums: int-sized
         return {'size_t': ctypes.c_size_t,
                 'long long int': ctypes.c_longlong}[base]
 
@@ -91,8 +93,10 @@ def test_prototypes_match_the_header():
         return argtype
 
     for name, prototype in cublas.PROTOTYPES.items():
-        match = re.search(r'CUBLASAPI\s+([\w\s\*]+?)\s*CUBLASWINAPI\s+' +
-                          name + r'\s*\(([^)]*)\)', HEADER)
+        # CUDA 12's declarations start with CUBLASAPI, CUDA 13's do not
+        match = re.search(r'(?:CUBLASAPI\s+)?\b([\w \t\*]+?)\s*'
+                          r'CUBLASWINAPI\s+' + name + r'\s*\(([^)]*)\)',
+                          HEADER)
         assert match, name
         result = match.group(1).strip()
         expected = {'cublasStatus_t': ctypes.c_int,
@@ -109,6 +113,8 @@ def test_prototypes_match_the_header():
 def test_constants_match_the_header():
     for name in ('CUBLAS_STATUS_SUCCESS', 'CUBLAS_STATUS_NOT_INITIALIZED',
                  'CUBLAS_OP_N', 'CUBLAS_OP_T', 'CUBLAS_DEFAULT_MATH',
-                 'CUBLAS_PEDANTIC_MATH'):
-        value = re.search(r'\b' + name + r'\s*=\s*(\d+)', HEADER)
+                 'CUBLAS_PEDANTIC_MATH', 'CUBLAS_TF32_TENSOR_OP_MATH',
+                 'CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION',
+                 'CUBLAS_COMPUTE_32F', 'CUBLAS_GEMM_DEFAULT'):
+        value = re.search(r'\b' + name + r'\s*=\s*(-?\d+)', HEADER)
         assert value and int(value.group(1)) == getattr(cublas, name), name

@@ -295,8 +295,8 @@ def test_in_place_matmul_without_a_cublas_of_its_own(monkeypatch):
 @pytest.mark.parametrize('transb', [False, True])
 def test_half_matmul_by_gemm_ex(gemm, batch, transb):
     """float16 operands go to cublasGemmEx / cublasGemmStridedBatchedEx
-    (fp16 in and out, fp32 accumulation) on a handle in cuBLAS's default
-    math (Tensor Cores), reading row-strided views in place: the same
+    (fp16 in and out, fp32 accumulation, split-K's partial sums included)
+    on a handle in cuBLAS's default math (Tensor Cores), reading row-strided views in place: the same
     values as linalg.half_matmul's NumPy twin (integers: exact in fp32;
     their products round in fp16 above 2048, as the twin rounds them)."""
     rng = numpy.random.RandomState(5)
@@ -314,7 +314,8 @@ def test_half_matmul_by_gemm_ex(gemm, batch, transb):
     name = 'cublasGemmEx' if batch is None else 'cublasGemmStridedBatchedEx'
     call, = gemm.fake.named(name)
     modes = [m[1] for m in gemm.fake.named('cublasSetMathMode')]
-    assert modes == [cublas.CUBLAS_DEFAULT_MATH]
+    assert modes == [cublas.CUBLAS_DEFAULT_MATH |
+                     cublas.CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION]
     assert call[-2:] == (cublas.CUBLAS_COMPUTE_32F,
                          cublas.CUBLAS_GEMM_DEFAULT)
     assert call[12 if batch is None else 13] == 40       # lda of the block
