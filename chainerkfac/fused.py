@@ -174,8 +174,9 @@ def bn_sample_grads(x, gy, mean, inv_std, dtype):
     dtype = numpy.dtype(dtype)
     mean = mean.astype(dtype, copy=False)
     inv_std = inv_std.astype(dtype, copy=False)
+    # (not for an empty array: CuPy launches at least one block)
     if xp is not numpy and x.dtype == gy.dtype == dtype and \
-            dtype in _BN_CTYPES:
+            dtype in _BN_CTYPES and x.size:
         n, c, length = x.shape
         x = xp.ascontiguousarray(x)
         gy = xp.ascontiguousarray(gy)

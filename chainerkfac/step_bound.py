@@ -224,15 +224,16 @@ class StepBound:
         CUDA graph replays (:mod:`chainerkfac.graphs.kfac_step`): ``lr``
         and the terms' damping are device scalars (float64), ν and the
         metric stay on the device (:attr:`scale`, :attr:`metric` are 0-d
-        arrays, rewritten by each replay), and the arithmetic is
+        arrays, rewritten by each replay). On NumPy the arithmetic is
         :meth:`apply`'s operation for operation: the same ν to the bit.
 
         On the GPU the parameters' terms and the scaling run in
         multi-tensor kernels (:func:`chainerkfac.multi_tensor.bound_terms`
         and :func:`~chainerkfac.multi_tensor.scale`: about 12 launches for
         ResNet-50's 161 parameters where each took about 11), with float64
-        sums from each element on: ν then agrees with :meth:`apply`'s to
-        float64 rounding, not to the bit."""
+        sums from each element on, where :meth:`apply` sums in the arrays'
+        dtype: ν then agrees with :meth:`apply`'s to the rounding of those
+        sums (float32's for a float32 model), not to the bit."""
         xp = get_array_module(lr)
         if xp is numpy:
             partial = 0.0

@@ -168,7 +168,10 @@ class KroneckerBlock(FisherBlock):
             xp = get_array_module(matrix)
             matrix = xp.concatenate([matrix, grad_b[:, None]], axis=1)
         if self.has_inverses():
-            tf32 = self.precondition_tf32
+            # TF32 for dense Kronecker blocks only: one kept diagonal is
+            # exact (as the A-diagonal branch above, and the batch)
+            tf32 = self.precondition_tf32 and getattr(
+                self.inverses['G'], 'ndim', 0) == 2
             matrix = low_rank.left_multiply(self.inverses['G'], matrix,
                                             tf32=tf32)
             matrix = low_rank.right_multiply(matrix, a_inv, tf32=tf32)
@@ -373,6 +376,8 @@ def precondition_batch(blocks, grads, damping, stack: InverseStack,
     a_inv, g_inv = stack.get(blocks)
     a_inv = a_inv.astype(matrix.dtype, copy=False)
     g_inv = g_inv.astype(matrix.dtype, copy=False)
+    # a block with a factor kept diagonal stays exact, as block by block
+    tf32 = tf32 and a_inv.ndim == 3 and g_inv.ndim == 3
     matrix = (linalg.matmul(g_inv, matrix, tf32=tf32) if g_inv.ndim == 3
               else g_inv[:, :, None] * matrix)
     matrix = (linalg.matmul(matrix, a_inv, tf32=tf32) if a_inv.ndim == 3

@@ -179,7 +179,8 @@ class KFAC(optimizer.GradientMethod):
         median 6.3e-4 (the final FC layer, κ_Aκ_G ≈ 3e5: 0.22), where the
         exact factors of another mini-batch move it by 0.63 (FC: 970)
         (docs/gpu.md, "Lower precision in stage 5"). float64 models,
-        diagonal, low-rank and BatchNormalization blocks are unchanged.
+        low-rank and BatchNormalization blocks, and blocks with a factor
+        kept diagonal (``max_factor_dim``), are unchanged.
     factor_decay : float
         Exponential average of refreshed factors (0: the current estimate,
         as in the paper).

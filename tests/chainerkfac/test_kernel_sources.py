@@ -318,6 +318,17 @@ def test_bn_sample_grads_rows(device, dtype, shape):
     assert kernel.launches == 1
 
 
+def test_bn_sample_grads_of_no_samples_launch_nothing(device):
+    """An empty batch gives empty rows without the kernel: CuPy would
+    launch a grid of at least one block, which writes rows[0]."""
+    x = device.array(numpy.zeros((0, 3, 4), numpy.float32))
+    stats = device.array(numpy.ones(3, numpy.float32))
+    rows = fused.bn_sample_grads(x, x, stats, stats, numpy.float32)
+    assert rows.shape == (0, 6)
+    assert fused._kernels().bn_sample_grads[
+        numpy.dtype(numpy.float32)].launches == 0
+
+
 @pytest.mark.parametrize('where', [None, (0, 0), (1, -1), (2, 70000), (3, 1)])
 def test_all_finite_pointer_table(device, where):
     rng = numpy.random.RandomState(7)

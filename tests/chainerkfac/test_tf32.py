@@ -270,6 +270,8 @@ def _exact_direction(block, grads, damping):
         matrix = numpy.concatenate([matrix, regularized[1][:, None]], 1)
     g_inv, a_inv = (numpy.asarray(block.inverses[n], numpy.float64)
                     for n in 'GA')
+    g_inv, a_inv = (numpy.diag(m) if m.ndim == 1 else m   # kept diagonal
+                    for m in (g_inv, a_inv))
     return (g_inv.dot(matrix).dot(a_inv),
             numpy.abs(g_inv).dot(numpy.abs(matrix)).dot(numpy.abs(a_inv)))
 
@@ -341,6 +343,42 @@ def test_precondition_batch_tf32_is_the_blocks_own():
         pair, [grads[b] for b in pair], damping, kronecker.InverseStack(),
         tf32=True)
     assert not numpy.array_equal(_flat(tf32[0]), _flat(batched[0]))
+
+
+def test_precondition_dtype_tf32_leaves_a_diagonal_factor_exact():
+    """A block whose A is kept diagonal (``max_factor_dim``) is
+    preconditioned exactly with ``precondition_dtype='tf32'``, block by
+    block and in the GPU's batch alike (the batch took its dense G⁻¹
+    product on TF32 before: the same block's direction then depended on
+    whether it had a twin)."""
+    from chainerkfac.fisher_blocks import kronecker
+    numpy.random.seed(5)
+    optimizer = helpers.kfac(lr=0.05, precondition_dtype='tf32',
+                             low_rank=False, max_factor_dim=24)
+    model = TwinLayers()
+    optimizer.setup(model)
+    rng = numpy.random.RandomState(4)
+    x = rng.randn(20, 12).astype(numpy.float32)
+    t = rng.randint(0, 5, 20).astype(numpy.int32)
+    optimizer.update(helpers.loss_of(model), x, t)
+    model.cleargrads()
+    helpers.loss_of(model)(x, t).backward()
+    pair = [helpers.block_named(optimizer, n) for n in ('/l2', '/l3')]
+    assert [b.inverses['A'].ndim for b in pair] == [1, 1]   # 25 > 24
+    assert [b.inverses['G'].ndim for b in pair] == [2, 2]
+    grads = [[p.grad.copy() for p in b.params] for b in pair]
+    damping = optimizer._block_damping(pair[0])
+    batched = kronecker.precondition_batch(pair, grads, damping,
+                                           kronecker.InverseStack(),
+                                           tf32=True)
+    for block, grad, direction in zip(pair, grads, batched):
+        assert block.precondition_tf32
+        alone = block.precondition(grad, damping)
+        exact, magnitude = _exact_direction(block, grad, damping)
+        bound = 4 * 48 * 2.0 ** -24 * _flat(_split(block, magnitude))
+        for got in (direction, alone):
+            assert (numpy.abs(_flat(got) - _flat(_split(block, exact))) <=
+                    bound).all()
 
 
 def test_precondition_dtype_tf32_leaves_float64_models_exact():
