@@ -80,6 +80,10 @@ class FakeCublas:
         else:
             (a, lda, b, ldb, beta, c, ldc), sa, sb, sc, count = \
                 rest, 0, 0, 0, 1
+        _check_arguments(name, ta, tb, m, n, k, lda, ldb, ldc, sc, count)
+        if not isinstance(alpha, int):
+            assert type(alpha._obj) is ctype and type(beta._obj) is ctype, \
+                '{}: alpha and beta must point to {}'.format(name, ctype)
         alpha = ctypes.cast(alpha, ctypes.POINTER(ctype)).contents.value \
             if isinstance(alpha, int) else alpha._obj.value
         beta = beta._obj.value
@@ -104,6 +108,10 @@ class FakeCublas:
             count = 1
         assert ta_ == tb_ == tc == cublas.CUDA_R_16F
         assert compute == cublas.CUBLAS_COMPUTE_32F
+        _check_arguments(name, ta, tb, m, n, k, lda, ldb, ldc, sc, count)
+        # the scalars are of the compute type (fp32), not the data's
+        assert type(alpha._obj) is ctypes.c_float and \
+            type(beta._obj) is ctypes.c_float, name
         alpha = numpy.float32(alpha._obj.value)
         beta = numpy.float32(beta._obj.value)
         for opa, opb, C in _operands(numpy.dtype(numpy.float16), ta, tb, m, n,
@@ -114,6 +122,30 @@ class FakeCublas:
             if beta:
                 product += beta * C.astype(numpy.float32)
             C[...] = product.astype(numpy.float16)
+
+
+INT_MAX = 2 ** 31 - 1
+
+
+def _check_arguments(name, ta, tb, m, n, k, lda, ldb, ldc, stride_c,
+                     count):
+    """What cuBLAS refuses with CUBLAS_STATUS_INVALID_VALUE (its API
+    reference): sizes and leading dimensions out of ``int`` (ctypes would
+    truncate them silently), a leading dimension shorter than the
+    column-major rows of its operand (``lda ≥ max(1, m)`` for an
+    untransposed A, ``max(1, k)`` for a transposed one; alike for B and
+    C), and a batch whose results overlap."""
+    values = dict(m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc, batch=count)
+    for label, value in values.items():
+        assert 0 <= value <= INT_MAX, '{}: {}={} out of int'.format(
+            name, label, value)
+    rows = dict(lda=k if ta else m, ldb=n if tb else k, ldc=m)
+    for label, least in rows.items():
+        assert values[label] >= max(1, least), '{}: {}={} < max(1, {})'.format(
+            name, label, values[label], least)
+    assert count <= 1 or stride_c >= ldc * n, \
+        '{}: results overlap (strideC {} < ldc·n {})'.format(
+            name, stride_c, ldc * n)
 
 
 def _operands(dtype, ta, tb, m, n, k, a, b, c, count):

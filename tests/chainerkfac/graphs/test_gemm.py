@@ -319,3 +319,22 @@ def test_half_matmul_by_gemm_ex(gemm, batch, transb):
     assert call[-2:] == (cublas.CUBLAS_COMPUTE_32F,
                          cublas.CUBLAS_GEMM_DEFAULT)
     assert call[12 if batch is None else 13] == 40       # lda of the block
+
+
+@pytest.mark.parametrize('change, message', [
+    (dict(lda=4), 'lda=4 < max'),            # A untransposed: lda >= m
+    (dict(ldb=2), 'ldb=2 < max'),            # B untransposed: ldb >= k
+    (dict(ldc=4), 'ldc=4 < max'),
+    (dict(k=2 ** 31), 'k=2147483648 out of int'),
+    (dict(stride_c=10), 'results overlap'),
+])
+def test_the_stand_in_refuses_what_cublas_refuses(change, message):
+    """The computing stand-in checks cuBLAS's argument rules (what the
+    real library answers with CUBLAS_STATUS_INVALID_VALUE), so a call
+    that only the stand-in would take fails here."""
+    from tests.chainerkfac.graphs import cublas_fake
+    args = dict(name='cublasSgemmStridedBatched', ta=0, tb=0, m=5, n=3, k=4,
+                lda=5, ldb=4, ldc=5, stride_c=15, count=2)
+    cublas_fake._check_arguments(**args)
+    with pytest.raises(AssertionError, match=message):
+        cublas_fake._check_arguments(**dict(args, **change))
