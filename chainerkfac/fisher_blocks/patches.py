@@ -71,6 +71,12 @@ SAMPLE_BLOCK = 8
 #: GPU benchmark's capture by layer type is where to calibrate them.
 SPLIT_K_CHUNK = 4096
 SPLIT_K_MEMORY = 2 ** 25
+#: On the GPU each split-K piece of the shifted product's full term starts
+#: a multiple of this many elements into its row (the rows too): 32 bytes
+#: in fp32, 16 in fp16, the alignment cuBLAS's vectorised and Tensor Core
+#: kernels need (ResNet-50's res2 at batch 32 had pieces 4158 elements
+#: apart, rows 103950). The positions added are zeros.
+POSITION_ALIGN = 8
 
 
 class ConvGeometry(NamedTuple):
@@ -572,17 +578,19 @@ def _shifted_layout(h: int, w: int, n: int, geometry: ConvGeometry,
                     xp) -> Tuple[int, int, int, int]:
     """``(positions, pieces, front, length)`` of :func:`_shifted_gram`'s
     layout: the positions summed (the image's rows with their gaps, then
-    zeros up to a multiple of ``pieces``), the split-K pieces of the full
-    term (about :data:`SPLIT_K_CHUNK` positions each on CuPy), the zeros
+    zeros up to a multiple of ``pieces``, on CuPy of ``pieces ·``
+    :data:`POSITION_ALIGN`), the split-K pieces of the full term (about
+    :data:`SPLIT_K_CHUNK` positions each on CuPy), the zeros
     before the image, and the length of a channel's row."""
     g = geometry
     gap = (g.kw - 1) * g.dx
     row = (w + gap) * n
     image = h * row
     # One product on NumPy (measured faster than pieces of 256 to 4096
-    # positions), split-K on CuPy.
+    # positions), split-K on CuPy, every piece aligned.
     pieces = 1 if xp is numpy else max(1, round(image / SPLIT_K_CHUNK))
-    positions = -(-image // pieces) * pieces
+    step = pieces if xp is numpy else pieces * POSITION_ALIGN
+    positions = -(-image // step) * step
     front = gap * n
     # Reads run up to gap columns before and after a position (left
     # operands) and (kh − 1)·dy rows after it (right operands).

@@ -19,7 +19,6 @@ import chainer.links as L
 
 from chainerkfac import linalg
 from chainerkfac.fisher_blocks import patches
-from chainerkfac.fisher_blocks.patches import ConvGeometry
 from chainerkfac.optimizers import options
 from tests.chainerkfac import helpers
 from tests.chainerkfac.fisher_blocks.test_patches import (

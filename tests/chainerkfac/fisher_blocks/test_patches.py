@@ -423,6 +423,7 @@ def test_gpu_shifted_gram_goes_to_cublas_in_place(monkeypatch, tf32, half):
     assert len(gemms) == 5           # full, rows, columns, cells, blocks
     positions, pieces, _, _ = patches._shifted_layout(5, 6, 4, g, device)
     assert pieces > 1
+    assert positions % (pieces * patches.POSITION_ALIGN) == 0
     left, = [a for a in device.made if a.shape == (5, 3, positions)]
     right, = [a for a in device.made if a.shape == (3, 3, positions)]
     args = gemms[0]
@@ -435,6 +436,20 @@ def test_gpu_shifted_gram_goes_to_cublas_in_place(monkeypatch, tf32, half):
     assert args[1:3] == (1, 0)
     assert args[-3 if half else -1] == pieces     # the batch count
     gemm.close()
+
+
+def test_shifted_layout_aligns_the_gpus_pieces():
+    """ResNet-50's res2 3×3 layer at batch 32: its image is 56 rows of
+    (56 + 2)·32 positions, 103,936; on the GPU 25 split-K pieces, each
+    now a multiple of 8 elements (4,160, 32 bytes in fp32) where they
+    were 4,158 apart; on NumPy one product over the image itself."""
+    g = ConvGeometry(3, 3, 1, 1, 1, 1)
+    positions, pieces, front, length = patches._shifted_layout(
+        56, 56, 32, g, _DeviceModule())
+    assert pieces == 25 and positions == 104000
+    assert (positions // pieces) % patches.POSITION_ALIGN == 0
+    assert length == front + positions + 2 * 58 * 32
+    assert patches._shifted_layout(56, 56, 32, g, numpy)[:2] == (103936, 1)
 
 
 class _Stream:
