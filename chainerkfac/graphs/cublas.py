@@ -37,8 +37,9 @@ CUBLAS_STATUS_SUCCESS = 0
 CUBLAS_STATUS_NOT_INITIALIZED = 1
 CUBLAS_OP_N = 0
 CUBLAS_OP_T = 1
-#: cublasMath_t: the default, exact IEEE arithmetic (no TF32), and
-#: single precision on TF32 Tensor Cores.
+#: cublasMath_t: the default (at least the operands' precision: no TF32
+#: for float32), the pedantic (the requested precision in every phase,
+#: for robustness studies), and single precision on TF32 Tensor Cores.
 CUBLAS_DEFAULT_MATH = 0
 CUBLAS_PEDANTIC_MATH = 2
 CUBLAS_TF32_TENSOR_OP_MATH = 3

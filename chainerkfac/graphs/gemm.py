@@ -7,8 +7,9 @@ current stream only when the stream changed, and gives it a workspace of
 its own for each stream (:data:`WORKSPACE_BYTES`; cuBLAS then allocates
 nothing while a stream is captured). :meth:`Gemm.matmul` computes
 ``op(a) @ op(b)`` for C-contiguous float32 / float64 matrices (2-D) or
-equal-length stacks of them (3-D, strided batched), in exact IEEE
-arithmetic (``CUBLAS_PEDANTIC_MATH``: no TF32, as CuPy's default), or,
+equal-length stacks of them (3-D, strided batched), in IEEE single or
+double precision (``CUBLAS_DEFAULT_MATH``: no TF32, as CuPy's and
+PyTorch's default), or,
 asked for float32 (``tf32=True``), on TF32 Tensor Cores (a second handle,
 in ``CUBLAS_TF32_TENSOR_OP_MATH``): K-FAC's factor products with
 ``factor_dtype='tf32'`` (:func:`tf32_matmul`).
@@ -102,7 +103,7 @@ class Gemm:
         # every thread's [handle, stream] (release_stream resets them)
         self._entries = []
 
-    def handle(self, math: int = cublas.CUBLAS_PEDANTIC_MATH) -> int:
+    def handle(self, math: int = cublas.CUBLAS_DEFAULT_MATH) -> int:
         """This thread's handle on the current device in the math mode
         ``math`` (exact by default), on the current stream, with its
         workspace for that stream."""
@@ -204,9 +205,14 @@ class Gemm:
                               stride_a, zero, p(out), half, n, m * n, batch,
                               *tail)
             return out
+        # The default math computes in at least the operands' precision
+        # (no TF32 for float32), cuBLAS's fastest such kernels; its
+        # pedantic math (used here until 2026-11-26) is, in cuBLAS's words,
+        # for numerical robustness studies and "might not be as
+        # performant".
         handle = self.handle(
             cublas.CUBLAS_TF32_TENSOR_OP_MATH if tf32 and a.dtype.char == 'f'
-            else cublas.CUBLAS_PEDANTIC_MATH)
+            else cublas.CUBLAS_DEFAULT_MATH)
         if batch is None:
             self.lib.call(single, handle, *ops, n, m, k, one, p(b), ld_b,
                           p(a), ld_a, zero, p(out), n)

@@ -63,7 +63,7 @@ def test_handle_stream_workspace_and_math(gemm):
     gemm.matmul(a, a)
     assert len(fake.named('cublasCreate_v2')) == 1
     math, = fake.named('cublasSetMathMode')
-    assert math[1] == cublas.CUBLAS_PEDANTIC_MATH    # no TF32
+    assert math[1] == cublas.CUBLAS_DEFAULT_MATH    # no TF32 for float32
     assert [s[1] for s in fake.named('cublasSetStream_v2')] == [0x5000,
                                                               0x6000]
     # after each stream change, a workspace of its own for that stream
@@ -242,7 +242,7 @@ def test_tf32_on_a_handle_of_its_own(gemm, batch):
     assert _relative(got, exact) > 1e-5
     fake = gemm.fake
     modes = [m[1] for m in fake.named('cublasSetMathMode')]
-    assert modes == [cublas.CUBLAS_PEDANTIC_MATH,
+    assert modes == [cublas.CUBLAS_DEFAULT_MATH,
                      cublas.CUBLAS_TF32_TENSOR_OP_MATH]
     handles = [c[0] for c in fake.calls if 'gemm' in c[0]]
     assert len(handles) == 2
