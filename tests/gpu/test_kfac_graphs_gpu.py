@@ -218,6 +218,70 @@ def test_fifty_steps_replayed_equal_eager(kind, make):
                 rtol=0, atol=1e-12)
 
 
+class _DeepMLP(chainer.Chain):
+    """Ten Linear + BatchNormalization layers of one width: stage 5's
+    batches of ten equal Kronecker blocks and ten equal BN Fishers."""
+
+    def __init__(self, width=32, depth=10):
+        super().__init__()
+        with self.init_scope():
+            self.first = L.Linear(64, width)
+            self.hidden = chainer.ChainList(*[chainer.Sequential(
+                L.Linear(width, width), L.BatchNormalization(width))
+                for _ in range(depth)])
+            self.last = L.Linear(width, 10)
+
+    def forward(self, x):
+        h = self.first(x)
+        for layer in self.hidden:
+            h = F.relu(layer(h))
+        return self.last(h)
+
+
+def test_more_than_eight_equal_blocks_are_replayed():
+    """Stage 5 batches blocks of equal shapes; more than 8 of them were
+    stacked by ``cupy.stack``, which copies a table of pointers from the
+    host, and the capture refused it (ResNet-50 has 16 BN layers of 256
+    channels): every stale step then ran eagerly. Dense factors, so that
+    every block is batched; 20 steps end where the eager run's do."""
+    import cupy
+    from chainerkfac.fisher_blocks import batch_norm, kronecker
+    rng = numpy.random.RandomState(3)
+    batches = [(cupy.asarray(rng.randn(16, 64)),
+                cupy.asarray(rng.randint(0, 10, 16).astype(numpy.int32)))
+               for _ in range(20)]
+
+    def run(use_graph):
+        numpy.random.seed(0)
+        with chainer.using_config('dtype', numpy.float64):
+            model = models.SoftLabelClassifier(_DeepMLP())
+        model.to_device('@cupy:0')
+        optimizer = KFAC(lr=0.02, momentum=0.9, damping=0.1,
+                         refresh_interval_a=5, refresh_interval_g=5,
+                         refresh_interval_f=5, low_rank=False,
+                         verbose=False).setup(model)
+        stepper = graphs.graphed(optimizer) if use_graph else optimizer
+        for x, t in batches:
+            if use_graph:
+                stepper.update(model, x, t)
+            else:
+                with graphs.gemm.route_step():
+                    stepper.update(model, x, t)
+        return model, optimizer, stepper
+    eager, _, _ = run(False)
+    model, optimizer, stepper = run(True)
+    keys = [kronecker.batch_key(b) or batch_norm.batch_key(b)
+            for b in optimizer.blocks]
+    assert max(keys.count(k) for k in keys if k is not None) >= 10
+    stats = dict(stepper.stats)
+    assert stats['replayed'] >= 8, stats
+    reference = support.weights(eager)
+    for name, value in support.weights(model).items():
+        numpy.testing.assert_allclose(
+            value, reference[name], rtol=0,
+            atol=1e-12 * abs(reference[name]).max(), err_msg=name)
+
+
 def test_tf32_stage_5_is_replayed_as_taken_eagerly():
     """float32 K-FAC with TF32 factors and stage 5 (our cuBLAS handle in
     TF32 math, which the capture then meets on its side stream): the
