@@ -556,10 +556,12 @@ def _plan_arrays(h: int, w: int, n: int, geometry: ConvGeometry, xp, dtype,
             plan.first[part] % g.kw, plan.second[part] // g.kw,
             plan.second[part] % g.kw))
 
-    return (xp.asarray(plan.weights, dtype=dtype),
-            blocks(slice(None, taps)), blocks(slice(taps, None)),
-            [(count, xp.asarray(where)) for count, where in
-             _border_positions(h, w, n, plan)])
+    # on the device they are cached for, whichever is current
+    with chainer.using_device(chainer.get_device(device)):
+        return (xp.asarray(plan.weights, dtype=dtype),
+                blocks(slice(None, taps)), blocks(slice(taps, None)),
+                [(count, xp.asarray(where)) for count, where in
+                 _border_positions(h, w, n, plan)])
 
 
 def _border_positions(h: int, w: int, n: int, plan: _ShiftedPlan):
