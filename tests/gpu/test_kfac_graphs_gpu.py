@@ -108,6 +108,23 @@ def _train(kind, make, batches, use_graph):
     return model, optimizer, stepper
 
 
+def _run_steps(model, extra, batches, use_graph):
+    """K-FAC refreshed every 5 steps with ``extra`` options on ``model``
+    over ``batches``, graphed or eagerly (the same GEMMs either way)."""
+    optimizer = KFAC(lr=0.02, momentum=0.9, damping=0.1,
+                     refresh_interval_a=5, refresh_interval_g=5,
+                     refresh_interval_f=5, verbose=False,
+                     **extra).setup(model)
+    stepper = graphs.graphed(optimizer) if use_graph else optimizer
+    for x, t in batches:
+        if use_graph:
+            stepper.update(model, x, t)
+        else:
+            with graphs.gemm.route_step():
+                stepper.update(model, x, t)
+    return optimizer, stepper
+
+
 def test_recaptures_do_not_grow_device_memory():
     """K-FAC refreshing every 5 steps drops its graph at each refresh and
     captures the stale step again: after 12 captures the device holds
@@ -256,18 +273,8 @@ def test_more_than_eight_equal_blocks_are_replayed():
         with chainer.using_config('dtype', numpy.float64):
             model = models.SoftLabelClassifier(_DeepMLP())
         model.to_device('@cupy:0')
-        optimizer = KFAC(lr=0.02, momentum=0.9, damping=0.1,
-                         refresh_interval_a=5, refresh_interval_g=5,
-                         refresh_interval_f=5, low_rank=False,
-                         verbose=False).setup(model)
-        stepper = graphs.graphed(optimizer) if use_graph else optimizer
-        for x, t in batches:
-            if use_graph:
-                stepper.update(model, x, t)
-            else:
-                with graphs.gemm.route_step():
-                    stepper.update(model, x, t)
-        return model, optimizer, stepper
+        return (model,) + _run_steps(model, dict(low_rank=False), batches,
+                                     use_graph)
     eager, _, _ = run(False)
     model, optimizer, stepper = run(True)
     keys = [kronecker.batch_key(b) or batch_norm.batch_key(b)
@@ -298,18 +305,9 @@ def test_tf32_stage_5_is_replayed_as_taken_eagerly():
         numpy.random.seed(0)
         model = models.SoftLabelClassifier(_MLP())
         model.to_device('@cupy:0')
-        optimizer = KFAC(lr=0.02, momentum=0.9, damping=0.1,
-                         refresh_interval_a=5, refresh_interval_g=5,
-                         refresh_interval_f=5, factor_dtype='tf32',
-                         precondition_dtype='tf32',
-                         verbose=False).setup(model)
-        stepper = graphs.graphed(optimizer) if use_graph else optimizer
-        for x, t in batches:
-            if use_graph:
-                stepper.update(model, x, t)
-            else:
-                with graphs.gemm.route_step():
-                    stepper.update(model, x, t)
+        _, stepper = _run_steps(model, dict(factor_dtype='tf32',
+                                            precondition_dtype='tf32'),
+                                batches, use_graph)
         return model, stepper
     eager, _ = run(False)
     model, stepper = run(True)
