@@ -25,6 +25,7 @@ import chainer.links as L
 import chainerkfac
 import models
 from chainerkfac import graphs
+from chainerkfac.graphs import gemm  # NOQA  (graphs.gemm.route_step)
 from chainerkfac import linalg
 from chainerkfac import linalg_cuda
 from chainerkfac.device_guard import DeviceStepGuard
