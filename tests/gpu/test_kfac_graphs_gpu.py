@@ -25,7 +25,7 @@ import chainer.links as L
 import chainerkfac
 import models
 from chainerkfac import graphs
-from chainerkfac.graphs import gemm  # NOQA  (graphs.gemm.route_step)
+from chainerkfac.graphs import gemm
 from chainerkfac import linalg
 from chainerkfac import linalg_cuda
 from chainerkfac.device_guard import DeviceStepGuard
@@ -104,7 +104,7 @@ def _train(kind, make, batches, use_graph):
         if use_graph:
             stepper.update(model, x, t)
         else:
-            with graphs.gemm.route_step():
+            with gemm.route_step():
                 stepper.update(model, x, t)
     return model, optimizer, stepper
 
@@ -121,7 +121,7 @@ def _run_steps(model, extra, batches, use_graph):
         if use_graph:
             stepper.update(model, x, t)
         else:
-            with graphs.gemm.route_step():
+            with gemm.route_step():
                 stepper.update(model, x, t)
     return optimizer, stepper
 
