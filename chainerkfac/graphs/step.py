@@ -16,8 +16,10 @@ backward, update) on given input arrays. Each call decides:
   pool is one per :class:`StepGraph`, reused by every capture: a dropped
   graph's memory serves the next capture. (A new pool per capture grew
   the device memory by 1.7 GB per capture on ResNet-50 at batch 32, H200,
-  2026-11-26: arrays that outlive a capture pin the blocks they were cut
-  from, so each dropped pool stayed partly alive.)
+  2026-11-26.) A CuPy pool that is merely dropped never gives its cached
+  blocks back (CuPy 14.1's free-chunk index keeps them from the garbage
+  collector), so a closed StepGraph's pool is emptied and, while arrays
+  cut from it live on, kept until they are gone (:func:`_retire`).
 * **replayed**: the inputs are copied into the static buffers and the
   graph is launched; the adapter then does the step's host-side
   bookkeeping (``optimizer.t``, each rule's ``t``), which no replay runs,
@@ -294,15 +296,16 @@ class StepGraph:
         start = time.perf_counter()
         cuda = self._cupy.cuda
         if self._stream is None:
+            _sweep_retired()
             self._stream = cuda.Stream(non_blocking=True)
+            self._pool = cuda.MemoryPool()
             # the workspaces cuDNN and cuBLAS keep for this stream are cut
-            # from this graph's pool: let them go with the StepGraph
+            # from this graph's pool: let them go with the StepGraph, then
+            # the pool's blocks (_retire)
             self._finalizer = weakref.finalize(
-                self, self._release_stream, self._stream.ptr)
+                self, self._release, self._stream.ptr, self._pool)
         self._static = tuple(self._cupy.empty(a.shape, a.dtype)
                              for a in inputs)
-        if self._pool is None:
-            self._pool = cuda.MemoryPool()
         pool = self._pool
         host = self.adapter.host_state()
         main = cuda.get_current_stream()
@@ -358,9 +361,11 @@ class StepGraph:
     @contextlib.contextmanager
     def _on_side_stream(self, main):
         self._stream.wait_event(main.record())
-        with self._stream:
-            yield
-        main.wait_event(self._stream.record())
+        try:
+            with self._stream:
+                yield
+        finally:
+            main.wait_event(self._stream.record())
 
     # -- decisions --------------------------------------------------------
     def _refusal(self, inputs) -> Optional[str]:
@@ -381,19 +386,20 @@ class StepGraph:
         Also done when the StepGraph is garbage-collected; a later step
         captures afresh."""
         self._drop('closed')
+        self._pool = self._stream = None
         if self._finalizer is not None:
             self._finalizer()
             self._finalizer = None
-        self._pool = self._stream = None
 
     @staticmethod
-    def _release_stream(stream: int) -> None:
+    def _release(stream: int, pool) -> None:
         from chainerkfac.cudnn import runtime
         from chainerkfac.graphs import gemm
         if runtime._current is not None:
             runtime._current.release_stream(stream)
         if gemm._gemm is not None:
             gemm._gemm.release_stream(stream)
+        _retire(pool)
 
     def _drop(self, why: str) -> None:
         if self._graph is not None:
@@ -401,6 +407,34 @@ class StepGraph:
         self._graph = self._baked = None   # the pool serves the next one
         self._static = ()
         self._reported = {}
+
+
+#: Pools of closed StepGraphs that still hold blocks (arrays cut from them
+#: are alive: a gradient made by the last capture, say).
+_retired = []
+
+
+def _retire(pool) -> None:
+    """Give a closed StepGraph's pool back to the device. A CuPy pool that
+    is merely dropped keeps its cached blocks allocated for the life of
+    the process (since CuPy 14.1 its free chunks are held by an index the
+    garbage collector cannot see, and an array freed after its pool is
+    gone is never returned): so its free blocks are freed now, and a pool
+    still holding live arrays is kept until they are gone
+    (:func:`_sweep_retired`)."""
+    pool.free_all_blocks()
+    if pool.total_bytes():
+        _retired.append(pool)
+
+
+def _sweep_retired() -> None:
+    """Free what the retired pools' arrays have given back since; forget
+    the pools that hold nothing. Before each new StepGraph's first
+    capture."""
+    for pool in list(_retired):
+        pool.free_all_blocks()
+        if not pool.total_bytes():
+            _retired.remove(pool)
 
 
 def _observation():

@@ -77,6 +77,16 @@ class FakeCupy:
             def __init__(self):
                 MemoryPool.made += 1
                 self.malloc = 'private pool {}'.format(MemoryPool.made)
+                self.cached = 1024     # bytes of free blocks it keeps
+                self.in_use = 0        # bytes of arrays cut from it
+                self.frees = 0
+
+            def free_all_blocks(self):
+                self.frees += 1
+                self.cached = 0
+
+            def total_bytes(self):
+                return self.cached + self.in_use
 
         @contextlib.contextmanager
         def using_allocator(allocator):

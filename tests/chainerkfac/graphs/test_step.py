@@ -202,6 +202,37 @@ def test_a_gone_step_graph_lets_go_of_its_streams_workspaces(how,
         assert gemms.streams.count(stream) == 1
 
 
+def test_a_closed_step_graphs_pool_is_given_back(monkeypatch):
+    """A dropped CuPy pool never frees its cached blocks (CuPy 14.1+): a
+    closed StepGraph empties its pool, and one whose arrays live on (a
+    gradient the last capture made) is kept until a later StepGraph's
+    first capture finds it empty."""
+    from chainerkfac.graphs import step as step_module
+    monkeypatch.setattr(step_module, '_retired', [])
+    fake, graph, _, _, _, _ = _setup()
+    for v in range(1, 4):
+        graph(_x(fake, v))
+    pool = graph._pool
+    graph.close()
+    assert pool.frees == 1 and pool.total_bytes() == 0
+    assert step_module._retired == []            # nothing left: forgotten
+    assert graph(_x(fake, 4)) == 'captured'
+    second = graph._pool
+    assert second is not pool
+    second.in_use = 512                          # arrays cut from it live
+    graph.close()
+    assert second.frees == 1 and step_module._retired == [second]
+    other, other_graph, _, _, _, _ = _setup()
+    for v in range(1, 4):
+        other_graph(_x(other, v))                # its first capture sweeps
+    assert second.frees == 2 and step_module._retired == [second]
+    second.in_use = 0                            # those arrays are gone
+    other_graph.close()
+    assert second.frees == 2                     # swept at the next capture
+    assert other_graph(_x(other, 5)) == 'captured'
+    assert second.frees == 3 and step_module._retired == []
+
+
 def test_graphed_optimizer_closes_a_replaced_graph(monkeypatch):
     """A new loss function gets a new StepGraph: the old one is closed
     (its stream's workspaces let go) then, and close() closes the
