@@ -152,12 +152,14 @@ import argparse
 import collections
 import cProfile
 import contextlib
+import functools
 import gc
 import io
 import os
 import pstats
 import sys
 import time
+import traceback
 from typing import Callable, Dict, List, Optional, Sequence
 
 import chainerkfac  # NOQA  (before chainer: NumPy-2 compatibility shims)
@@ -265,6 +267,34 @@ def drop_graph(classifier: chainer.Link) -> None:
     model holding its last step's activations, ResNet-50 at batch 256 ran
     out of an H200's 140 GB."""
     classifier.y = classifier.loss = classifier.accuracy = None
+
+
+def _capture_hook(step):
+    """The K-FAC capture hook of a variant's optimizer, or None."""
+    estimator = getattr(getattr(step, 'optimizer', None), 'estimator', None)
+    return getattr(estimator, 'capture_hook', None)
+
+
+@contextlib.contextmanager
+def alone(step, steps: Dict = None):
+    """Run ``step`` with no other variant's K-FAC capture hook in the
+    thread's function hooks. An every-step optimizer keeps its hook there
+    between steps, and a hook sees every function call of every model:
+    with the default run's variants alive, each step of any variant made
+    a few hundred calls into the others' hooks (about 1 ms per step on
+    a CPU, a few % of a GPU's eager SGD step)."""
+    hooks = chainer.get_function_hooks()
+    mine = _capture_hook(step)
+    others = {}
+    for other in (steps or {}).values():
+        hook = _capture_hook(other)
+        if hook is not None and hook is not mine and \
+                hooks.get(hook.name) is hook:
+            others[hook.name] = hooks.pop(hook.name)
+    try:
+        yield
+    finally:
+        hooks.update(others)
 
 
 class SGDStep:
@@ -420,7 +450,28 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
     x, t = _batch(spec, xp)
     steps = {}
     classifiers = {}
-    for variant in variants:
+    failed = {}
+
+    def attempt(variant, what, run):
+        """``run()``; a failure takes the variant out of the run (its
+        memory let go) and is reported, the other variants go on."""
+        if variant in failed:
+            return False
+        try:
+            run()
+            return True
+        except Exception as error:   # a variant's bug must not lose the run
+            failed[variant] = '{} ({}): {}: {}'.format(
+                variant, what, type(error).__name__, error)
+            print('FAILED {}; the other variants go on'.format(
+                failed[variant]), file=sys.stderr, flush=True)
+            traceback.print_exc()
+            steps.pop(variant, None)
+            classifiers.pop(variant, None)
+            gc.collect()
+            return False
+
+    def build(variant):
         model = classifiers[variant] = build_model(spec['arch'],
                                                    spec['kwargs'])
         if gpu:
@@ -438,10 +489,17 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             steps[variant] = KFACStep(
                 model, interval if variant == 'kfac_stale' else 1, gpu,
                 **dict(kfac_options or {}, **KFAC_VARIANTS[variant]))
-    for variant in variants:
+
+    def warm(variant):
         for _ in range(warmup):
-            steps[variant](x, t)
+            with alone(steps[variant], steps):
+                steps[variant](x, t)
             drop_graph(classifiers[variant])
+
+    for variant in variants:
+        attempt(variant, 'set-up', functools.partial(build, variant))
+    for variant in variants:
+        attempt(variant, 'warm-up', functools.partial(warm, variant))
     keys = tuple(variants) + tuple(v + '_refresh' for v in variants
                                    if v in STALE_VARIANTS)
     samples = {v: [] for v in keys}
@@ -451,20 +509,30 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
         shift = r % len(variants)
         times = {}
         for variant in variants[shift:] + variants[:shift]:
+            if variant in failed:
+                continue
             gc.collect()
             synchronize()
-            start = time.perf_counter()
-            steps[variant](x, t)
-            synchronize()
-            elapsed = time.perf_counter() - start
+            clock = {}
+
+            def timed(variant=variant, clock=clock):
+                start = time.perf_counter()
+                with alone(steps[variant], steps):
+                    steps[variant](x, t)
+                synchronize()
+                clock['elapsed'] = time.perf_counter() - start
+            if not attempt(variant, 'round {}'.format(r), timed):
+                continue
             drop_graph(classifiers[variant])
             key = variant
             if variant in STALE_VARIANTS and steps[variant].refreshed:
                 key = variant + '_refresh'
-            times[key] = elapsed
-            samples[key].append(elapsed)
+            times[key] = clock['elapsed']
+            samples[key].append(clock['elapsed'])
             stages[key].append(steps[variant].stage_times)
-        sgd = times['sgd']
+        sgd = times.get('sgd')
+        if not sgd:
+            continue
         for key, elapsed in times.items():
             if key != 'sgd' and not key.endswith('_refresh'):
                 ratios[key].append(elapsed / sgd)
@@ -475,11 +543,17 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
                     (times[every] + (interval - 1) * times[stale]) /
                     interval / sgd)
     capture = {}
+
+    def capture_of(variant):
+        capture[variant] = time_capture(steps[variant], x, t,
+                                        spec['capture_steps'], synchronize,
+                                        steps.get('sgd'), steps)
     for variant in CAPTURE_VARIANTS:
         if variant in steps:
-            capture[variant] = time_capture(steps[variant], x, t,
-                                            spec['capture_steps'],
-                                            synchronize, steps.get('sgd'))
+            attempt(variant, 'capture timing',
+                    functools.partial(capture_of, variant))
+    if failed:
+        variants = [v for v in variants if v not in failed]
     kfac_variant = _kfac_variant(variants)
     n_kfac = None if kfac_variant is None else sum(
         1 for b in steps[kfac_variant].optimizer.blocks if b.factor_names)
@@ -497,12 +571,15 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
         'samples_s': samples,
         'capture_steps': spec['capture_steps'],
         'capture_by_type_s': capture,
+        'failed': failed,
     }
     result['extra_over_sgd'] = extra_over_sgd(result)
     graphed = [v for v in GRAPH_VARIANTS if v in steps]
     if graphed:
         result['graph_stats'] = {v: dict(steps[v].graph.stats)
                                  for v in graphed}
+        result['not_replayed'] = [v for v in graphed
+                                  if not steps[v].graph.stats['replayed']]
         result['graph_capture_s'] = {v: steps[v].graph.capture_seconds
                                      for v in graphed}
     if profile and kfac_variant is not None:
@@ -518,13 +595,21 @@ def conv_a_timed() -> Dict[str, object]:
     """How many input shapes of this process's convolutions took each way
     of forming A by timing (:func:`chainerkfac.fisher_blocks.patches.
     timed_choices`), and the shapes: ``{'shifted': n, 'unfolded': m,
-    'shapes': {'N×C×H×W kh×kw': way}}``."""
+    'shapes': {'N×C×H×W kh×kw products': way}}``, the products'
+    precision ``float32``, ``float64``, ``tf32`` or ``fp16`` (a variant's
+    ``factor_dtype``: each is timed on its own)."""
     choices = patches.timed_choices()
     out = {way: sum(v == way for v in choices.values())
            for way in ('shifted', 'unfolded')}
-    out['shapes'] = {'{} {}x{}'.format('x'.join(map(str, key[0])),
-                                       key[2].kh, key[2].kw): way
-                     for key, way in choices.items()}
+
+    def products(key):
+        factor, tf32 = numpy.dtype(key[3]), key[4]
+        if factor == numpy.float16:
+            return 'fp16'
+        return 'tf32' if tf32 else numpy.dtype(key[1]).name
+    out['shapes'] = {'{} {}x{} {}'.format(
+        'x'.join(map(str, key[0])), key[2].kh, key[2].kw, products(key)):
+        way for key, way in choices.items()}
     return out
 
 
@@ -542,22 +627,25 @@ def _batch(spec, xp, seed: int = 1):
 
 
 def time_capture(step: KFACStep, x, t, n_steps: int,
-                 synchronize: Callable[[], None], sgd: SGDStep = None
-                 ) -> Dict[str, float]:
+                 synchronize: Callable[[], None], sgd: SGDStep = None,
+                 steps: Dict = None) -> Dict[str, float]:
     """Capture seconds per refresh step by layer type, medians over
     ``n_steps`` every-step K-FAC steps, with their sum as ``total``; with
     ``sgd``, each step follows an SGD step and ``total_over_sgd`` is the
-    median ratio of the two (robust to the machine's load drifting)."""
+    median ratio of the two (robust to the machine's load drifting).
+    ``steps``: every variant of the run (:func:`alone`)."""
     per_step, over_sgd = [], []
     for _ in range(n_steps):
         if sgd is not None:
             synchronize()
             start = time.perf_counter()
-            sgd(x, t)
+            with alone(sgd, steps):
+                sgd(x, t)
             synchronize()
             sgd_seconds = time.perf_counter() - start
             drop_graph(sgd.model)
-        with CaptureTimer(step.optimizer.blocks, synchronize) as timer:
+        with CaptureTimer(step.optimizer.blocks, synchronize) as timer, \
+                alone(step, steps):
             step(x, t)
         drop_graph(step.model)
         per_step.append(dict(timer.seconds))
@@ -811,6 +899,14 @@ def tables(data: Dict) -> str:
         for r in results for variant, stats in
         r.get('graph_stats', {}).items())
     summary += graph_lines
+    summary += ''.join(
+        '\nNOT replayed: {} {} was timed eagerly (its graph_stats say '
+        'why); the goals against the peer leave it out'.format(
+            r['model'], variant)
+        for r in results for variant in r.get('not_replayed', ()))
+    summary += ''.join('\nFAILED {}: {}'.format(r['model'], why)
+                       for r in results
+                       for why in r.get('failed', {}).values())
     goal_rows = [[r['model'], key, g['value'], '<= {:g}'.format(g['goal'])
                   if key != 'fp16_over_fp32' else '< {:g}'.format(g['goal']),
                   'met' if g['met'] else 'NOT met']
@@ -886,31 +982,56 @@ def inverse_table(data: Dict) -> str:
                      'vs first', 'goal'], rows)))
 
 
-def run_peer(data: Dict, specs: Dict[str, Dict], interval: int) -> str:
+def peer(batch: int, size: int, rounds: int, warmup: int,
+         interval: int, xp=numpy) -> Dict:
+    """:func:`benchmarks.peer_pytorch.run`, after CuPy's pools are given
+    back (PyTorch allocates through its own); a failure of the peer is
+    recorded as its skip reason, not the end of our run."""
+    from benchmarks import peer_pytorch
+    free_device_memory(xp)
+    try:
+        return peer_pytorch.run(batch, size, rounds, warmup, interval)
+    except Exception as error:
+        traceback.print_exc()
+        return {'skipped': 'the peer failed: {}: {}'.format(
+            type(error).__name__, error)}
+
+
+def run_peer(data: Dict, specs: Dict[str, Dict], interval: int,
+             xp=numpy) -> str:
     """Time the PyTorch peer at this run's ResNet-50 batch and size into
     ``data['peer_pytorch']``; returns its table beside our figures, and
     the goals against it (:data:`PEER_GOALS`, into ``data['goals_vs_peer']``
     where the peer ran)."""
     from benchmarks import peer_pytorch
     spec = specs.get('resnet50', GPU['resnet50'])
-    data['peer_pytorch'] = peer_pytorch.run(
-        spec['batch'], spec['size'], spec['rounds'], spec['warmup'], interval)
+    data['peer_pytorch'] = peer(spec['batch'], spec['size'], spec['rounds'],
+                                spec['warmup'], interval, xp)
     ours = next((r for r in data['results'] if r['model'] == 'resnet50'),
                 None)
     text = peer_pytorch.table(data['peer_pytorch'], ours)
     if ours is not None and 'skipped' not in data['peer_pytorch']:
         data['goals_vs_peer'] = goals_vs_peer(
-            ours['median_s'], data['peer_pytorch']['median_s'])
+            replayed_medians(ours), data['peer_pytorch']['median_s'])
         text += '\n\n' + goals_vs_peer_table(
             [(ours['batch'], data['goals_vs_peer'])])
     return text
 
 
+def replayed_medians(result: Dict) -> Dict[str, float]:
+    """A result's median steps less those of graphed variants that were
+    never replayed (a failed capture times them eagerly under their
+    names)."""
+    return {k: v for k, v in result['median_s'].items()
+            if k not in result.get('not_replayed', ())}
+
+
 def goals_vs_peer(ours: Dict[str, float], theirs: Dict[str, float]
                   ) -> Dict[str, Dict]:
     """Each goal of :data:`PEER_GOALS` whose steps were both timed: ours
-    (the first of its variants that ran: the replayed step where it was)
-    over the peer's median step, and whether it is met."""
+    (the first of its variants that ran: the replayed step where it was;
+    pass :func:`replayed_medians`) over the peer's median step, and
+    whether it is met."""
     out = {}
     for what, candidates, peer_key, goal in PEER_GOALS:
         mine = next((v for v in candidates if ours.get(v)), None)
@@ -993,10 +1114,11 @@ def set_workspace_limit(limit: Optional[int]) -> None:
 
 
 def sweep(args, specs: Dict[str, Dict], xp, target: str,
-          kfac_options: Dict) -> List[Dict]:
+          kfac_options: Dict, save: Callable = None) -> List[Dict]:
     """The step timing of every model at each batch of ``--batches`` and
     each limit of ``--workspace-sizes``; with ``--peer``, the peer at each
-    batch (once: our workspace limit is not its)."""
+    batch (once: our workspace limit is not its). ``save(rows)`` after
+    each point (the JSON so far: a later point may not end)."""
     rows = []
     limits = args.workspace_limits
     for limit in limits:
@@ -1020,18 +1142,18 @@ def sweep(args, specs: Dict[str, Dict], xp, target: str,
                 free_device_memory(xp)
                 result['device_bytes_in_use_after'] = device_bytes_in_use(xp)
                 if args.peer and limit == limits[0]:
-                    from benchmarks import peer_pytorch
-                    peer = peer_pytorch.run(batch, spec['size'],
-                                            spec['rounds'], spec['warmup'],
-                                            args.interval)
-                    result['peer_pytorch'] = peer
-                    if 'skipped' not in peer:
+                    theirs = peer(batch, spec['size'], spec['rounds'],
+                                  spec['warmup'], args.interval, xp)
+                    result['peer_pytorch'] = theirs
+                    if 'skipped' not in theirs:
                         result['peer_images_per_s'] = images_per_second(
-                            peer['median_s'], batch, args.interval,
+                            theirs['median_s'], batch, args.interval,
                             'kfac_inverse', 'kfac_inverse_stale')
                         result['goals_vs_peer'] = goals_vs_peer(
-                            result['median_s'], peer['median_s'])
+                            replayed_medians(result), theirs['median_s'])
                 rows.append(result)
+                if save is not None:
+                    save(rows)
     return rows
 
 
@@ -1355,7 +1477,11 @@ def main(argv=None):
             text = inverse_table(data)
         elif args.batches or args.workspace_sizes:
             data['variants'] = list(args.variants)
-            data['sweep'] = sweep(args, specs, xp, target, kfac_options)
+
+            def save(rows):
+                _common.write_json(args.out, dict(data, sweep=rows))
+            data['sweep'] = sweep(args, specs, xp, target, kfac_options,
+                                  save)
             text = sweep_table(data)
             png = _png_path(args.out)
             sweep_figure(data, png)
@@ -1374,9 +1500,10 @@ def main(argv=None):
                     spec['rounds'], spec['warmup'], xp,
                     profile=args.profile, target=target,
                     kfac_options=kfac_options))
+                _common.write_json(args.out, data)   # so far
             text = tables(data)
             if args.peer:
-                text += '\n\n' + run_peer(data, specs, args.interval)
+                text += '\n\n' + run_peer(data, specs, args.interval, xp)
     print(_common.describe_machine(data))
     print(text)
     for result in data.get('results', []):

@@ -146,6 +146,12 @@ class CurvatureEstimator:
         self.routes = {id(b.params[0]): (b.function_types, b)
                        for b in self.blocks if b.function_types}
 
+    @property
+    def capture_hook(self) -> capture_module.BackwardCapture:
+        """The function hook that captures this estimator's calls (in the
+        thread's function hooks while something is to be captured)."""
+        return self._capture
+
     # -- steps ----------------------------------------------------------------
     def start_step(self, due, record_graph: bool = False) -> None:
         """Collect the factors ``due`` (``{block: names}``) from now on;
