@@ -155,9 +155,12 @@ import contextlib
 import functools
 import gc
 import io
+import json
 import os
 import pstats
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from typing import Callable, Dict, List, Optional, Sequence
@@ -1157,6 +1160,56 @@ def sweep(args, specs: Dict[str, Dict], xp, target: str,
     return rows
 
 
+def sweep_in_processes(argv: Sequence[str], args, specs: Dict[str, Dict],
+                       save: Callable = None) -> List[Dict]:
+    """:func:`sweep`, each batch of ``--batches`` in a process of its own
+    (this command for that batch alone): a point's device memory is
+    gone with its process (in one process, eleven variants' graphs and
+    K-FAC states at batch 256 outgrow an 80 GB GPU), and a point that
+    fails is recorded (``failed``) while the others go on."""
+    rows = []
+    for batch in args.batches:
+        with tempfile.TemporaryDirectory() as directory:
+            out = os.path.join(directory, 'point.json')
+            command = [sys.executable, '-m', 'benchmarks.step_time'] + \
+                point_argv(argv, batch, out)
+            print('batch {}, in a process of its own: {}'.format(
+                batch, ' '.join(command[1:])), flush=True)
+            code = subprocess.run(command).returncode
+            got = []
+            if os.path.isfile(out):
+                with open(out) as f:
+                    got = json.load(f).get('sweep', [])
+        done = {(r['model'], r['workspace_bytes']) for r in got}
+        rows += got
+        rows += [{'model': name, 'batch': batch, 'workspace_bytes': limit,
+                  'images_per_s': {},
+                  'failed': 'its process ended with exit status {}'.format(
+                      code)}
+                 for name in specs for limit in args.workspace_limits
+                 if (name, limit) not in done]
+        if save is not None:
+            save(rows)
+    return rows
+
+
+def point_argv(argv: Sequence[str], batch: int, out: str) -> List[str]:
+    """``argv`` for one batch of a sweep: its ``--batches`` that batch,
+    its ``--out`` ``out``, one process."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split('=', 1)[0]
+        if name in ('--batches', '--out', '--process-per-batch'):
+            skip = '=' not in arg
+            continue
+        kept.append(arg)
+    return kept + ['--batches', str(batch), '--out', out,
+                   '--process-per-batch', 'off']
+
+
 def sweep_table(data: Dict) -> str:
     """Images per second at each batch and workspace limit, ours beside
     the peer's."""
@@ -1176,6 +1229,12 @@ def sweep_table(data: Dict) -> str:
                if 'skipped' in r.get('peer_pytorch', {})]
     note = ('\nPeer (PyTorch, kfac-pytorch): skipped: {}'.format(skipped[0])
             if skipped else '')
+    note += ''.join('\nFAILED {} at batch {}: {}'.format(
+        r['model'], r['batch'], r['failed']) for r in data['sweep']
+        if 'failed' in r and isinstance(r['failed'], str))
+    note += ''.join('\nFAILED {} at batch {}: {}'.format(
+        r['model'], r['batch'], why) for r in data['sweep']
+        if isinstance(r.get('failed'), dict) for why in r['failed'].values())
     goal_rows = [(r['batch'], r['goals_vs_peer']) for r in data['sweep']
                  if r.get('goals_vs_peer')]
     if goal_rows:
@@ -1305,6 +1364,11 @@ def parse_args(argv):
     parser.add_argument('--batches', type=_int_list, default=None,
                         help='comma-separated per-GPU batch sizes: time '
                         'each and report images/s (a table and a PNG)')
+    parser.add_argument('--process-per-batch', choices=('auto', 'on', 'off'),
+                        default='auto',
+                        help='time each batch of --batches in a process of '
+                        'its own (its memory, and its failure, its own): '
+                        'auto (default) does so on the GPU')
     parser.add_argument('--workspace-sizes', type=_byte_list, default=None,
                         help="comma-separated cuDNN workspace limits (e.g. "
                         "'8MiB,64MiB,1GiB'): time each (default: as "
@@ -1480,8 +1544,13 @@ def main(argv=None):
 
             def save(rows):
                 _common.write_json(args.out, dict(data, sweep=rows))
-            data['sweep'] = sweep(args, specs, xp, target, kfac_options,
-                                  save)
+            if len(args.batches or ()) > 1 and (
+                    args.process_per_batch == 'on' or
+                    args.process_per_batch == 'auto' and args.gpu):
+                data['sweep'] = sweep_in_processes(argv, args, specs, save)
+            else:
+                data['sweep'] = sweep(args, specs, xp, target,
+                                      kfac_options, save)
             text = sweep_table(data)
             png = _png_path(args.out)
             sweep_figure(data, png)

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import numpy
 import pytest
@@ -636,3 +637,45 @@ def test_step_time_goals_leave_out_a_graph_that_never_replayed():
     assert goals['SGD step']['ours'] == 'sgd'
     assert goals['K-FAC stale step']['ours'] == 'kfac_stale_graph'
     assert goals['SGD step']['value'] == pytest.approx(0.05 / 0.04)
+
+
+def test_step_time_sweep_point_by_point_in_processes(tmp_path):
+    """On the GPU each batch of a sweep runs in a process of its own (its
+    device memory gone with it); here forced on the CPU: the same rows,
+    merged, and the table and PNG from them."""
+    data, stdout = run_benchmark('step_time', tmp_path, '--batches', '4,8',
+                                 '--process-per-batch', 'on')
+    assert stdout.count('in a process of its own') == 2
+    assert [r['batch'] for r in data['sweep']] == [4, 8]
+    for r in data['sweep']:
+        assert 'failed' not in r or r['failed'] == {}
+        assert positive(r['images_per_s']['sgd'])
+    assert 'Throughput, images per second' in stdout
+    assert (tmp_path / 'step_time.png').stat().st_size > 0
+
+
+def test_step_time_a_sweep_point_that_dies_is_recorded(monkeypatch,
+                                                        tmp_path):
+    from benchmarks import step_time
+    argv = ['--gpu', '--peer', '--batches=32,64', '--out', 'x.json',
+            '--models', 'resnet50']
+    assert step_time.point_argv(argv, 64, 'p.json') == [
+        '--gpu', '--peer', '--models', 'resnet50', '--batches', '64',
+        '--out', 'p.json', '--process-per-batch', 'off']
+    calls = []
+
+    def run(command):
+        calls.append(command)
+        return types.SimpleNamespace(returncode=-9)     # killed: no JSON
+    monkeypatch.setattr(step_time.subprocess, 'run', run)
+    args = step_time.parse_args(argv)
+    saved = []
+    rows = step_time.sweep_in_processes(argv, args, {'resnet50': {}},
+                                        saved.append)
+    assert len(calls) == 2 and len(saved) == 2
+    assert [(r['batch'], r['failed']) for r in rows] == [
+        (32, 'its process ended with exit status -9'),
+        (64, 'its process ended with exit status -9')]
+    text = step_time.sweep_table({'sweep': rows, 'gpu': True,
+                                  'autotune': True, 'refresh_interval': 20})
+    assert 'FAILED resnet50 at batch 64: its process ended' in text
