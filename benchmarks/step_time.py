@@ -209,6 +209,12 @@ CPU_VARIANTS = ('sgd', 'kfac_every', 'kfac_stale')
 #: (``train_imagenet.py --gpu`` replays the steps that refresh nothing),
 #: but the shifted A, which runs apart until a GPU has timed it.
 GPU_VARIANTS = tuple(v for v in VARIANTS if v != 'kfac_shifted')
+#: --gpu --batches' default: what the throughput table and the goals
+#: against the peer read (SGD, K-FAC every step dense and low-rank, the
+#: stale step, the replayed SGD and stale steps): half the default run's
+#: variants, its time and its memory at each batch.
+SWEEP_GPU_VARIANTS = ('sgd', 'kfac_every', 'kfac_stale', 'kfac_low_rank',
+                      'sgd_graph', 'kfac_stale_graph')
 #: Variants with refresh steps, kept apart as ``<variant>_refresh``.
 STALE_VARIANTS = ('kfac_stale', 'kfac_stale_graph', 'kfac_stale_graph_tf32')
 #: Every-step variants whose capture is timed by layer type.
@@ -1415,8 +1421,10 @@ def parse_args(argv):
             parser.error('--variants: sgd and at least one of {} (got {})'
                          .format(', '.join(VARIANTS[1:]), args.variants))
         args.variants = tuple(v for v in VARIANTS if v in variants)
+    elif args.gpu:
+        args.variants = SWEEP_GPU_VARIANTS if args.batches else GPU_VARIANTS
     else:
-        args.variants = GPU_VARIANTS if args.gpu else CPU_VARIANTS
+        args.variants = CPU_VARIANTS
     graphed = [v for v in GRAPH_VARIANTS if v in args.variants]
     if graphed and not args.gpu:
         parser.error('the {} variant (CUDA graphs) needs --gpu'.format(

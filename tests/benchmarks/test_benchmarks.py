@@ -679,3 +679,14 @@ def test_step_time_a_sweep_point_that_dies_is_recorded(monkeypatch,
     text = step_time.sweep_table({'sweep': rows, 'gpu': True,
                                   'autotune': True, 'refresh_interval': 20})
     assert 'FAILED resnet50 at batch 64: its process ended' in text
+
+
+def test_step_time_gpu_sweep_defaults_to_what_its_table_reads():
+    from benchmarks import step_time
+    assert step_time.parse_args(['--gpu']).variants == step_time.GPU_VARIANTS
+    sweep = step_time.parse_args(['--gpu', '--batches', '32,256']).variants
+    assert sweep == step_time.SWEEP_GPU_VARIANTS
+    read = set(step_time.THROUGHPUT[:3]) | {
+        v for _, candidates, _, _ in step_time.PEER_GOALS
+        for v in candidates}
+    assert read == set(sweep)
