@@ -24,6 +24,12 @@ class Workspace(NamedTuple):
     owner: object
 
 
+#: The streams CUDA does not capture: the legacy default stream (CuPy's
+#: null stream, 0; cudaStreamLegacy, 1) and the per-thread default one
+#: (cudaStreamPerThread, 2). Chainer's eager steps run on the first.
+UNCAPTURED_STREAMS = (0, 1, 2)
+
+
 class CupyArrays:
     """What the backend needs from CuPy: arrays, pool memory, the current
     device and stream.
@@ -61,10 +67,6 @@ class CupyArrays:
     def stream(self) -> int:
         return self._cupy.cuda.get_current_stream().ptr
 
-    def capturing(self) -> bool:
-        """Whether the current stream is being captured (a CUDA graph)."""
-        return self._cupy.cuda.get_current_stream().is_capturing()
-
     def compute_capability(self) -> int:
         """Of the current device, e.g. 90 for an H100."""
         return int(self._cupy.cuda.Device().compute_capability)
@@ -97,8 +99,6 @@ class Runtime:
         self._workspaces: Dict[Tuple[int, int], Workspace] = {}
         #: grown-out buffers, with their (device, stream)
         self._retired: List[Tuple[Tuple[int, int], Workspace]] = []
-        #: the (device, stream) pairs whose workspace a capture took
-        self._captured: set = set()
 
     def handle(self, handle: Optional[int] = None) -> int:
         """This thread's cuDNN handle on the current device (or
@@ -138,19 +138,20 @@ class Runtime:
         """At least ``nbytes`` of device memory for a call on the current
         stream: one buffer per device and stream, kept and reused by every
         call there (the calls on one stream run one after another), grown
-        when a call needs more. On a stream a CUDA graph was captured on, a
-        grown-out buffer is kept too (the graph may still use it) until
-        :meth:`release_stream` or :meth:`release_workspaces`; elsewhere it
-        goes back to the pool (stream-ordered: after the calls queued)."""
+        when a call needs more. On a stream a CUDA graph may have been
+        captured on, a grown-out buffer is kept too (the graph may still
+        use it) until :meth:`release_stream` or :meth:`release_workspaces`;
+        on the default streams, which CUDA does not capture
+        (:data:`UNCAPTURED_STREAMS`: the eager steps'), it goes back to
+        the pool (stream-ordered: after the calls queued)."""
         if nbytes == 0:
             return Workspace(0, 0, None)
         key = (self.arrays.device_id(), self.arrays.stream())
-        if self.arrays.capturing():
-            self._captured.add(key)
         workspace = self._workspaces.get(key)
         if workspace is None or workspace.nbytes < nbytes:
             with self._lock:
-                if workspace is not None and key in self._captured:
+                if workspace is not None and \
+                        key[1] not in UNCAPTURED_STREAMS:
                     self._retired.append((key, workspace))
                 workspace = self._workspaces[key] = self.arrays.alloc(
                     nbytes)
@@ -166,7 +167,6 @@ class Runtime:
                 del self._workspaces[key]
             self._retired = [(k, w) for k, w in self._retired
                              if k[1] != stream]
-            self._captured = {k for k in self._captured if k[1] != stream}
 
     def release_workspaces(self) -> None:
         """Let the memory pool have the workspaces back (no captured graph

@@ -304,6 +304,7 @@ class StepGraph:
             # the pool's blocks (_retire)
             self._finalizer = weakref.finalize(
                 self, self._release, self._stream.ptr, self._pool)
+            self._finalizer.atexit = False   # the process's memory goes
         self._static = tuple(self._cupy.empty(a.shape, a.dtype)
                              for a in inputs)
         pool = self._pool

@@ -160,7 +160,6 @@ class NumpyArrays:
         self.current_stream = 0x5000
         self.capability = 90
         self.allocations: List[int] = []
-        self.is_capturing = False
 
     def contiguous(self, array):
         return numpy.ascontiguousarray(array)
@@ -183,9 +182,6 @@ class NumpyArrays:
 
     def stream(self) -> int:
         return self.current_stream
-
-    def capturing(self) -> bool:
-        return self.is_capturing
 
     def compute_capability(self) -> int:
         return self.capability

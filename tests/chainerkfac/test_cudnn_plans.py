@@ -196,19 +196,19 @@ def test_bn_sizes_asked_once_per_shape(backend):
 
 def test_workspace_per_stream_grows_and_keeps_the_old(backend):
     """One buffer per stream, grown when a call needs more. A grown-out
-    buffer of a stream a graph was captured on is kept (the graph may use
-    it); another stream's goes back to the pool (kept, every grown-out
-    buffer of the eager steps' stream stayed allocated until exit)."""
+    buffer of a stream a graph may have been captured on is kept (the
+    graph may use it); the default stream's, which CUDA does not capture,
+    goes back to the pool (kept, every grown-out buffer of the eager
+    steps' stream stayed allocated until exit)."""
     rt, arrays = backend.runtime, backend.arrays
+    arrays.current_stream = 0                # CuPy's null stream
     first = rt.workspace(100)
     assert rt.workspace(50) is first
     bigger = rt.workspace(200)
     assert bigger.nbytes == 200 and rt.workspace(10) is bigger
     assert rt._retired == []                 # never captured: let go
-    arrays.current_stream = 0x7000
-    arrays.is_capturing = True               # a StepGraph's side stream
+    arrays.current_stream = 0x7000           # a StepGraph's side stream
     captured = rt.workspace(10)
-    arrays.is_capturing = False
     other = rt.workspace(300)
     assert other.ptr not in (first.ptr, bigger.ptr, captured.ptr)
     assert [w for _, w in rt._retired] == [captured]   # a graph may use it
