@@ -155,6 +155,9 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
         self.erasing = augment.RandomErasing() if erasing else None
         #: True once the run has reached ``stop_epoch`` (last step complete).
         self.finished = False
+        #: (optimizer, iteration) of a step whose skip flag is still to be
+        #: read (:meth:`_after_step`).
+        self._unread = None
 
     @property
     def at_step_boundary(self):
@@ -187,26 +190,45 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
         optimizer = self.get_optimizer('main')
         if iterator.is_new_epoch:
             optimizer.new_epoch(auto=True)
+        self._read_skipped()
         optimizer.update(optimizer.target, x, t)
         self._after_step(optimizer)
         self.finished = iterator.epoch_detail >= self.stop_epoch
         if self.finished and optimizer.pending_micro_batches:
             self._flush(optimizer)
+        if self.finished:
+            self._read_skipped()
 
     def _after_step(self, optimizer):
-        """A skipped step must not leave its virtual batches as the next
-        step's mixup partners."""
-        if optimizer.pending_micro_batches == 0 and \
-                optimizer.last_step_skipped:
+        """Whether the step just taken was skipped: a skipped step must not
+        leave its virtual batches as the next step's mixup partners, and
+        it is reported. On the GPU the flag is on the device, and reading
+        it waits for the step: without running mixup it is read before
+        the next step instead (:meth:`_read_skipped`), once the next batch
+        has been loaded and converted while the device ran this step."""
+        if optimizer.pending_micro_batches:
+            return
+        self._unread = (optimizer, self.iteration + 1)
+        if self.mixup.streams:
+            self._read_skipped()
+
+    def _read_skipped(self):
+        """Read the skip flag of the step :meth:`_after_step` left unread,
+        if any."""
+        if self._unread is None:
+            return
+        (optimizer, iteration), self._unread = self._unread, None
+        if optimizer.last_step_skipped:
             self.mixup.restore()
             if self.comm.rank == 0:
                 print('step at iteration {}: non-finite gradient, update '
                       'skipped (weights and BatchNormalization statistics '
-                      'unchanged)'.format(self.iteration + 1),
+                      'unchanged)'.format(iteration),
                       file=sys.stderr, flush=True)
 
     # -- the end ---------------------------------------------------------------
     def _flush(self, optimizer):
+        self._read_skipped()
         done = optimizer.flush_accumulation()
         self._after_step(optimizer)
         chainer.reporter.report({'trailing_micro_batches': float(done)})

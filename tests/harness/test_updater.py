@@ -236,3 +236,48 @@ def test_monte_carlo_labels_come_from_the_data_stream(monkeypatch):
         other.source = stream_rng(7, MC_LABELS, j + 10)
         assert not np.array_equal(other.sample(
             np.zeros((200, 3))), again.sample(np.zeros((200, 3))))
+
+
+def test_skip_flag_read_after_the_next_batch_is_ready(capsys, monkeypatch):
+    """On the GPU the skip flag is on the device and reading it waits for
+    the step. Without running mixup it is read before the next step, once
+    the next batch has been converted (the host's work overlapping the
+    device's); the message still names the skipped step."""
+    np.random.seed(0)
+    model = models.SoftLabelClassifier(models.SmallResNet(8, 4, 3))
+    optimizer = chainerkfac.optimizers.GuardedOptimizer(
+        chainer.optimizers.MomentumSGD(lr=0.1), 1, OneProcess())
+    optimizer.setup(model)
+    events = []
+
+    class Recording(BatchConverter):
+        poison = False
+
+        def __call__(self, b, device):
+            events.append('convert')
+            x, t = super().__call__(b, device)
+            if self.poison:
+                x[:] = np.nan
+            return x, t
+    converter = Recording(None, labels_on_host=True)
+    updater = AugmentedUpdater(
+        Batches([batch(1), batch(2)], 16), optimizer, OneProcess(), 1, 100,
+        converter, seed=0, alpha_mixup=0.0, n_class=3, erasing=False,
+        device=chainer.get_device('@numpy'))
+    flag = type(optimizer).last_step_skipped
+    monkeypatch.setattr(type(optimizer), 'last_step_skipped', property(
+        lambda self: events.append('read') or flag.fget(self)))
+    update = type(optimizer).update
+    monkeypatch.setattr(type(optimizer), 'update', lambda self, *a: (
+        events.append('update'), update(self, *a))[1])
+    converter.poison = True
+    with reporting(model, {}):
+        updater.update()                       # iteration 1: skipped
+    assert events == ['convert', 'update']     # its flag not read yet
+    assert 'update skipped' not in capsys.readouterr().err
+    converter.poison = False
+    with reporting(model, {}):
+        updater.update()
+    assert events == ['convert', 'update', 'convert', 'read', 'update']
+    assert 'step at iteration 1: non-finite gradient, update skipped' in \
+        capsys.readouterr().err
