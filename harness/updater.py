@@ -37,7 +37,6 @@ import sys
 
 import chainer
 from chainer import training
-from chainer.backend import get_array_module
 
 import augment
 from augment.stream import ERASING, MC_LABELS, MIXUP, stream_rng
