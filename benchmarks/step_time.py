@@ -462,13 +462,13 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
     failed = {}
 
     def attempt(variant, what, run):
-        """``run()``; a failure takes the variant out of the run (its
-        memory let go) and is reported, the other variants go on."""
+        """``run()``'s value; a failure takes the variant out of the run
+        (its memory let go), is reported, and gives None: the other
+        variants go on."""
         if variant in failed:
-            return False
+            return None
         try:
-            run()
-            return True
+            return run()
         except Exception as error:   # a variant's bug must not lose the run
             failed[variant] = '{} ({}): {}: {}'.format(
                 variant, what, type(error).__name__, error)
@@ -478,7 +478,7 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             steps.pop(variant, None)
             classifiers.pop(variant, None)
             gc.collect()
-            return False
+            return None
 
     def build(variant):
         model = classifiers[variant] = build_model(spec['arch'],
@@ -522,22 +522,22 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
                 continue
             gc.collect()
             synchronize()
-            clock = {}
 
-            def timed(variant=variant, clock=clock):
+            def timed(variant=variant):
                 start = time.perf_counter()
                 with alone(steps[variant], steps):
                     steps[variant](x, t)
                 synchronize()
-                clock['elapsed'] = time.perf_counter() - start
-            if not attempt(variant, 'round {}'.format(r), timed):
+                return time.perf_counter() - start
+            elapsed = attempt(variant, 'round {}'.format(r), timed)
+            if elapsed is None:
                 continue
             drop_graph(classifiers[variant])
             key = variant
             if variant in STALE_VARIANTS and steps[variant].refreshed:
                 key = variant + '_refresh'
-            times[key] = clock['elapsed']
-            samples[key].append(clock['elapsed'])
+            times[key] = elapsed
+            samples[key].append(elapsed)
             stages[key].append(steps[variant].stage_times)
         sgd = times.get('sgd')
         if not sgd:
@@ -552,15 +552,13 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
                     (times[every] + (interval - 1) * times[stale]) /
                     interval / sgd)
     capture = {}
-
-    def capture_of(variant):
-        capture[variant] = time_capture(steps[variant], x, t,
-                                        spec['capture_steps'], synchronize,
-                                        steps.get('sgd'), steps)
     for variant in CAPTURE_VARIANTS:
         if variant in steps:
-            attempt(variant, 'capture timing',
-                    functools.partial(capture_of, variant))
+            seconds = attempt(variant, 'capture timing', functools.partial(
+                time_capture, steps[variant], x, t, spec['capture_steps'],
+                synchronize, steps.get('sgd'), steps))
+            if seconds is not None:
+                capture[variant] = seconds
     if failed:
         variants = [v for v in variants if v not in failed]
     kfac_variant = _kfac_variant(variants)
@@ -1235,12 +1233,11 @@ def sweep_table(data: Dict) -> str:
                if 'skipped' in r.get('peer_pytorch', {})]
     note = ('\nPeer (PyTorch, kfac-pytorch): skipped: {}'.format(skipped[0])
             if skipped else '')
-    note += ''.join('\nFAILED {} at batch {}: {}'.format(
-        r['model'], r['batch'], r['failed']) for r in data['sweep']
-        if 'failed' in r and isinstance(r['failed'], str))
+    # a point's process that died (a message), or its failed variants
     note += ''.join('\nFAILED {} at batch {}: {}'.format(
         r['model'], r['batch'], why) for r in data['sweep']
-        if isinstance(r.get('failed'), dict) for why in r['failed'].values())
+        for why in ([r['failed']] if isinstance(r.get('failed'), str)
+                    else r.get('failed', {}).values()))
     goal_rows = [(r['batch'], r['goals_vs_peer']) for r in data['sweep']
                  if r.get('goals_vs_peer')]
     if goal_rows:

@@ -154,8 +154,8 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
         self.erasing = augment.RandomErasing() if erasing else None
         #: True once the run has reached ``stop_epoch`` (last step complete).
         self.finished = False
-        #: (optimizer, iteration) of a step whose skip flag is still to be
-        #: read (:meth:`_after_step`).
+        #: The iteration of a step whose skip flag is still to be read
+        #: (:meth:`_after_step`), or None.
         self._unread = None
 
     @property
@@ -207,7 +207,7 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
         has been loaded and converted while the device ran this step."""
         if optimizer.pending_micro_batches:
             return
-        self._unread = (optimizer, self.iteration + 1)
+        self._unread = self.iteration + 1
         if self.mixup.streams:
             self._read_skipped()
 
@@ -216,8 +216,8 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
         if any."""
         if self._unread is None:
             return
-        (optimizer, iteration), self._unread = self._unread, None
-        if optimizer.last_step_skipped:
+        iteration, self._unread = self._unread, None
+        if self.get_optimizer('main').last_step_skipped:
             self.mixup.restore()
             if self.comm.rank == 0:
                 print('step at iteration {}: non-finite gradient, update '
@@ -227,7 +227,6 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
 
     # -- the end ---------------------------------------------------------------
     def _flush(self, optimizer):
-        self._read_skipped()
         done = optimizer.flush_accumulation()
         self._after_step(optimizer)
         chainer.reporter.report({'trailing_micro_batches': float(done)})
