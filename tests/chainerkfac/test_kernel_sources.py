@@ -30,6 +30,7 @@ import chainer
 from chainerkfac import device_guard, fused, multi_tensor, packing, step_bound
 from tests import cuda_cpu
 from tests.chainerkfac import cuda_emulation
+from tests.chainerkfac.test_linalg import spd
 
 # CI sets CHAINERKFAC_REQUIRE_CXX: there, a missing compiler fails the tests
 pytestmark = pytest.mark.skipif(
@@ -440,11 +441,6 @@ class _CaptureRules:
         return join
 
 
-def _spd(rng, n, dtype):
-    m = rng.randn(n, n)
-    return (m @ m.T / n + numpy.eye(n)).astype(dtype)
-
-
 @pytest.mark.parametrize('kind', ['kronecker', 'kronecker_bias', 'bn'])
 def test_batched_preconditioning_captures_beyond_eight_blocks(device, kind):
     """K-FAC's stage 5 on the GPU batches blocks of equal shapes; ResNet-50
@@ -472,7 +468,7 @@ def test_batched_preconditioning_captures_beyond_eight_blocks(device, kind):
                     beta=variable(to(r.randn(c).astype(dtype))))
                 made.append(types.SimpleNamespace(
                     link=link, channels=c,
-                    inverses={'F': to(_spd(r, 2 * c, dtype))}))
+                    inverses={'F': to(spd(2 * c, 100 + k).astype(dtype))}))
             else:
                 bias = kind == 'kronecker_bias'
                 link = types.SimpleNamespace(
@@ -481,8 +477,8 @@ def test_batched_preconditioning_captures_beyond_eight_blocks(device, kind):
                     if bias else None)
                 made.append(types.SimpleNamespace(
                     link=link, has_bias=bias, out_size=c,
-                    inverses={'A': to(_spd(r, 12 + bias, dtype)),
-                              'G': to(_spd(r, c, dtype))}))
+                    inverses={'A': to(spd(12 + bias, 100 + k).astype(dtype)),
+                              'G': to(spd(c, 200 + k).astype(dtype))}))
         return made
 
     grads = [[rng.randn(*shape).astype(dtype) for shape in (
