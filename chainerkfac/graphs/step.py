@@ -54,7 +54,10 @@ a device array, a finite check read on the host), a copy from pageable
 host memory, a new cuBLAS call through CuPy, Python control flow that
 depends on device values. Such a step fails to capture: the failure is
 logged with CUDA's reason, the optimizer's host state is put back, the
-step runs eagerly and its signature is not captured again.
+step runs eagerly and its signature is not captured again. A capture
+that ran out of device memory is tried once more first, after the free
+blocks that CuPy's default pool (the eager steps' cache) and the graph's
+own pool hold are given back.
 :attr:`StepGraph.stats` counts eager, captured and replayed steps and
 each refusal's reason; :attr:`StepGraph.capture_seconds` times each
 capture.
@@ -292,7 +295,7 @@ class StepGraph:
         self.stats['eager'] += 1
         return 'eager'
 
-    def _capture(self, inputs, signature, baked) -> str:
+    def _capture(self, inputs, signature, baked, retry: bool = True) -> str:
         start = time.perf_counter()
         cuda = self._cupy.cuda
         if self._stream is None:
@@ -335,8 +338,16 @@ class StepGraph:
                 graph.launch(self._stream)
         if failure is not None:
             self.adapter.restore_host_state(host)
-            self._failed.add(signature)
             self._static = ()
+            if retry and _out_of_memory(failure):
+                freed = self._free_cached_blocks()
+                logger.warning('CUDA graph: the capture ran out of device '
+                               'memory (%s); %d MiB of cached free blocks '
+                               'given back, capturing once more', failure,
+                               freed >> 20)
+                self.stats['capture out of memory'] += 1
+                return self._capture(inputs, signature, baked, retry=False)
+            self._failed.add(signature)
             logger.warning('CUDA graph: the step could not be captured '
                            '(%s: %s); it runs eagerly',
                            type(failure).__name__, failure)
@@ -351,6 +362,17 @@ class StepGraph:
         self.stats['captured'] += 1
         self.capture_seconds.append(time.perf_counter() - start)
         return 'captured'
+
+    def _free_cached_blocks(self) -> int:
+        """Give the free blocks of CuPy's default pool and of the graph's
+        own back to the device (each pool frees only its own when an
+        allocation fails, and the eager steps' cache is the default
+        pool's); returns the bytes freed."""
+        pools = [self._cupy.get_default_memory_pool(), self._pool]
+        before = sum(p.total_bytes() for p in pools)
+        for pool in pools:
+            pool.free_all_blocks()
+        return before - sum(p.total_bytes() for p in pools)
 
     def _launch(self, inputs) -> None:
         main = self._cupy.cuda.get_current_stream()
@@ -436,6 +458,24 @@ def _sweep_retired() -> None:
         pool.free_all_blocks()
         if not pool.total_bytes():
             _retired.remove(pool)
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether a failed capture ran out of device memory: CuPy's
+    ``OutOfMemoryError`` (a ``MemoryError``), CUDA's or a library's
+    allocation status, also as the context of what the pool's clean-up
+    raised in turn (CuPy frees cached blocks when ``cudaMalloc`` fails,
+    which CUDA refuses while a stream captures)."""
+    markers = ('cudaErrorMemoryAllocation', 'out of memory',
+               'STATUS_ALLOC_FAILED')
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, MemoryError) or any(
+                m in str(error) for m in markers):
+            return True
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return False
 
 
 def _observation():

@@ -96,6 +96,8 @@ class FakeCupy:
             finally:
                 fake.allocator = previous
 
+        self.default_pool = MemoryPool()
+        self.default_pool.malloc = 'default'
         main = Stream()
         main.name = 'main'
         self.current = [main]
@@ -105,6 +107,9 @@ class FakeCupy:
             using_allocator=using_allocator,
             get_current_stream=lambda: fake.current[-1],
             runtime=types.SimpleNamespace(getDevice=lambda: 0))
+
+    def get_default_memory_pool(self):
+        return self.default_pool
 
     def empty(self, shape, dtype):
         return numpy.full(shape, numpy.nan, dtype).view(Array)
@@ -127,3 +132,7 @@ class FakeCupy:
             raise RuntimeError('cudaErrorStreamCaptureUnsupported: '
                                'operation not permitted when stream is '
                                'capturing')
+
+
+class OutOfMemoryError(MemoryError):
+    """CuPy's ``cupy.cuda.memory.OutOfMemoryError`` (a MemoryError)."""

@@ -12,7 +12,7 @@ import chainer
 import chainer.links as L
 
 from chainerkfac.graphs import step as graphs_step
-from tests.chainerkfac.graphs.cupy_graph_fake import FakeCupy
+from tests.chainerkfac.graphs.cupy_graph_fake import FakeCupy, OutOfMemoryError
 
 
 class Counting:
@@ -33,7 +33,7 @@ def _setup(optimizer=None, warmup=2):
     optimizer = optimizer or chainer.optimizers.MomentumSGD(lr=0.1)
     optimizer.setup(link)
     weights = numpy.zeros(4)
-    state = {'sync': False}
+    state = {'sync': False, 'oom': 0}
 
     def step(x):
         # host work of a Chainer update, then device work that reads the
@@ -44,6 +44,9 @@ def _setup(optimizer=None, warmup=2):
         lr = optimizer.lr
         if state['sync']:
             fake.synchronize()
+        if state['oom'] and fake.capturing is not None:
+            state['oom'] -= 1       # the graph's pool cannot grow
+            raise OutOfMemoryError('out of memory to allocate 512 bytes')
         fake.kernel(lambda: weights[:x.size].__isub__(lr * x))
 
     routing = Counting()
@@ -134,6 +137,55 @@ def test_failed_capture_restores_host_state_and_runs_eagerly(caplog):
     # the failed capture's host effects were undone: 4 steps, not 5
     assert optimizer.t == 4
     numpy.testing.assert_allclose(weights, -0.4)
+
+
+def test_a_capture_out_of_memory_is_tried_once_more(caplog):
+    fake, graph, optimizer, weights, state, _ = _setup()
+    state['oom'] = 1
+    with caplog.at_level(logging.WARNING):
+        modes = [graph(_x(fake, 1)) for _ in range(4)]
+    assert modes == ['eager', 'eager', 'captured', 'replayed']
+    assert 'ran out of device memory' in caplog.text
+    assert graph.stats['capture out of memory'] == 1
+    assert graph.stats['capture failed'] == 0
+    # the default pool's cached blocks went back before the second try
+    assert fake.default_pool.frees == 1 and fake.default_pool.cached == 0
+    # the first try's host effects were undone: 4 steps, each once
+    assert optimizer.t == 4
+    numpy.testing.assert_allclose(weights, -0.4)
+
+
+def test_a_capture_out_of_memory_twice_runs_eagerly():
+    fake, graph, optimizer, weights, state, _ = _setup()
+    state['oom'] = 2
+    modes = [graph(_x(fake, 1)) for _ in range(5)]
+    assert modes == ['eager'] * 5
+    assert graph.stats['capture out of memory'] == 1
+    assert graph.stats['capture failed'] == 1      # not tried again
+    assert graph.stats['eager: its capture failed before'] == 2
+    assert state['oom'] == 0 and optimizer.t == 5
+    numpy.testing.assert_allclose(weights, -0.5)
+
+
+def test_out_of_memory_is_told_from_other_refusals():
+    out = graphs_step._out_of_memory
+    assert out(OutOfMemoryError('out of memory to allocate 8 bytes'))
+    assert out(RuntimeError('cudaErrorMemoryAllocation: out of memory'))
+    assert out(RuntimeError('CUDNN_STATUS_ALLOC_FAILED'))
+    assert not out(RuntimeError('cudaErrorStreamCaptureUnsupported: '
+                                'operation not permitted when stream is '
+                                'capturing'))
+    assert not out(NotImplementedError('calling cuBLAS API during stream '
+                                       'capture is currently unsupported'))
+    # CuPy's pool frees its cached blocks when cudaMalloc fails, and CUDA
+    # refuses that during a capture: the refusal's context is the cause
+    try:
+        try:
+            raise RuntimeError('cudaErrorMemoryAllocation: out of memory')
+        except RuntimeError:
+            raise RuntimeError('cudaErrorStreamCaptureUnsupported')
+    except RuntimeError as error:
+        assert out(error)
 
 
 def test_adapter_refuses_what_it_cannot_replay():
