@@ -86,11 +86,24 @@ class DeviceScalars:
         return tuple(self._arrays.values())
 
 
+def update_dtype(param) -> numpy.dtype:
+    """The dtype in which a parameter's update rule computes: float32 for
+    a float16 parameter whose rule has ``use_fp32_update()`` (Chainer
+    updates a float32 copy and casts it back), else the parameter's. The
+    rule's kernel takes its hyperparameters in this dtype."""
+    rule = param.update_rule
+    if getattr(rule, '_use_fp32_update', False) and \
+            param.dtype == numpy.float16:
+        return numpy.dtype(numpy.float32)
+    return numpy.dtype(param.dtype)
+
+
 def bind_rule_hyperparameters(rules: Iterable, scalars: DeviceScalars,
                               names: Sequence[str]) -> None:
     """Give each rule's own hyperparameters the device views of ``names``
-    in its parameter's dtype (``rules``: ``(update_rule, dtype)`` pairs).
-    A rule bound already keeps its views."""
+    in the dtype its kernel computes in (``rules``: ``(update_rule,
+    dtype)`` pairs, the dtype from :func:`update_dtype`). A rule bound
+    already keeps its views."""
     for rule, dtype in rules:
         for name in names:
             view = scalars.view(name, dtype)

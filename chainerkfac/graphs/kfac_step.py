@@ -118,7 +118,7 @@ class KFACOptimizer:
             opt.device_damping = self._scalars.view('damping', 'float64')
             opt.device_lr = self._scalars.view('lr', 'float64')
         hyper.bind_rule_hyperparameters(
-            [(p.update_rule, p.dtype) for p in params], self._scalars,
+            [(p.update_rule, hyper.update_dtype(p)) for p in params], self._scalars,
             ('lr', 'momentum'))
         self._scalars.write({'lr': opt.lr, 'momentum': opt.momentum,
                              'damping': opt.damping})

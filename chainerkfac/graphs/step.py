@@ -171,7 +171,7 @@ class ChainerOptimizer:
         if self._scalars is None:
             self._scalars = hyper.DeviceScalars(names, params[0].device)
         hyper.bind_rule_hyperparameters(
-            [(p.update_rule, p.dtype) for p in params], self._scalars,
+            [(p.update_rule, hyper.update_dtype(p)) for p in params], self._scalars,
             names)
         self._scalars.write({n: getattr(hyperparam, n) for n in names})
 
