@@ -449,10 +449,14 @@ class CaptureTimer:
 
 def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             rounds: int, warmup: int, array_module, profile: bool = False,
-            target: str = 'cpu', kfac_options: Dict = None) -> Dict:
+            target: str = 'cpu', kfac_options: Dict = None,
+            save: Callable[[Dict], None] = None) -> Dict:
     """Time the variants on one model (see the module docstring); with
     ``profile``, then cProfile one more every-step K-FAC step.
-    ``kfac_options`` go to every K-FAC variant (``conv_a_strategy``)."""
+    ``kfac_options`` go to every K-FAC variant (``conv_a_strategy``).
+    ``save(result)`` is called with what the rounds measured (``'partial':
+    True``) before the capture timing and the profile: a run stopped by a
+    time limit keeps its step times."""
     xp = array_module
     gpu = xp is not numpy
     synchronize = _common.synchronizer(xp)
@@ -539,6 +543,9 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             times[key] = elapsed
             samples[key].append(elapsed)
             stages[key].append(steps[variant].stage_times)
+        print('  round {}/{}: {}'.format(r + 1, rounds, ', '.join(
+            '{} {:.4g} s'.format(k, v) for k, v in sorted(times.items()))),
+            file=sys.stderr, flush=True)
         sgd = times.get('sgd')
         if not sgd:
             continue
@@ -552,6 +559,49 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
                     (times[every] + (interval - 1) * times[stale]) /
                     interval / sgd)
     capture = {}
+
+    def summary(partial: bool) -> Dict:
+        ran = [v for v in variants if v not in failed]
+        kfac_variant = _kfac_variant(ran)
+        n_kfac = None if kfac_variant is None else sum(
+            1 for b in steps[kfac_variant].optimizer.blocks
+            if b.factor_names)
+        result = {
+            'model': name, 'arch': spec['arch'],
+            'model_kwargs': spec['kwargs'], 'batch': spec['batch'],
+            'input': [3, spec['size'], spec['size']],
+            'n_kfac_layers': n_kfac, 'refresh_interval': interval,
+            'rounds': rounds, 'warmup_steps': warmup,
+            'median_s': {k: _common.median(v) if v else None
+                         for k, v in samples.items()},
+            'ratio_to_sgd': {k: _common.median(v) if v else None
+                             for k, v in ratios.items()},
+            'stage_times_s': {k: _median_stages(v)
+                              for k, v in stages.items() if v},
+            'samples_s': samples,
+            'capture_steps': spec['capture_steps'],
+            'capture_by_type_s': dict(capture),
+            'failed': dict(failed),
+        }
+        if partial:
+            result['partial'] = True
+        result['extra_over_sgd'] = extra_over_sgd(result)
+        graphed = [v for v in GRAPH_VARIANTS if v in steps]
+        if graphed:
+            result['graph_stats'] = {v: dict(steps[v].graph.stats)
+                                     for v in graphed}
+            result['not_replayed'] = [
+                v for v in graphed if not steps[v].graph.stats['replayed']]
+            result['graph_capture_s'] = {
+                v: list(steps[v].graph.capture_seconds) for v in graphed}
+        if gpu:
+            # the ways of forming A that timing chose (autotune)
+            result['conv_a_timed'] = conv_a_timed()
+        result['goals'] = goals(result, target)
+        return result
+
+    if save is not None:
+        save(summary(partial=True))
     for variant in CAPTURE_VARIANTS:
         if variant in steps:
             seconds = attempt(variant, 'capture timing', functools.partial(
@@ -559,42 +609,10 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
                 synchronize, steps.get('sgd'), steps))
             if seconds is not None:
                 capture[variant] = seconds
-    if failed:
-        variants = [v for v in variants if v not in failed]
-    kfac_variant = _kfac_variant(variants)
-    n_kfac = None if kfac_variant is None else sum(
-        1 for b in steps[kfac_variant].optimizer.blocks if b.factor_names)
-    result = {
-        'model': name, 'arch': spec['arch'], 'model_kwargs': spec['kwargs'],
-        'batch': spec['batch'], 'input': [3, spec['size'], spec['size']],
-        'n_kfac_layers': n_kfac, 'refresh_interval': interval,
-        'rounds': rounds, 'warmup_steps': warmup,
-        'median_s': {k: _common.median(v) if v else None
-                     for k, v in samples.items()},
-        'ratio_to_sgd': {k: _common.median(v) if v else None
-                         for k, v in ratios.items()},
-        'stage_times_s': {k: _median_stages(v) for k, v in stages.items()
-                          if v},
-        'samples_s': samples,
-        'capture_steps': spec['capture_steps'],
-        'capture_by_type_s': capture,
-        'failed': failed,
-    }
-    result['extra_over_sgd'] = extra_over_sgd(result)
-    graphed = [v for v in GRAPH_VARIANTS if v in steps]
-    if graphed:
-        result['graph_stats'] = {v: dict(steps[v].graph.stats)
-                                 for v in graphed}
-        result['not_replayed'] = [v for v in graphed
-                                  if not steps[v].graph.stats['replayed']]
-        result['graph_capture_s'] = {v: steps[v].graph.capture_seconds
-                                     for v in graphed}
+    result = summary(partial=False)
+    kfac_variant = _kfac_variant([v for v in variants if v not in failed])
     if profile and kfac_variant is not None:
-        result['profile'] = profile_step(steps[_kfac_variant(variants)], x, t)
-    if gpu:
-        # the ways of forming A that timing chose (chainer.config.autotune)
-        result['conv_a_timed'] = conv_a_timed()
-    result['goals'] = goals(result, target)
+        result['profile'] = profile_step(steps[kfac_variant], x, t)
     return result
 
 
@@ -1573,7 +1591,10 @@ def main(argv=None):
                     name, spec, args.variants, args.interval,
                     spec['rounds'], spec['warmup'], xp,
                     profile=args.profile, target=target,
-                    kfac_options=kfac_options))
+                    kfac_options=kfac_options,
+                    save=lambda partial: _common.write_json(
+                        args.out, dict(data, results=data['results'] +
+                                       [partial]))))
                 _common.write_json(args.out, data)   # so far
             text = tables(data)
             if args.peer:

@@ -594,6 +594,37 @@ def test_step_time_a_failing_variant_does_not_lose_the_run(monkeypatch,
     assert 'FAILED kfac_tf32' in capsys.readouterr().err
 
 
+def test_step_time_saves_the_rounds_before_the_capture_timing(
+        monkeypatch, capsys):
+    """What the rounds measured is saved before the capture timing (a GPU
+    run stopped by its time limit there keeps its step times), marked
+    partial; each round's times are shown as they come."""
+    from benchmarks import step_time
+    spec = step_time.SMOKE['small']
+    saved = []
+
+    def stop(*args):
+        raise KeyboardInterrupt('the time limit (test)')
+    monkeypatch.setattr(step_time, 'time_capture', stop)
+    with pytest.raises(KeyboardInterrupt):
+        step_time.measure('small', spec, ['sgd', 'kfac_every'], 20, 2, 1,
+                          numpy, save=saved.append)
+    [partial] = saved
+    assert partial['partial'] is True
+    assert positive(partial['median_s']['sgd'])
+    assert positive(partial['median_s']['kfac_every'])
+    assert len(partial['samples_s']['kfac_every']) == 2
+    assert partial['capture_by_type_s'] == {}
+    json.dumps(partial)                       # it can be written
+    err = capsys.readouterr().err
+    assert 'round 1/2: ' in err and 'round 2/2: ' in err
+    monkeypatch.undo()
+    result = step_time.measure('small', spec, ['sgd', 'kfac_every'], 20, 1,
+                               1, numpy, save=saved.append)
+    assert 'partial' not in result and saved[-1]['partial'] is True
+    assert set(result['capture_by_type_s']) == {'kfac_every'}
+
+
 def test_step_time_times_each_variant_without_the_others_hooks():
     """An every-step K-FAC optimizer keeps its capture hook in the
     thread's function hooks between steps; while another variant's step
