@@ -104,9 +104,13 @@ def bind_rule_hyperparameters(rules: Iterable, scalars: DeviceScalars,
     in the dtype its kernel computes in (``rules``: ``(update_rule,
     dtype)`` pairs, the dtype from :func:`update_dtype`). A rule bound
     already keeps its views."""
+    views = {}
     for rule, dtype in rules:
-        for name in names:
-            view = scalars.view(name, dtype)
-            current = rule.hyperparam.__dict__.get(name)
-            if current is not view:
+        bound = views.get(dtype)
+        if bound is None:
+            bound = views[dtype] = [(name, scalars.view(name, dtype))
+                                    for name in names]
+        own = rule.hyperparam.__dict__
+        for name, view in bound:
+            if own.get(name) is not view:
                 setattr(rule.hyperparam, name, view)

@@ -37,7 +37,7 @@ apply_on_device`), the same arithmetic as the host's.
 from typing import Optional
 
 from chainerkfac.device_guard import DeviceStepGuard
-from chainerkfac.graphs import hyper
+from chainerkfac.graphs import hyper, step
 
 
 class KFACOptimizer:
@@ -57,10 +57,7 @@ class KFACOptimizer:
         self.optimizer = optimizer
         self._scalars = None
         self._advanced = []
-
-    def _params(self):
-        return [p for _, p in sorted(self.optimizer.target.namedparams())
-                if p.update_rule is not None]
+        self._params = step.ParameterWalk(optimizer)
 
     # -- decisions --------------------------------------------------------
     def refusal(self) -> Optional[str]:
@@ -78,6 +75,8 @@ class KFACOptimizer:
             return 'the stage timers synchronise the device'
         hooks = [n for owner in [opt] + [p.update_rule for p in
                                          self._params()]
+                 if owner._hookable._pre_update_hooks or
+                 owner._hookable._post_update_hooks
                  for n in list(owner._hookable._pre_update_hooks) +
                  list(owner._hookable._post_update_hooks)]
         if hooks:
@@ -118,7 +117,8 @@ class KFACOptimizer:
             opt.device_damping = self._scalars.view('damping', 'float64')
             opt.device_lr = self._scalars.view('lr', 'float64')
         hyper.bind_rule_hyperparameters(
-            [(p.update_rule, hyper.update_dtype(p)) for p in params], self._scalars,
+            [(p.update_rule, hyper.update_dtype(p)) for p in params],
+            self._scalars,
             ('lr', 'momentum'))
         self._scalars.write({'lr': opt.lr, 'momentum': opt.momentum,
                              'damping': opt.damping})

@@ -78,6 +78,21 @@ def test_step_time_smoke(tmp_path):
         sum(capture[k] for k in CAPTURE_TYPES))
 
 
+def test_replay_host_smoke(tmp_path):
+    data, stdout = run_benchmark('replay_host', tmp_path)
+    check_header(data, 'replay_host')
+    assert 'before launch' in stdout
+    result = data['result']
+    assert result['model'] == 'small'
+    assert set(result['adapters']) == {'momentum_sgd', 'kfac'}
+    for adapter in result['adapters'].values():
+        assert adapter['parameters'] == 29
+        assert set(adapter['ms']) == {'before_step', 'refusal', 'baked',
+                                      'after_replay'}
+        assert all(positive(v) for v in adapter['ms'].values())
+        assert positive(adapter['pre_launch_ms'])
+
+
 def test_step_time_smoke_every_variant(tmp_path):
     variants = ('sgd,kfac_every,kfac_stale,kfac_diag_bn,kfac_fp16,'
                 'kfac_tf32,kfac_newton_schulz,kfac_low_rank')

@@ -349,3 +349,94 @@ def test_graphed_on_a_machine_without_cupy_runs_eagerly(monkeypatch):
     reason, = [k for k in stepper.stats if k.startswith('eager: ')]
     assert 'CuPy cannot be imported' in reason
     numpy.testing.assert_array_equal(wrapped, plain)
+
+
+def _reference_baked(rules, skip):
+    return [tuple(sorted((k, v) for k, v in r.hyperparam.get_dict().items()
+                         if k not in skip)) for r in rules]
+
+
+@pytest.mark.parametrize('skip', [(), ('lr', 'momentum')])
+def test_baked_hyperparameters_are_each_rules_own_over_its_optimizers(skip):
+    """The fast form (each parent's dictionary read once) against Chainer's
+    own ``get_dict()`` per rule: rules that inherit everything, a rule with
+    values of its own (one skipped, one not), rules of two optimizers, a
+    rule without a parent."""
+    first, second = L.Linear(3, 2), L.Linear(2, 2)
+    sgd = chainer.optimizers.MomentumSGD(lr=0.1).setup(first)
+    adam = chainer.optimizers.Adam(alpha=0.01).setup(second)
+    rules = [p.update_rule for p in first.params()] + [
+        p.update_rule for p in second.params()]
+    rules[0].hyperparam.lr = 0.5             # its own, maybe skipped
+    rules[1].hyperparam.momentum = 0.8
+    rules[1].hyperparam.lr = 0.25
+    lone = chainer.optimizers.momentum_sgd.MomentumSGDRule(lr=0.3)
+    orphan = chainer.optimizers.momentum_sgd.MomentumSGDRule()
+    orphan.hyperparam = chainer.optimizer.Hyperparameter()
+    orphan.hyperparam.lr = 0.2
+    rules += [lone, orphan]
+    assert orphan.hyperparam.parent is None
+    got = graphs_step.baked_hyperparameters(rules, skip)
+    assert got == _reference_baked(rules, skip)
+    # a schedule on the optimizer moves what every inheriting rule holds
+    # (unless the value is one on the device)
+    sgd.hyperparam.momentum = 0.95
+    moved = graphs_step.baked_hyperparameters(rules, skip)
+    assert moved == _reference_baked(rules, skip)
+    assert (moved == got) == ('momentum' in skip)
+    adam.hyperparam.eps = 1e-6
+    assert graphs_step.baked_hyperparameters(rules, skip)[3] == \
+        _reference_baked(rules, skip)[3]
+
+
+def test_the_adapters_order_of_parameters_is_stable_and_complete():
+    """``updated_params`` walks the model without names: every parameter
+    with an update rule, once, the same order at every call (host_state
+    and restore_host_state zip against it)."""
+    import chainer.links as links
+    model = chainer.Sequential(L.Linear(4, 3), links.BatchNormalization(3),
+                               L.Linear(3, 2))
+    optimizer = chainer.optimizers.MomentumSGD().setup(model)
+    model[1].gamma.update_rule = None        # frozen
+    got = graphs_step.updated_params(optimizer)
+    expected = [p for _, p in sorted(model.namedparams())
+                if p.update_rule is not None]
+    assert sorted(map(id, got)) == sorted(map(id, expected))
+    assert len(got) == 5
+    assert [id(p) for p in graphs_step.updated_params(optimizer)] == \
+        [id(p) for p in got]
+    adapter = graphs_step.ChainerOptimizer(optimizer)
+    for i, param in enumerate(got):
+        param.update_rule.t = i
+    state = adapter.host_state()
+    for param in got:
+        param.update_rule.t = 99
+    adapter.restore_host_state(state)
+    assert [p.update_rule.t for p in got] == list(range(5))
+
+
+def test_the_parameter_walk_is_shared_within_a_step_and_redone_after():
+    """One walk of the model per optimizer step; a step (``t``) or a new
+    target walks again, and each parameter's rule is read at every call."""
+    model = chainer.Sequential(L.Linear(4, 3), L.Linear(3, 2))
+    optimizer = chainer.optimizers.MomentumSGD().setup(model)
+    walk = graphs_step.ParameterWalk(optimizer)
+    walks = []
+    original = chainer.Sequential.params
+
+    def counted(self, *args):
+        walks.append(1)
+        return original(self, *args)
+    chainer.Sequential.params = counted
+    try:
+        assert len(walk()) == len(walk()) == 4 and len(walks) == 1
+        model[0].b.update_rule = None                 # read every call
+        assert len(walk()) == 3 and len(walks) == 1
+        optimizer.t += 1
+        assert len(walk()) == 3 and len(walks) == 2   # a new step
+        other = chainer.Sequential(L.Linear(2, 2))
+        optimizer.setup(other)                        # a new target
+        before = len(walks)
+        assert len(walk()) == 2 and len(walks) == before + 1
+    finally:
+        chainer.Sequential.params = original
