@@ -95,35 +95,38 @@ def _guarded(model):
     return optimizer
 
 
-def _train(kind, make, batches, use_graph):
-    model = _network(kind)
-    optimizer = make(model)
+def _steps(model, optimizer, batches, use_graph, schedule=False):
+    """``optimizer``'s steps on ``model`` over ``batches``, graphed or
+    eagerly (the eager steps route their GEMMs as a graph's: the same
+    calls either way); with ``schedule``, a new learning rate every
+    step. Returns what stepped (the graphed optimizer or ``optimizer``)."""
     stepper = graphs.graphed(optimizer) if use_graph else optimizer
     for step, (x, t) in enumerate(batches):
-        optimizer.lr = 0.02 * 0.97 ** step       # a new value every step
+        if schedule:
+            optimizer.lr = 0.02 * 0.97 ** step
         if use_graph:
             stepper.update(model, x, t)
         else:
             with gemm.route_step():
                 stepper.update(model, x, t)
+    return stepper
+
+
+def _train(kind, make, batches, use_graph):
+    model = _network(kind)
+    optimizer = make(model)
+    stepper = _steps(model, optimizer, batches, use_graph, schedule=True)
     return model, optimizer, stepper
 
 
 def _run_steps(model, extra, batches, use_graph):
     """K-FAC refreshed every 5 steps with ``extra`` options on ``model``
-    over ``batches``, graphed or eagerly (the same GEMMs either way)."""
+    over ``batches``, graphed or eagerly."""
     optimizer = KFAC(lr=0.02, momentum=0.9, damping=0.1,
                      refresh_interval_a=5, refresh_interval_g=5,
                      refresh_interval_f=5, verbose=False,
                      **extra).setup(model)
-    stepper = graphs.graphed(optimizer) if use_graph else optimizer
-    for x, t in batches:
-        if use_graph:
-            stepper.update(model, x, t)
-        else:
-            with gemm.route_step():
-                stepper.update(model, x, t)
-    return optimizer, stepper
+    return optimizer, _steps(model, optimizer, batches, use_graph)
 
 
 def test_recaptures_do_not_grow_device_memory():
