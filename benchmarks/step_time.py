@@ -595,8 +595,10 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             result['graph_capture_s'] = {
                 v: list(steps[v].graph.capture_seconds) for v in graphed}
         if gpu:
-            # the ways of forming A that timing chose (autotune)
+            # the ways of forming A and of inverting the lone factors
+            # that timing chose (autotune)
             result['conv_a_timed'] = conv_a_timed()
+            result['inverse_routes_timed'] = inverse_routes_timed()
         result['goals'] = goals(result, target)
         return result
 
@@ -636,6 +638,15 @@ def conv_a_timed() -> Dict[str, object]:
         'x'.join(map(str, key[0])), key[2].kh, key[2].kw, products(key)):
         way for key, way in choices.items()}
     return out
+
+
+def inverse_routes_timed() -> Dict[str, str]:
+    """How the lone factors of each size went from their Cholesky factor to
+    their inverse, by timing (:func:`chainerkfac.linalg_cuda.
+    timed_routes`, ``CHOLESKY_INVERSE='auto'`` under autotune):
+    ``{'n=4608 float32': 'potrs', ...}``."""
+    return {'n={} {}'.format(n, dtype): route for (n, dtype, _), route in
+            sorted(linalg_cuda.timed_routes().items())}
 
 
 def _kfac_variant(variants):
@@ -972,6 +983,12 @@ def tables(data: Dict) -> str:
             r['model'], r['conv_a_timed']['shifted'],
             r['conv_a_timed']['unfolded'])
         for r in results if r.get('conv_a_timed', {}).get('shapes'))
+    timed += ''.join(
+        '\n{}: lone factors inverted by potrs / potri, by timing '
+        '(autotune): {}'.format(r['model'], ', '.join(
+            '{} {}'.format(k, v)
+            for k, v in r['inverse_routes_timed'].items()))
+        for r in results if r.get('inverse_routes_timed'))
     return ('Step time, medians over rounds ({}); ratios are per-round '
             'medians\n{}\n\nGoals (reported, not asserted)\n{}\n\n'
             'Stage times [s], medians\n{}\n\n'
@@ -1561,7 +1578,14 @@ def main(argv=None):
                     args.inverse_methods, args.newton_schulz_max_dim,
                     args.batched_max_dims or (None,),
                     args.cholesky_inverses or (None,))
+            if args.gpu:
+                data['inverse_routes_timed'] = inverse_routes_timed()
             text = inverse_table(data)
+            if data.get('inverse_routes_timed'):
+                text += ('\nlone factors, the way timing chose (autotune; '
+                         "the library's route 'auto'): " + ', '.join(
+                             '{} {}'.format(k, v) for k, v in
+                             data['inverse_routes_timed'].items()))
         elif args.batches or args.workspace_sizes:
             data['variants'] = list(args.variants)
 

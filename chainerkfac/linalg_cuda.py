@@ -8,7 +8,9 @@ One try inverts every pending factor ``M + d·I`` of a step:
   ``potri``), checked once on a known matrix. Where that binding cannot be
   made or fails its check, ``potrs`` against the identity (≈ 7n³/3 flops,
   what ``cupyx.lapack.posv`` does) replaces ``potri``; the result is the
-  same to rounding.
+  same to rounding. Under ``chainer.config.autotune`` the two ways are
+  timed once per size and dtype and the faster kept
+  (:data:`CHOLESKY_INVERSE` ``'auto'``, the default).
 * **Batched for equal sizes** — the factors of one size and dtype, at
   most :data:`BATCHED_MAX_DIM` and at least :data:`BATCH_MIN` of them, go
   as one batch: cuSOLVER ``potrfBatched`` (``A = L Lᵀ``), then two cuBLAS
@@ -54,15 +56,26 @@ BATCHED_MAX_DIM = 1024
 #: The fewest factors of one size that make a batch.
 BATCH_MIN = 2
 #: How a factor inverted on its own goes from its Cholesky factor to its
-#: inverse: ``'potri'`` (cuSOLVER's, ≈ 2n³/3 flops) or ``'potrs'`` (two
+#: inverse: ``'potri'`` (cuSOLVER's, ≈ 2n³/3 flops), ``'potrs'`` (two
 #: triangular solves against the identity, ≈ 2n³ flops in cuBLAS's
-#: GEMM-rich ``trsm``, which may run nearer the GPU's peak; where potri
-#: cannot be bound, potrs is used either way). The per-factor inverses of
+#: GEMM-rich ``trsm``, which may run nearer the GPU's peak) or ``'auto'``:
+#: under ``chainer.config.autotune`` (``train_imagenet.py --gpu`` where
+#: steps are replayed), at the first factor of each size and dtype a
+#: matrix of that size is inverted both ways, timed between CUDA events,
+#: and the faster kept for that size where the two inverses agree
+#: (:func:`timed_routes`); without autotune, potri. Where potri cannot
+#: be bound, potrs is used either way. The per-factor inverses of
 #: ResNet-50 (n up to 4608) are most of the inverse stage;
 #: ``benchmarks.step_time --gpu --inverse-only --cholesky-inverses
-#: potri,potrs`` times both on the same factors.
-CHOLESKY_INVERSE = 'potri'
-CHOLESKY_INVERSES = ('potri', 'potrs')
+#: potri,potrs,auto`` times the ways on the same factors.
+CHOLESKY_INVERSE = 'auto'
+CHOLESKY_INVERSES = ('potri', 'potrs', 'auto')
+#: Of the largest entry: how far the two ways' inverses of the timing
+#: matrix (:func:`timing_matrix`, condition number below 3) may be apart
+#: for the faster to be kept: rounding in the inverse dtype, with room.
+ROUTE_AGREEMENT = {'float32': 1e-3, 'float64': 1e-9}
+# (n, dtype, device) → the way timed faster (CHOLESKY_INVERSE 'auto').
+_TIMED_ROUTES = {}
 
 # Columns of the per-factor status array written on the device.
 _INPUT_NONFINITE, _FACTOR_INFO, _INVERSE_INFO, _OUTPUT_NONFINITE = range(4)
@@ -93,11 +106,17 @@ def attempt(matrices: Sequence, dampings: Sequence[float],
     """
     import cupy
     main = cupy.cuda.get_current_stream()
-    workers = _workers(cupy.cuda.runtime.getDevice())
+    device_id = cupy.cuda.runtime.getDevice()
+    workers = _workers(device_id)
     matrices = [cupy.ascontiguousarray(m) for m in matrices]
+    jobs = batches(matrices)
+    routes = {}
+    for job in jobs:
+        if len(job) == 1 and matrices[job[0]].ndim == 2:
+            k = job[0]
+            routes[k] = _route(matrices[k], device_id, workers[0].handle)
     status = cupy.zeros((len(matrices), _STATUS_COLUMNS), numpy.int32)
     ready = main.record()
-    jobs = batches(matrices)
     costs = [sum(_cost(matrices[k]) for k in job) for job in jobs]
     lanes = _assign_lanes(costs, len(workers))
     for lane in sorted(set(lanes)):
@@ -110,7 +129,8 @@ def attempt(matrices: Sequence, dampings: Sequence[float],
             if len(job) == 1:
                 inverses[job[0]] = _invert(matrices[job[0]],
                                            dampings[job[0]], status,
-                                           job[0], worker.handle)
+                                           job[0], worker.handle,
+                                           routes.get(job[0], 'potri'))
             else:
                 outs = _invert_batch([matrices[k] for k in job],
                                      [dampings[k] for k in job], status,
@@ -165,8 +185,88 @@ def _assign_lanes(costs: Sequence[float], n_lanes: int) -> List[int]:
     return lanes
 
 
-def _invert(matrix, damping, status, k, handle):
-    """Queue one factor's try on the current stream (no synchronisation)."""
+def timed_routes() -> dict:
+    """The ways :data:`CHOLESKY_INVERSE` ``'auto'`` chose by timing in this
+    process: ``(n, dtype, device) → 'potri' or 'potrs'``."""
+    return dict(_TIMED_ROUTES)
+
+
+def _route(matrix, device_id, handle) -> str:
+    """How the lone factor ``matrix`` goes from its Cholesky factor to its
+    inverse (:data:`CHOLESKY_INVERSE`): under autotune, timed for its size
+    and dtype on its first try (on the current stream, before the try is
+    queued: a few synchronisations, once per size)."""
+    if CHOLESKY_INVERSE not in CHOLESKY_INVERSES:
+        raise ValueError('linalg_cuda.CHOLESKY_INVERSE must be one of '
+                         '{}, got {!r}'.format(CHOLESKY_INVERSES,
+                                               CHOLESKY_INVERSE))
+    if _raw_potri() is None:
+        return 'potrs'
+    if CHOLESKY_INVERSE != 'auto':
+        return CHOLESKY_INVERSE
+    dtype = dtypes.inverse_dtype(matrix.dtype)
+    key = (matrix.shape[0], dtype.name, device_id)
+    if key not in _TIMED_ROUTES:
+        import chainer
+        if not chainer.config.autotune:
+            return 'potri'
+        _TIMED_ROUTES[key] = _time_routes(matrix.shape[0], dtype, handle)
+    return _TIMED_ROUTES[key]
+
+
+def timing_matrix(xp, n: int, dtype):
+    """The positive definite matrix the ways are timed on (their cost does
+    not depend on the values: no pivoting): ``1 / (1 + |i − j|)`` off the
+    diagonal, ``n`` on it (diagonally dominant), made on the device
+    without a random draw."""
+    index = xp.arange(n, dtype=dtype)
+    matrix = 1 / (1 + abs(index[:, None] - index[None, :]))
+    return matrix + (n - 1) * xp.eye(n, dtype=dtype)
+
+
+def _time_routes(n: int, dtype, handle) -> str:
+    """Invert :func:`timing_matrix` of size ``n`` by potri and by potrs
+    (each once to warm up, then timed): the faster, or potri where either
+    failed or the two inverses disagree."""
+    import cupy
+    matrix = timing_matrix(cupy, n, dtype)
+    status = cupy.zeros((1, _STATUS_COLUMNS), numpy.int32)
+    results, seconds = {}, {}
+    for route in ('potri', 'potrs'):
+        _invert(matrix, 0.0, status, 0, handle, route)    # warm-up
+        results[route], seconds[route] = _timed(
+            lambda: _invert(matrix, 0.0, status, 0, handle, route))
+    potri, potrs = results['potri'], results['potrs']
+    peak = float(abs(potri).max())
+    gap = float(abs(potrs - potri).max())
+    tolerance = ROUTE_AGREEMENT.get(numpy.dtype(dtype).name, 1e-3) * peak
+    if status.get().any() or not gap <= tolerance:
+        logger.warning('inverse of n=%d (%s): potrs differs from potri by '
+                       '%.3g (largest entry %.3g) or failed; potri is kept',
+                       n, numpy.dtype(dtype).name, gap, peak)
+        return 'potri'
+    chosen = 'potrs' if seconds['potrs'] < seconds['potri'] else 'potri'
+    logger.debug('inverse of n=%d (%s): potri %.3g s, potrs %.3g s: %s', n,
+                 numpy.dtype(dtype).name, seconds['potri'],
+                 seconds['potrs'], chosen)
+    return chosen
+
+
+def _timed(run):
+    """``(run(), seconds)`` on the device, between two CUDA events on the
+    current stream."""
+    import cupy
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    result = run()
+    stop.record()
+    stop.synchronize()
+    return result, cupy.cuda.get_elapsed_time(start, stop) / 1000.0
+
+
+def _invert(matrix, damping, status, k, handle, route='potri'):
+    """Queue one factor's try on the current stream (no synchronisation);
+    ``route``: potri or potrs after potrf (:func:`_route`)."""
     import cupy
     dtype = dtypes.inverse_dtype(matrix.dtype)
     slot = k * _STATUS_COLUMNS
@@ -178,7 +278,7 @@ def _invert(matrix, damping, status, k, handle):
     damped = cupy.empty((n, n), dtype)
     _kernels().damp(matrix, dtype.type(damping), n, slot + _INPUT_NONFINITE,
                     damped, status)
-    solver = _Solver(dtype, handle)
+    solver = _Solver(dtype, handle, route)
     work = cupy.empty(max(1, solver.potrf_lwork(n, damped),
                           solver.potri_lwork(n, damped)), dtype)
     row = status.data.ptr + status.itemsize * slot   # devInfo pointers
@@ -266,16 +366,18 @@ def _workers(device_id: int) -> Tuple[_Worker, ...]:
 
 
 class _Solver(object):
-    """cuSOLVER ``potrf`` and ``potri`` (or its ``potrs`` stand-in) for one
-    dtype on one handle; every call is queued on the current stream."""
+    """cuSOLVER ``potrf`` and ``potri`` (or ``potrs`` against the identity:
+    ``route``, and wherever potri cannot be bound) for one dtype on one
+    handle; every call is queued on the current stream."""
 
-    def __init__(self, dtype, handle):
+    def __init__(self, dtype, handle, route='potri'):
         from cupy_backends.cuda.libs import cusolver
         self.cusolver = cusolver
         self.dtype = numpy.dtype(dtype)
         self.handle = handle
         self.prefix = 'd' if self.dtype == numpy.float64 else 's'
         self.raw = _raw_potri()
+        self.route = route
 
     def potrf_lwork(self, n, matrix) -> int:
         return _potrf_lwork(self.prefix, n, self.handle, matrix.data.ptr)
@@ -292,16 +394,12 @@ class _Solver(object):
               work.data.ptr, work.size, info_ptr)
 
     def _uses_potri(self) -> bool:
-        if CHOLESKY_INVERSE not in CHOLESKY_INVERSES:
-            raise ValueError('linalg_cuda.CHOLESKY_INVERSE must be one of '
-                             '{}, got {!r}'.format(CHOLESKY_INVERSES,
-                                                   CHOLESKY_INVERSE))
-        return self.raw is not None and CHOLESKY_INVERSE == 'potri'
+        return self.raw is not None and self.route == 'potri'
 
     def potri(self, n, chol, work, info_ptr):
         """Inverse of ``chol``'s Cholesky factorisation (potri, or potrs
-        against the identity: :data:`CHOLESKY_INVERSE`); its upper
-        (row-major) triangle is valid."""
+        against the identity: the route); its upper (row-major) triangle
+        is valid."""
         if self._uses_potri():
             import cupy
             self.cusolver.setStream(self.handle,

@@ -582,6 +582,26 @@ def test_step_time_reports_the_timed_ways_of_forming_a(monkeypatch):
     assert timed['shapes']['32x512x7x7 3x3 fp16'] == 'shifted'
 
 
+def test_step_time_reports_the_timed_inverse_routes(monkeypatch):
+    """The GPU run records how the lone factors of each size went from
+    their Cholesky factor to their inverse by timing, and says so under
+    the capture table."""
+    from benchmarks import step_time
+    from chainerkfac import linalg_cuda
+    monkeypatch.setattr(linalg_cuda, '_TIMED_ROUTES', {
+        (4608, 'float32', 0): 'potrs', (1000, 'float32', 0): 'potri'})
+    timed = step_time.inverse_routes_timed()
+    assert timed == {'n=1000 float32': 'potri', 'n=4608 float32': 'potrs'}
+    spec = step_time.SMOKE['small']
+    result = step_time.measure('small', spec, ['sgd', 'kfac_every'], 20, 1,
+                               1, numpy)
+    result['inverse_routes_timed'] = timed
+    text = step_time.tables({'results': [result], 'refresh_interval': 20,
+                             'gpu': False, 'blas_threads': 1})
+    assert ('small: lone factors inverted by potrs / potri, by timing '
+            '(autotune): n=1000 float32 potri, n=4608 float32 potrs') in text
+
+
 def test_step_time_a_failing_variant_does_not_lose_the_run(monkeypatch,
                                                            capsys):
     """A variant that raises (on the GPU: a kernel, a capture, memory) is

@@ -10,7 +10,7 @@ import sys
 import numpy
 import pytest
 
-from chainerkfac import linalg
+from chainerkfac import dtypes, linalg
 from chainerkfac import linalg_cuda
 from tests.chainerkfac import cuda_emulation
 from tests.chainerkfac.test_linalg import _problem_factors, _reference_inverse
@@ -124,10 +124,106 @@ def test_cholesky_inverse_route_is_chosen(route, emulated, monkeypatch):
                 numpy.asarray(inverse), expected, rtol=0,
                 atol=TOLERANCE[expected.dtype.type] * abs(expected).max())
     calls = {c[0] for c in cuda_emulation.CALLS}
-    assert calls == {'potrf', route}
+    # 'auto' without chainer.config.autotune: potri
+    assert calls == {'potrf', 'potri' if route == 'auto' else route}
     monkeypatch.setattr(linalg_cuda, 'CHOLESKY_INVERSE', 'lu')
     with pytest.raises(ValueError, match='CHOLESKY_INVERSE must be one of'):
         linalg.damped_inverses([cuda_emulation.array(factors[-2][0])], [0.1])
+
+
+def _scripted_timing(monkeypatch, seconds):
+    """``linalg_cuda._timed`` with the seconds of ``seconds[route]`` for a
+    run whose last cuSOLVER call was that route's (no clock here)."""
+    timed = []
+
+    def fake(run):
+        before = len(cuda_emulation.CALLS)
+        result = run()
+        route = cuda_emulation.CALLS[-1][0]
+        assert route in ('potri', 'potrs')
+        assert before < len(cuda_emulation.CALLS)
+        timed.append(route)
+        return result, seconds[route](result.shape[0])
+    monkeypatch.setattr(linalg_cuda, '_timed', fake)
+    return timed
+
+
+@pytest.mark.parametrize('faster', ['potri', 'potrs'])
+def test_auto_route_times_each_size_once_and_keeps_the_faster(
+        faster, emulated, monkeypatch):
+    """Under autotune, ``'auto'`` inverts the first lone factor of each
+    size both ways (timed), keeps the faster for that size, and uses it
+    from then on: later tries time nothing. The inverses are the
+    reference's either way."""
+    import chainer
+    monkeypatch.setattr(linalg_cuda, '_raw_potri', cuda_emulation.raw_potri)
+    monkeypatch.setattr(linalg_cuda, 'BATCHED_MAX_DIM', 0)
+    monkeypatch.setattr(linalg_cuda, 'CHOLESKY_INVERSE', 'auto')
+    monkeypatch.setattr(linalg_cuda, '_TIMED_ROUTES', {})
+    slower = 'potrs' if faster == 'potri' else 'potri'
+    timed = _scripted_timing(monkeypatch, {faster: lambda n: 1.0,
+                                           slower: lambda n: 2.0})
+    factors = [(m, d) for m, d in _factors() if m.ndim == 2]
+    sizes = {(m.shape[0], dtypes.inverse_dtype(m.dtype).name)
+             for m, _ in factors}
+    with chainer.using_config('autotune', True):
+        for repeat in range(2):
+            cuda_emulation.CALLS.clear()
+            results = linalg.damped_inverses(
+                [cuda_emulation.array(m) for m, _ in factors],
+                [d for _, d in factors])
+            for (matrix, damping), (inverse, used, _) in zip(factors,
+                                                             results):
+                expected, expected_damping, _ = _reference_inverse(matrix,
+                                                                   damping)
+                assert used == expected_damping
+                if expected is not None:
+                    numpy.testing.assert_allclose(
+                        numpy.asarray(inverse), expected, rtol=0,
+                        atol=TOLERANCE[expected.dtype.type] *
+                        abs(expected).max())
+            # each size and dtype timed once, both ways, on the first
+            # call (retries included); nothing on the second
+            assert len(timed) == 2 * len(sizes)
+            assert timed.count('potri') == timed.count('potrs')
+            if repeat == 1:
+                assert {c[0] for c in cuda_emulation.CALLS} == {'potrf',
+                                                                faster}
+    chosen = linalg_cuda.timed_routes()
+    assert {(n, dtype) for n, dtype, _ in chosen} == sizes
+    assert set(chosen.values()) == {faster}
+
+
+def test_auto_route_keeps_potri_where_the_ways_disagree(emulated,
+                                                        monkeypatch,
+                                                        caplog):
+    """A potrs whose inverse is not potri's (a wrong binding, a broken
+    library) is not chosen however fast, and the reason is logged."""
+    import chainer
+    import logging
+    monkeypatch.setattr(linalg_cuda, '_raw_potri', cuda_emulation.raw_potri)
+    monkeypatch.setattr(linalg_cuda, 'BATCHED_MAX_DIM', 0)
+    monkeypatch.setattr(linalg_cuda, 'CHOLESKY_INVERSE', 'auto')
+    monkeypatch.setattr(linalg_cuda, '_TIMED_ROUTES', {})
+    def timed(run):
+        result = run()
+        if cuda_emulation.CALLS[-1][0] == 'potrs':
+            result = result * 1.01           # not the inverse
+            return result, 0.5
+        return result, 1.0
+    monkeypatch.setattr(linalg_cuda, '_timed', timed)
+    rng = numpy.random.RandomState(3)
+    m = rng.randn(20, 40)
+    matrix = (m.dot(m.T) / 40).astype(numpy.float32)
+    with chainer.using_config('autotune', True), \
+            caplog.at_level(logging.WARNING):
+        [(inverse, used, _)] = linalg.damped_inverses(
+            [cuda_emulation.array(matrix)], [1e-2])
+    assert 'potri is kept' in caplog.text
+    assert linalg_cuda.timed_routes() == {(20, 'float32', 0): 'potri'}
+    expected, _, _ = _reference_inverse(matrix, 1e-2)
+    numpy.testing.assert_allclose(numpy.asarray(inverse), expected, rtol=0,
+                                  atol=1e-6 * abs(expected).max())
 
 
 def test_potri_check_accepts_a_correct_potri(emulated):

@@ -118,6 +118,22 @@ def test_potrs_stand_in_gives_the_same_inverses(monkeypatch):
     _compare(_many_factors()[:8] + _problem_factors())
 
 
+def test_timed_routes_give_the_same_inverses(monkeypatch):
+    """``CHOLESKY_INVERSE='auto'`` under autotune: each lone factor's size
+    and dtype timed both ways once (recorded in ``timed_routes``), the
+    inverses and retries as the CPU's; the problem factors too."""
+    import chainer
+    monkeypatch.setattr(linalg_cuda, 'CHOLESKY_INVERSE', 'auto')
+    monkeypatch.setattr(linalg_cuda, '_TIMED_ROUTES', {})
+    with chainer.using_config('autotune', True):
+        _compare(_many_factors() + _problem_factors())
+        chosen = linalg_cuda.timed_routes()
+        _compare(_many_factors())
+    assert linalg_cuda.timed_routes() == chosen
+    assert {n for n, _, _ in chosen} >= {1100, 300, 513}
+    assert set(chosen.values()) <= {'potri', 'potrs'}
+
+
 def test_potri_is_bound_on_this_machine():
     """Not a correctness matter (potrs stands in), but the fast path is the
     one the benchmarks should measure: say why it is not taken."""
