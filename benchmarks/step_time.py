@@ -709,8 +709,10 @@ def extra_over_sgd(result: Dict) -> Dict[str, Dict[str, float]]:
     ``capture`` is K-FAC's forward_backward minus SGD's (the factor-capture
     hook); the other stages have no SGD counterpart except ``update``.
     """
-    sgd = result['stage_times_s']['sgd']
+    sgd = result['stage_times_s'].get('sgd')
     out = {}
+    if not sgd:        # SGD failed: nothing to subtract
+        return out
     for variant in KFAC_VARIANTS:
         stage = result['stage_times_s'].get(variant)
         if stage is None:
@@ -953,7 +955,7 @@ def tables(data: Dict) -> str:
     for r in results:
         for variant in variants:
             st = r['stage_times_s'].get(variant)
-            if st is not None:
+            if st:     # a replayed variant has none: timed whole
                 stage_rows.append([r['model'], variant] +
                                   [st.get(s) for s in STAGES] +
                                   [sum(st.values())])
@@ -991,7 +993,8 @@ def tables(data: Dict) -> str:
         for r in results if r.get('inverse_routes_timed'))
     return ('Step time, medians over rounds ({}); ratios are per-round '
             'medians\n{}\n\nGoals (reported, not asserted)\n{}\n\n'
-            'Stage times [s], medians\n{}\n\n'
+            'Stage times [s], medians (replayed variants: none, timed '
+            'whole)\n{}\n\n'
             "Where K-FAC's extra time goes [s] (stage medians minus SGD's)\n"
             '{}\n\nCapture per refresh step by layer type [s], medians over '
             '{} timed step(s) ({})\n{}{}'.format(

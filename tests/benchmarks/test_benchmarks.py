@@ -660,6 +660,25 @@ def test_step_time_saves_the_rounds_before_the_capture_timing(
     assert set(result['capture_by_type_s']) == {'kfac_every'}
 
 
+def test_step_time_tables_leave_out_the_stages_of_replayed_steps():
+    """A replayed variant has no stage split (its steps are timed whole):
+    no empty row in the stage table; and a run whose SGD failed still
+    summarises the others."""
+    from benchmarks import step_time
+    spec = step_time.SMOKE['small']
+    result = step_time.measure('small', spec, ['sgd', 'kfac_every'], 20, 1,
+                               1, numpy)
+    result['median_s']['sgd_graph'] = 0.01
+    result['stage_times_s']['sgd_graph'] = {}
+    text = step_time.tables({'results': [result], 'refresh_interval': 20,
+                             'gpu': True, 'blas_threads': 1})
+    stages = text.split('Stage times')[1].split('Where')[0]
+    assert '| small | kfac_every |' in stages
+    assert 'sgd_graph' not in stages
+    del result['stage_times_s']['sgd']
+    assert step_time.extra_over_sgd(result) == {}
+
+
 def test_step_time_times_each_variant_without_the_others_hooks():
     """An every-step K-FAC optimizer keeps its capture hook in the
     thread's function hooks between steps; while another variant's step
