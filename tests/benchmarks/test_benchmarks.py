@@ -660,7 +660,8 @@ def test_step_time_saves_the_rounds_before_the_capture_timing(
     assert set(result['capture_by_type_s']) == {'kfac_every'}
 
 
-def test_step_time_tables_leave_out_the_stages_of_replayed_steps():
+def test_step_time_tables_leave_out_the_stages_of_replayed_steps(
+        monkeypatch):
     """A replayed variant has no stage split (its steps are timed whole):
     no empty row in the stage table; and a run whose SGD failed still
     summarises the others."""
@@ -675,8 +676,18 @@ def test_step_time_tables_leave_out_the_stages_of_replayed_steps():
     stages = text.split('Stage times')[1].split('Where')[0]
     assert '| small | kfac_every |' in stages
     assert 'sgd_graph' not in stages
-    del result['stage_times_s']['sgd']
-    assert step_time.extra_over_sgd(result) == {}
+
+    def broken(self, x, t):
+        raise RuntimeError('SGD broke (test)')
+    monkeypatch.setattr(step_time.SGDStep, '__call__', broken)
+    result = step_time.measure('small', spec, ['sgd', 'kfac_every'], 20, 1,
+                               1, numpy)
+    assert list(result['failed']) == ['sgd']
+    assert result['extra_over_sgd'] == {}
+    assert positive(result['median_s']['kfac_every'])
+    text = step_time.tables({'results': [result], 'refresh_interval': 20,
+                             'gpu': False, 'blas_threads': 1})
+    assert 'FAILED small: sgd (warm-up)' in text
 
 
 def test_step_time_times_each_variant_without_the_others_hooks():
