@@ -68,6 +68,7 @@ import chainer.functions.pooling.max_pooling_nd as max_pooling_nd
 from chainer.backend import get_array_module
 
 from chainerkfac import capture as capture_module
+from chainerkfac.curvature import graph as graph_module
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ class ColumnPropagator:
         self.start = start
         self.batch = batch
         calls = {id(call.output): call for call in graph.slot_calls}
-        functions = _ancestors(start)
+        functions = graph_module.ancestors(start)
         needed: Dict[int, bool] = {}
         for function in sorted(functions, key=lambda f: f.rank):
             below = any(needed.get(id(node), False)
@@ -284,21 +285,6 @@ def _is_cpu_max_pooling(function) -> bool:
     return isinstance(function, max_pooling_nd.MaxPoolingND) and \
         isinstance(getattr(function, 'indexes', None), numpy.ndarray) and \
         not function.is_cudnn_used
-
-
-def _ancestors(node) -> List:
-    seen, order = set(), []
-    stack = [node.creator_node] if node.creator_node is not None else []
-    while stack:
-        function = stack.pop()
-        if function in seen:
-            continue
-        seen.add(function)
-        order.append(function)
-        for child in function.inputs:
-            if child.creator_node is not None:
-                stack.append(child.creator_node)
-    return order
 
 
 def _outputs(function) -> List:
