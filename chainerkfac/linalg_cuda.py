@@ -37,6 +37,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy
 
 from chainerkfac import _binding, dtypes
+from chainerkfac.stage_timer import device_timed as _timed
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ def _time_routes(n: int, dtype, handle) -> str:
     for route in ('potri', 'potrs'):
         _invert(matrix, 0.0, status, 0, handle, route)    # warm-up
         results[route], seconds[route] = _timed(
-            lambda: _invert(matrix, 0.0, status, 0, handle, route))
+            cupy, lambda: _invert(matrix, 0.0, status, 0, handle, route))
     potri, potrs = results['potri'], results['potrs']
     peak = float(abs(potri).max())
     gap = float(abs(potrs - potri).max())
@@ -250,18 +251,6 @@ def _time_routes(n: int, dtype, handle) -> str:
                  numpy.dtype(dtype).name, seconds['potri'],
                  seconds['potrs'], chosen)
     return chosen
-
-
-def _timed(run):
-    """``(run(), seconds)`` on the device, between two CUDA events on the
-    current stream."""
-    import cupy
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    result = run()
-    stop.record()
-    stop.synchronize()
-    return result, cupy.cuda.get_elapsed_time(start, stop) / 1000.0
 
 
 def _invert(matrix, damping, status, k, handle, route='potri'):

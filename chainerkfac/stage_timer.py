@@ -1,6 +1,7 @@
-"""Wall time of each stage of a K-FAC step (Algorithm 1's six stages)."""
+"""Wall time of each stage of a K-FAC step (Algorithm 1's six stages),
+and the device time of one piece of GPU work."""
 import time
-from typing import Dict
+from typing import Callable, Dict, Tuple
 
 import numpy
 
@@ -42,3 +43,15 @@ class StageTimer:
             xp = get_array_module(like)
             if xp is not numpy:
                 xp.cuda.Device().synchronize()
+
+
+def device_timed(xp, run: Callable[[], object]) -> Tuple[object, float]:
+    """``(run(), seconds)`` on the device: between two CUDA events on the
+    current stream (``xp``: CuPy), waiting for the second. For the timed
+    choices made under ``chainer.config.autotune``."""
+    start, stop = xp.cuda.Event(), xp.cuda.Event()
+    start.record()
+    result = run()
+    stop.record()
+    stop.synchronize()
+    return result, xp.cuda.get_elapsed_time(start, stop) / 1000.0

@@ -54,6 +54,7 @@ from chainer.backend import get_array_module
 from chainer.utils import conv
 
 from chainerkfac import linalg
+from chainerkfac.stage_timer import device_timed as _timed
 
 logger = logging.getLogger(__name__)
 
@@ -241,16 +242,6 @@ def _timed_choice(key: tuple, form: Callable[[str], object], xp):
     logger.debug('convolution A %s: unfolded %.3g s, shifted %s s: %s', key,
                  seconds['unfolded'], seconds.get('shifted'), chosen)
     return results[chosen]
-
-
-def _timed(xp, run: Callable[[], object]):
-    """``(run(), seconds)`` on the device, between two CUDA events."""
-    start, stop = xp.cuda.Event(), xp.cuda.Event()
-    start.record()
-    result = run()
-    stop.record()
-    stop.synchronize()
-    return result, xp.cuda.get_elapsed_time(start, stop) / 1000.0
 
 
 def channel_gram(y, scale: float, factor_dtype=numpy.float32,

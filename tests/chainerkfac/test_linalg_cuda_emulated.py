@@ -136,7 +136,7 @@ def _scripted_timing(monkeypatch, seconds):
     run whose last cuSOLVER call was that route's (no clock here)."""
     timed = []
 
-    def fake(run):
+    def fake(xp, run):
         before = len(cuda_emulation.CALLS)
         result = run()
         route = cuda_emulation.CALLS[-1][0]
@@ -205,7 +205,7 @@ def test_auto_route_keeps_potri_where_the_ways_disagree(emulated,
     monkeypatch.setattr(linalg_cuda, 'BATCHED_MAX_DIM', 0)
     monkeypatch.setattr(linalg_cuda, 'CHOLESKY_INVERSE', 'auto')
     monkeypatch.setattr(linalg_cuda, '_TIMED_ROUTES', {})
-    def timed(run):
+    def timed(xp, run):
         result = run()
         if cuda_emulation.CALLS[-1][0] == 'potrs':
             result = result * 1.01           # not the inverse
