@@ -603,7 +603,12 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
         return result
 
     if save is not None:
-        save(summary(partial=True))
+        try:
+            save(summary(partial=True))
+        except Exception:   # the report of what ran must not lose the run
+            print('the rounds could not be saved; the run goes on',
+                  file=sys.stderr, flush=True)
+            traceback.print_exc()
     for variant in CAPTURE_VARIANTS:
         if variant in steps:
             seconds = attempt(variant, 'capture timing', functools.partial(
@@ -738,7 +743,8 @@ def goals(result: Dict, target: str) -> Dict[str, Dict]:
             value = capture.get('kfac_every', {}).get('total')
         elif key == 'forward_backward_over_sgd':
             value = (stage['kfac_every']['forward_backward'] / med['sgd']
-                     if 'kfac_every' in stage else None)
+                     if stage.get('kfac_every', {}).get('forward_backward')
+                     is not None and med.get('sgd') else None)
         elif key == 'fp16_over_fp32':
             value = (med['kfac_fp16'] / med['kfac_every']
                      if med.get('kfac_fp16') and med.get('kfac_every')
@@ -881,9 +887,12 @@ def _cholesky_inverse(route: Optional[str]):
 
 def _time_inverse(invert, requests, repeats: int, synchronize) -> Dict:
     """Median seconds of ``invert`` over all requests and per factor kind
-    (after one warm-up call: kernels, workspaces, streams)."""
+    (after one warm-up call of each: kernels, workspaces, streams, the
+    timed routes)."""
     kinds = sorted({k for k, _, _ in requests})
-    invert(requests)
+    invert(requests)     # and each kind's: a subset's lone factors may
+    for kind in kinds:   # be timed for their route (autotune) at first
+        invert([r for r in requests if r[0] == kind])
     totals, by_kind = [], collections.defaultdict(list)
     for _ in range(repeats):
         synchronize()

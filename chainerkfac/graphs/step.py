@@ -215,15 +215,16 @@ class ParameterWalk:
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
-        self._key = None
+        self._t = None
+        self._target = None
         self._params = []
 
     def __call__(self) -> List:
         optimizer = self.optimizer
-        key = (optimizer.t, id(optimizer.target))
-        if key != self._key:
-            self._params = list(optimizer.target.params())
-            self._key = key
+        target = optimizer.target
+        if optimizer.t != self._t or target is not self._target:
+            self._params = list(target.params())
+            self._t, self._target = optimizer.t, target
         return [p for p in self._params if p.update_rule is not None]
 
 
