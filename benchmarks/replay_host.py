@@ -31,7 +31,6 @@ import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
 
 import numpy
 
-import chainer
 from chainer import optimizer_hooks
 
 from benchmarks import _common
@@ -115,7 +114,7 @@ def measure(name: str, repeats: int) -> Dict:
         else:
             calls['after_replay'] = timed(adapter.after_replay, repeats)
         result['adapters'][kind] = {
-            'parameters': len(graphs.step.updated_params(optimizer)),
+            'parameters': len(graphs.step.ParameterWalk(optimizer)()),
             'ms': calls,
             'pre_launch_ms': before,
         }

@@ -253,7 +253,7 @@ def _time_routes(n: int, dtype, handle) -> str:
     return chosen
 
 
-def _invert(matrix, damping, status, k, handle, route='potri'):
+def _invert(matrix, damping, status, k, handle, route):
     """Queue one factor's try on the current stream (no synchronisation);
     ``route``: potri or potrs after potrf (:func:`_route`)."""
     import cupy
@@ -359,7 +359,7 @@ class _Solver(object):
     ``route``, and wherever potri cannot be bound) for one dtype on one
     handle; every call is queued on the current stream."""
 
-    def __init__(self, dtype, handle, route='potri'):
+    def __init__(self, dtype, handle, route):
         from cupy_backends.cuda.libs import cusolver
         self.cusolver = cusolver
         self.dtype = numpy.dtype(dtype)

@@ -98,14 +98,14 @@ def update_dtype(param) -> numpy.dtype:
     return numpy.dtype(param.dtype)
 
 
-def bind_rule_hyperparameters(rules: Iterable, scalars: DeviceScalars,
+def bind_rule_hyperparameters(params: Iterable, scalars: DeviceScalars,
                               names: Sequence[str]) -> None:
-    """Give each rule's own hyperparameters the device views of ``names``
-    in the dtype its kernel computes in (``rules``: ``(update_rule,
-    dtype)`` pairs, the dtype from :func:`update_dtype`). A rule bound
-    already keeps its views."""
+    """Give the update rule of each of ``params`` the device views of
+    ``names`` in the dtype its kernel computes in (:func:`update_dtype`),
+    as its own hyperparameters. A rule bound already keeps its views."""
     views = {}
-    for rule, dtype in rules:
+    for param in params:
+        rule, dtype = param.update_rule, update_dtype(param)
         bound = views.get(dtype)
         if bound is None:
             bound = views[dtype] = [(name, scalars.view(name, dtype))

@@ -73,12 +73,8 @@ class KFACOptimizer:
             return "loss_reduction='{}'".format(opt.loss_reduction)
         if opt.synchronize_stage_timers:
             return 'the stage timers synchronise the device'
-        hooks = [n for owner in [opt] + [p.update_rule for p in
-                                         self._params()]
-                 if owner._hookable._pre_update_hooks or
-                 owner._hookable._post_update_hooks
-                 for n in list(owner._hookable._pre_update_hooks) +
-                 list(owner._hookable._post_update_hooks)]
+        hooks = [name for name, _ in step.update_hooks(
+            opt, [p.update_rule for p in self._params()])]
         if hooks:
             return 'optimizer hooks ({}) are not replayable'.format(
                 ', '.join(sorted(set(hooks))))
@@ -116,10 +112,8 @@ class KFACOptimizer:
                 opt.guard = guard
             opt.device_damping = self._scalars.view('damping', 'float64')
             opt.device_lr = self._scalars.view('lr', 'float64')
-        hyper.bind_rule_hyperparameters(
-            [(p.update_rule, hyper.update_dtype(p)) for p in params],
-            self._scalars,
-            ('lr', 'momentum'))
+        hyper.bind_rule_hyperparameters(params, self._scalars,
+                                        ('lr', 'momentum'))
         self._scalars.write({'lr': opt.lr, 'momentum': opt.momentum,
                              'damping': opt.damping})
 

@@ -390,20 +390,20 @@ def test_baked_hyperparameters_are_each_rules_own_over_its_optimizers(skip):
 
 
 def test_the_adapters_order_of_parameters_is_stable_and_complete():
-    """``updated_params`` walks the model without names: every parameter
-    with an update rule, once, the same order at every call (host_state
+    """``ParameterWalk`` walks the model without names: every parameter
+    with an update rule, once, the same order at every walk (host_state
     and restore_host_state zip against it)."""
     import chainer.links as links
     model = chainer.Sequential(L.Linear(4, 3), links.BatchNormalization(3),
                                L.Linear(3, 2))
     optimizer = chainer.optimizers.MomentumSGD().setup(model)
     model[1].gamma.update_rule = None        # frozen
-    got = graphs_step.updated_params(optimizer)
+    got = graphs_step.ParameterWalk(optimizer)()
     expected = [p for _, p in sorted(model.namedparams())
                 if p.update_rule is not None]
     assert sorted(map(id, got)) == sorted(map(id, expected))
     assert len(got) == 5
-    assert [id(p) for p in graphs_step.updated_params(optimizer)] == \
+    assert [id(p) for p in graphs_step.ParameterWalk(optimizer)()] == \
         [id(p) for p in got]
     adapter = graphs_step.ChainerOptimizer(optimizer)
     for i, param in enumerate(got):
