@@ -47,8 +47,8 @@ class Transport(Protocol):
     def setup(self, optimizer) -> bool:
         """Once, at the first update, when the optimizer's blocks and
         parameters exist: make the processes consistent and decide the
-        owners. Returns whether this process's parameters changed (they
-        were replaced by rank 0's)."""
+        owners. Returns whether any process's parameters changed (they
+        were replaced by rank 0's): the same on every process."""
 
     def owns(self, block) -> bool:
         """Whether this process inverts and preconditions ``block``."""
@@ -180,6 +180,11 @@ class MultiNodeTransport:
         after = [p.array for _, p in sorted(target.namedparams())
                  if p.array is not None]
         changed = any(not _same(a, b) for a, b in zip(before, after))
+        # Agreed: a process that drops its first micro-batch for it takes
+        # one step fewer, so every process must drop it (rank 0, whose
+        # values never change, included), or rank 0 would wait in a
+        # collective of a step the others never take.
+        changed = bool(self.comm.mpi_comm.allreduce(int(changed)))
         blocks = optimizer.blocks
         self.assignment = Assignment.from_blocks(blocks, self.size)
         self._owners = {b: self.assignment.owners[i]

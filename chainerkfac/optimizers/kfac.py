@@ -524,20 +524,21 @@ class KFAC(optimizer.GradientMethod):
             self.target.cleargrads()
             self._run_loss(lossfun, args, kwds)
             if lazy and self._start():
-                # The first forward ran on this process's own initial
+                # The first forward ran on the processes' own initial
                 # values of lazily initialised links: redo it with rank 0's.
                 logger.warning(
                     'K-FAC multi-node: lazily initialised parameters '
-                    "differed from rank 0's; the first micro-batch was "
+                    "differed between processes; the first micro-batch was "
                     "recomputed with rank 0's values")
                 self._redo(lossfun, args, kwds)
         elif changed:
-            # Computed with this process's own initial values: dropped, as
-            # ChainerMN's multi-node optimizer drops its first update.
+            # Computed with the processes' own initial values: dropped on
+            # every process (``changed`` is agreed), as ChainerMN's
+            # multi-node optimizer drops its first update.
             logger.warning(
-                "K-FAC multi-node: parameters differed from rank 0's; the "
-                "first micro-batch was computed with this process's own "
-                'values and is dropped (rank 0\'s were broadcast)')
+                'K-FAC multi-node: parameters differed between processes; '
+                "rank 0's were broadcast, and the first micro-batch, "
+                "computed before, is dropped on every process")
             self.guard.restore()
             self.target.cleargrads()
             self.estimator.discard_micro_batch()

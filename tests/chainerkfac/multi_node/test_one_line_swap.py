@@ -1,7 +1,8 @@
 """The multi-node one-line swap on code written for ChainerMN: a plain
-``chainermn.create_communicator('naive')``, lazily sized links, and a head
-that only some ranks call in some steps — each against one process
-accumulating the same chunks (the equivalence oracle)."""
+``chainermn.create_communicator('naive')``, lazily sized links, a head
+that only some ranks call in some steps, and a hand-written loop on
+processes that built their models with different weights — each against
+one process accumulating the same chunks (the equivalence oracle)."""
 import numpy
 import pytest
 
@@ -135,3 +136,39 @@ def test_head_called_by_some_ranks_only():
     common.assert_everywhere(diff < 1e-9 and finite and moved > 1e-3,
                              'head called by some ranks (diff {})'.format(
                                  diff))
+
+
+def test_manual_loop_with_different_initial_weights():
+    """``loss.backward(); optimizer.update()`` on processes whose models
+    were built with different weights (ChainerMN's usual case: each rank
+    builds its own and relies on the broadcast). The first micro-batch,
+    computed before rank 0's weights arrived, is dropped on every process
+    (it was dropped on the other ranks only, and rank 0 then waited in a
+    collective of a step they never took: a hang)."""
+    comm = common.naive('float64')
+    model = HeadNet(seed=comm.rank)
+    optimizer = common.create_multi_node_optimizer(
+        helpers.kfac(**_options()), comm)
+    optimizer.setup(model)
+    ref_model = HeadNet(seed=0)
+    ref = helpers.kfac(**_options(acc_iters=comm.size,
+                                  process_local=True)).setup(ref_model)
+    dropped = comm.size > 1     # one process has nothing to replace
+    for step in range(4):
+        chunks = _chunks(step, comm.size)
+        x, t = chunks[comm.rank]
+        model.cleargrads()
+        model.loss(x, t, False).backward()
+        optimizer.update()
+        if step == 0 and dropped:
+            continue    # the reference never sees it
+        for x, t in chunks:
+            ref.update(ref_model.loss, x, t, False)
+    diff = common.max_relative_diff(common.params(model),
+                                    common.params(ref_model))
+    moved = common.max_relative_diff(common.params(ref_model),
+                                     common.params(HeadNet(seed=0)))
+    common.assert_everywhere(
+        optimizer.t == 4 - dropped and diff < 1e-9 and moved > 1e-3,
+        'manual loop, different initial weights (t {}, diff {})'.format(
+            optimizer.t, diff))
