@@ -206,6 +206,10 @@ class FisherBlock:
         self.inverses: Dict[str, object] = {}
         #: The damping each inverse was computed with (after retries).
         self.inverse_damping: Dict[str, float] = {}
+        #: Factors loaded while the link had no shape yet (lazily sized,
+        #: before its first forward): ``(stored value, held flag)``, set
+        #: into :attr:`factors` once it has one (:meth:`settle_loaded`).
+        self._loaded: Dict[str, tuple] = {}
         #: K-FAC step of the last refresh of each factor (-1: never).
         self.last_refresh: Dict[str, int] = {n: -1 for n in self.factor_names}
         #: Diff(t) of eq. (21) at the last refresh of each factor.
@@ -466,6 +470,7 @@ class FisherBlock:
     def drop_factors(self) -> None:
         """Forget factors and inverses (a process that no longer owns the
         block); the refresh bookkeeping stays."""
+        self._loaded = {}
         self.factors = {}
         self.inverses = {}
         self.inverse_damping = {}
@@ -507,13 +512,14 @@ class FisherBlock:
         factors: a file that does not hold a factor leaves it alone.
         """
         saving = not _is_deserializer(serializer)
+        self.settle_loaded()
         # 0: not held, 1: held (dense), 2: held low rank (its columns U).
         held = numpy.array(
-            [0 if n not in self.factors else
+            [self._loaded[n][1] if n in self._loaded else
+             0 if n not in self.factors else
              2 if isinstance(self.factors[n], low_rank.LowRank) else 1
              for n in self.factor_names], dtype=numpy.uint8)
         held = numpy.asarray(serializer('held', held))
-        like = self.params[0].array
         for factor, has in zip(self.factor_names, held):
             self.last_refresh[factor] = int(serializer(
                 'last_refresh_' + factor, self.last_refresh[factor]))
@@ -523,32 +529,54 @@ class FisherBlock:
                 'inverse_count_' + factor, self.inverse_count[factor]))
             if not has:
                 continue
-            value = self.factors.get(factor)
-            if isinstance(value, low_rank.LowRank):
-                value = value.columns
-            elif saving and value is not None and value.ndim == 2:
-                # Symmetric: its upper triangle, half the bytes. The
-                # inverse reads only that triangle (Cholesky), so the one
-                # recomputed on loading is the same bit for bit.
-                value = packing.triu_pack(value)
+            if factor in self._loaded:    # unsettled: as it was stored
+                value = self._loaded[factor][0]
+            else:
+                value = self.factors.get(factor)
+                if isinstance(value, low_rank.LowRank):
+                    value = value.columns
+                elif saving and value is not None and value.ndim == 2:
+                    # Symmetric: its upper triangle, half the bytes. The
+                    # inverse reads only that triangle (Cholesky), so the
+                    # one recomputed on loading is the same bit for bit.
+                    value = packing.triu_pack(value)
             value = serializer(factor, value)
             damping = float(serializer(factor + '_damping',
                                        self.inverse_damping.get(factor, 0.0)))
             if not saving:
-                value = linalg.to_device_of(value, like)
-                shape = self.factor_shapes()[factor]
-                if has == 2:
-                    value = low_rank.LowRank(value)
-                elif len(shape) == 2 and value.ndim == 1:
-                    value = packing.triu_unpack(value, shape[0])
-                self.factors[factor] = value
+                self.factors.pop(factor, None)
+                self._loaded[factor] = (value, int(has))
                 self.inverse_damping[factor] = damping
                 self.inverses.pop(factor, None)
+        if not saving:
+            self.settle_loaded()
+
+    def settle_loaded(self) -> None:
+        """Set the loaded factors into :attr:`factors` on the link's device
+        and in their shapes, once the link has them: at once, or, for a
+        lazily sized link loaded before its first forward (a Trainer
+        snapshot loads the optimizer before the model), when they are
+        next needed."""
+        if not self._loaded:
+            return
+        like = self.params[0].array
+        if like is None:
+            return
+        shapes = self.factor_shapes()
+        for factor, (value, has) in self._loaded.items():
+            value = linalg.to_device_of(value, like)
+            if has == 2:
+                value = low_rank.LowRank(value)
+            elif len(shapes[factor]) == 2 and value.ndim == 1:
+                value = packing.triu_unpack(value, shapes[factor][0])
+            self.factors[factor] = value
+        self._loaded = {}
 
     def restore_inverses(self) -> List[str]:
         """Recompute the inverses of held factors that lack one (after
         loading), with the damping each was computed with. Returns the
         factors whose inverse could not be restored."""
+        self.settle_loaded()
         missing = [f for f in self.factor_names
                    if f in self.factors and f not in self.inverses]
         if not missing:

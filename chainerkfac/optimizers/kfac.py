@@ -729,6 +729,21 @@ class KFAC(optimizer.GradientMethod):
              for param, direction in zip(block.params, directions)
              if direction is not None])
 
+    def _init_never_updated_states(self) -> None:
+        """Give a velocity (zero) to each parameter this process updates
+        whose rule never ran: one that no step had a gradient for (a head
+        the loss never used). Chainer's optimizers run every rule at every
+        update, and Chainer's loader requires the state of every enabled
+        rule: without it a snapshot saved here would not load."""
+        for block in self.blocks:
+            if self.shard_update and not self.transport.updates(block):
+                continue
+            for param in block.params:
+                rule = param.update_rule
+                if (rule is not None and rule.enabled and
+                        rule.state is None and param.array is not None):
+                    rule._init_states(param)    # as Chainer's update() does
+
     def _drop_unowned_state(self) -> None:
         """Weight-update sharding: keep the velocities of the parameters
         this process updates only (after a restore that merged every
@@ -1021,6 +1036,9 @@ class KFAC(optimizer.GradientMethod):
     def serialize(self, serializer):
         """Optimizer state: t, epoch, velocities (Chainer's), and K-FAC's
         own (:func:`chainerkfac.optimizers.state.serialize`)."""
+        if (self._started and
+                not isinstance(serializer, chainer.serializer.Deserializer)):
+            self._init_never_updated_states()
         super().serialize(serializer)
         state.serialize(self, serializer)
         if isinstance(serializer, chainer.serializer.Deserializer):

@@ -481,3 +481,79 @@ def test_schedules_are_the_papers_equations():
             (0, 4, 5, 9, 10, 15, 20, 40)] == [1, 1, 6, 6, 11, 16, 20, 20]
     assert [equations.stale_interval_eq23(0, e) for e in (0, 12, 13, 30)] \
         == [1, 1, 20, 20]
+
+
+# -- snapshots through Chainer's Trainer, as users take them ----------------
+class LazyHeadNet(chainer.Chain):
+    """Lazily sized links (``Linear(None, …)``: no shape until the first
+    forward), a head computed but left out of the loss, and one never
+    called: their parameters get no gradient."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        state = numpy.random.get_state()
+        numpy.random.seed(seed)
+        with helpers.float64_links(), self.init_scope():
+            self.conv = L.Convolution2D(None, 3, 3, pad=1)
+            self.bn = L.BatchNormalization(3)
+            self.fc = L.Linear(None, 4)
+            self.aux = L.Linear(None, 4)
+            self.unused = L.Linear(6, 2)
+        numpy.random.set_state(state)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.conv(x)))
+        self.aux_out = self.aux(h)
+        return self.fc(h)
+
+
+def _trainer(model, optimizer_options, x, t, iterations):
+    from chainer import training
+    dataset = chainer.datasets.TupleDataset(x, t)
+    iterator = chainer.iterators.SerialIterator(dataset, 4, shuffle=False)
+    optimizer = helpers.kfac(**optimizer_options)
+    optimizer.setup(L.Classifier(model))
+    updater = training.updaters.StandardUpdater(iterator, optimizer)
+    return training.Trainer(updater, (iterations, 'iteration'))
+
+
+@pytest.mark.parametrize('low_rank', [False, True])
+def test_trainer_snapshot_resumes_into_a_fresh_lazy_model(low_rank):
+    """A Trainer snapshot (Chainer's updater loads the optimizer before the
+    model) into a freshly built model whose links are lazily sized and
+    whose head got no gradient: it loads (strictly) and continues exactly
+    as the uninterrupted run. Before, the factors' loading read the shapes
+    of links that had none yet (``AttributeError``), and the head's rules,
+    never run, had no velocity in the file (``KeyError: …/aux/W/v``)."""
+    x, t = helpers.data(n=16, shape=(2, 4, 4))
+    options = dict(lr=0.05, momentum=0.9, damping=1e-2,
+                   refresh_interval_a=2, refresh_interval_g=3,
+                   low_rank=low_rank)
+    straight = _trainer(LazyHeadNet(), options, x, t, 7)
+    numpy.random.seed(1)    # the lazy links' values, at the first forward
+    straight.run()
+
+    first = _trainer(LazyHeadNet(), options, x, t, 4)
+    numpy.random.seed(1)
+    first.run()
+    kfac_first = first.updater.get_optimizer('main')
+    if low_rank:
+        assert any(isinstance(f, chainerkfac.low_rank.LowRank)
+                   for b in kfac_first.blocks for f in b.factors.values())
+    snapshot = io.BytesIO()
+    serializers.save_npz(snapshot, first)
+    snapshot.seek(0)
+
+    fresh = LazyHeadNet()
+    assert fresh.fc.W.array is None     # no shape before the first forward
+    resumed = _trainer(fresh, options, x, t, 7)
+    serializers.load_npz(snapshot, resumed)     # strict
+    assert resumed.updater.iteration == 4
+    resumed.run()
+    mine = dict(resumed.updater.get_optimizer('main').target.namedparams())
+    for name, param in straight.updater.get_optimizer(
+            'main').target.namedparams():
+        numpy.testing.assert_array_equal(param.array, mine[name].array,
+                                         err_msg=name)
+    aux = resumed.updater.get_optimizer('main').target.predictor.aux
+    numpy.testing.assert_array_equal(aux.W.update_rule.state['v'], 0)
