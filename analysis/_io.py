@@ -91,6 +91,28 @@ class Run:
         return ' '.join(parts)
 
 
+def distinct_labels(labels: Sequence[str],
+                    paths: Sequence[str]) -> List[str]:
+    """``labels`` (one per run directory of ``paths``), each one that
+    several runs share followed by what tells them apart: ``'K-FAC BS=32
+    (seed1)'``, the directory's name, or as many of its last path
+    components as needed (``'a/run'``, ``'b/run'``). Unique labels stay as
+    they are."""
+    result = list(labels)
+    for label in set(labels):
+        same = [i for i, other in enumerate(labels) if other == label]
+        if len(same) < 2:
+            continue
+        parts = [os.path.abspath(paths[i]).split(os.sep) for i in same]
+        for n in range(1, max(map(len, parts)) + 1):
+            tails = ['/'.join(p[-n:]) for p in parts]
+            if len(set(tails)) == len(tails):
+                break
+        for i, tail in zip(same, tails):
+            result[i] = '{} ({})'.format(label, tail)
+    return result
+
+
 #: Legend names of the optimizers ``train_imagenet.py --optimizer`` knows.
 OPTIMIZER_NAMES = {'kfac': 'K-FAC', 'sgd': 'SGD', 'lars': 'LARS'}
 

@@ -13,7 +13,8 @@ target accuracy; the first epoch reaching it is printed per run.
 
 Legend labels come from the runs: the ``"run": {"label"}`` that
 ``train_imagenet.py`` writes (optimizer, mini-batch size, variant), else
-optimizer, ``BS=…`` and diag/stale from the config, else the directory name.
+optimizer, ``BS=…`` and diag/stale from the config, else the directory name;
+runs that would share a label get their directory's name added.
 """
 import argparse
 from typing import Dict, List, Optional, Sequence
@@ -70,6 +71,9 @@ def analyse(run_dirs: Sequence[str], target: float, figure: int,
     if labels is not None and len(labels) != len(runs):
         raise _io.AnalysisError('{} labels for {} runs'.format(
             len(labels), len(runs)))
+    if labels is None:
+        labels = _io.distinct_labels([run.label() for run in runs],
+                                     run_dirs)
     result = {'figure': figure, 'target_percent': target, 'runs': []}
     for i, run in enumerate(runs):
         entries = [e for e in run.log if e.get(ACCURACY_KEY) is not None]
@@ -81,7 +85,7 @@ def analyse(run_dirs: Sequence[str], target: float, figure: int,
         accuracy = [100.0 * float(e[ACCURACY_KEY]) for e in entries]
         result['runs'].append({
             'path': run.path,
-            'label': labels[i] if labels else run.label(),
+            'label': labels[i],
             'optimizer': run.optimizer, 'batch_size': run.batch_size,
             'variant': run.variant(),
             'epoch': epochs, 'val_accuracy_percent': accuracy,

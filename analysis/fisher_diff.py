@@ -131,11 +131,15 @@ def percentile_series(records: List[Dict], factor: str,
 
 
 def run_labels(runs: Sequence[_io.Run]) -> List[str]:
-    """``BS=32K`` per run; runs of equal batch size get their full label."""
+    """``BS=32K`` per run; runs of equal batch size get their full label,
+    runs of equal full label their directory (:func:`_io.distinct_labels`).
+    """
     short = ['BS=' + _io.format_batch_size(r.batch_size)
              if r.batch_size is not None else r.name for r in runs]
-    return [s if short.count(s) == 1 else '{} ({})'.format(s, r.label())
-            for s, r in zip(short, runs)]
+    full = [r.label() for r in runs]
+    labels = [s if short.count(s) == 1 or full.count(f) > 1 else
+              '{} ({})'.format(s, f) for s, f in zip(short, full)]
+    return _io.distinct_labels(labels, [r.path for r in runs])
 
 
 def analyse(run_dirs: Sequence[str], args) -> Dict:

@@ -422,11 +422,20 @@ def kfac_options(config):
         low_rank=config.low_rank)
 
 
-def check_epochs(config, source=None):
+def check_epochs(config, source=None, option=None):
     """Refuse a run longer than the learning-rate decay of eq. (17).
 
     K-FAC's learning rate is exactly 0 from ``e_end`` on, so epochs beyond
     it would spend compute without changing the weights.
+
+    Parameters
+    ----------
+    config : TrainConfig
+    source : str or None
+        The config file.
+    option : str or None
+        The command-line option that set ``epochs`` (``'--epochs'``), named
+        in the message; ``None``: ``epochs`` is the config's own.
 
     Raises
     ------
@@ -434,9 +443,12 @@ def check_epochs(config, source=None):
         ``epochs > e_end``, with both numbers.
     """
     if config.epochs > config.e_end:
+        given = '' if option is None else \
+            ' (from {} on the command line, not the config)'.format(option)
         raise ConfigError(
-            'epochs', '{} epochs exceed e_end = {:g}, where the learning rate '
-            'of eq. (17) reaches 0: the last {:g} epochs would not change the '
-            'weights; use at most {} epochs or raise e_end'.format(
-                config.epochs, config.e_end, config.epochs - config.e_end,
+            'epochs', '{} epochs{} exceed e_end = {:g}, where the learning '
+            'rate of eq. (17) reaches 0: the last {:g} epochs would not '
+            'change the weights; use at most {} epochs or raise e_end'.format(
+                config.epochs, given, config.e_end,
+                config.epochs - config.e_end,
                 int(config.e_end)), source or '<TrainConfig>')

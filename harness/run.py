@@ -252,7 +252,8 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
             chainer.backends.cuda.set_max_workspace_size(workspace)
         chainer.global_config.autotune = timed
     if kfac:
-        config_module.check_epochs(cfg, args.config)
+        config_module.check_epochs(
+            cfg, args.config, None if args.epochs is None else '--epochs')
     numpy.random.seed(args.seed)   # same initial weights on every rank
     model = models.SoftLabelClassifier(models.build_model(
         args.arch, n_class, args.depth, args.width))

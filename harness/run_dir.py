@@ -209,8 +209,17 @@ def _refuse_or_clear(out, overwrite, mean_is_output, source, continues):
             print('--overwrite: cleared the earlier run of {} ({} files)'
                   .format(out, len(files)), flush=True)
     elif files:
+        named = '{}{}'.format(', '.join(files[:6]),
+                              ', ...' if len(files) > 6 else '')
+        if not any(SNAPSHOT_RE.fullmatch(name) for name in files):
+            # A run that failed before its first snapshot: --resume latest
+            # would find nothing to continue from.
+            raise OSError(
+                '{} holds the files of an earlier run that left no snapshot '
+                '({}), so there is nothing to continue with --resume: start '
+                'it over with --overwrite (removes them first), or choose '
+                'another --out'.format(out, named))
         raise OSError(
-            '{} holds the files of an earlier run ({}{}): continue it with '
+            '{} holds the files of an earlier run ({}): continue it with '
             '--resume latest, start it over with --overwrite (removes them '
-            'first), or choose another --out'.format(
-                out, ', '.join(files[:6]), ', ...' if len(files) > 6 else ''))
+            'first), or choose another --out'.format(out, named))

@@ -105,7 +105,11 @@ class RunLock:
                 holder = _read(path)
                 if holder is None:      # released meanwhile
                     continue
-                _take_over_if_stale(path, holder, me['host'], say)
+                try:
+                    _take_over_if_stale(path, holder, me['host'], say)
+                except RunDirectoryInUse as error:
+                    # Shown alone, not after the FileExistsError it handles.
+                    raise error from None
                 continue
             with os.fdopen(fd, 'w') as f:
                 json.dump(me, f, indent=1)

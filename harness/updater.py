@@ -33,6 +33,7 @@ baselines here), reported as ``trailing_micro_batches`` in the log and on
 stdout; :attr:`finished` is then true, so that the last snapshot includes
 that step.
 """
+import re
 import sys
 
 import chainer
@@ -40,6 +41,10 @@ from chainer import training
 
 import augment
 from augment.stream import ERASING, MC_LABELS, MIXUP, stream_rng
+
+#: One unreadable image in a sample's message (a training sample's message
+#: joins those of every image skipped for it with ``'; '``).
+_BAD_IMAGE = re.compile(r'(.*?\(listed in .*?, line \d+\))(?:; |$)')
 
 
 class BatchConverter(chainer.dataset.Converter):
@@ -54,7 +59,8 @@ class BatchConverter(chainer.dataset.Converter):
         ``False``: a sample with a message (an unreadable image) raises
         :class:`OSError` with every such message of the batch.
         ``True``: training samples were already replaced by the loader
-        (their messages are counted in :attr:`skipped`); with
+        (their messages are counted in :attr:`skipped`, and each image is
+        reported on stderr the first time only, not every epoch); with
         ``drop_bad=True`` (validation) they are dropped from the batch.
     drop_bad : bool
     labels_on_host : bool
@@ -74,6 +80,7 @@ class BatchConverter(chainer.dataset.Converter):
         self.drop_bad = drop_bad
         self.labels_on_host = labels_on_host
         self.skipped = 0
+        self._reported = set()
         self._device_mean = {}
 
     def __call__(self, batch, device):
@@ -85,8 +92,11 @@ class BatchConverter(chainer.dataset.Converter):
                                   's' if len(messages) > 1 else '',
                                   '; '.join(messages)))
             for message in messages:
-                print('skipping unreadable image: ' + message,
-                      file=sys.stderr, flush=True)
+                for image in _BAD_IMAGE.findall(message) or [message]:
+                    if image not in self._reported:
+                        self._reported.add(image)
+                        print('skipping unreadable image: ' + image,
+                              file=sys.stderr, flush=True)
             self.skipped += sum(m.count(' (listed in ') for m in messages)
             if self.drop_bad:
                 batch = [example for example in batch if not example[2]]

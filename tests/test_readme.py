@@ -1,12 +1,14 @@
 """The documentation's code: the worked example of a Fisher block in
 docs/kfac.md (run against per-sample gradients) and the library used from a
-script in another directory. The links of every page are checked in
+script in another directory; the README's word on the demo's SGD schedule
+against the harness. The links of every page are checked in
 tests/test_docs.py."""
 import os
 import re
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy
 import pytest
@@ -16,7 +18,10 @@ import chainer.functions as F
 import chainer.links as L
 
 import chainerkfac
+import config
+import train_imagenet
 from chainerkfac.fisher_blocks import registry
+from harness import run
 from tests.chainerkfac import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,3 +119,21 @@ def test_library_imports_from_a_script_in_another_directory(tmp_path):
         proc.stdout
     assert 'K-FAC registration' in proc.stdout     # shown by default
     assert 'HARNESS IMPORTABLE' not in proc.stdout
+
+
+def test_readme_demo_sgd_has_no_warm_up_as_the_harness():
+    """The demo's momentum SGD (global batch 256): the Goyal et al. warm-up
+    of harness/run.py starts at the rate it warms up to, so the README
+    says there is none."""
+    args = train_imagenet.parse_args(['--demo'])
+    args.warmup_epochs = min(args.warmup_epochs, 1.0)     # as demo.py sets
+    cfg = config.load(os.path.join(REPO, 'config', 'demo.json'))
+    _, schedule = run.build_optimizer(
+        'sgd', cfg, types.SimpleNamespace(rank=0, size=1), 1, args,
+        use_graphs=True)
+    assert [schedule.values(e)['lr'] for e in (0, 0.5, 1)] == [0.1] * 3
+    with open(os.path.join(REPO, 'README.md')) as f:
+        text = f.read()
+    demo = text[text.index('## The demo'):text.index('## The systems')]
+    sentence = demo[demo.index('Momentum SGD here'):]
+    assert 'no warm-up' in sentence and 'with warm-up' not in sentence

@@ -46,6 +46,8 @@ class Status(NamedTuple):
 
     installed: bool
     reason: str
+    #: CuPy imports (``False``: no GPU stack, Chainer runs on NumPy).
+    cupy: bool = True
 
 
 _status = Status(False, 'chainerkfac.cudnn.install() has not run')
@@ -108,7 +110,7 @@ def _check(environ, modules, import_cupy, load) -> Status:
         cupy = import_cupy()
     except Exception as error:  # not installed, or a broken install
         return Status(False, 'CuPy cannot be imported ({}: {})'.format(
-            type(error).__name__, error))
+            type(error).__name__, error), cupy=False)
     major = int(str(cupy.__version__).split('.')[0])
     if major < MIN_CUPY_MAJOR:
         return Status(False, 'CuPy {} has its own cupy.cudnn (the backend '
@@ -164,6 +166,9 @@ def describe() -> str:
         if chainer_cuda is not None and not chainer_cuda.cudnn_enabled:
             text += ' (but Chainer has cuDNN off: CHAINER_CUDNN=0)'
         return text
+    if not _status.cupy:
+        return 'none, no GPU stack: {}; Chainer runs on NumPy'.format(
+            _status.reason)
     own = _cupy_own_cudnn()
     return own if own else 'none, {} serves Chainer: {}'.format(
         OWN_PATH, _status.reason)

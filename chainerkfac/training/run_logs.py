@@ -77,6 +77,13 @@ class TimeToAccuracy(extension.Extension):
     Runs after the evaluator (priority below the evaluator's), at the
     evaluator's trigger. The record holds the epoch, iteration and elapsed
     training time (seconds, validation included) at that evaluation.
+
+    Parameters
+    ----------
+    write : bool
+        This process writes the file and reports the time (rank 0 of a
+        multi-process run); the others only keep the record, for their
+        snapshots.
     """
 
     priority = extension.PRIORITY_WRITER - 1
@@ -113,11 +120,11 @@ class TimeToAccuracy(extension.Extension):
                 with open(tmp, 'w') as f:
                     json.dump(self.reached, f, indent=1)
                 os.replace(tmp, path)
-            _logging.ensure_visible()
-            logger.info('target top-1 %.3f reached at epoch %.2f (iteration '
-                        '%d, %.1f s)', self.target, self.reached['epoch'],
-                        self.reached['iteration'],
-                        self.reached['elapsed_time'])
+                _logging.ensure_visible()
+                logger.info('target top-1 %.3f reached at epoch %.2f '
+                            '(iteration %d, %.1f s)', self.target,
+                            self.reached['epoch'], self.reached['iteration'],
+                            self.reached['elapsed_time'])
 
     def serialize(self, serializer):
         reached = serializer('reached', json.dumps(self.reached))

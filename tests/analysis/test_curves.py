@@ -1,6 +1,7 @@
 """Figures 3 and 6 from real run directories (conftest trains them)."""
 import json
 import os
+import shutil
 
 import pytest
 
@@ -60,6 +61,26 @@ def test_figure6_and_lr_from_config(runs, tmp_path, capsys):
     assert [r['label'] for r in data6['runs']] == ['no approx', 'diag']
     assert data6['runs'][0]['lr'] is None
     assert 'Figure 6' in capsys.readouterr().out
+
+
+def test_runs_of_one_config_told_apart_by_their_directories(runs, tmp_path):
+    """Two runs of one config (another seed, say) would both be 'K-FAC
+    BS=32': the directory's name, or its last components, is added."""
+    seed2 = tmp_path / 'seed2'
+    shutil.copytree(runs['kfac32'], str(seed2))
+    again = tmp_path / 'again' / 'kfac32'
+    shutil.copytree(runs['kfac32'], str(again))
+    result = curves.analyse([runs['kfac32'], str(seed2), runs['sgd32']],
+                            60.0, 6)
+    assert [r['label'] for r in result['runs']] == [
+        'K-FAC BS=32 (kfac32)', 'K-FAC BS=32 (seed2)', 'SGD BS=32']
+    result = curves.analyse([runs['kfac32'], str(again)], 60.0, 6)
+    parent = os.path.basename(os.path.dirname(runs['kfac32']))
+    assert [r['label'] for r in result['runs']] == [
+        'K-FAC BS=32 ({}/kfac32)'.format(parent), 'K-FAC BS=32 (again/kfac32)']
+    result = curves.analyse([runs['kfac32'], str(seed2)], 60.0, 6,
+                            ['first', 'second'])
+    assert [r['label'] for r in result['runs']] == ['first', 'second']
 
 
 def test_bad_inputs_are_clear_errors(runs, tmp_path, capsys):

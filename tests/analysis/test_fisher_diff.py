@@ -6,7 +6,7 @@ import shutil
 import numpy
 import pytest
 
-from analysis import fisher_diff
+from analysis import _io, fisher_diff
 from tests.analysis.conftest import read_diff
 from tests.analysis.helpers import assert_picture, no_outputs, read_json
 
@@ -59,6 +59,20 @@ def test_include_fc_and_no_model(runs, tmp_path):
     data = read_json(str(tmp_path / 'all.json'))
     assert data['runs'][0]['kronecker_layers'].startswith('conv+FC')
     assert data['runs'][0]['layers']['A'] == CONVS_OF_SMALL_RESNET8 + 1
+
+
+def test_runs_of_one_config_told_apart_by_their_directories(runs, tmp_path):
+    seed2 = tmp_path / 'seed2'
+    shutil.copytree(runs['kfac32'], str(seed2))
+    loaded = [_io.load_run(d) for d in (
+        runs['kfac32'], str(seed2), runs['kfac64_diag'])]
+    assert fisher_diff.run_labels(loaded) == [
+        'BS=32 (kfac32)', 'BS=32 (seed2)', 'BS=64']
+    # Equal batch sizes, different configs: the full labels, as before.
+    diag = dict(loaded[2].config, global_batch_size=32)
+    loaded[1] = _io.Run(loaded[2].path, loaded[2].log, diag)
+    assert fisher_diff.run_labels(loaded[:2]) == [
+        'BS=32 (K-FAC BS=32)', 'BS=32 (K-FAC BS=32 diag)']
 
 
 def test_layer_prefix_fits_every_key():

@@ -72,6 +72,16 @@ def test_off_when_told(clean, environ, why):
     assert why in describe()
 
 
+def test_without_cupy_the_line_says_there_is_no_gpu_stack(clean):
+    """A CPU-only run: no GPU path (im2col + cuBLAS, CuPy kernels) is
+    described, only that Chainer runs on NumPy and why."""
+    installed, _ = _install({}, cupy=None)
+    assert not installed
+    assert describe() == ("none, no GPU stack: CuPy cannot be imported "
+                          "(ImportError: No module named 'cupy'); Chainer "
+                          'runs on NumPy')
+
+
 @pytest.mark.parametrize('environ', [{}, {'CHAINERKFAC_CUDNN': ''}])
 def test_on_by_default(clean, environ):
     """Unset or empty: on, wherever CuPy >= 14 and a cuDNN 9 are found."""

@@ -1,3 +1,4 @@
+import logging
 import types
 
 import chainer
@@ -7,7 +8,8 @@ import pytest
 from chainer import training
 
 from chainerkfac.training import (LinearWarmupLR, PolynomialLRDecay,
-                                    polynomial_decay, step_decay)
+                                    TimeToAccuracy, polynomial_decay,
+                                    step_decay)
 
 # bs32k of Table 3 (published magnitudes).
 LR0, P, E_START, E_END, M0 = 0.03, 3.5, 1.5, 49.5, 0.97
@@ -179,3 +181,23 @@ def test_resume_continues_the_schedule(tmp_path):
     np.testing.assert_allclose(
         recorder.lrs, [0.1 * (1 - (e - 0.5) / 2.5) ** 2 for e in (1.2, 1.6)],
         rtol=1e-12)
+
+
+def test_time_to_accuracy_reported_by_the_writing_process_only(tmp_path,
+                                                                 caplog):
+    """Under mpiexec every rank keeps the record (for its snapshot); only
+    the one writing the run's files (rank 0) reports it."""
+    updater = types.SimpleNamespace(epoch_detail=2.0, iteration=20)
+    trainer = types.SimpleNamespace(
+        observation={'validation/main/accuracy': 0.95}, updater=updater,
+        elapsed_time=3.0, out=str(tmp_path))
+    caplog.set_level(logging.INFO, logger='chainerkfac')
+    for write in (True, False):
+        extension = TimeToAccuracy(0.9, write=write)
+        extension(trainer)
+        assert extension.reached['epoch'] == 2.0
+    reports = [r.getMessage() for r in caplog.records
+               if 'reached' in r.getMessage()]
+    assert reports == ['target top-1 0.900 reached at epoch 2.00 '
+                       '(iteration 20, 3.0 s)']
+    assert (tmp_path / 'time_to_accuracy.json').exists()

@@ -259,3 +259,21 @@ def test_lars_momentum_is_a_form_of_the_lars_optimizer(tmp_path):
         config.load(path)
     assert info.value.key == 'lars_momentum' and path in str(info.value)
     assert 'scaled' in str(info.value)
+
+
+def test_epochs_past_e_end_say_where_epochs_came_from(tmp_path):
+    """The file says 40 epochs; 50 from --epochs are not the file's."""
+    data = base()
+    data.update(epochs=40, e_end=41.0)
+    path = write(tmp_path, data)
+    cfg = config.load(path)
+    config.check_epochs(cfg, path)
+    longer = dataclasses.replace(cfg, epochs=50)
+    with pytest.raises(ConfigError) as info:
+        config.check_epochs(longer, path, '--epochs')
+    assert str(info.value).startswith(
+        "{}: key 'epochs': 50 epochs (from --epochs on the command line, "
+        "not the config) exceed e_end = 41".format(path))
+    with pytest.raises(ConfigError) as info:
+        config.check_epochs(longer, path)
+    assert "key 'epochs': 50 epochs exceed e_end = 41" in str(info.value)

@@ -43,6 +43,18 @@ def test_earlier_run_refused_naming_its_files(out):
                    '.model_final.npz.tmp'])
 
 
+def test_earlier_run_without_a_snapshot_not_offered_resume(tmp_path):
+    """A run that failed before its first snapshot (a truncated image)
+    left config.json and mean.npy: --resume latest would find nothing."""
+    for name in ('config.json', 'mean.npy', '.snapshot_step_3.rank0.tmp'):
+        (tmp_path / name).write_text('x')
+    with pytest.raises(OSError) as info:
+        claim(str(tmp_path))
+    message = str(info.value)
+    assert 'left no snapshot (config.json, mean.npy)' in message
+    assert '--resume latest' not in message and '--overwrite' in message
+
+
 def test_overwrite_removes_the_run_files_only(out):
     claim(out, overwrite=True, mean_is_output=False)
     assert sorted(os.listdir(out)) == ['mean.npy', 'notes.txt']

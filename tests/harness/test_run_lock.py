@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import traceback
 
 import pytest
 
@@ -74,3 +75,17 @@ def test_lock_of_another_host_refused(tmp_path):
     assert 'on host node17.example' in message
     assert 'another host' in message
     assert 'remove {}'.format(tmp_path / run_lock.LOCK_FILE) in message
+
+
+def test_refusal_shown_alone(tmp_path):
+    """The traceback of a refusal is the RunDirectoryInUse, not a
+    FileExistsError of run.lock followed by "During handling of the above
+    exception"."""
+    lock = run_lock.RunLock.acquire(str(tmp_path))
+    with pytest.raises(run_lock.RunDirectoryInUse) as info:
+        run_lock.RunLock.acquire(str(tmp_path))
+    lock.release()
+    shown = ''.join(traceback.format_exception(
+        info.type, info.value, info.tb))
+    assert 'FileExistsError' not in shown and 'During handling' not in shown
+    assert 'is in use by process {}'.format(os.getpid()) in shown

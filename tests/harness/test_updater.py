@@ -148,6 +148,23 @@ def test_converter_normalises_and_refuses_unreadable_images():
     assert len(x) == 3 and dropping.skipped == 1
 
 
+def test_converter_reports_each_skipped_image_once(capsys):
+    """--skip-bad-images: a bad file is skipped every epoch, counted every
+    time, reported the first time only (also inside a sample's message
+    joining several skipped images)."""
+    good = batch(2)
+    x_bad = 'cannot read x.JPEG (listed in l.txt, line 3)'
+    y_bad = 'cannot read y.JPEG (listed in l.txt, line 4)'
+    converter = BatchConverter(None, skip_bad=True)
+    for message in (x_bad, x_bad, y_bad + '; ' + x_bad, y_bad):
+        converter([good[0], (good[1][0], good[1][1], message)],
+                  chainer.get_device('@numpy'))
+    assert converter.skipped == 5
+    assert capsys.readouterr().err.splitlines() == [
+        'skipping unreadable image: ' + x_bad,
+        'skipping unreadable image: ' + y_bad]
+
+
 def test_warnings_of_one_kfac_step_number_it_alike(caplog):
     """A NaN micro-batch: its factors cannot be inverted and the step is
     skipped; every warning of that step names the same step (issue 20,

@@ -117,7 +117,8 @@ def test_epochs_past_the_end_of_the_learning_rate_refused(dataset, tmp_path):
     result = run(command(dataset, tmp_path, '--epochs', '6'))
     assert result.returncode != 0
     assert "key 'epochs'" in result.stdout
-    assert '6 epochs exceed e_end = 4' in result.stdout
+    assert '6 epochs (from --epochs on the command line, not the config) ' \
+        'exceed e_end = 4' in result.stdout
     assert no_training(tmp_path)
 
 
@@ -166,7 +167,7 @@ def test_open_mpi_help_found_without_mpiexec(dataset, tmp_path):
         cwd=launch.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         universal_newlines=True, timeout=120)
     assert result.returncode != 0
-    assert '9 epochs exceed e_end' in result.stdout
+    assert '9 epochs (from --epochs' in result.stdout
     assert 'Sorry!' not in result.stdout
     assert 'MPI_ABORT was invoked' in result.stdout
 
