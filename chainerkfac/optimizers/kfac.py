@@ -99,9 +99,10 @@ class KFAC(optimizer.GradientMethod):
     stays due (its staleness does not advance; a warning names the link);
     parameters without a gradient on any process are not updated that step.
     The reporter counts, every step, the blocks preconditioned
-    (``kfac/preconditioned_blocks``) and those on the plain gradient
-    (``kfac/plain_blocks``), and the factors held low rank
-    (``kfac/low_rank_factors``).
+    (``kfac/preconditioned_blocks``) and those without curvature
+    (``kfac/plain_blocks``: on the plain gradient where they have one,
+    blocks of links no backward pass reached included), and the factors
+    held low rank (``kfac/low_rank_factors``).
 
     The defaults are chosen for the one-line swap in a stock script: the
     factors and their inverses are refreshed every
@@ -625,9 +626,9 @@ class KFAC(optimizer.GradientMethod):
             counts[block] = {n: c for n, c in zip(
                 block.factor_names, totals) if c}
             present[block] = [bool(next(totals)) for _ in block.params]
-        self._warn_uncaptured(due, counts, present)
         if not self._table_shown:
             self._decide_rescale()
+        self._warn_uncaptured(due, counts, present)
         self.reallocate_cleared_grads()
         scale = 1.0 / (samples if self.loss_reduction == 'sum' else n_micro)
         for block in blocks:
@@ -976,10 +977,20 @@ class KFAC(optimizer.GradientMethod):
             self._warned_uncaptured.add(block.name)
             if self.transport.rank != 0:
                 continue
-            state_text = ('keeps its previous curvature' if
-                          block.has_inverses() or any(
-                              block.last_refresh[n] >= 0 for n in missing)
-                          else 'gets the plain gradient until they are')
+            if not any(present[block]):
+                state_text = ('is not updated while it has no gradient, '
+                              'and keeps its previous curvature' if
+                              block.has_inverses() or any(
+                                  block.last_refresh[n] >= 0
+                                  for n in missing)
+                              else 'is not updated while it has no '
+                              'gradient')
+            elif block.has_inverses() or any(block.last_refresh[n] >= 0
+                                             for n in missing):
+                state_text = 'keeps its previous curvature'
+            else:
+                state_text = 'gets the plain gradient until they are'
+
             why = ('no backward pass ran through it since the last update '
                    '(not called, called in test mode or under '
                    'no_backprop_mode, or its output reached no loss)'

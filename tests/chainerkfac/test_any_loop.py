@@ -333,19 +333,28 @@ class WithHead(chainer.Chain):
 
 def test_a_due_factor_not_captured_is_named_and_counted(caplog):
     model = WithHead()
+    unused = model.unused.W.array.copy()
     x, t = helpers.data(n=6, shape=(5,), n_class=3)
-    optimizer = helpers.kfac().setup(model)
+    optimizer = helpers.kfac(verbose=True).setup(model)
     reports = []
     for _ in range(3):
         reporter = chainer.Reporter()
         with reporter.scope(reporter.observation):
-            with caplog.at_level(logging.WARNING, logger='chainerkfac'):
+            with caplog.at_level(logging.INFO, logger='chainerkfac'):
                 optimizer.update(helpers.loss_of(model), x, t)
         reports.append(dict(reporter.observation))
     warned = [r.getMessage() for r in caplog.records
               if 'not captured' in r.getMessage()]
     assert len(warned) == 1 and '/unused' in warned[0], warned
     assert 'no backward pass ran through it' in warned[0]
+    # Said as it is: no gradient, no update (it said "the plain gradient").
+    assert 'is not updated while it has no gradient' in warned[0]
+    assert 'plain gradient' not in warned[0]
+    numpy.testing.assert_array_equal(model.unused.W.array, unused)
+    # The registration table comes before the warning about its links.
+    messages = [r.getMessage() for r in caplog.records]
+    assert any('K-FAC registration' in m
+               for m in messages[:messages.index(warned[0])]), messages
     for report in reports:
         assert report['kfac/preconditioned_blocks'] == 2.0
         assert report['kfac/plain_blocks'] == 1.0
