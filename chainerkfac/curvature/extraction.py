@@ -144,7 +144,15 @@ def extract(predictor, x, t, quantities=q.FIRST_ORDER,
                          '{}'.format(column_chunk))
     batch = reduction.Batch.of(len(x), comm)
     run = _Extraction(predictor, request, batch, conv_factors, column_chunk)
-    run.gradient_pass(x, t, lossfun)
+    before = _LinkState(predictor)
+    try:
+        run.gradient_pass(x, t, lossfun)
+    except BaseException:
+        # A refused graph (samples coupled by BatchNormalization in
+        # training mode, ...) is found only once its forward and backward
+        # ran: give the running statistics and gradients back.
+        before.restore()
+        raise
     run.first_order()
     if request.needs_root:
         hessian = run.loss_hessian()
@@ -162,6 +170,32 @@ def extract(predictor, x, t, quantities=q.FIRST_ORDER,
         run.input_factors()
     run.sum_over_processes()
     return run.results()
+
+
+class _LinkState:
+    """What a forward and backward pass change in ``link``: its links'
+    persistent values (BatchNormalization's running statistics, ...) and
+    its parameters' gradients, kept to be put back."""
+
+    def __init__(self, link):
+        self.persistent = []
+        for sub in link.links():
+            for name in sub._persistent:
+                value = getattr(sub, name)
+                copy = value.copy() if hasattr(value, 'copy') else value
+                self.persistent.append((sub, name, value, copy))
+        self.grads = [(p, None if p.grad is None else p.grad.copy())
+                      for p in link.params()]
+
+    def restore(self) -> None:
+        for sub, name, value, copy in self.persistent:
+            if getattr(value, 'shape', None) is not None and \
+                    getattr(sub, name) is value:
+                value[...] = copy
+            else:
+                setattr(sub, name, copy)
+        for param, grad in self.grads:
+            param.grad = grad
 
 
 class _Extraction:

@@ -268,6 +268,9 @@ class MGRIT:
         with self._timed('ends'):
             if self.rank == self.classifier_owner:
                 loss_var = F.softmax_cross_entropy(self._logits, t)
+                # The seed of this call's adjoint solve alone (a second
+                # backward of one forward accumulates, as Chainer's does).
+                self._final_state.cleargrad()
                 loss_var.backward()
                 loss = float(loss_var.array)
                 g0 = self._final_state.grad

@@ -245,6 +245,20 @@ class LARS(optimizer.GradientMethod):
     def create_update_rule(self):
         return LARSRule(self.hyperparam)
 
+    def update(self, lossfun=None, *args, **kwds):
+        """Chainer's update, after ``momentum_form`` is checked where it
+        may have been set since the constructor (here, or a rule's own):
+        a refused update moves nothing, not even the step counters."""
+        forms = {self.hyperparam.momentum_form}
+        forms.update(param.update_rule.hyperparam.momentum_form
+                     for param in self.target.params()
+                     if isinstance(param.update_rule, LARSRule))
+        for form in forms:
+            if form not in MOMENTUM_FORMS:
+                raise ValueError('LARS: momentum_form={!r} must be one of {}'
+                                 .format(form, MOMENTUM_FORMS))
+        return super().update(lossfun, *args, **kwds)
+
     def setup(self, link):
         super().setup(link)
         for name, param in link.namedparams():

@@ -122,6 +122,30 @@ def test_batch_normalization_in_training_mode():
         close(got[path]['diag_ggn'], diag[path], path)
 
 
+def test_a_refused_graph_leaves_the_model_as_it_was():
+    """The coupling check needs the graph, so the forward and backward ran
+    before the refusal: the running statistics and gradients are given
+    back (they had moved: one training forward's worth)."""
+    model = nets.WithBN()
+    x, t = nets.data(n=4)
+    model.cleargrads()
+    grads = {}
+    for name, param in model.namedparams():
+        param.grad = numpy.full_like(param.array, 0.5)
+        grads[name] = param.grad.copy()
+    persistent = [(link, name, numpy.array(getattr(link, name)))
+                  for link in model.links() for name in link._persistent]
+    assert any(v.ndim for _, _, v in persistent)    # BN's statistics
+    with chainer.using_config('train', True):
+        with pytest.raises(curvature.UnsupportedGraph):
+            curvature.extract(model, x, t, quantities=('kflr',))
+    for link, name, value in persistent:
+        numpy.testing.assert_array_equal(getattr(link, name), value,
+                                         err_msg=name)
+    for name, param in model.namedparams():
+        numpy.testing.assert_array_equal(param.grad, grads[name], name)
+
+
 def test_any_loss_by_double_backprop():
     """A mean squared error: its Hessian is 2/(N·C) I per sample."""
     model, x, _ = nets.build('residual')

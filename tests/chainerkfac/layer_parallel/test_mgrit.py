@@ -56,6 +56,26 @@ def test_one_level_is_serial_exactly():
             assert numpy.array_equal(grad, grads_ref[name]), name
 
 
+def test_a_second_backward_accumulates_as_chainer_does():
+    """Two backward calls after one forward: every gradient twice the
+    serial one, as two ``loss.backward()`` in Chainer (the second adjoint
+    solve started from the seed accumulated by the first: 3× in the layers
+    and the opening, 2× in the classifier)."""
+    net = _net('dense')
+    x, t = common.batch(net)
+    _, _, grads_ref = common.serial_gradients(net, x, t)
+    mgrit = lp.MGRIT(net, levels=1)
+    net.cleargrads()
+    mgrit.forward(x)
+    mgrit.backward(t)
+    mgrit.backward(t)
+    grads = {name: param.grad for name, param in mgrit.owned_params()}
+    assert set(grads) == set(grads_ref)
+    for name, grad in grads.items():
+        numpy.testing.assert_allclose(grad, 2 * grads_ref[name], rtol=1e-13,
+                                      atol=0, err_msg=name)
+
+
 @pytest.mark.parametrize('relax,reach', [('FCF', lambda k, c: (2 * k + 1) * c),
                                          ('F', lambda k, c: (k + 1) * c)])
 def test_two_level_exactness_property(relax, reach):

@@ -177,6 +177,27 @@ def test_bad_arguments_are_named(kwargs, match):
         LARS(**kwargs)
 
 
+@pytest.mark.parametrize('where', ['optimizer', 'rule'])
+def test_a_bad_form_set_later_is_refused_before_anything_moves(where):
+    """``momentum_form`` set after the constructor (on the optimizer or on
+    one rule) is refused before the update: no step counted, no state made
+    (it was refused inside the rule, after Chainer had advanced ``t`` and
+    made ``v``)."""
+    model = helpers.ConvNet(bn=False)
+    optimizer = LARS().setup(model)
+    if where == 'optimizer':
+        optimizer.momentum_form = 'Scaled'
+    else:
+        model.fc.W.update_rule.hyperparam.momentum_form = 'Scaled'
+    weights = {n: p.array.copy() for n, p in model.namedparams()}
+    with pytest.raises(ValueError, match="momentum_form='Scaled'"):
+        optimizer.update(helpers.loss_of(model), *helpers.data())
+    assert optimizer.t == 0
+    for name, param in model.namedparams():
+        assert param.update_rule.t == 0 and param.update_rule.state is None
+        numpy.testing.assert_array_equal(param.array, weights[name])
+
+
 def test_lazily_initialised_links_are_decided_at_their_first_update():
     numpy.random.seed(0)
     model = helpers.ConvNet(bn=False)
