@@ -741,9 +741,19 @@ class KFAC(optimizer.GradientMethod):
                 continue
             for param in block.params:
                 rule = param.update_rule
-                if (rule is not None and rule.enabled and
-                        rule.state is None and param.array is not None):
-                    rule._init_states(param)    # as Chainer's update() does
+                if (rule is None or not rule.enabled or
+                        rule.state is not None or param.array is None):
+                    continue
+                # As Chainer's UpdateRule.update makes it: on the float32
+                # master of a float16 parameter under use_fp32_update.
+                if (rule._use_fp32_update and
+                        param.array.dtype == numpy.float16):
+                    if rule._fp32_param is None:
+                        rule._fp32_param = chainer.Parameter(
+                            param.array.astype(numpy.float32),
+                            name=param.name)
+                    param = rule._fp32_param
+                rule._init_states(param)
 
     def _drop_unowned_state(self) -> None:
         """Weight-update sharding: keep the velocities of the parameters

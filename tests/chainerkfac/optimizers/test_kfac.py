@@ -557,3 +557,37 @@ def test_trainer_snapshot_resumes_into_a_fresh_lazy_model(low_rank):
                                          err_msg=name)
     aux = resumed.updater.get_optimizer('main').target.predictor.aux
     numpy.testing.assert_array_equal(aux.W.update_rule.state['v'], 0)
+
+
+def test_never_updated_float16_parameters_save_an_fp32_velocity():
+    """Under ``use_fp32_update()`` the velocity given before saving to a
+    parameter that never had a gradient is that of its float32 master, as
+    Chainer's update makes it; the state loads (strictly)."""
+    class Net(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with chainer.using_config('dtype', numpy.float16), \
+                    self.init_scope():
+                self.l1 = L.Linear(5, 4)
+                self.l2 = L.Linear(4, 3)
+                self.head = L.Linear(4, 2)
+
+        def forward(self, x):
+            return self.l2(F.tanh(self.l1(x)))
+
+    x, t = helpers.data(n=6, shape=(5,), n_class=3)
+    model = Net()
+    optimizer = helpers.kfac(lr=0.05, momentum=0.9).setup(model)
+    optimizer.use_fp32_update()
+    for _ in range(2):
+        optimizer.update(helpers.loss_of(model), x.astype(numpy.float16), t)
+    saved = io.BytesIO()
+    serializers.save_npz(saved, optimizer)
+    for link in (model.l1, model.head):
+        assert link.W.update_rule.state['v'].dtype == numpy.float32
+    saved.seek(0)
+    fresh = Net()
+    loaded = helpers.kfac(lr=0.05, momentum=0.9).setup(fresh)
+    loaded.use_fp32_update()
+    serializers.load_npz(saved, loaded)
+    assert loaded.t == 2
