@@ -215,6 +215,10 @@ class LARS(optimizer.GradientMethod):
     weight_decay = optimizer.HyperparameterProxy('weight_decay')
     eta = optimizer.HyperparameterProxy('eta')
     momentum_form = optimizer.HyperparameterProxy('momentum_form')
+    #: :meth:`update` is ``GradientMethod.update`` after a check of the
+    #: hyperparameters: the sharded step may run the latter in its place
+    #: (:class:`~chainerkfac.optimizers.GuardedOptimizer`).
+    gradient_method_update = True
 
     def __init__(self, lr=_default_hyperparam.lr,
                  momentum=_default_hyperparam.momentum,

@@ -10,25 +10,32 @@
 # optimizer step in progress, write the snapshot and exit with status 75
 # ("resume me"); the script then submits the next job, which continues with
 # --resume latest. A SIGTERM that reaches only this script (qdel on some
-# sites) is forwarded the same way; one that reaches mpiexec too ends the
-# ranks 0.25 s later (Open MPI), and the next job falls back to the newest
-# whole snapshot (--snapshot-every 30min bounds what is lost).
+# sites) is forwarded the same way, so that the snapshot is written, but
+# nothing is resubmitted: a cancelled job stays cancelled (resubmit it by
+# hand to continue). One that reaches mpiexec too ends the ranks 0.25 s
+# later (Open MPI), and a later job falls back to the newest whole
+# snapshot (--snapshot-every 30min bounds what is lost).
+#
+# Submit from a shell whose `python` and `mpiexec` are the project's (e.g.
+# after `. .venv/bin/activate`): with -V the environment travels with this
+# job and with each one it submits (OUT, ARGS, ... included).
 #
 #PBS -N kfac-bs32k
 #PBS -l select=16:ncpus=40:ngpus=4:mpiprocs=4
 #PBS -l walltime=24:00:00
 #PBS -j oe
 #PBS -r y
+#PBS -V
 
 set -u
 cd "${PBS_O_WORKDIR:-.}" || exit 1
 
 # What to run (the variables let a stand-in scheduler drive this script in
-# the tests: tests/scripts/test_job_scripts.py).
+# the tests: tests/scripts/test_job_scripts.py and test_preemption.py).
 OUT=${OUT:-result/bs32k}
 ARGS=${ARGS:-"train.txt val.txt --root /data/imagenet --config config/bs32k.json --gpu --snapshot-every 30min"}
 LAUNCH=${LAUNCH:-"mpiexec --bind-to none python train_imagenet.py"}
-REQUEUE=${REQUEUE:-"qsub docs/jobs/pbs.sh"}
+REQUEUE=${REQUEUE:-"qsub -V docs/jobs/pbs.sh"}
 WALLTIME_S=${WALLTIME_S:-86400}     # the walltime requested above
 LEAD_S=${LEAD_S:-600}               # > the step in progress + the write
 RESUME_STATUS=75
@@ -40,7 +47,9 @@ fi
 # shellcheck disable=SC2086  # the commands and options are word lists
 $LAUNCH $ARGS --out "$OUT" $resume &
 pid=$!
-trap 'kill -USR1 "$pid" 2> /dev/null' USR1 TERM
+cancelled=
+trap 'kill -USR1 "$pid" 2> /dev/null' USR1
+trap 'cancelled=1; kill -USR1 "$pid" 2> /dev/null' TERM
 (
     trap 'kill "$sleeper" 2> /dev/null; exit 0' TERM
     sleep $((WALLTIME_S - LEAD_S)) &
@@ -56,9 +65,19 @@ wait "$pid"
 status=$?
 kill "$clock" 2> /dev/null
 
+if [ "$status" -eq "$RESUME_STATUS" ] && [ -n "$cancelled" ]; then
+    echo "$(date): stopped by SIGTERM (qdel?), snapshot written: not" \
+        "resubmitted (resubmit this script by hand to continue)"
+    exit "$RESUME_STATUS"
+fi
 if [ "$status" -eq "$RESUME_STATUS" ]; then
     echo "$(date): stopped before the wall-time limit, snapshot written: resubmitting"
-    $REQUEUE
+    if ! $REQUEUE; then
+        # Not a success: the run is unfinished and nothing will continue it.
+        echo "$(date): the resubmission failed ($REQUEUE): resubmit this" \
+            "script by hand; the next job continues with --resume latest" >&2
+        exit "$RESUME_STATUS"
+    fi
     exit 0
 fi
 exit "$status"

@@ -25,7 +25,7 @@
 set -u
 
 # What to run (the variables let a stand-in scheduler drive this script in
-# the tests: tests/scripts/test_job_scripts.py).
+# the tests: tests/scripts/test_job_scripts.py and test_preemption.py).
 OUT=${OUT:-result/bs32k}
 ARGS=${ARGS:-"train.txt val.txt --root /data/imagenet --config config/bs32k.json --gpu --snapshot-every 30min"}
 LAUNCH=${LAUNCH:-"mpiexec --bind-to none python train_imagenet.py"}
@@ -49,7 +49,12 @@ status=$?
 
 if [ "$status" -eq "$RESUME_STATUS" ]; then
     echo "$(date): stopped by the signal, snapshot written: requeueing"
-    $REQUEUE
+    if ! $REQUEUE; then
+        # Not a success: the run is unfinished and nothing will continue it.
+        echo "$(date): the requeue failed ($REQUEUE): resubmit this script" \
+            "by hand; the next job continues with --resume latest" >&2
+        exit "$RESUME_STATUS"
+    fi
     exit 0
 fi
 exit "$status"

@@ -1,0 +1,97 @@
+"""docs/jobs/slurm.sh and pbs.sh driven by a stand-in launcher (no
+training, no MPI): what each exit status of the run leads to, a requeue
+that fails, and the PBS script's SIGTERM (``qdel`` on some sites). The
+whole loop with real training is in test_preemption.py."""
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+SCRIPTS = ['docs/jobs/slurm.sh', 'docs/jobs/pbs.sh']
+
+#: The launcher: says it started, then exits with $CODE, or with 75 on
+#: SIGUSR1 (as train_imagenet.py does), or 0 after $DUR seconds.
+LAUNCHER = '''
+sleeper=
+trap 'echo "launcher got USR1"; kill $sleeper 2> /dev/null; exit 75' USR1
+echo "launcher started: $*"
+if [ -n "${CODE:-}" ]; then exit "$CODE"; fi
+sleep "${DUR:-30}" &
+sleeper=$!
+wait $sleeper
+'''
+
+
+def _job(tmp_path, script, code=None, requeue=None, **env):
+    launcher = tmp_path / 'launcher.sh'
+    launcher.write_text(LAUNCHER)
+    environ = dict(os.environ, OUT=str(tmp_path / 'run'), ARGS='a b',
+                   LAUNCH='bash {}'.format(launcher),
+                   REQUEUE=requeue or 'touch {}'.format(
+                       tmp_path / 'requeued'), **env)
+    if code is not None:
+        environ['CODE'] = str(code)
+    return subprocess.Popen(['bash', os.path.join(ROOT, script)],
+                            cwd=str(tmp_path), env=environ,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            universal_newlines=True)
+
+
+def _finish(job):
+    output, _ = job.communicate(timeout=60)
+    return job.returncode, output
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+@pytest.mark.parametrize('code', [0, 3])
+def test_a_finished_or_failed_run_is_not_requeued(tmp_path, script, code):
+    status, output = _finish(_job(tmp_path, script, code=code))
+    assert status == code, output
+    assert not (tmp_path / 'requeued').exists()
+    assert '--out {}'.format(tmp_path / 'run') in output
+    assert '--resume' not in output     # no snapshot: a fresh start
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+def test_the_resume_status_requeues_and_resumes_from_a_snapshot(tmp_path,
+                                                                script):
+    (tmp_path / 'run').mkdir()
+    (tmp_path / 'run' / 'snapshot_step_8.rank0').write_text('')
+    status, output = _finish(_job(tmp_path, script, code=75))
+    assert status == 0, output
+    assert (tmp_path / 'requeued').exists()
+    assert '--resume latest' in output
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+def test_a_failing_requeue_is_not_a_success(tmp_path, script):
+    """``scontrol requeue`` / ``qsub`` refused: the run is unfinished and
+    nothing will continue it (the job used to exit 0 all the same)."""
+    status, output = _finish(_job(tmp_path, script, code=75,
+                                  requeue='false'))
+    assert status == 75, output
+    assert 'by hand' in output
+
+
+def test_pbs_sigterm_writes_the_snapshot_and_submits_nothing(tmp_path):
+    """A SIGTERM to the script alone (``qdel`` on some sites) reaches the
+    run as SIGUSR1, so the snapshot is written, but the cancelled job is
+    not resubmitted (it used to be: a chain ``qdel`` could not stop)."""
+    job = _job(tmp_path, 'docs/jobs/pbs.sh', DUR='30')
+    # The launcher runs in the background of the script: wait until it
+    # has started (its first line), then send the script SIGTERM.
+    deadline = time.monotonic() + 30
+    line = job.stdout.readline()
+    while 'launcher started' not in line and time.monotonic() < deadline:
+        line = job.stdout.readline()
+    time.sleep(1.0)     # the script has set its traps and waits on it
+    job.send_signal(signal.SIGTERM)
+    status, output = _finish(job)
+    assert 'launcher got USR1' in output, output
+    assert status == 75, output
+    assert not (tmp_path / 'requeued').exists()
+    assert 'not resubmitted' in output
