@@ -261,7 +261,8 @@ def parse_args(argv):
     parser.add_argument('--include-fc', action='store_true',
                         help='take A and G over all Kronecker layers')
     parser.add_argument('--out', default='fig5_fisher_diff.png',
-                        help='PNG path; numbers go to the same name .json')
+                        help='PNG path; numbers go to the same name .json '
+                        '(default: %(default)s, in the current directory)')
     return parser.parse_args(argv)
 
 

@@ -75,7 +75,10 @@ with computation, contention.
 The shape is compared with the paper's Figure 2 (section 5.2): time per
 iteration falls from 1 and from 4 GPUs to 64 (superlinear, 64 GPUs 131.1 %
 faster than 1, read as T(1) / T(64) = 2.311), its minimum lies between 64
-and 256 GPUs, and it rises again past 256.
+and 256 GPUs, and it rises again past 256. The fall from 1 to 64 counts
+only beyond a 5 % margin, T(1) / T(64) > 1.05: the stage times the model
+starts from are measured on a shared machine, and a smaller difference is
+noise.
 """
 import argparse
 import json
@@ -96,6 +99,13 @@ DEFAULT_ALPHA = 5e-6       # s per ring step
 DEFAULT_BETA = 12.5e9      # bytes / s, 100 Gb/s InfiniBand EDR
 #: The paper's Figure 2: 64 GPUs are 131.1 % faster than 1.
 PAPER_SPEEDUP_1_TO_64 = 2.311
+#: T(1) / T(64) must exceed 1 by this much to count as a speed-up: the
+#: model's inputs are stage times measured on a shared machine, whose
+#: repeats differ by a few per cent, so a smaller difference is noise (the
+#: paper's is 131 %).
+SUPERLINEAR_MARGIN = 0.05
+SUPERLINEAR = 'superlinear from 1 to 64 (T(1)/T(64) > {:g})'.format(
+    1 + SUPERLINEAR_MARGIN)
 
 
 # -- input -------------------------------------------------------------------
@@ -348,15 +358,18 @@ def predict(bench: Dict, layers: LayerModel, processes: Sequence[int],
 def shape_checks(rows: Sequence[Dict]) -> Dict:
     """Compare the modelled curve with the paper's Figure 2.
 
-    Needs P = 1, 4, 64, 256, 512, 1024, 2048 in ``rows``.
+    Needs P = 1, 4, 64, 256, 512, 1024, 2048 in ``rows``. The speed-up from
+    1 to 64 processes counts only beyond :data:`SUPERLINEAR_MARGIN` (5 %):
+    ``T(1) / T(64) > 1.05``; a ratio within 5 % of 1 is noise, not shown.
     """
     total = {r['processes']: r['total'] for r in rows}
     over = [p for p in sorted(total) if p >= 4]
     fastest = min(over, key=lambda p: total[p])
     tail = [total[p] for p in (256, 512, 1024, 2048)]
+    speedup = total[1] / total[64]
     checks = {
         'faster at 64 than at 4 processes': total[64] < total[4],
-        'superlinear from 1 to 64 (T(64) < T(1))': total[64] < total[1],
+        SUPERLINEAR: speedup > 1 + SUPERLINEAR_MARGIN,
         'fastest between 64 and 256 processes': 64 <= fastest <= 256,
         'slower past 256 (T rises from 256 to 2048)':
             all(a <= b for a, b in zip(tail, tail[1:])) and
@@ -364,7 +377,8 @@ def shape_checks(rows: Sequence[Dict]) -> Dict:
     }
     return {'checks': checks, 'matches_paper': all(checks.values()),
             'fastest_processes': fastest,
-            'speedup_1_to_64': total[1] / total[64],
+            'speedup_1_to_64': speedup,
+            'superlinear_margin': SUPERLINEAR_MARGIN,
             'paper_speedup_1_to_64': PAPER_SPEEDUP_1_TO_64}
 
 
@@ -442,6 +456,19 @@ def plot(result: Dict, max_processes: int):
     return figure
 
 
+def _verdict(name: str, ok: bool, shape: Dict) -> str:
+    """'yes' or 'NO'; for the speed-up from 1 to 64, a ratio within the
+    margin of 1 either way is said to be noise."""
+    if ok:
+        return 'yes'
+    margin = shape['superlinear_margin']
+    if name == SUPERLINEAR and \
+            abs(shape['speedup_1_to_64'] - 1) <= margin:
+        return 'NO (T(1)/T(64) = {:.3f}: within {:g} % of 1, noise)'.format(
+            shape['speedup_1_to_64'], 100 * margin)
+    return 'NO'
+
+
 def format_table(result: Dict) -> str:
     params = result['parameters']
     ref = params['reference_bytes']
@@ -471,7 +498,7 @@ def format_table(result: Dict) -> str:
     lines.append('shape vs the paper (superlinear to 64 GPUs, degradation '
                  'past 256):')
     for name, ok in shape['checks'].items():
-        lines.append('  {:<48} {}'.format(name, 'yes' if ok else 'NO'))
+        lines.append('  {:<48} {}'.format(name, _verdict(name, ok, shape)))
     lines.append('  fastest at P = {}; T(1)/T(64) = {:.3f} (paper {:.3f})'
                  .format(shape['fastest_processes'], shape['speedup_1_to_64'],
                          shape['paper_speedup_1_to_64']))
@@ -508,9 +535,11 @@ def parse_args(argv):
                         '(default 0: the optimizer\'s cost model)')
     parser.add_argument('--max-processes', type=int, default=2048,
                         help='extrapolate to this many processes (a power '
-                        'of 2 >= 2048 keeps the paper\'s range)')
+                        'of 2 >= 2048 keeps the paper\'s range; default '
+                        '%(default)s)')
     parser.add_argument('--out', default='fig2_scaling.png',
-                        help='PNG path; numbers go to the same name .json')
+                        help='PNG path; numbers go to the same name .json '
+                        '(default: %(default)s, in the current directory)')
     args = parser.parse_args(argv)
     if args.alpha < 0 or args.beta <= 0 or args.inverse_overhead < 0:
         parser.error('--alpha and --inverse-overhead must be >= 0 and '

@@ -182,12 +182,27 @@ def startup(images, n, list_lines, directory, repeats) -> Dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--smoke', action='store_true')
-    parser.add_argument('--out', default='result/data_path.json')
-    parser.add_argument('--images', type=int, default=256)
-    parser.add_argument('--list-lines', type=int, default=1281167)
-    parser.add_argument('--repeats', type=int, default=3)
+    parser = argparse.ArgumentParser(
+        prog='python -m benchmarks.data_path',
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--smoke', action='store_true',
+                        help='32 images, a 10000-line list, one repeat '
+                             '(overrides --images, --list-lines and '
+                             '--repeats)')
+    parser.add_argument('--out', default='result/data_path.json',
+                        help='JSON output (default: %(default)s)')
+    parser.add_argument('--images', type=int, default=256,
+                        help='synthetic 500x375 JPEGs to decode (default: '
+                             '%(default)s)')
+    parser.add_argument('--list-lines', type=int, default=1281167,
+                        help='entries of the image list whose reading is '
+                             "timed (default: %(default)s, ImageNet's "
+                             'training set)')
+    parser.add_argument('--repeats', type=int, default=3,
+                        help='timed passes of each measurement; the '
+                             'figures are their medians (default: '
+                             '%(default)s)')
     args = parser.parse_args(argv)
     n = 32 if args.smoke else args.images
     lines = 10000 if args.smoke else args.list_lines

@@ -104,11 +104,18 @@ def measure(case: str, repeats: int, clean: bool, directory: str) -> Dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser = argparse.ArgumentParser(
+        prog='python -m benchmarks.failure_latency',
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--smoke', action='store_true',
-                        help='one failing run of each case, no clean runs')
-    parser.add_argument('--out', default='result/failure_latency.json')
-    parser.add_argument('--repeats', type=int, default=3)
+                        help='one failing run of each case, no clean runs '
+                             '(overrides --repeats)')
+    parser.add_argument('--out', default='result/failure_latency.json',
+                        help='JSON output (default: %(default)s)')
+    parser.add_argument('--repeats', type=int, default=3,
+                        help='failing and clean jobs per case; the times '
+                             'are their medians (default: %(default)s)')
     args = parser.parse_args(argv)
     repeats = 1 if args.smoke else args.repeats
     data = _common.header('failure_latency', sys.argv[1:] if argv is None

@@ -195,15 +195,31 @@ def measure_agreement(size, calls):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser = argparse.ArgumentParser(
+        prog='python -m benchmarks.preemption',
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--smoke', action='store_true',
                         help='the small ResNet once, 200 agreement calls '
-                             'on 2 processes')
-    parser.add_argument('--out', default='result/preemption.json')
-    parser.add_argument('--repeats', type=int, default=3)
-    parser.add_argument('--archs', default='small,resnet50')
-    parser.add_argument('--agreement-sizes', default='2,4')
-    parser.add_argument('--timeout', type=float, default=1800)
+                             'on 2 processes (overrides --repeats, --archs '
+                             'and --agreement-sizes)')
+    parser.add_argument('--out', default='result/preemption.json',
+                        help='JSON output (default: %(default)s)')
+    parser.add_argument('--repeats', type=int, default=3,
+                        help='stopped runs per model, each signalled at '
+                             'another point of its step (default: '
+                             '%(default)s)')
+    parser.add_argument('--archs', default='small,resnet50',
+                        help='comma-separated models to stop, of small, '
+                             'resnet50 (default: %(default)s)')
+    parser.add_argument('--agreement-sizes', default='2,4',
+                        help="comma-separated process counts to time the "
+                             "agreement on; '' skips it (default: "
+                             "%(default)s)")
+    parser.add_argument('--timeout', type=float, default=1800,
+                        help="seconds a run may take to its second step, "
+                             "and again to exit after the signal (default: "
+                             "%(default)s)")
     parser.add_argument('--agreement-worker', type=int,
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -122,11 +122,18 @@ def measure(name: str, repeats: int) -> Dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser = argparse.ArgumentParser(
+        prog='python -m benchmarks.replay_host',
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--smoke', action='store_true',
-                        help='the small ResNet, 20 repeats')
-    parser.add_argument('--out', default='result/replay_host.json')
-    parser.add_argument('--repeats', type=int, default=200)
+                        help='the small ResNet, 20 repeats (overrides '
+                             '--repeats)')
+    parser.add_argument('--out', default='result/replay_host.json',
+                        help='JSON output (default: %(default)s)')
+    parser.add_argument('--repeats', type=int, default=200,
+                        help='timed steps per call; the figures are their '
+                             'medians (default: %(default)s)')
     args = parser.parse_args(argv)
     data = _common.header('replay_host', sys.argv[1:] if argv is None
                           else argv)

@@ -135,40 +135,49 @@ def measure(spec, batch, directory) -> Dict:
 
 
 def print_result(result):
-    gib = 2.0 ** 30
+    """The tables and the summary line; every size in decimal GB (10⁹
+    bytes), the unit of the goal."""
+    gb = 1e9
     b, a = result['before'], result['after']
     print(_common.format_table(
-        ['save', 'file GiB', 'loop blocked s', 'write s'],
-        [['before: save_npz, zlib, synchronous', b['bytes'] / gib,
+        ['save', 'file GB', 'loop blocked s', 'write s'],
+        [['before: save_npz, zlib, synchronous', b['bytes'] / gb,
           b['seconds'], b['seconds']],
-         ['after: background, uncompressed', a['bytes'] / gib,
+         ['after: background, uncompressed', a['bytes'] / gb,
           a['blocked_s'], a['write_s']]]))
     print()
     print(_common.format_table(
-        ['state (uncompressed)', 'before GiB', 'after GiB'],
-        [[kind, b['array_bytes'][kind] / gib, a['array_bytes'][kind] / gib]
+        ['state (uncompressed)', 'before GB', 'after GB'],
+        [[kind, b['array_bytes'][kind] / gb, a['array_bytes'][kind] / gb]
          for kind in b['array_bytes']]))
     print()
     print('{}: K-FAC step {:.1f} s; blocked {:.3f} s = {:.2%} of the old save '
-          '(goal <= {:.0%}: {}); file {:.2f} GB (goal <= {:.1f} GB: {})'
+          '(goal <= {:.0%}: {}); file {:.3g} GB (goal <= {:.1f} GB: {})'
           .format(result['model'], result['kfac_step_s'], a['blocked_s'],
                   result['blocked_fraction_of_before'],
                   GOALS['max_blocked_fraction'],
                   'met' if result['goals']['blocked_met'] else 'NOT met',
-                  a['bytes'] / 1e9, GOALS['max_bytes'] / 1e9,
+                  a['bytes'] / gb, GOALS['max_bytes'] / gb,
                   'met' if result['goals']['bytes_met'] else 'NOT met'))
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser = argparse.ArgumentParser(
+        prog='python -m benchmarks.snapshot',
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--smoke', action='store_true',
                         help='the small ResNet at 16x16 (seconds)')
-    parser.add_argument('--out', default='result/snapshot.json')
-    parser.add_argument('--batch', type=int, default=4)
+    parser.add_argument('--out', default='result/snapshot.json',
+                        help='JSON output (default: %(default)s)')
+    parser.add_argument('--batch', type=int, default=4,
+                        help='images in the one K-FAC step before the '
+                             'snapshots (default: %(default)s)')
     parser.add_argument('--dir', help='where to write the snapshots '
                         '(default: a temporary directory, removed after)')
     parser.add_argument('--threads', type=int, default=1,
-                        help='BLAS threads of the K-FAC step')
+                        help='BLAS threads of the K-FAC step (default: '
+                             '%(default)s)')
     args = parser.parse_args(argv)
     spec = SMOKE if args.smoke else FULL
     data = _common.header('snapshot', sys.argv[1:] if argv is None

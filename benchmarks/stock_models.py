@@ -841,38 +841,63 @@ def _limits(text: str):
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(
+        prog='python -m benchmarks.stock_models',
         description=__doc__.split('\n\n')[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--smoke', action='store_true',
                         help='tiny models, one seed, seconds')
     parser.add_argument('--part', default='timing,accuracy,stability',
                         help="comma-separated; 'none' runs nothing: with "
-                             '--merge, joins earlier runs and prints')
+                             '--merge, joins earlier runs and prints '
+                             '(default: %(default)s)')
     parser.add_argument('--models', default=None,
                         help='comma-separated; default all ({})'.format(
                             ','.join(TIMED)))
-    parser.add_argument('--limits', default='None,4096,2048,1024,512')
-    parser.add_argument('--cycles', type=int, default=3)
-    parser.add_argument('--seeds', type=int, default=5)
-    parser.add_argument('--epochs', type=int, default=5)
-    parser.add_argument('--batch', type=int, default=64)
-    parser.add_argument('--dampings', default=','.join(map(str, DAMPINGS)))
+    parser.add_argument('--limits', default='None,4096,2048,1024,512',
+                        help="comma-separated max_factor_dim values of the "
+                             "timing and accuracy runs ('None': no limit) "
+                             '(default: %(default)s)')
+    parser.add_argument('--cycles', type=int, default=3,
+                        help='timed cycles of three K-FAC step kinds per '
+                             'model and limit, after one warm-up cycle '
+                             '(default: %(default)s; smoke 1)')
+    parser.add_argument('--seeds', type=int, default=5,
+                        help='seeds of each accuracy setting (default: '
+                             '%(default)s; smoke 1)')
+    parser.add_argument('--epochs', type=int, default=5,
+                        help='epochs of each accuracy run (default: '
+                             '%(default)s; smoke 1)')
+    parser.add_argument('--batch', type=int, default=64,
+                        help='batch of the accuracy and stability runs '
+                             '(default: %(default)s)')
+    parser.add_argument('--dampings', default=','.join(map(str, DAMPINGS)),
+                        help='comma-separated K-FAC dampings of the '
+                             'accuracy and stability grids (default: '
+                             '%(default)s; smoke: the accuracy grid takes '
+                             'the first)')
     parser.add_argument('--intervals',
                         default=','.join(ACCURACY_DEFAULT_INTERVALS),
-                        help='accuracy grid, of {}'.format(
-                            ','.join(ACCURACY_INTERVALS)))
+                        help='accuracy grid, of {} (default: %(default)s; '
+                             'smoke: the first two)'.format(
+                                 ','.join(ACCURACY_INTERVALS)))
     parser.add_argument('--kl-clip', default=str(
         kfac_module.DEFAULT_KL_CLIP),
                         help="the accuracy and stability runs' bounded "
-                             "step ('none': unbounded)")
+                             "step ('none': unbounded) (default: "
+                             '%(default)s)')
     parser.add_argument('--low-rank', choices=('on', 'off'), default='on',
-                        help="the timed K-FAC's low-rank factors")
-    parser.add_argument('--threads', type=int, default=1)
+                        help="the timed K-FAC's low-rank factors (default: "
+                             '%(default)s)')
+    parser.add_argument('--threads', type=int, default=1,
+                        help='BLAS threads, through threadpoolctl '
+                             '(default: %(default)s)')
     parser.add_argument('--merge', action='append', default=[],
                         help='JSON of an earlier run (repeatable): its '
                              'model timings, accuracy settings and '
                              'stability rows not redone here are kept')
-    parser.add_argument('--out', default='result/stock_models.json')
+    parser.add_argument('--out', default='result/stock_models.json',
+                        help='JSON output, also written after each timed '
+                             'model (default: %(default)s)')
     return parser.parse_args(argv)
 
 

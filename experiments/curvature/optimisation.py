@@ -148,7 +148,10 @@ def final_score(curves, epochs):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser = argparse.ArgumentParser(
+        prog='python -m experiments.curvature.optimisation',
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--epochs', type=int, default=20)
     parser.add_argument('--search-epochs', type=int, default=10,
                         help='epochs of each run of the grid search')

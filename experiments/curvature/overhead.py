@@ -61,7 +61,10 @@ GOALS = {'batch_l2': 1.5, 'sum_grad_squared': 1.5, 'variance': 1.5,
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser = argparse.ArgumentParser(
+        prog='python -m experiments.curvature.overhead',
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--batch', type=int, default=64)
     parser.add_argument('--repetitions', type=int, default=7)
     parser.add_argument('--exact-repetitions', type=int, default=1,
@@ -115,6 +118,7 @@ def measure(name, args, xp, sync):
         args.exact_repetitions
     times = {'wall': {}, 'cpu': {}}
     gradient()
+    label_width = len('round {0}/{0}:'.format(args.repetitions))
     for round_ in range(-1, args.repetitions):       # round -1: warm-up
         for quantity in CHEAP + EXACT:
             if quantity in EXACT and (round_ >= exact_rounds or (
@@ -128,9 +132,11 @@ def measure(name, args, xp, sync):
                     times[clock].setdefault('gradient ' + quantity,
                                             []).append(b)
                     times[clock].setdefault(quantity, []).append(c)
-            print('  {} round {}/{}: {:<16} {:7.3f} s CPU ({:.2f}x), '
+            label = 'warm-up' if round_ < 0 else 'round {}/{}'.format(
+                round_ + 1, args.repetitions)
+            print('  {} {:<{}} {:<16} {:7.3f} s CPU ({:.2f}x), '
                   'wall {:7.3f} s ({:.2f}x), load {:.1f}'.format(
-                      name, round_ + 1, args.repetitions, quantity, cost[1],
+                      name, label + ':', label_width, quantity, cost[1],
                       cost[1] / base[1], cost[0], cost[0] / base[0],
                       os.getloadavg()[0]), flush=True)
     return model, times

@@ -86,8 +86,19 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def v_cycles(count, iterations: int) -> str:
+    """V-cycles to the drop in words: ``count`` None means the drop was
+    not reached within the ``iterations`` run."""
+    if count is None:
+        return 'not reached in {} iterations'.format(iterations)
+    return str(count)
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser = argparse.ArgumentParser(
+        prog='python -m experiments.layer_parallel.convergence',
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--layers', default='64,128,256,512,1024,2048')
     parser.add_argument('--cases', default='peaks,digits')
     parser.add_argument('--weights', default='smooth,independent')
@@ -110,10 +121,12 @@ def main(argv=None):
                             args.coarsening, args.relax, args.batch)
                 results[case][weights].append(entry)
                 common.logger.info(
-                    '%-6s %-11s N=%5d levels %-28s state %s, adjoint %s '
-                    'V-cycles to 1e-5  (%.1f s)', case, weights, n_layers,
-                    entry['levels'], entry['state_iterations'],
-                    entry['adjoint_iterations'], entry['seconds'])
+                    '%-6s %-11s N=%5d levels %-28s V-cycles to 1e-5: state '
+                    '%s, adjoint %s  (%.1f s)', case, weights, n_layers,
+                    entry['levels'],
+                    v_cycles(entry['state_iterations'], args.iterations),
+                    v_cycles(entry['adjoint_iterations'], args.iterations),
+                    entry['seconds'])
     worst = max((entry[kind] for by_weights in results.values()
                  for entries in by_weights.values() for entry in entries
                  for kind in ('state_iterations', 'adjoint_iterations')),
@@ -127,7 +140,8 @@ def main(argv=None):
     common.write_json(stem + '.json', payload)
     plot(results, stem + '.png')
     common.logger.info('most V-cycles to 1e-5: %s (goal <= 12); wrote %s'
-                       '.png and .json', worst, stem)
+                       '.png and .json', v_cycles(worst, args.iterations),
+                       stem)
 
 
 if __name__ == '__main__':

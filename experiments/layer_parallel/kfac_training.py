@@ -160,7 +160,10 @@ def plot(results, args, path) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser = argparse.ArgumentParser(
+        prog='python -m experiments.layer_parallel.kfac_training',
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--cases', default='peaks,digits')
     parser.add_argument('--layers', type=int, default=32)
     parser.add_argument('--steps', type=int, default=200)

@@ -254,7 +254,25 @@ def predictions(launches, convergence, at_scale, weights='smooth',
     return rows
 
 
-def plot(launches, checks, predicted, path) -> None:
+def per_core(at_scale) -> str:
+    """The modelled configurations in words: ``'4 layers per core'`` when
+    every ``(layers, cores)`` pair has the same ratio, else the pairs."""
+    ratios = {layers / cores for layers, cores in at_scale}
+    if len(ratios) == 1:
+        return '{:g} layers per core'.format(ratios.pop())
+    return ', '.join('{} layers on {} cores'.format(*pair)
+                     for pair in at_scale)
+
+
+def x_label(layers_per_process: int, at_scale) -> str:
+    """Fig. 5's x-axis label, from the run's ``--layers-per-process`` and
+    ``--at-scale``."""
+    return 'layers N (measured: {} layers per process; model: {})'.format(
+        layers_per_process, per_core(at_scale))
+
+
+def plot(launches, checks, predicted, path, layers_per_process,
+         at_scale) -> None:
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -282,15 +300,15 @@ def plot(launches, checks, predicted, path) -> None:
         rows = [r for r in predicted if r['case'] == case]
         ax.loglog([r['layers'] for r in rows],
                   [r['parallel_model'] for r in rows], 'C1--^', ms=6,
-                  label='layer-parallel, model (N / 4 cores)')
+                  label='layer-parallel, model ({})'.format(
+                      per_core(at_scale)))
         for r in rows:
             # Speed-up over the faster of the two layer-serial codes.
             ax.annotate('{:.1f}x'.format(r['speedup']),
                         (r['layers'], r['parallel_model']),
                         textcoords='offset points', xytext=(0, -12),
                         ha='center', fontsize=8, color='C1')
-        ax.set_xlabel('layers N (measured: 64 per process; model: 4 per '
-                      'core)')
+        ax.set_xlabel(x_label(layers_per_process, at_scale))
         ax.set_ylabel('seconds per gradient')
         ax.set_title(case)
         ax.grid(True, which='both', alpha=0.3)
@@ -301,7 +319,10 @@ def plot(launches, checks, predicted, path) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser = argparse.ArgumentParser(
+        prog='python -m experiments.layer_parallel.scaling',
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--processes', default='1,2,4')
     parser.add_argument('--layers-per-process', type=int, default=64)
     parser.add_argument('--cases', default='peaks,digits')
@@ -372,7 +393,8 @@ def main(argv=None):
     stem = os.path.join(args.out, 'table1_scaling' + suffix)
     common.write_json(stem + '.json', payload)
     plot(launches, checks, predicted,
-         os.path.join(args.out, 'fig5_scaling{}.png'.format(suffix)))
+         os.path.join(args.out, 'fig5_scaling{}.png'.format(suffix)),
+         args.layers_per_process, at_scale)
     common.logger.info('\nmodel check (time per gradient, s):')
     for row in checks:
         common.logger.info(
@@ -383,7 +405,8 @@ def main(argv=None):
             row['measured'], row['model_in_situ'],
             100 * row['error_in_situ'], row['model_one_process_costs'],
             100 * row['error_one_process_costs'])
-    common.logger.info('\nTable 1 at the seed\'s scale (4 layers per core):')
+    common.logger.info('\nTable 1 at the modelled scale (%s):',
+                       per_core(at_scale))
     for row, slow, rough in zip(predicted, slow_network, independent):
         common.logger.info(
             '  %-6s N=%4d cores=%3d  serial %.2f s (Chainer) / %.2f s (same '

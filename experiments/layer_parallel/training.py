@@ -200,7 +200,10 @@ def plot(serial, parallel, label, path) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser = argparse.ArgumentParser(
+        prog='python -m experiments.layer_parallel.training',
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--layers', type=int, default=128)
     parser.add_argument('--iterations', type=int, default=400)
     parser.add_argument('--processes', type=int, default=2)

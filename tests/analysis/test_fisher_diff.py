@@ -117,3 +117,12 @@ def test_non_finite_values_are_left_out():
     assert series['n_layers'] == [2]
     assert series['p50'] == [pytest.approx(0.2)]
     assert all(math.isfinite(v) for v in series['p95'])
+
+
+def test_help_states_the_output_default(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        fisher_diff.parse_args(['--help'])
+    assert exit_.value.code == 0
+    text = ' '.join(capsys.readouterr().out.split())
+    assert '(default: fig5_fisher_diff.png, in the current directory)' \
+        in text

@@ -114,11 +114,12 @@ def test_model_numbers(benchmark, tmp_path, capsys):
     shape = result['shape']
     assert set(shape['checks']) == {
         'faster at 64 than at 4 processes',
-        'superlinear from 1 to 64 (T(64) < T(1))',
+        'superlinear from 1 to 64 (T(1)/T(64) > 1.05)',
         'fastest between 64 and 256 processes',
         'slower past 256 (T rises from 256 to 2048)'}
     assert shape['speedup_1_to_64'] == pytest.approx(
         rows[1]['total'] / rows[64]['total'])
+    assert scaling.SUPERLINEAR in printed
     assert 'shape matches the paper: {}'.format(
         'yes' if shape['matches_paper'] else 'no') in printed
     assert 'alpha = 1e-05 s, beta = 1e+09 bytes/s' in printed
@@ -154,8 +155,35 @@ def test_resnet50_layer_structure_and_paper_shape(benchmark, tmp_path):
                            scaling.DEFAULT_ALPHA, scaling.DEFAULT_BETA)
     shape = scaling.shape_checks(rows)
     assert shape['checks']['faster at 64 than at 4 processes']
-    assert shape['checks']['superlinear from 1 to 64 (T(64) < T(1))']
+    assert shape['checks']['superlinear from 1 to 64 (T(1)/T(64) > 1.05)']
     assert shape['checks']['slower past 256 (T rises from 256 to 2048)']
+
+
+def _shape_result(totals):
+    rows = [{'processes': p, 'total': t} for p, t in totals.items()]
+    shape = scaling.shape_checks(rows)
+    return shape, scaling._verdict(scaling.SUPERLINEAR,
+                                   shape['checks'][scaling.SUPERLINEAR], shape)
+
+
+@pytest.mark.parametrize('t64, ok, verdict', [
+    (1.0 / 1.001, False, 'NO (T(1)/T(64) = 1.001: within 5 % of 1, noise)'),
+    (1.0 / 0.999, False, 'NO (T(1)/T(64) = 0.999: within 5 % of 1, noise)'),
+    (1.0 / 1.2, True, 'yes'),
+    (1.0 / 0.5, False, 'NO'),
+])
+def test_superlinear_needs_a_stated_margin(t64, ok, verdict):
+    """T(1)/T(64) = 1.001 is noise, not a speed-up: the check needs the
+    ratio above 1.05, says so in its name, and a ratio within 5 % of 1 is
+    printed as noise."""
+    totals = {1: 1.0, 4: 2.0, 64: t64, 256: 1.1, 512: 1.2, 1024: 1.3,
+              2048: 1.4}
+    shape, printed = _shape_result(totals)
+    assert scaling.SUPERLINEAR == \
+        'superlinear from 1 to 64 (T(1)/T(64) > 1.05)'
+    assert shape['checks'][scaling.SUPERLINEAR] is ok
+    assert shape['superlinear_margin'] == 0.05
+    assert printed == verdict
 
 
 def test_uniform_layers_without_a_known_model():
@@ -235,3 +263,12 @@ def test_output_never_overwrites_the_input(benchmark, tmp_path, capsys):
     assert open(path).read() == before
     assert scaling.main([path, '--out', str(tmp_path / 'x.svg')]) == 2
     assert 'ending in .png' in capsys.readouterr().err
+
+
+def test_help_states_the_output_default(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        scaling.parse_args(['--help'])
+    assert exit_.value.code == 0
+    text = ' '.join(capsys.readouterr().out.split())
+    assert '(default: fig2_scaling.png, in the current directory)' in text
+    assert 'default 2048' in text

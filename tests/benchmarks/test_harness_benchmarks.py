@@ -1,13 +1,19 @@
 """``python -m benchmarks.snapshot --smoke``, ``benchmarks.data_path
 --smoke``, ``benchmarks.failure_latency --smoke`` and
 ``benchmarks.preemption --smoke`` run as a user runs them and their JSON
-holds the figures (finite, positive); nothing asserts a speed."""
+holds the figures (finite, positive); nothing asserts a speed. Their
+``--help`` and the snapshot's units."""
 import json
 import math
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks import _common
+from tests.benchmarks.help_text import first_paragraph
+from tests.benchmarks.help_text import help_text
+from tests.benchmarks.help_text import option_helps
 
 
 def positive(value):
@@ -92,3 +98,51 @@ def test_preemption_smoke(tmp_path):
     [agreement] = data['agreement']
     assert agreement['size'] == 2 and positive(agreement['seconds'])
     assert 'signal to exit s' in proc.stdout
+
+
+# -- --help: the whole first paragraph, every option's help and default ------
+HELP_DEFAULTS = {
+    'benchmarks.preemption': ('--out', '--repeats', '--archs',
+                              '--agreement-sizes', '--timeout'),
+    'benchmarks.data_path': ('--out', '--images', '--list-lines',
+                             '--repeats'),
+    'benchmarks.failure_latency': ('--out', '--repeats'),
+    'benchmarks.replay_host': ('--out', '--repeats'),
+    'benchmarks.snapshot': ('--out', '--batch', '--threads', '--dir'),
+}
+
+
+@pytest.mark.parametrize('module', sorted(HELP_DEFAULTS))
+def test_help_describes_in_whole_sentences_with_defaults(module, capsys):
+    text = help_text(module, capsys)
+    description = text.split('\n\n')[1]
+    assert description == first_paragraph(module).strip()
+    assert description.rstrip()[-1] in '.:)'
+    helps = option_helps(text)
+    for option, words in helps.items():
+        assert words, '{} {} has no help'.format(module, option)
+    for option in HELP_DEFAULTS[module]:
+        assert 'default' in helps[option], (module, option)
+    assert 'python -m ' + module in text.splitlines()[0]
+
+
+def test_snapshot_sizes_are_decimal_gb_everywhere(capsys):
+    """The tables and the goal's line say GB and mean 10⁹ bytes (the goal
+    is 1.1 GB); the line shows the file's size to 3 digits, as the
+    table."""
+    from benchmarks import snapshot
+    parts = {'kfac_factors': 2 * 10 ** 6, 'model': 10 ** 6}
+    snapshot.print_result({
+        'model': 'small', 'kfac_step_s': 0.5,
+        'before': {'bytes': 1_500_000, 'seconds': 0.2,
+                   'array_bytes': parts},
+        'after': {'bytes': 3_000_000, 'blocked_s': 0.01, 'write_s': 0.05,
+                  'array_bytes': parts},
+        'blocked_fraction_of_before': 0.05,
+        'goals': {'bytes_met': True, 'blocked_met': True}})
+    out = capsys.readouterr().out
+    assert 'GiB' not in out
+    assert '| file GB |' in out and '| before GB | after GB |' in out
+    assert '| after: background, uncompressed     |   0.003 |' in out
+    assert '| kfac_factors         |     0.002 |    0.002 |' in out
+    assert 'file 0.003 GB (goal <= 1.1 GB: met)' in out

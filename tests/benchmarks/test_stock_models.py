@@ -10,6 +10,9 @@ import pytest
 import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
 import chainer.links as L
 
+from tests.benchmarks.help_text import first_paragraph
+from tests.benchmarks.help_text import help_text
+from tests.benchmarks.help_text import option_helps
 from tests.benchmarks.test_benchmarks import check_header
 from tests.benchmarks.test_benchmarks import positive
 from tests.benchmarks.test_benchmarks import run_benchmark
@@ -137,3 +140,16 @@ def test_unknown_part_is_refused():
     from benchmarks import stock_models
     with pytest.raises(SystemExit, match='unknown timings'):
         stock_models.main(['--part', 'timings'])
+
+
+def test_help_gives_every_option_a_help_and_its_default(capsys):
+    text = help_text('benchmarks.stock_models', capsys)
+    assert text.split('\n\n')[1] == first_paragraph(
+        'benchmarks.stock_models').strip()
+    helps = option_helps(text)
+    for option in ('--part', '--models', '--limits', '--cycles', '--seeds',
+                   '--epochs', '--batch', '--dampings', '--intervals',
+                   '--kl-clip', '--low-rank', '--threads', '--out'):
+        assert 'default' in helps[option], option
+    assert '(default: result/stock_models.json)' in helps['--out']
+    assert all(helps.values())

@@ -1,0 +1,41 @@
+"""Read a module's ``--help`` the way a user sees it."""
+import importlib
+
+import pytest
+
+
+def help_text(module_name: str, capsys) -> str:
+    """What ``python -m MODULE --help`` prints (through its ``main``, or
+    ``parse_args`` where the module has one)."""
+    module = importlib.import_module(module_name)
+    entry = getattr(module, 'parse_args', None) or module.main
+    with pytest.raises(SystemExit) as exit_:
+        entry(['--help'])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+def description(module_name: str, capsys) -> str:
+    """The description paragraph of the help (after the usage)."""
+    return help_text(module_name, capsys).split('\n\n')[1]
+
+
+def first_paragraph(module_name: str) -> str:
+    return importlib.import_module(module_name).__doc__.split('\n\n')[0]
+
+
+def option_helps(text: str) -> dict:
+    """``{'--out': 'JSON output (default: ...)', ...}``: each option's help
+    on one line."""
+    options = text.split('\n\n', 2)[2]
+    helps, name = {}, None
+    for line in options.splitlines()[1:]:
+        if line.startswith('  -'):
+            words = line.split()
+            name = words[0].rstrip(',')
+            # the help starts after the metavar, two spaces on
+            rest = line.strip().split('  ', 1)
+            helps[name] = rest[1].strip() if len(rest) > 1 else ''
+        elif name is not None:
+            helps[name] = (helps[name] + ' ' + line.strip()).strip()
+    return helps
