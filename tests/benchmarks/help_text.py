@@ -15,13 +15,18 @@ def help_text(module_name: str, capsys) -> str:
     return capsys.readouterr().out
 
 
-def description(module_name: str, capsys) -> str:
-    """The description paragraph of the help (after the usage)."""
-    return help_text(module_name, capsys).split('\n\n')[1]
-
-
 def first_paragraph(module_name: str) -> str:
     return importlib.import_module(module_name).__doc__.split('\n\n')[0]
+
+
+def assert_whole_first_paragraph(module_name: str, text: str) -> None:
+    """The help ``text`` of ``python -m MODULE``: its usage names that
+    command, and its description is the module docstring's whole first
+    paragraph, ending a sentence (not its first line)."""
+    assert text.splitlines()[0].startswith('usage: python -m ' + module_name)
+    description = text.split('\n\n')[1]
+    assert description == first_paragraph(module_name).strip()
+    assert description.rstrip()[-1] in '.:)'
 
 
 def option_helps(text: str) -> dict:

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from benchmarks import _common
-from tests.benchmarks.help_text import first_paragraph
+from tests.benchmarks.help_text import assert_whole_first_paragraph
 from tests.benchmarks.help_text import help_text
 from tests.benchmarks.help_text import option_helps
 
@@ -115,15 +115,12 @@ HELP_DEFAULTS = {
 @pytest.mark.parametrize('module', sorted(HELP_DEFAULTS))
 def test_help_describes_in_whole_sentences_with_defaults(module, capsys):
     text = help_text(module, capsys)
-    description = text.split('\n\n')[1]
-    assert description == first_paragraph(module).strip()
-    assert description.rstrip()[-1] in '.:)'
+    assert_whole_first_paragraph(module, text)
     helps = option_helps(text)
     for option, words in helps.items():
         assert words, '{} {} has no help'.format(module, option)
     for option in HELP_DEFAULTS[module]:
         assert 'default' in helps[option], (module, option)
-    assert 'python -m ' + module in text.splitlines()[0]
 
 
 def test_snapshot_sizes_are_decimal_gb_everywhere(capsys):

@@ -10,7 +10,7 @@ import pytest
 import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
 import chainer.links as L
 
-from tests.benchmarks.help_text import first_paragraph
+from tests.benchmarks.help_text import assert_whole_first_paragraph
 from tests.benchmarks.help_text import help_text
 from tests.benchmarks.help_text import option_helps
 from tests.benchmarks.test_benchmarks import check_header
@@ -144,8 +144,7 @@ def test_unknown_part_is_refused():
 
 def test_help_gives_every_option_a_help_and_its_default(capsys):
     text = help_text('benchmarks.stock_models', capsys)
-    assert text.split('\n\n')[1] == first_paragraph(
-        'benchmarks.stock_models').strip()
+    assert_whole_first_paragraph('benchmarks.stock_models', text)
     helps = option_helps(text)
     for option in ('--part', '--models', '--limits', '--cycles', '--seeds',
                    '--epochs', '--batch', '--dampings', '--intervals',

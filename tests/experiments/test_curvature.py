@@ -6,7 +6,7 @@ import numpy
 import pytest
 
 from experiments.curvature import overhead
-from tests.benchmarks.help_text import first_paragraph
+from tests.benchmarks.help_text import assert_whole_first_paragraph
 from tests.benchmarks.help_text import help_text
 
 MODULES = ('experiments.curvature.optimisation',
@@ -15,11 +15,7 @@ MODULES = ('experiments.curvature.optimisation',
 
 @pytest.mark.parametrize('module', MODULES)
 def test_help_gives_the_whole_first_paragraph(module, capsys):
-    text = help_text(module, capsys)
-    description = text.split('\n\n')[1]
-    assert description == first_paragraph(module).strip()
-    assert description[-1] in '.:)'
-    assert text.startswith('usage: python -m ' + module)
+    assert_whole_first_paragraph(module, help_text(module, capsys))
 
 
 def test_overhead_labels_its_warm_up_round(capsys):

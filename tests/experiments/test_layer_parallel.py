@@ -5,7 +5,7 @@ import pytest
 
 from experiments.layer_parallel import convergence
 from experiments.layer_parallel import scaling
-from tests.benchmarks.help_text import first_paragraph
+from tests.benchmarks.help_text import assert_whole_first_paragraph
 from tests.benchmarks.help_text import help_text
 
 MODULES = ('experiments.layer_parallel.convergence',
@@ -16,11 +16,7 @@ MODULES = ('experiments.layer_parallel.convergence',
 
 @pytest.mark.parametrize('module', MODULES)
 def test_help_gives_the_whole_first_paragraph(module, capsys):
-    text = help_text(module, capsys)
-    description = text.split('\n\n')[1]
-    assert description == first_paragraph(module).strip()
-    assert description[-1] in '.:)'
-    assert text.startswith('usage: python -m ' + module)
+    assert_whole_first_paragraph(module, help_text(module, capsys))
 
 
 def _fig5_labels(monkeypatch, tmp_path, layers_per_process, at_scale):
