@@ -33,6 +33,7 @@ import chainer.functions as F
 
 from chainerkfac import capture as capture_module
 from chainerkfac import linalg
+from chainerkfac import step_guard
 from chainerkfac.curvature import columns
 from chainerkfac.curvature import hessian_diagonal
 from chainerkfac.curvature import kfra as kfra_module
@@ -144,14 +145,19 @@ def extract(predictor, x, t, quantities=q.FIRST_ORDER,
                          '{}'.format(column_chunk))
     batch = reduction.Batch.of(len(x), comm)
     run = _Extraction(predictor, request, batch, conv_factors, column_chunk)
-    before = _LinkState(predictor)
+    # A refused graph (samples coupled by BatchNormalization in training
+    # mode, ...) is found only once its forward and backward ran: then the
+    # running statistics and gradients are given back.
+    statistics = step_guard.StepGuard()
+    statistics.checkpoint(predictor)
+    grads = [(p, None if p.grad is None else p.grad.copy())
+             for p in predictor.params()]
     try:
         run.gradient_pass(x, t, lossfun)
     except BaseException:
-        # A refused graph (samples coupled by BatchNormalization in
-        # training mode, ...) is found only once its forward and backward
-        # ran: give the running statistics and gradients back.
-        before.restore()
+        statistics.restore()
+        for param, grad in grads:
+            param.grad = grad
         raise
     run.first_order()
     if request.needs_root:
@@ -170,32 +176,6 @@ def extract(predictor, x, t, quantities=q.FIRST_ORDER,
         run.input_factors()
     run.sum_over_processes()
     return run.results()
-
-
-class _LinkState:
-    """What a forward and backward pass change in ``link``: its links'
-    persistent values (BatchNormalization's running statistics, ...) and
-    its parameters' gradients, kept to be put back."""
-
-    def __init__(self, link):
-        self.persistent = []
-        for sub in link.links():
-            for name in sub._persistent:
-                value = getattr(sub, name)
-                copy = value.copy() if hasattr(value, 'copy') else value
-                self.persistent.append((sub, name, value, copy))
-        self.grads = [(p, None if p.grad is None else p.grad.copy())
-                      for p in link.params()]
-
-    def restore(self) -> None:
-        for sub, name, value, copy in self.persistent:
-            if getattr(value, 'shape', None) is not None and \
-                    getattr(sub, name) is value:
-                value[...] = copy
-            else:
-                setattr(sub, name, copy)
-        for param, grad in self.grads:
-            param.grad = grad
 
 
 class _Extraction:

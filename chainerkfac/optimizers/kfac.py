@@ -987,20 +987,14 @@ class KFAC(optimizer.GradientMethod):
             self._warned_uncaptured.add(block.name)
             if self.transport.rank != 0:
                 continue
+            kept = block.has_inverses() or any(
+                block.last_refresh[n] >= 0 for n in missing)
             if not any(present[block]):
-                state_text = ('is not updated while it has no gradient, '
-                              'and keeps its previous curvature' if
-                              block.has_inverses() or any(
-                                  block.last_refresh[n] >= 0
-                                  for n in missing)
-                              else 'is not updated while it has no '
-                              'gradient')
-            elif block.has_inverses() or any(block.last_refresh[n] >= 0
-                                             for n in missing):
-                state_text = 'keeps its previous curvature'
+                state_text = 'is not updated while it has no gradient' + (
+                    ', and keeps its previous curvature' if kept else '')
             else:
-                state_text = 'gets the plain gradient until they are'
-
+                state_text = ('keeps its previous curvature' if kept else
+                              'gets the plain gradient until they are')
             why = ('no backward pass ran through it since the last update '
                    '(not called, called in test mode or under '
                    'no_backprop_mode, or its output reached no loss)'

@@ -123,9 +123,7 @@ class LARSRule(optimizer.UpdateRule):
         if self.excluded is None:
             self.excluded = bool(self.exclusion and self.exclusion(param))
         hp = self.hyperparam
-        if hp.momentum_form not in MOMENTUM_FORMS:
-            raise ValueError('LARS: momentum_form={!r} must be one of {}'
-                             .format(hp.momentum_form, MOMENTUM_FORMS))
+        _check_form(hp.momentum_form)
         if self.excluded:
             return param.array.dtype.type(hp.lr), 0.0
         return (trust_lambda(param.array, param.grad, hp.lr, hp.eta,
@@ -233,9 +231,7 @@ class LARS(optimizer.GradientMethod):
         _check('weight_decay', weight_decay, lambda v: v >= 0,
                'must be a number >= 0')
         _check('eta', eta, lambda v: v > 0, 'must be positive')
-        if momentum_form not in MOMENTUM_FORMS:
-            raise ValueError('LARS: momentum_form={!r} must be one of {}'
-                             .format(momentum_form, MOMENTUM_FORMS))
+        _check_form(momentum_form)
         if exclude is not None and not callable(exclude):
             raise TypeError('LARS: exclude must be a callable (name, param) '
                             '-> bool or None, got {!r}'.format(exclude))
@@ -258,9 +254,7 @@ class LARS(optimizer.GradientMethod):
                      for param in self.target.params()
                      if isinstance(param.update_rule, LARSRule))
         for form in forms:
-            if form not in MOMENTUM_FORMS:
-                raise ValueError('LARS: momentum_form={!r} must be one of {}'
-                                 .format(form, MOMENTUM_FORMS))
+            _check_form(form)
         return super().update(lossfun, *args, **kwds)
 
     def setup(self, link):
@@ -295,6 +289,12 @@ class _Exclusion:
 
     def __call__(self, param) -> bool:
         return bool(self.exclude(self.name, param))
+
+
+def _check_form(form) -> None:
+    if form not in MOMENTUM_FORMS:
+        raise ValueError('LARS: momentum_form={!r} must be one of {}'.format(
+            form, MOMENTUM_FORMS))
 
 
 def _check(name, value, ok, why):
