@@ -18,6 +18,7 @@ and otherwise records why not for :func:`describe`:
    built for the CUDA major version CuPy runs.
 """
 import atexit
+import importlib.util
 import logging
 import os
 import sys
@@ -169,9 +170,21 @@ def describe() -> str:
     if not _status.cupy:
         return 'none, no GPU stack: {}; Chainer runs on NumPy'.format(
             _status.reason)
+    if not _chainer_has_cupy():  # turned off before CuPy was looked for
+        return ('none, no GPU stack: Chainer finds no CuPy; Chainer runs on '
+                'NumPy ({})'.format(_status.reason))
     own = _cupy_own_cudnn()
     return own if own else 'none, {} serves Chainer: {}'.format(
         OWN_PATH, _status.reason)
+
+
+def _chainer_has_cupy() -> bool:
+    """Whether Chainer runs on CuPy here (its ``cuda.available`` once it is
+    imported; before that, whether a CuPy can be found)."""
+    cuda = sys.modules.get('chainer.backends.cuda')
+    if cuda is not None:
+        return bool(cuda.available)
+    return importlib.util.find_spec('cupy') is not None
 
 
 def _math_words() -> str:

@@ -62,7 +62,8 @@ def _install(environ, modules=None, cupy=None, fake=None, load_error=None):
     ({'CHAINERKFAC_CUDNN': '0'}, "CHAINERKFAC_CUDNN='0': off"),
     ({'CHAINERKFAC_CUDNN': 'yes'}, 'neither 0 nor 1'),
 ])
-def test_off_when_told(clean, environ, why):
+def test_off_when_told(clean, environ, why, monkeypatch):
+    monkeypatch.setattr(chainer.backends.cuda, 'available', True)
     installed, modules = _install(environ, cupy=fake_cupy())
     assert not installed and not modules
     assert describe() == ("none, Chainer's own path (convolutions as "
@@ -80,6 +81,22 @@ def test_without_cupy_the_line_says_there_is_no_gpu_stack(clean):
     assert describe() == ("none, no GPU stack: CuPy cannot be imported "
                           "(ImportError: No module named 'cupy'); Chainer "
                           'runs on NumPy')
+
+
+@pytest.mark.parametrize('environ', [{'CHAINERKFAC_CUDNN': '0'},
+                                     {'CHAINERKFAC_CUDNN': 'yes'}])
+def test_turned_off_without_cupy_the_line_says_there_is_no_gpu_stack(
+        clean, environ, monkeypatch):
+    """Turned off (or mistyped) before CuPy was looked for, on a machine
+    where Chainer has no CuPy: the line says Chainer runs on NumPy, not
+    which GPU path serves it."""
+    monkeypatch.setattr(chainer.backends.cuda, 'available', False)
+    installed, _ = _install(environ, cupy=None)
+    assert not installed
+    assert describe() == ('none, no GPU stack: Chainer finds no CuPy; '
+                          'Chainer runs on NumPy (' +
+                          installer._status.reason + ')')
+    assert 'im2col' not in describe()
 
 
 @pytest.mark.parametrize('environ', [{}, {'CHAINERKFAC_CUDNN': ''}])
