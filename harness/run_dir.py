@@ -219,7 +219,25 @@ def _refuse_or_clear(out, overwrite, mean_is_output, source, continues):
                 '({}), so there is nothing to continue with --resume: start '
                 'it over with --overwrite (removes them first), or choose '
                 'another --out'.format(out, named))
+        if not _has_whole_snapshot(out):
+            raise OSError(
+                '{} holds the files of an earlier run ({}) whose snapshots '
+                'are all incomplete or damaged, so --resume latest would '
+                'find none to continue from: start it over with --overwrite '
+                '(removes them first), or choose another --out'.format(
+                    out, named))
         raise OSError(
             '{} holds the files of an earlier run ({}): continue it with '
             '--resume latest, start it over with --overwrite (removes them '
             'first), or choose another --out'.format(out, named))
+
+
+def _has_whole_snapshot(out):
+    """Whether ``--resume latest`` would find a snapshot in ``out`` (the
+    newest one is read whole, as it would be; older ones only where the
+    newer are not whole)."""
+    from harness import resume          # resume imports this module
+    try:
+        return resume.latest_snapshot(out, say=None) is not None
+    except resume.PickledArrayError:    # --resume latest refuses it too
+        return False

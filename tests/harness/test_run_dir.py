@@ -8,6 +8,8 @@ import pytest
 
 from harness import run_dir
 from tests.harness import OneProcess
+from tests.harness.damage import truncate
+from tests.harness.test_resume import write_snapshot
 
 
 EARLIER = ['bad_images.txt', 'config.json', 'fisher_diff.jsonl', 'log',
@@ -20,6 +22,7 @@ def out(tmp_path):
     for name in EARLIER + ['notes.txt', '.snapshot_step_3.rank0.tmp',
                            '.model_final.npz.tmp']:
         (tmp_path / name).write_text('x')
+    write_snapshot(str(tmp_path / 'snapshot_step_2.rank0'), 1)
     return str(tmp_path)
 
 
@@ -53,6 +56,20 @@ def test_earlier_run_without_a_snapshot_not_offered_resume(tmp_path):
     message = str(info.value)
     assert 'left no snapshot (config.json, mean.npy)' in message
     assert '--resume latest' not in message and '--overwrite' in message
+
+
+def test_earlier_run_with_only_damaged_snapshots_not_offered_resume(out):
+    """Its one whole snapshot truncated (a run killed while a disk filled,
+    say): --resume latest would find none, so it is not offered."""
+    truncate(os.path.join(out, 'snapshot_step_2.rank0'))
+    with pytest.raises(OSError) as info:
+        claim(out)
+    message = str(info.value)
+    assert 'snapshots are all incomplete or damaged' in message
+    assert 'config.json' in message
+    assert '--resume latest would find none' in message
+    assert '--overwrite' in message and 'continue it with' not in message
+    assert 'notes.txt' in os.listdir(out)
 
 
 def test_overwrite_removes_the_run_files_only(out):
