@@ -113,7 +113,7 @@ def test_model_numbers(benchmark, tmp_path, capsys):
     # Shape verdict printed and stored.
     shape = result['shape']
     assert set(shape['checks']) == {
-        'faster at 64 than at 4 processes',
+        'faster at 64 than at 4 processes (T(4)/T(64) > 1.05)',
         'superlinear from 1 to 64 (T(1)/T(64) > 1.05)',
         'fastest between 64 and 256 processes',
         'slower past 256 (T rises from 256 to 2048)'}
@@ -154,7 +154,7 @@ def test_resnet50_layer_structure_and_paper_shape(benchmark, tmp_path):
                            [1, 4, 64, 256, 512, 1024, 2048],
                            scaling.DEFAULT_ALPHA, scaling.DEFAULT_BETA)
     shape = scaling.shape_checks(rows)
-    assert shape['checks']['faster at 64 than at 4 processes']
+    assert shape['checks'][scaling.FASTER_AT_64]
     assert shape['checks']['superlinear from 1 to 64 (T(1)/T(64) > 1.05)']
     assert shape['checks']['slower past 256 (T rises from 256 to 2048)']
 
@@ -184,6 +184,23 @@ def test_superlinear_needs_a_stated_margin(t64, ok, verdict):
     assert shape['checks'][scaling.SUPERLINEAR] is ok
     assert shape['superlinear_margin'] == 0.05
     assert printed == verdict
+
+
+@pytest.mark.parametrize('t64, ok, verdict', [
+    (2.0 / 1.001, False, 'NO (T(4)/T(64) = 1.001: within 5 % of 1, noise)'),
+    (2.0 / 1.2, True, 'yes'),
+    (2.0 / 0.5, False, 'NO'),
+])
+def test_faster_from_4_to_64_needs_the_same_margin(t64, ok, verdict):
+    """T(4)/T(64) = 1.001 is noise too, not 'faster at 64'."""
+    totals = {1: 4.0, 4: 2.0, 64: t64, 256: 2.1, 512: 2.2, 1024: 2.3,
+              2048: 2.4}
+    shape = scaling.shape_checks(
+        [{'processes': p, 'total': t} for p, t in totals.items()])
+    assert scaling.FASTER_AT_64 == \
+        'faster at 64 than at 4 processes (T(4)/T(64) > 1.05)'
+    assert shape['checks'][scaling.FASTER_AT_64] is ok
+    assert scaling._verdict(scaling.FASTER_AT_64, ok, shape) == verdict
 
 
 def test_uniform_layers_without_a_known_model():
