@@ -1,17 +1,19 @@
 # The two set-up commands of the README: `make demo` and `make test`.
 # Both create the virtualenv on a fresh machine.
-PYTHON ?= python3.11
+# The first interpreter that really is Python $(1): on PATH, then pyenv's
+# (whose shim on PATH fails when it is not pyenv's selected version). Empty
+# if none.
+find_python = $(shell for p in python$(1) \
+	"$$(pyenv root 2>/dev/null)"/versions/$(1).*/bin/python$(1) \
+	"$${PYENV_ROOT:-$$HOME/.pyenv}"/versions/$(1).*/bin/python$(1); do \
+	"$$p" -c 'import sys; assert "%d.%d" % sys.version_info[:2] == "$(1)"' \
+	>/dev/null 2>&1 && { command -v "$$p"; break; }; done)
+PYTHON ?= $(call find_python,3.11)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
-# Second CI leg: NumPy 2 on Python 3.12 (chainerkfac/_compat.py). The first
-# interpreter that really is 3.12: on PATH, then pyenv's (whose shim on PATH
-# fails when 3.12 is not pyenv's selected version). Empty if none.
-PYTHON_NP2 ?= $(shell for p in python3.12 \
-	"$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 \
-	"$${PYENV_ROOT:-$$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do \
-	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' \
-	>/dev/null 2>&1 && { command -v "$$p"; break; }; done)
+# Second CI leg: NumPy 2 on Python 3.12 (chainerkfac/_compat.py).
+PYTHON_NP2 ?= $(call find_python,3.12)
 VENV_NP2 ?= .venv-np2
 PY_NP2 := $(VENV_NP2)/bin/python
 
@@ -43,6 +45,7 @@ venv: $(VENV)/.installed
 # The library is installed editable (pyproject.toml), so scripts in any
 # directory import it; the harness folders are used from the checkout.
 $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
+	@if [ -z '$(PYTHON)' ]; then echo 'make: no Python 3.11 found (python3.11 on PATH, or one of pyenv'"'"'s versions): install it, or name it: make $(or $(MAKECMDGOALS),test) PYTHON=/path/to/python3.11' >&2; exit 1; fi
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --no-cache-dir -r requirements.txt
 	$(VENV)/bin/pip install -q --no-cache-dir --no-deps -e .
