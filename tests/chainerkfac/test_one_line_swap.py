@@ -20,7 +20,7 @@ def digits():
     return chainer.datasets.TupleDataset(x, t)
 
 
-def train(make_optimizer, epochs=3):
+def train(make_optimizer, out, epochs=3):
     """An ordinary Chainer training script; only the optimizer varies."""
     numpy.random.seed(0)
     model = L.Classifier(chainer.Sequential(
@@ -29,7 +29,7 @@ def train(make_optimizer, epochs=3):
     optimizer.setup(model)
     iterator = chainer.iterators.SerialIterator(digits(), 128, shuffle=True)
     updater = training.updaters.StandardUpdater(iterator, optimizer)
-    trainer = training.Trainer(updater, (epochs, 'epoch'))
+    trainer = training.Trainer(updater, (epochs, 'epoch'), out=str(out))
     log = extensions.LogReport(trigger=(1, 'epoch'))
     trainer.extend(log)
     trainer.run()
@@ -37,12 +37,14 @@ def train(make_optimizer, epochs=3):
 
 
 @pytest.mark.slow
-def test_kfac_drops_in_for_momentum_sgd():
+def test_kfac_drops_in_for_momentum_sgd(tmp_path):
     sgd = train(lambda: chainer.optimizers.MomentumSGD(lr=0.01,
-                                                       momentum=0.9))
+                                                       momentum=0.9),
+                tmp_path / 'sgd')
     kfac = train(lambda: chainerkfac.optimizers.KFAC(lr=0.01, momentum=0.9,
                                                      damping=1e-2,
-                                                     verbose=False))
+                                                     verbose=False),
+                 tmp_path / 'kfac')
     assert len(sgd) == len(kfac) == 3
     assert kfac[-1] < 0.5 * kfac[0]
     # Preconditioning pays off on this problem at equal lr and epochs.

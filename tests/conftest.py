@@ -1,0 +1,43 @@
+"""The suite leaves the checkout as it found it: a test that writes into
+the repository's top folder (a Chainer ``Trainer`` without ``out=`` writes
+``result/log`` into the working directory) fails the session, naming what
+it left. Tests write under pytest's ``tmp_path`` instead."""
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: What a run may add to the top folder: caches of Python and pytest, the
+#: demo's data cache (``.cache/digits``, built on first use, as `make demo`
+#: does), the virtualenvs, and `make demo`'s output (the two commands may
+#: run at once).
+ALLOWED = {'__pycache__', '.pytest_cache', '.cache', '.venv', '.venv-np2',
+           'demo_out'}
+
+_before = set()
+
+
+def pytest_sessionstart(session):
+    _before.update(os.listdir(ROOT))
+
+
+def left_in_checkout(before, after):
+    """The names ``after`` adds to ``before`` that a run may not leave."""
+    return sorted(set(after) - set(before) - ALLOWED)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    left = left_in_checkout(_before, os.listdir(ROOT))
+    if left:
+        session.config._checkout_left = left
+        if exitstatus in (pytest.ExitCode.OK,
+                          pytest.ExitCode.NO_TESTS_COLLECTED):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    left = getattr(config, '_checkout_left', None)
+    if left:
+        terminalreporter.write_line(
+            'the tests left {} in {}: write under tmp_path instead'.format(
+                ', '.join(left), ROOT), red=True)
