@@ -14,6 +14,7 @@ all, so that a fresh run never mixes its files with an earlier run's.
 import json
 import os
 import re
+import zipfile
 
 import config as config_module
 from harness.mpi import raise_together
@@ -222,8 +223,9 @@ def _refuse_or_clear(out, overwrite, mean_is_output, source, continues):
         if not _has_whole_snapshot(out):
             raise OSError(
                 '{} holds the files of an earlier run ({}) whose snapshots '
-                'are all incomplete or damaged, so --resume latest would '
-                'find none to continue from: start it over with --overwrite '
+                'are all incomplete (a process\'s file missing or cut '
+                'short), so --resume latest would find none to continue '
+                'from: start it over with --overwrite '
                 '(removes them first), or choose another --out'.format(
                     out, named))
         raise OSError(
@@ -232,12 +234,22 @@ def _refuse_or_clear(out, overwrite, mean_is_output, source, continues):
             'first), or choose another --out'.format(out, named))
 
 
+
 def _has_whole_snapshot(out):
-    """Whether ``--resume latest`` would find a snapshot in ``out`` (the
-    newest one is read whole, as it would be; older ones only where the
-    newer are not whole)."""
+    """Whether ``out`` holds a snapshot that ``--resume latest`` may take:
+    the files of all its processes there, each with its zip directory (a
+    file cut short has none). Only the directories are read, so that a
+    refusal costs no time on a large run; a flipped byte inside is found
+    by ``--resume latest`` itself, which then takes an older one."""
     from harness import resume          # resume imports this module
-    try:
-        return resume.latest_snapshot(out, say=None) is not None
-    except resume.PickledArrayError:    # --resume latest refuses it too
-        return False
+    for _, files in resume.candidates(out):
+        if isinstance(files, Exception):
+            continue
+        try:
+            for path in files:
+                with zipfile.ZipFile(path):
+                    pass
+        except (OSError, zipfile.BadZipFile):
+            continue
+        return True
+    return False

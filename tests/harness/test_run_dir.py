@@ -58,14 +58,20 @@ def test_earlier_run_without_a_snapshot_not_offered_resume(tmp_path):
     assert '--resume latest' not in message and '--overwrite' in message
 
 
-def test_earlier_run_with_only_damaged_snapshots_not_offered_resume(out):
-    """Its one whole snapshot truncated (a run killed while a disk filled,
-    say): --resume latest would find none, so it is not offered."""
-    truncate(os.path.join(out, 'snapshot_step_2.rank0'))
+@pytest.mark.parametrize('how', ['truncated', 'a process missing'])
+def test_earlier_run_with_only_incomplete_snapshots_not_offered_resume(
+        out, how):
+    """Its one whole snapshot cut short (a copy that stopped), or written
+    by two processes of which one file is gone: --resume latest would find
+    none, so it is not offered."""
+    if how == 'truncated':
+        truncate(os.path.join(out, 'snapshot_step_2.rank0'))
+    else:
+        write_snapshot(os.path.join(out, 'snapshot_step_2.rank0'), 2)
     with pytest.raises(OSError) as info:
         claim(out)
     message = str(info.value)
-    assert 'snapshots are all incomplete or damaged' in message
+    assert 'snapshots are all incomplete' in message
     assert 'config.json' in message
     assert '--resume latest would find none' in message
     assert '--overwrite' in message and 'continue it with' not in message
