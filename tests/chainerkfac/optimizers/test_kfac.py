@@ -507,18 +507,19 @@ class LazyHeadNet(chainer.Chain):
         return self.fc(h)
 
 
-def _trainer(model, optimizer_options, x, t, iterations):
+def _trainer(model, optimizer_options, x, t, iterations, out):
     from chainer import training
     dataset = chainer.datasets.TupleDataset(x, t)
     iterator = chainer.iterators.SerialIterator(dataset, 4, shuffle=False)
     optimizer = helpers.kfac(**optimizer_options)
     optimizer.setup(L.Classifier(model))
     updater = training.updaters.StandardUpdater(iterator, optimizer)
-    return training.Trainer(updater, (iterations, 'iteration'))
+    return training.Trainer(updater, (iterations, 'iteration'),
+                            out=str(out))
 
 
 @pytest.mark.parametrize('low_rank', [False, True])
-def test_trainer_snapshot_resumes_into_a_fresh_lazy_model(low_rank):
+def test_trainer_snapshot_resumes_into_a_fresh_lazy_model(low_rank, tmp_path):
     """A Trainer snapshot (Chainer's updater loads the optimizer before the
     model) into a freshly built model whose links are lazily sized and
     whose head got no gradient: it loads (strictly) and continues exactly
@@ -529,11 +530,11 @@ def test_trainer_snapshot_resumes_into_a_fresh_lazy_model(low_rank):
     options = dict(lr=0.05, momentum=0.9, damping=1e-2,
                    refresh_interval_a=2, refresh_interval_g=3,
                    low_rank=low_rank)
-    straight = _trainer(LazyHeadNet(), options, x, t, 7)
+    straight = _trainer(LazyHeadNet(), options, x, t, 7, tmp_path)
     numpy.random.seed(1)    # the lazy links' values, at the first forward
     straight.run()
 
-    first = _trainer(LazyHeadNet(), options, x, t, 4)
+    first = _trainer(LazyHeadNet(), options, x, t, 4, tmp_path)
     numpy.random.seed(1)
     first.run()
     kfac_first = first.updater.get_optimizer('main')
@@ -546,7 +547,7 @@ def test_trainer_snapshot_resumes_into_a_fresh_lazy_model(low_rank):
 
     fresh = LazyHeadNet()
     assert fresh.fc.W.array is None     # no shape before the first forward
-    resumed = _trainer(fresh, options, x, t, 7)
+    resumed = _trainer(fresh, options, x, t, 7, tmp_path)
     serializers.load_npz(snapshot, resumed)     # strict
     assert resumed.updater.iteration == 4
     resumed.run()
