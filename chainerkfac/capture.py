@@ -111,7 +111,11 @@ class BackwardCapture(chainer.FunctionHook):
         (:func:`chainerkfac.fisher_blocks.logits_functions`) in forward
         passes: :attr:`logits`.
     record_graph : bool
-        Keep every function node of the backward passes: :attr:`graph`.
+        Keep every function node of the backward passes that reach the
+        listener's parameters: :attr:`graph`. The nodes of a pass are held
+        weakly until its first routed call, so that a listener not in a
+        pass (another model's, or an optimizer no longer used and not yet
+        collected) keeps none of its nodes, nor the arrays they hold.
     """
 
     def __init__(self, listener):
@@ -125,13 +129,17 @@ class BackwardCapture(chainer.FunctionHook):
         self.record_logits = False
         self.record_graph = False
         self.graph: List[GraphNode] = []
+        # This pass's nodes before its first routed call (weakly), and
+        # whether that call has come.
+        self._pending: List[weakref.ref] = []
+        self._routed = False
         self._logits_types: Tuple[type, ...] = ()
         self._logit_function = None
         # Forget the hook once the listener is gone (removed at the next
         # install or removal of any capture: never while Chainer iterates
         # over the hooks).
         self._dead = [False]
-        weakref.finalize(listener, _mark_dead, self._dead)
+        weakref.finalize(listener, _mark_dead, self._dead, weakref.ref(self))
 
     # -- installation ---------------------------------------------------------
     @property
@@ -162,6 +170,7 @@ class BackwardCapture(chainer.FunctionHook):
         self._pass += 1
         self._explicit = True
         self._seen = weakref.WeakSet()
+        self._pending, self._routed = [], False
         try:
             yield self._pass
         finally:
@@ -189,6 +198,8 @@ class BackwardCapture(chainer.FunctionHook):
 
     # -- the hook ---------------------------------------------------------------
     def forward_preprocess(self, function, in_data):
+        if self._dead[0]:
+            return
         if self.record_logits and isinstance(function, self._logits_types):
             # Its input nodes exist only after the forward: keep the call.
             self._logit_function = function
@@ -207,13 +218,14 @@ class BackwardCapture(chainer.FunctionHook):
                 on_pass(function, PassInfo(self._pass, False))
         self._last_rank = rank
         inputs = function.inputs
+        route = None
+        if len(inputs) >= 2:
+            route = listener.routes.get(id(inputs[1].get_variable_or_none()))
+            if route is not None and not isinstance(function, route[0]):
+                route = None
         if self.record_graph:
-            self.graph.append(GraphNode(
-                function, tuple(inputs), tuple(o() for o in function.outputs)))
-        if len(inputs) < 2:
-            return
-        route = listener.routes.get(id(inputs[1].get_variable_or_none()))
-        if route is None or not isinstance(function, route[0]):
+            self._record(function, route is not None)
+        if route is None:
             return
         if function in self._seen and not self._explicit:
             self._new_pass()
@@ -221,13 +233,38 @@ class BackwardCapture(chainer.FunctionHook):
         listener.on_backward(route[1], function, in_data, out_grad,
                              PassInfo(self._pass, self._explicit))
 
+    def _record(self, function, routed: bool) -> None:
+        """Keep ``function``'s node in :attr:`graph` once its pass has
+        reached the listener (with the pass's earlier nodes, held weakly
+        until then: all are alive while the pass runs)."""
+        if not self._routed and not routed:
+            self._pending.append(weakref.ref(function))
+            return
+        if not self._routed:
+            self._routed = True
+            earlier = [ref() for ref in self._pending]
+            self._pending = []
+            self.graph.extend(_node(f) for f in earlier if f is not None)
+        self.graph.append(_node(function))
+
     def _new_pass(self) -> None:
         self._pass += 1
         self._seen = weakref.WeakSet()
+        self._pending, self._routed = [], False
 
 
-def _mark_dead(flag) -> None:
+def _node(function) -> GraphNode:
+    return GraphNode(function, tuple(function.inputs),
+                     tuple(o() for o in function.outputs))
+
+
+def _mark_dead(flag, capture_ref) -> None:
     flag[0] = True
+    capture = capture_ref()
+    if capture is not None:     # what it holds goes with the listener
+        capture.graph = []
+        capture._pending = []
+        capture._logit_function = None
 
 
 def _purge_dead(hooks) -> None:

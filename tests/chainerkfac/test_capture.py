@@ -1,0 +1,59 @@
+"""chainerkfac.capture: what a K-FAC optimizer's function hook keeps of
+the backward passes it sees. Until its first update it records the graph
+(eq. 20 'auto', the registration table), but only of the passes that reach
+its own parameters: an optimizer set up and not used (still alive, as
+objects in a reference cycle are until the collector runs) keeps nothing
+of another model's passes, nor the activations they hold."""
+import gc
+import weakref
+
+import numpy
+
+import chainer.functions as F
+import chainer.links as L
+
+from tests.chainerkfac import helpers
+
+
+def net():
+    return helpers.ConvNet(bn=True)
+
+
+def backward(model, x, t):
+    loss = F.softmax_cross_entropy(model(x), t)
+    loss.backward()
+    return weakref.ref(loss.creator_node)
+
+
+def test_an_unused_optimizer_keeps_nothing_of_another_models_passes():
+    x, t = helpers.data(n=4, shape=(2, 5, 5))
+    unused_model = net()
+    unused = helpers.kfac(weight_rescale='auto').setup(unused_model)
+    gc.collect()
+    capture = unused.estimator.capture_hook
+    assert capture.record_graph and capture.installed
+    other = net()
+    nodes = [backward(other, x, t) for _ in range(3)]
+    assert unused.estimator.graph == []
+    gc.collect()
+    assert all(node() is None for node in nodes)   # the activations went
+    # Its own model's pass is recorded whole, the loss side included
+    # (held weakly until the pass reached the first K-FAC layer).
+    backward(unused_model, x, t)
+    recorded = [type(n.function).__name__ for n in unused.estimator.graph]
+    assert recorded[0] == 'SoftmaxCrossEntropy'
+    assert {'LinearFunction', 'BatchNormalization',
+            'Convolution2DFunction'} <= set(recorded)
+
+
+def test_the_recorded_graph_lets_the_first_update_decide_eq_20():
+    """The same first update as before the change: eq. 20 'auto' decided
+    from the graph (the convolution before BN is scale-invariant)."""
+    x, t = helpers.data(n=4, shape=(2, 5, 5))
+    model = L.Classifier(net())
+    optimizer = helpers.kfac(weight_rescale='auto').setup(model)
+    optimizer.update(model, x, t)
+    assert optimizer.rescale.decided
+    assert optimizer.estimator.graph == []      # dropped after the decision
+    assert not optimizer.estimator.capture_hook.record_graph
+    assert numpy.isfinite(float(model(x, t).array))
