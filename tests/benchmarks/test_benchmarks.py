@@ -405,6 +405,22 @@ def test_step_time_throughput_arithmetic_and_table():
         step_time.KFAC_VARIANTS['kfac_tf32'], 'kfac_tf32')
 
 
+@pytest.mark.parametrize('encoding', ['ascii', 'latin-1'])
+def test_tables_print_where_stdout_cannot_encode_their_symbols(tmp_path,
+                                                               encoding):
+    """Under a Latin-1 or ASCII locale (``LANG=en_US`` on an older
+    cluster), κ of the inverse-precision table is printed escaped; the run
+    ends with 0, not a UnicodeEncodeError."""
+    env = dict(_common.worker_env(threads=1), PYTHONIOENCODING=encoding)
+    proc = subprocess.run(
+        [sys.executable, '-m', 'benchmarks.inverse_precision', '--smoke',
+         '--out', str(tmp_path / 'out.json')], cwd=ROOT, env=env,
+        capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode('ascii', 'replace')
+    assert b'\\u03ba_A' in proc.stdout
+    assert (tmp_path / 'out.json').exists()
+
+
 def test_inverse_precision_smoke(tmp_path):
     """Every precision's errors against float64 are there, finite, and
     float32's is below the others' on every block (24 mantissa bits
