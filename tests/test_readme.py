@@ -30,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def readme_python_blocks(section, page='docs/kfac.md'):
     """The ```python blocks of one section of a documentation page (up to
     the next heading of the same or a higher level)."""
-    with open(os.path.join(REPO, page)) as f:
+    with open(os.path.join(REPO, page), encoding='utf-8') as f:
         text = f.read()
     start = text.index(section)
     level = section.split()[0]
@@ -132,7 +132,7 @@ def test_readme_demo_sgd_has_no_warm_up_as_the_harness():
         'sgd', cfg, types.SimpleNamespace(rank=0, size=1), 1, args,
         use_graphs=True)
     assert [schedule.values(e)['lr'] for e in (0, 0.5, 1)] == [0.1] * 3
-    with open(os.path.join(REPO, 'README.md')) as f:
+    with open(os.path.join(REPO, 'README.md'), encoding='utf-8') as f:
         text = f.read()
     demo = text[text.index('## The demo'):text.index('## The systems')]
     sentence = demo[demo.index('Momentum SGD here'):]

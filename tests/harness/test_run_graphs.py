@@ -48,7 +48,7 @@ def test_the_option():
 def test_optimizers_built_for_replay(graphs, monkeypatch):
     args = train_imagenet.parse_args(
         LISTS + ['--gpu'] + (['--cuda-graphs'] if graphs else []))
-    cfg = config_module.load('config/demo.json')
+    cfg = config_module.load(config_module.preset_path('demo'))
     comm = types.SimpleNamespace(rank=0, size=1)
     made = []
     monkeypatch.setattr(run.chainerkfac, 'create_multi_node_optimizer',
