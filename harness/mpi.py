@@ -5,8 +5,10 @@ Call :func:`prepare_process` before the first ``mpi4py.MPI`` import (which
 initialises MPI), as ``train_imagenet.py`` does.
 """
 import multiprocessing
+import multiprocessing.util
 import os
 import sys
+import tempfile
 
 from harness import preemption
 
@@ -40,6 +42,43 @@ def use_bundled_open_mpi_help():
     return prefix
 
 
+#: A Unix socket's path, its NUL included: 108 bytes on Linux (104 on BSD
+#: and macOS).
+SUN_PATH_MAX = 108 if sys.platform.startswith('linux') else 104
+#: What multiprocessing adds to the temporary directory for the fork
+#: server's socket: ``/pymp-XXXXXXXX/listener-XXXXXXXX``.
+_SOCKET_SUFFIX = len('/pymp-12345678/listener-12345678')
+#: Where the socket goes when ``TMPDIR`` is too long for it.
+_SHORT_TEMP_DIRS = ('/tmp', '/var/tmp', '/dev/shm')
+
+
+def socket_temp_dir(base=None):
+    """The directory for multiprocessing's temporary files (the fork
+    server's socket among them): ``base`` (default: ``tempfile.
+    gettempdir()``, i.e. ``TMPDIR``) where the socket's path fits, else the
+    first of /tmp, /var/tmp, /dev/shm that does. A batch job's ``TMPDIR``
+    (``/local/scratch/slurm-job-123456/...``) can be too long: Python
+    before 3.14 then fails with "AF_UNIX path too long".
+
+    Raises
+    ------
+    OSError
+        Where none fits, naming ``TMPDIR`` and the way out.
+    """
+    base = tempfile.gettempdir() if base is None else base
+    for directory in (base,) + _SHORT_TEMP_DIRS:
+        if len(os.fsencode(directory)) + _SOCKET_SUFFIX < SUN_PATH_MAX and \
+                os.path.isdir(directory) and \
+                os.access(directory, os.W_OK | os.X_OK):
+            return directory
+    raise OSError(
+        'the loader processes\' socket would not fit under TMPDIR={} ({} '
+        'bytes; a Unix socket\'s path has at most {}), and none of {} is '
+        'writable: set TMPDIR to a shorter directory, or --loaderjob 0'
+        .format(base, len(os.fsencode(base)), SUN_PATH_MAX - 1,
+                ', '.join(_SHORT_TEMP_DIRS)))
+
+
 def start_forkserver():
     """Loader processes from a fork server started before MPI (as in
     ChainerMN's ImageNet example): forking a process that has initialised
@@ -49,6 +88,13 @@ def start_forkserver():
     it."""
     if multiprocessing.get_start_method(allow_none=True) == 'forkserver':
         return
+    # multiprocessing makes its directory once, under tempfile's: make it
+    # now where the socket's path fits.
+    saved, tempfile.tempdir = tempfile.tempdir, socket_temp_dir()
+    try:
+        multiprocessing.util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved
     multiprocessing.set_start_method('forkserver', force=True)
     # chainerkfac first: its NumPy-2 shims must precede chainer's import.
     multiprocessing.set_forkserver_preload(['chainerkfac', 'augment.stream'])
