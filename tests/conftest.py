@@ -3,6 +3,7 @@ the repository's top folder (a Chainer ``Trainer`` without ``out=`` writes
 ``result/log`` into the working directory) fails the session, naming what
 it left. Tests write under pytest's ``tmp_path`` instead."""
 import os
+import subprocess
 
 import pytest
 
@@ -41,3 +42,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(
             'the tests left {} in {}: write under tmp_path instead'.format(
                 ', '.join(left), ROOT), red=True)
+
+
+@pytest.fixture
+def exec_tmp_path(tmp_path):
+    """``tmp_path``, for a test that runs a script of its own making there
+    (a stand-in ``mpiexec`` or ``python``); skipped where the temporary
+    directory is mounted ``noexec``."""
+    probe = tmp_path / 'probe.sh'
+    probe.write_text('#!/bin/sh\nexit 0\n')
+    probe.chmod(0o755)
+    try:
+        subprocess.run([str(probe)], check=True, timeout=60)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip('scripts made in {} cannot run (a noexec mount): set '
+                    'TMPDIR to another directory'.format(tmp_path))
+    finally:
+        probe.unlink()
+    return tmp_path

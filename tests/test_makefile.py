@@ -11,7 +11,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAKE = shutil.which('make')
-pytestmark = pytest.mark.skipif(MAKE is None, reason='no make on PATH')
+pytestmark = [pytest.mark.skipif(MAKE is None, reason='no make on PATH'),
+              pytest.mark.usefixtures('exec_tmp_path')]   # fakes run there
 
 
 def fake_python(path, is_the_version=True):
@@ -25,6 +26,9 @@ def fake_python(path, is_the_version=True):
 
 
 def make(tmp_path, *args):
+    if ' ' in str(tmp_path):
+        pytest.skip("make cannot take VENV={} (a path with a space)".format(
+            tmp_path / 'venv'))
     env = {'PATH': str(tmp_path / 'bin'), 'HOME': str(tmp_path / 'home'),
            'PYENV_ROOT': str(tmp_path / 'pyenv')}
     (tmp_path / 'bin').mkdir(exist_ok=True)

@@ -7,6 +7,9 @@ import pytest
 
 from tests import run_mpi
 
+# The stand-in mpiexec is a script in tmp_path.
+pytestmark = pytest.mark.usefixtures('exec_tmp_path')
+
 PMIX = ("The PMIx server's listener thread failed to start. We cannot\n"
         "continue.\n")
 
@@ -21,7 +24,7 @@ def _fake_mpiexec(tmp_path, outcomes):
             k, _quote(text), rc))
     script = tmp_path / 'mpiexec'
     script.write_text(
-        '#!/bin/sh\nn=$(cat {c})\necho $((n + 1)) > {c}\ncase $n in\n{}\n'
+        '#!/bin/sh\nn=$(cat "{c}")\necho $((n + 1)) > "{c}"\ncase $n in\n{}\n'
         '  *) echo "1 passed"; exit 0 ;;\nesac\n'.format(
             '\n'.join(cases), c=counter))
     script.chmod(script.stat().st_mode | stat.S_IEXEC)

@@ -50,12 +50,15 @@ pid=$!
 cancelled=
 trap 'kill -USR1 "$pid" 2> /dev/null' USR1
 trap 'cancelled=1; kill -USR1 "$pid" 2> /dev/null' TERM
+# The clock: SIGUSR1 at LEAD_S before the wall-time limit. Its output goes
+# nowhere: a sleep left by a TERM that came before `sleeper` was set must
+# not hold the job's output open.
 (
-    trap 'kill "$sleeper" 2> /dev/null; exit 0' TERM
+    trap 'kill "${sleeper:-}" 2> /dev/null; exit 0' TERM
     sleep $((WALLTIME_S - LEAD_S)) &
     sleeper=$!
     wait "$sleeper" && kill -USR1 "$pid" 2> /dev/null
-) &
+) > /dev/null 2>&1 &
 clock=$!
 # A trapped signal ends `wait` early: wait until mpiexec itself is done.
 while kill -0 "$pid" 2> /dev/null; do

@@ -29,10 +29,12 @@ wait $sleeper
 def _job(tmp_path, script, code=None, requeue=None, **env):
     launcher = tmp_path / 'launcher.sh'
     launcher.write_text(LAUNCHER)
+    # LAUNCH and REQUEUE are split into words by the scripts: relative to
+    # the job's directory, they hold under a TMPDIR with a space too.
     environ = dict(os.environ, OUT=str(tmp_path / 'run'), ARGS='a b',
-                   LAUNCH='bash {}'.format(launcher),
-                   REQUEUE=requeue or 'touch {}'.format(
-                       tmp_path / 'requeued'), **env)
+                   LAUNCH='bash ' + launcher.name,
+                   REQUEUE=requeue or 'touch requeued',
+                   PBS_O_WORKDIR=str(tmp_path), **env)
     if code is not None:
         environ['CODE'] = str(code)
     return subprocess.Popen(['bash', os.path.join(ROOT, script)],
@@ -77,6 +79,22 @@ def test_a_failing_requeue_is_not_a_success(tmp_path, script):
     assert 'by hand' in output
 
 
+def _wait_until_caught(pid, signum, deadline):
+    """Until process ``pid`` has a handler for ``signum`` (the script has
+    set its trap): Linux's /proc says so; elsewhere, a second's wait."""
+    status = '/proc/{}/status'.format(pid)
+    if not os.path.exists(status):
+        time.sleep(1.0)
+        return
+    while time.monotonic() < deadline:
+        with open(status) as f:
+            caught = [line.split()[1] for line in f
+                      if line.startswith('SigCgt:')]
+        if caught and int(caught[0], 16) >> (signum - 1) & 1:
+            return
+        time.sleep(0.01)
+
+
 def test_pbs_sigterm_writes_the_snapshot_and_submits_nothing(tmp_path):
     """A SIGTERM to the script alone (``qdel`` on some sites) reaches the
     run as SIGUSR1, so the snapshot is written, but the cancelled job is
@@ -88,7 +106,7 @@ def test_pbs_sigterm_writes_the_snapshot_and_submits_nothing(tmp_path):
     line = job.stdout.readline()
     while 'launcher started' not in line and time.monotonic() < deadline:
         line = job.stdout.readline()
-    time.sleep(1.0)     # the script has set its traps and waits on it
+    _wait_until_caught(job.pid, signal.SIGTERM, deadline)
     job.send_signal(signal.SIGTERM)
     status, output = _finish(job)
     assert 'launcher got USR1' in output, output
