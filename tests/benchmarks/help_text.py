@@ -1,5 +1,7 @@
 """Read a module's ``--help`` the way a user sees it."""
 import importlib
+import os
+from unittest import mock
 
 import pytest
 
@@ -9,7 +11,10 @@ def help_text(module_name: str, capsys) -> str:
     ``parse_args`` where the module has one)."""
     module = importlib.import_module(module_name)
     entry = getattr(module, 'parse_args', None) or module.main
-    with pytest.raises(SystemExit) as exit_:
+    # argparse wraps at the terminal's width: a wide one, so that a narrow
+    # terminal does not break a default in two.
+    with mock.patch.dict(os.environ, COLUMNS='200'), \
+            pytest.raises(SystemExit) as exit_:
         entry(['--help'])
     assert exit_.value.code == 0
     return capsys.readouterr().out
