@@ -22,13 +22,18 @@ def pytest_sessionstart(session):
     _before.update(os.listdir(ROOT))
 
 
-def left_in_checkout(before, after):
-    """The names ``after`` adds to ``before`` that a run may not leave."""
-    return sorted(set(after) - set(before) - ALLOWED)
+def left_in_checkout(before, after, args=()):
+    """The names ``after`` adds to ``before`` that a run may not leave:
+    not the allowed ones, not coverage's data (``.coverage*``), nor a file
+    the command line names (``--junitxml=report.xml``)."""
+    return sorted(name for name in set(after) - set(before) - ALLOWED
+                  if not name.startswith('.coverage') and
+                  not any(name in str(arg) for arg in args))
 
 
 def pytest_sessionfinish(session, exitstatus):
-    left = left_in_checkout(_before, os.listdir(ROOT))
+    left = left_in_checkout(_before, os.listdir(ROOT),
+                            session.config.invocation_params.args)
     if left:
         session.config._checkout_left = left
         if exitstatus in (pytest.ExitCode.OK,

@@ -12,3 +12,10 @@ def test_the_checkout_guard_names_what_a_run_left():
         before, before + ['result', '__pycache__', '.pytest_cache']) == \
         ['result']
     assert conftest.left_in_checkout(before, before + ['.cache']) == []
+
+
+def test_reports_the_command_line_asks_for_are_not_litter():
+    before = ['README.md']
+    after = before + ['report.xml', '.coverage', '.coverage.host.1', 'log']
+    assert conftest.left_in_checkout(
+        before, after, ['-q', '--junitxml=report.xml', 'tests']) == ['log']
