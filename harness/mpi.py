@@ -57,8 +57,9 @@ def socket_temp_dir(base=None):
     server's socket among them): ``base`` (default: ``tempfile.
     gettempdir()``, i.e. ``TMPDIR``) where the socket's path fits, else the
     first of /tmp, /var/tmp, /dev/shm that does. A batch job's ``TMPDIR``
-    (``/local/scratch/slurm-job-123456/...``) can be too long: Python
-    before 3.14 then fails with "AF_UNIX path too long".
+    (``/local/scratch/slurm-job-123456/...``) can be too long, and the
+    fork server of Python 3.11 and 3.12 then fails with "AF_UNIX path too
+    long".
 
     Raises
     ------

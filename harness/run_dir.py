@@ -234,7 +234,6 @@ def _refuse_or_clear(out, overwrite, mean_is_output, source, continues):
             'first), or choose another --out'.format(out, named))
 
 
-
 def _has_whole_snapshot(out):
     """Whether ``out`` holds a snapshot that ``--resume latest`` may take:
     the files of all its processes there, each with its zip directory (a
