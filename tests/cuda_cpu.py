@@ -221,8 +221,9 @@ def unavailable():
         RawKernel(_PROBE, 'probe')((2,), (4,), (
             numpy.arange(4, dtype=numpy.float32), out))
     except Exception as error:   # any failure: the reason is the message
-        return 'the CUDA sources cannot run on this CPU: {}'.format(
-            str(error).strip().splitlines()[-1][:300])
+        return ('the CUDA sources cannot be built and run here (compiled '
+                'into {}, which a noexec TMPDIR cannot load from): {}'.format(
+                    _cache_dir(), str(error).strip().splitlines()[-1][:300]))
     if out.tolist() != [8.0, 8.0]:
         return 'the probe kernel computed {} (expected [8, 8])'.format(
             out.tolist())
