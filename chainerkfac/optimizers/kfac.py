@@ -619,7 +619,8 @@ class KFAC(optimizer.GradientMethod):
         for block in blocks:
             local += [captured[block].get(n, (None, 0))[1]
                       for n in block.factor_names]
-            local += [int(p.grad is not None) for p in block.params]
+            local += [int(p.grad is not None and _updates(p))
+                      for p in block.params]
         totals = iter(transport.all_sum(numpy.array(local, numpy.int64)))
         counts, present = {}, {}
         for block in blocks:
@@ -1071,3 +1072,12 @@ class KFAC(optimizer.GradientMethod):
             self._begin_step()
             self.guard.forget()
             self._checkpoint_due = True
+
+
+def _updates(param) -> bool:
+    """Whether ``param`` is updated: not a frozen one
+    (``link.disable_update()``), whose gradient, though computed, neither
+    moves it nor counts in the bounded step (it would shrink the other
+    layers' steps)."""
+    rule = param.update_rule
+    return rule is not None and rule.enabled
