@@ -93,5 +93,18 @@ def resolve_interval(interval: Union[RefreshInterval, str]
         raise ValueError('a refresh interval must be a positive int, a '
                          'preset name or a callable, got {!r}'
                          .format(interval))
-    value = int(interval)
-    return lambda iteration, epoch: value
+    return FixedInterval(int(interval))
+
+
+class FixedInterval:
+    """A refresh interval that does not change: a callable of
+    ``(iteration, epoch)``, picklable (the optimizer with it)."""
+
+    def __init__(self, value: int):
+        self.value = value
+
+    def __call__(self, iteration: int, epoch: int) -> int:
+        return self.value
+
+    def __repr__(self) -> str:
+        return 'FixedInterval({})'.format(self.value)

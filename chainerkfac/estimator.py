@@ -131,6 +131,30 @@ class CurvatureEstimator:
         self.batch_size: Optional[int] = None
         self.samples = 0
 
+    # -- copies (copy.deepcopy, pickle) ---------------------------------------
+    def __getstate__(self):
+        """The state without the function hook: a copy gets a hook of its
+        own (:meth:`__setstate__`); the original's, copied, would still
+        answer to the original and never be in the hooks."""
+        state = self.__dict__.copy()
+        capture = state.pop('_capture')
+        state['_capture_state'] = (capture.installed, capture.record_graph,
+                                   capture.record_logits,
+                                   capture._logits_types)
+        return state
+
+    def __setstate__(self, state) -> None:
+        installed, record_graph, record_logits, logits_types = state.pop(
+            '_capture_state')
+        self.__dict__.update(state)
+        self._capture = capture_module.BackwardCapture(self)
+        self._capture.record_graph = record_graph
+        if record_logits:
+            self._capture.start_recording_logits(logits_types)
+        self.refresh_routes()       # routes are keyed by the parameters' ids
+        if installed:
+            self._capture.install()
+
     @property
     def needs_loss_function(self) -> bool:
         """Whether the Fisher passes need ``update(lossfun, ...)``."""
