@@ -32,6 +32,7 @@ import numpy
 
 import chainer
 import chainer.functions as F
+from chainer.functions.math import basic_math
 from chainer.functions.math import sum as sum_module
 
 from chainerkfac import capture as capture_module
@@ -379,8 +380,31 @@ _SUMMED_LOSS = (
 
 
 def _is_summed_loss(function) -> bool:
-    """Whether ``function`` (a loss's creator) sums into a scalar."""
+    """Whether ``function`` (a loss's creator) sums into a scalar, and
+    not a mean written as a sum (:func:`_is_mean_as_sum`)."""
     if not isinstance(function, sum_module.Sum):
         return False
     outputs = [o() for o in function.outputs]
-    return all(o is not None and o.shape == () for o in outputs)
+    return all(o is not None and o.shape == () for o in outputs) and \
+        not _is_mean_as_sum(function)
+
+
+def _is_mean_as_sum(function) -> bool:
+    """``F.sum(x * c)`` with ``c = ±1/n``, ``n`` the number of ``x``'s
+    elements: a mean. Chainer's ``softmax_cross_entropy(...,
+    enable_double_backprop=True)``, which a gradient penalty needs, makes
+    its batch mean so (with labels ignored, ``n`` is the others' count:
+    that stays refused, as is ``F.sum(0.5 * x)``). A sum over one element
+    is its mean too."""
+    node = function.inputs[0] if function.inputs else None
+    size = int(numpy.prod(node.shape)) if node is not None and \
+        node.shape is not None else 0
+    if size == 1:
+        return True
+    creator = node.creator if node is not None else None
+    if not isinstance(creator, basic_math.MulConstant):
+        return False
+    value = creator.value
+    if not numpy.isscalar(value) or not value:
+        return False
+    return abs(abs(float(value)) * size - 1) < 1e-9

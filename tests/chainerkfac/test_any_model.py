@@ -369,6 +369,38 @@ def test_a_summed_loss_is_refused_with_the_fix():
         optimizer.update(summed, x, t)
 
 
+@pytest.mark.parametrize('manual', [False, True])
+def test_the_double_backprop_cross_entropy_is_a_mean(manual):
+    """softmax_cross_entropy(..., enable_double_backprop=True), which
+    Chainer needs for a gradient penalty, is the batch mean written as
+    F.sum(x / n): K-FAC steps as with the plain loss (it refused it as a
+    sum, and its advice, loss_reduction='sum', gave other steps). A sum
+    scaled by another constant is still refused."""
+    x, t = helpers.data(n=6, shape=(5,), n_class=3)
+    base = helpers.MLP()
+    trained = []
+    for double in (False, True):
+        model = base.copy(mode='copy')
+        optimizer = helpers.kfac(lr=0.1, momentum=0.9).setup(model)
+
+        def loss(x, t, model=model, double=double):
+            return F.softmax_cross_entropy(model(x), t,
+                                           enable_double_backprop=double)
+        for _ in range(3):
+            helpers.update(optimizer, model, loss, x, t, manual)
+        trained.append(model)
+    for a, b in zip(trained[0].params(), trained[1].params()):
+        numpy.testing.assert_allclose(a.array, b.array, rtol=0, atol=1e-12)
+    model = helpers.MLP()
+    optimizer = helpers.kfac().setup(model)
+
+    def half_sum(x, t):
+        return F.sum(0.5 * F.softmax_cross_entropy(model(x), t,
+                                                   reduce='no'))
+    with pytest.raises(ValueError, match="loss_reduction='sum'"):
+        optimizer.update(half_sum, x, t)
+
+
 @pytest.mark.parametrize('acc_iters', [1, 2])
 def test_sum_reduction_steps_as_the_mean_loss(acc_iters):
     x, t = helpers.data(n=8)
