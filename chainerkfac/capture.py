@@ -107,9 +107,9 @@ class BackwardCapture(chainer.FunctionHook):
     Attributes
     ----------
     record_logits : bool
-        Keep the last call of a logits function
+        Keep the calls of a logits function
         (:func:`chainerkfac.fisher_blocks.logits_functions`) in forward
-        passes: :attr:`logits`.
+        passes: :meth:`logits_of`.
     record_graph : bool
         Keep every function node of the backward passes that reach the
         listener's parameters: :attr:`graph`. The nodes of a pass are held
@@ -134,7 +134,7 @@ class BackwardCapture(chainer.FunctionHook):
         self._pending: List[weakref.ref] = []
         self._routed = False
         self._logits_types: Tuple[type, ...] = ()
-        self._logit_function = None
+        self._logit_functions: List = []
         # Forget the hook once the listener is gone (removed at the next
         # install or removal of any capture: never while Chainer iterates
         # over the hooks).
@@ -177,23 +177,24 @@ class BackwardCapture(chainer.FunctionHook):
             self._explicit = False
             self._last_rank = -1
 
-    @property
-    def logits(self):
-        """The logits variable of the last recorded logits-function call,
-        or None."""
-        function = self._logit_function
-        if function is None or function.inputs is None:
-            return None
-        return function.inputs[0].get_variable()
+    def logits_of(self, loss):
+        """The logits variable of the last recorded logits-function call
+        that ``loss`` comes from, or None (not the call of another forward
+        pass in the loss function: a validation pass, a second head)."""
+        ancestors = _functions_of(loss)
+        for function in reversed(self._logit_functions):
+            if id(function) in ancestors and function.inputs is not None:
+                return function.inputs[0].get_variable()
+        return None
 
     def forget_logits(self) -> None:
-        self._logit_function = None
+        self._logit_functions = []
 
     def start_recording_logits(self, logits_types) -> None:
         """Record logits in the coming forward passes (see
         :attr:`logits`)."""
         self._logits_types = tuple(logits_types)
-        self._logit_function = None
+        self._logit_functions = []
         self.record_logits = True
 
     # -- the hook ---------------------------------------------------------------
@@ -202,7 +203,7 @@ class BackwardCapture(chainer.FunctionHook):
             return
         if self.record_logits and isinstance(function, self._logits_types):
             # Its input nodes exist only after the forward: keep the call.
-            self._logit_function = function
+            self._logit_functions.append(function)
 
     def backward_preprocess(self, function, in_data, out_grad):
         if self._dead[0] or getattr(_unobserved, 'depth', 0):
@@ -253,6 +254,18 @@ class BackwardCapture(chainer.FunctionHook):
         self._pending, self._routed = [], False
 
 
+def _functions_of(variable) -> set:
+    """``id`` of every function node ``variable`` was computed by."""
+    seen, stack = set(), [variable.creator_node]
+    while stack:
+        function = stack.pop()
+        if function is None or id(function) in seen:
+            continue
+        seen.add(id(function))
+        stack.extend(node.creator_node for node in function.inputs)
+    return seen
+
+
 def _node(function) -> GraphNode:
     return GraphNode(function, tuple(function.inputs),
                      tuple(o() for o in function.outputs))
@@ -264,7 +277,7 @@ def _mark_dead(flag, capture_ref) -> None:
     if capture is not None:     # what it holds goes with the listener
         capture.graph = []
         capture._pending = []
-        capture._logit_function = None
+        capture._logit_functions = []
 
 
 def _purge_dead(hooks) -> None:

@@ -330,7 +330,7 @@ class CurvatureEstimator:
                 'first modelled layer (Linear, Convolution2D, '
                 'BatchNormalization); the loss called none')
         if fisher_passes:
-            logits = self._capture.logits
+            logits = self._capture.logits_of(loss)
             self._capture.forget_logits()
             if logits is None:
                 raise RuntimeError(

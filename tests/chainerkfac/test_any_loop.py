@@ -450,3 +450,38 @@ def test_chainermn_double_buffering_is_refused_with_the_reason():
     helpers.loss_of(model)(x, t).backward()
     with pytest.raises(ValueError, match='double_buffering=False'):
         DoubleBuffering(kfac).update()
+
+
+# -- the logits of the Fisher passes ------------------------------------------------
+@pytest.mark.parametrize('fisher', ['mc', 'exact'])
+@pytest.mark.parametrize('extra', ['test mode', 'no_backprop_mode'])
+def test_the_fisher_passes_take_the_logits_the_loss_comes_from(fisher,
+                                                               extra):
+    """A loss function that also runs another forward pass of the model
+    (a validation batch, after its loss): fisher='mc' / 'exact' draw from
+    the loss's own logits, so the steps are those of the loss function
+    without it. They drew from the last call (the other batch's logits),
+    or, under no_backprop_mode, said the loss applied no logits function."""
+    x, t = helpers.data(n=6, shape=(5,), n_class=3)
+    other = helpers.data(n=10, shape=(5,), n_class=3, seed=1)[0]
+    base = helpers.MLP()
+    trained = []
+    for with_extra in (False, True):
+        model = base.copy(mode='copy')
+        classifier = L.Classifier(model)
+        optimizer = helpers.kfac(fisher=fisher, seed=3).setup(classifier)
+
+        def loss(x, t, classifier=classifier, with_extra=with_extra):
+            value = classifier(x, t)
+            if with_extra:
+                scope = (chainer.no_backprop_mode() if extra ==
+                         'no_backprop_mode' else
+                         chainer.using_config('train', False))
+                with scope:
+                    classifier(other, numpy.zeros(10, numpy.int32))
+            return value
+        for _ in range(3):
+            optimizer.update(loss, x, t)
+        trained.append(model)
+    for a, b in zip(trained[0].params(), trained[1].params()):
+        numpy.testing.assert_array_equal(a.array, b.array)
