@@ -22,8 +22,11 @@ meant for SGD:
   inverse of a damped Fisher multiplies a gradient by up to ``1/γ``.
 
 ``'post'`` hooks run after the update, as for any Chainer optimizer.
-Hooks added to a parameter's own update rule run on ∇L inside the update
-and do not change K-FAC's step (its update rule reads the direction).
+Hooks added to a parameter's own update rule (``param.update_rule.
+add_hook``: weight decay on the weights but not the biases) act at the
+same two places, on that parameter alone: a penalty on its ∇L before the
+preconditioning, a clipping hook on its direction; the update itself then
+runs the rule without them (they have acted).
 
 In a multi-process run the penalties act on each process's gradient
 before the reduction (their gradients are linear in ∇L: the mean is the
@@ -36,6 +39,7 @@ updates, which gives the unsharded step; a hook of the whole model
 (``GradientClipping``'s norm) is refused, as
 ``GuardedOptimizer(shard_update=True)`` refuses it.
 """
+import contextlib
 from typing import List
 
 from chainer import optimizer_hooks
@@ -57,10 +61,39 @@ def _pre_hooks(optimizer) -> List:
 
 
 def call_gradient_hooks(optimizer) -> None:
-    """The ``'pre'`` hooks that act on ∇L, in registration order."""
+    """The ``'pre'`` hooks that act on ∇L, in registration order: the
+    optimizer's, then each parameter's own rule's."""
     for hook in _pre_hooks(optimizer):
         if not acts_on_direction(hook):
             optimizer.call_hook(hook)
+    for param in optimizer.target.params():
+        rule = param.update_rule
+        if rule is None or not rule.enabled or param.grad is None:
+            continue
+        for hook in _rule_hooks(rule):
+            if not acts_on_direction(hook):
+                hook(rule, param)
+
+
+def _rule_hooks(rule) -> List:
+    return list(rule._hookable._pre_update_hooks.values())
+
+
+@contextlib.contextmanager
+def rule_hooks_done(rule):
+    """The rule's ``'pre'`` hooks set aside while it updates: K-FAC ran
+    them where they act (:func:`call_gradient_hooks`,
+    :func:`call_direction_hooks`)."""
+    hooks = rule._hookable._pre_update_hooks
+    if not hooks:
+        yield
+        return
+    saved = list(hooks.items())
+    hooks.clear()
+    try:
+        yield
+    finally:
+        hooks.update(saved)
 
 
 def _direction_hooks(optimizer) -> List:
@@ -113,8 +146,7 @@ def call_direction_hooks(optimizer, blocks, directions,
     gradients are restored afterwards.
     """
     hooks = _direction_hooks(optimizer)
-    if not hooks:
-        return
+    own = {}
     pairs = []
     for block in blocks:
         listed = directions.get(block)
@@ -123,9 +155,18 @@ def call_direction_hooks(optimizer, blocks, directions,
         for i, (param, direction) in enumerate(zip(block.params, listed)):
             if direction is None:
                 continue
+            rule = param.update_rule
+            mine = [h for h in _rule_hooks(rule) if acts_on_direction(h)] \
+                if rule is not None and rule.enabled else []
+            if not hooks and not mine:
+                continue
             if direction is param.grad:
                 direction = listed[i] = direction.copy()
             pairs.append((param, direction))
+            if mine:
+                own[id(param)] = mine
+    if not pairs:
+        return
     saved = [param.grad for param, _ in pairs]
     try:
         for param, direction in pairs:
@@ -136,6 +177,9 @@ def call_direction_hooks(optimizer, blocks, directions,
                     hook(param.update_rule, param)
             else:
                 optimizer.call_hook(hook)
+        for param, _ in pairs:
+            for hook in own.get(id(param), ()):
+                hook(param.update_rule, param)
         for param, direction in pairs:
             if param.grad is not direction:     # a hook that reassigns
                 direction[...] = param.grad

@@ -7,6 +7,7 @@ import chainer
 from chainer import optimizer
 
 from chainerkfac import fused
+from chainerkfac.optimizers import hooks
 from chainerkfac import multi_tensor
 
 #: ε of eq. (20).
@@ -66,16 +67,10 @@ def apply_all(pairs: Sequence[Tuple[object, object]]) -> None:
     for param, direction in pairs:
         rule = param.update_rule
         key = _fused_key(param, rule, direction)
-        if key is None:
+        if key is None or not _fused_takes(rule, param):
             rule.direction = direction
-            param.update()
-            continue
-        rule.t += 1
-        rule._init_states(param)
-        if not _takes(rule.state['v'], param.array):
-            rule.t -= 1
-            rule.direction = direction
-            param.update()
+            with hooks.rule_hooks_done(rule):
+                param.update()
             continue
         groups.setdefault(key, []).append((param, direction))
     for key, members in groups.items():
@@ -88,6 +83,17 @@ def apply_all(pairs: Sequence[Tuple[object, object]]) -> None:
                 [d for _, d in members], hyperparam.lr, hyperparam.momentum,
                 [p.update_rule.rescale_norm for p, _ in members]
                 if rescaled else None)
+
+
+def _fused_takes(rule, param) -> bool:
+    """Count the step and make the state of a fused parameter; False
+    (nothing counted) where its velocity does not fit the kernels."""
+    rule.t += 1
+    rule._init_states(param)
+    if _takes(rule.state['v'], param.array):
+        return True
+    rule.t -= 1
+    return False
 
 
 def _fused_key(param, rule, direction):

@@ -17,8 +17,9 @@ from tests.chainerkfac import helpers
 LR = 0.5
 
 
-def _step(hooks=(), loss=None, **options):
-    """One K-FAC step of helpers.ConvNet(bn=True) with ``hooks``; returns
+def _step(hooks=(), loss=None, rule_hooks=None, **options):
+    """One K-FAC step of helpers.ConvNet(bn=True) with ``hooks`` (and
+    ``rule_hooks(name)``: the hooks of that parameter's own rule); returns
     the model before and after and the raw gradients left in it."""
     numpy.random.seed(0)
     model = helpers.ConvNet(bn=True)
@@ -30,6 +31,9 @@ def _step(hooks=(), loss=None, **options):
                              **options).setup(model)
     for hook in hooks:
         optimizer.add_hook(hook)
+    for name, param in model.namedparams():
+        for hook in (rule_hooks(name) if rule_hooks else ()):
+            param.update_rule.add_hook(hook)
 
     def lossfun(x, t):
         value = F.softmax_cross_entropy(model(x), t)
@@ -58,6 +62,48 @@ def test_weight_decay_is_the_natural_gradient_of_the_penalised_loss():
         return rate / 2 * sum(F.sum(p * p) for p in model.params())
     _, penalised, _ = _step(loss=penalty)
     _assert_same(hooked, penalised)
+
+
+def test_a_parameters_own_weight_decay_penalises_that_parameter():
+    """Weight decay on the weights only, through their own rules (the
+    usual way to spare biases and BN): the step of the loss penalised on
+    the weights only. K-FAC's step ignored such hooks."""
+    rate = 1e-2
+    _, hooked, _ = _step(rule_hooks=lambda name: [
+        optimizer_hooks.WeightDecay(rate)] if name.endswith('/W') else [])
+
+    def penalty(model):
+        return rate / 2 * sum(F.sum(p * p) for n, p in model.namedparams()
+                              if n.endswith('/W'))
+    _, penalised, _ = _step(loss=penalty)
+    _, plain, _ = _step()
+    _assert_same(hooked, penalised)
+    assert not numpy.allclose(hooked['/conv/W'], plain['/conv/W'])
+
+
+def test_hard_clipping_on_every_rule_is_the_optimizers():
+    """GradientHardClipping added to each parameter's rule clips each
+    one's direction, as the optimizer's does all of them."""
+    bound = 0.05
+    _, own, _ = _step(rule_hooks=lambda name: [
+        optimizer_hooks.GradientHardClipping(-bound, bound)])
+    _, optimizers, _ = _step([optimizer_hooks.GradientHardClipping(
+        -bound, bound)])
+    _assert_same(own, optimizers)
+    before, plain, _ = _step()
+    assert max(abs(_directions(before, plain)[n]).max()
+               for n in plain) > bound          # it clipped something
+
+
+def test_a_rules_hook_runs_once_a_step():
+    calls = []
+
+    def hook(rule, param):
+        calls.append(param.name)
+    hook.name = 'count'
+    hook.timing = 'pre'
+    _step(rule_hooks=lambda name: [hook] if name == '/fc/W' else [])
+    assert calls == ['W']
 
 
 def test_lasso_is_the_natural_gradient_of_the_penalised_loss():
