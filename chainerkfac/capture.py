@@ -115,7 +115,11 @@ class BackwardCapture(chainer.FunctionHook):
         listener's parameters: :attr:`graph`. The nodes of a pass are held
         weakly until its first routed call, so that a listener not in a
         pass (another model's, or an optimizer no longer used and not yet
-        collected) keeps none of its nodes, nor the arrays they hold.
+        collected) keeps none of its nodes, nor the arrays they hold; and
+        a pass of the same graph as one kept (the next step's, while the
+        listener takes no step: its model trained by another optimizer) is
+        dropped when the next pass begins, so that at most one pass of
+        each graph is held.
     """
 
     def __init__(self, listener):
@@ -133,6 +137,10 @@ class BackwardCapture(chainer.FunctionHook):
         # whether that call has come.
         self._pending: List[weakref.ref] = []
         self._routed = False
+        # Where the open pass's nodes begin in the graph, and the graphs of
+        # the passes kept (:func:`_shape_of`).
+        self._pass_start = 0
+        self._shapes: set = set()
         self._logits_types: Tuple[type, ...] = ()
         self._logit_functions: List = []
         # Forget the hook once the listener is gone (removed at the next
@@ -170,7 +178,7 @@ class BackwardCapture(chainer.FunctionHook):
         self._pass += 1
         self._explicit = True
         self._seen = weakref.WeakSet()
-        self._pending, self._routed = [], False
+        self._close_recorded_pass()
         try:
             yield self._pass
         finally:
@@ -245,13 +253,32 @@ class BackwardCapture(chainer.FunctionHook):
             self._routed = True
             earlier = [ref() for ref in self._pending]
             self._pending = []
+            self._pass_start = len(self.graph)
             self.graph.extend(_node(f) for f in earlier if f is not None)
         self.graph.append(_node(function))
+
+    def _close_recorded_pass(self) -> None:
+        """The pass recorded last is kept if its graph is new, else its
+        nodes go; the next pass starts unrouted."""
+        if self._routed:
+            shape = _shape_of(self.graph[self._pass_start:])
+            if shape in self._shapes:
+                del self.graph[self._pass_start:]
+            else:
+                self._shapes.add(shape)
+        self._pending, self._routed = [], False
+        self._pass_start = len(self.graph)
+
+    def clear_graph(self) -> None:
+        """Forget the recorded graph (recording goes on if it is on)."""
+        self.graph = []
+        self._shapes = set()
+        self._pending, self._routed, self._pass_start = [], False, 0
 
     def _new_pass(self) -> None:
         self._pass += 1
         self._seen = weakref.WeakSet()
-        self._pending, self._routed = [], False
+        self._close_recorded_pass()
 
 
 def _functions_of(variable) -> set:
@@ -266,6 +293,27 @@ def _functions_of(variable) -> set:
     return seen
 
 
+def _shape_of(nodes) -> tuple:
+    """A pass's graph without its arrays: each function's type and where
+    each input comes from (another function of the pass, by position, a
+    parameter, by identity, or elsewhere). Two passes of one model's
+    forward code have the same."""
+    position = {id(n.function): k for k, n in enumerate(nodes)}
+    shape = []
+    for n in nodes:
+        sources = []
+        for node in n.inputs:
+            creator = node.creator_node
+            if creator is not None:
+                sources.append(position.get(id(creator), -1))
+            else:
+                variable = node.get_variable_or_none()
+                sources.append(('param', id(variable)) if isinstance(
+                    variable, chainer.Parameter) else None)
+        shape.append((type(n.function), tuple(sources)))
+    return tuple(shape)
+
+
 def _node(function) -> GraphNode:
     return GraphNode(function, tuple(function.inputs),
                      tuple(o() for o in function.outputs))
@@ -275,8 +323,7 @@ def _mark_dead(flag, capture_ref) -> None:
     flag[0] = True
     capture = capture_ref()
     if capture is not None:     # what it holds goes with the listener
-        capture.graph = []
-        capture._pending = []
+        capture.clear_graph()
         capture._logit_functions = []
 
 

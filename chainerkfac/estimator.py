@@ -193,7 +193,7 @@ class CurvatureEstimator:
         self.samples = 0
         self._capture.record_graph = record_graph
         if not record_graph:
-            self._capture.graph = []
+            self._capture.clear_graph()
         if self._due or record_graph or self.loss_reduction == 'sum':
             self._capture.install()
         else:
@@ -218,7 +218,7 @@ class CurvatureEstimator:
 
     def stop_recording_graph(self) -> None:
         self._capture.record_graph = False
-        self._capture.graph = []
+        self._capture.clear_graph()
 
     def end_micro_batch(self) -> None:
         """Close the micro-batch of the calls since the last one.

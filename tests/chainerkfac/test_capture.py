@@ -57,3 +57,29 @@ def test_the_recorded_graph_lets_the_first_update_decide_eq_20():
     assert optimizer.estimator.graph == []      # dropped after the decision
     assert not optimizer.estimator.capture_hook.record_graph
     assert numpy.isfinite(float(model(x, t).array))
+
+
+def test_an_idle_optimizer_keeps_one_pass_of_each_graph():
+    """A K-FAC set up and never stepped while its model trains with
+    another optimizer (a notebook's earlier cell): it keeps the first pass
+    of the model's graph and the open one, not every step's (the memory of
+    every step's activations grew without bound)."""
+    import chainer
+    x, t = helpers.data(n=4, shape=(2, 5, 5))
+    model = L.Classifier(net())
+    idle = helpers.kfac(weight_rescale='auto').setup(model)
+    sgd = chainer.optimizers.MomentumSGD(lr=0.01).setup(model)
+    nodes, lengths = [], []
+    for _ in range(6):
+        model.cleargrads()
+        loss = model(x, t)
+        loss.backward()
+        nodes.append(weakref.ref(loss.creator_node))
+        del loss
+        sgd.update()
+        lengths.append(len(idle.estimator.graph))
+    gc.collect()
+    one_pass = lengths[0]
+    assert one_pass > 0 and lengths[1:] == [2 * one_pass] * 5
+    assert nodes[0]() is not None           # the first pass, kept
+    assert [n() for n in nodes[1:-1]] == [None] * 4
