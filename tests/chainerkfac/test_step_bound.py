@@ -188,6 +188,8 @@ def test_scale_of(metric, expected):
         assert value == pytest.approx(expected, rel=1e-15)
 
 
+# The NaN goes through the backward pass on purpose.
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_a_non_finite_metric_skips_the_step():
     """A direction that is not finite makes ν NaN: the step guard skips
     the step and no NaN reaches the weights."""
