@@ -189,7 +189,7 @@ def test_scale_of(metric, expected):
 
 
 # The NaN goes through the backward pass on purpose.
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.filterwarnings('ignore:invalid value encountered:RuntimeWarning')
 def test_a_non_finite_metric_skips_the_step():
     """A direction that is not finite makes ν NaN: the step guard skips
     the step and no NaN reaches the weights."""
