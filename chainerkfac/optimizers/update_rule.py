@@ -7,8 +7,8 @@ import chainer
 from chainer import optimizer
 
 from chainerkfac import fused
-from chainerkfac.optimizers import hooks
 from chainerkfac import multi_tensor
+from chainerkfac.optimizers import hooks
 
 #: ε of eq. (20).
 RESCALE_EPS = fused.RESCALE_EPS
