@@ -189,7 +189,7 @@ class BackwardCapture(chainer.FunctionHook):
         """The logits variable of the last recorded logits-function call
         that ``loss`` comes from, or None (not the call of another forward
         pass in the loss function: a validation pass, a second head)."""
-        ancestors = _functions_of(loss)
+        ancestors = {id(n.function) for n in graph_of(loss)}
         for function in reversed(self._logit_functions):
             if id(function) in ancestors and function.inputs is not None:
                 return function.inputs[0].get_variable()
@@ -281,16 +281,19 @@ class BackwardCapture(chainer.FunctionHook):
         self._close_recorded_pass()
 
 
-def _functions_of(variable) -> set:
-    """``id`` of every function node ``variable`` was computed by."""
-    seen, stack = set(), [variable.creator_node]
+def graph_of(variable) -> List[GraphNode]:
+    """The function nodes that ``variable`` (a loss) was computed by, each
+    with its input and output nodes (what the capture records in a
+    backward pass)."""
+    seen, stack, out = set(), [variable.creator_node], []
     while stack:
         function = stack.pop()
         if function is None or id(function) in seen:
             continue
         seen.add(id(function))
+        out.append(_node(function))
         stack.extend(node.creator_node for node in function.inputs)
-    return seen
+    return out
 
 
 def _shape_of(nodes) -> tuple:

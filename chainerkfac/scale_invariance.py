@@ -34,28 +34,13 @@ from chainer.functions.pooling import average_pooling_nd as avgnd_module
 from chainer.functions.pooling import max_pooling_nd as maxnd_module
 
 from chainerkfac.capture import GraphNode
+from chainerkfac.capture import graph_of  # NOQA (re-exported)
 
 _PASS_THROUGH = (reshape_module.Reshape, transpose_module.Transpose,
                  copy_module.Copy, identity_module.Identity,
                  maxnd_module.MaxPoolingND)
 _AVERAGE_POOLING = (avg2d_module.AveragePooling2D,
                     avgnd_module.AveragePoolingND)
-
-
-def graph_of(loss) -> List[GraphNode]:
-    """The function nodes that ``loss`` depends on, each with its input and
-    output nodes (what the capture records in a backward pass)."""
-    seen, stack, out = set(), [loss.creator_node], []
-    while stack:
-        function = stack.pop()
-        if function is None or id(function) in seen:
-            continue
-        seen.add(id(function))
-        out.append(GraphNode(function, tuple(function.inputs),
-                             tuple(o() for o in function.outputs)))
-        for node in function.inputs:
-            stack.append(node.creator_node)
-    return out
 
 
 def scale_invariant_weights(graph: Iterable[GraphNode], weighted: tuple,
