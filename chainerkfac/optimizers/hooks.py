@@ -54,10 +54,18 @@ def acts_on_direction(hook) -> bool:
     return isinstance(hook, DIRECTION_HOOKS)
 
 
-def _pre_hooks(optimizer) -> List:
-    # Chainer 7 keeps an optimizer's hooks in its private hookable, in
-    # registration order; Optimizer.call_hooks runs them all at once.
-    return list(optimizer._hookable._pre_update_hooks.values())
+def _pre_hooks(owner) -> List:
+    # Chainer 7 keeps an optimizer's hooks, and an update rule's, in its
+    # private hookable, in registration order; Optimizer.call_hooks and
+    # UpdateRule.update run them all at once.
+    return list(owner._hookable._pre_update_hooks.values())
+
+
+def updates(param) -> bool:
+    """Whether ``param`` is updated: it has an update rule, not turned
+    off (``link.disable_update()``)."""
+    rule = param.update_rule
+    return rule is not None and rule.enabled
 
 
 def call_gradient_hooks(optimizer) -> None:
@@ -67,16 +75,11 @@ def call_gradient_hooks(optimizer) -> None:
         if not acts_on_direction(hook):
             optimizer.call_hook(hook)
     for param in optimizer.target.params():
-        rule = param.update_rule
-        if rule is None or not rule.enabled or param.grad is None:
+        if not updates(param) or param.grad is None:
             continue
-        for hook in _rule_hooks(rule):
+        for hook in _pre_hooks(param.update_rule):
             if not acts_on_direction(hook):
-                hook(rule, param)
-
-
-def _rule_hooks(rule) -> List:
-    return list(rule._hookable._pre_update_hooks.values())
+                hook(param.update_rule, param)
 
 
 @contextlib.contextmanager
@@ -155,9 +158,8 @@ def call_direction_hooks(optimizer, blocks, directions,
         for i, (param, direction) in enumerate(zip(block.params, listed)):
             if direction is None:
                 continue
-            rule = param.update_rule
-            mine = [h for h in _rule_hooks(rule) if acts_on_direction(h)] \
-                if rule is not None and rule.enabled else []
+            mine = [h for h in _pre_hooks(param.update_rule)
+                    if acts_on_direction(h)] if updates(param) else []
             if not hooks and not mine:
                 continue
             if direction is param.grad:

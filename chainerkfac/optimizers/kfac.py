@@ -619,7 +619,9 @@ class KFAC(optimizer.GradientMethod):
         for block in blocks:
             local += [captured[block].get(n, (None, 0))[1]
                       for n in block.factor_names]
-            local += [int(p.grad is not None and _updates(p))
+            # a frozen parameter's gradient (Chainer computes it) neither
+            # moves it nor counts in the bounded step
+            local += [int(p.grad is not None and hooks.updates(p))
                       for p in block.params]
         totals = iter(transport.all_sum(numpy.array(local, numpy.int64)))
         counts, present = {}, {}
@@ -742,8 +744,8 @@ class KFAC(optimizer.GradientMethod):
                 continue
             for param in block.params:
                 rule = param.update_rule
-                if (rule is None or not rule.enabled or
-                        rule.state is not None or param.array is None):
+                if (not hooks.updates(param) or rule.state is not None or
+                        param.array is None):
                     continue
                 # As Chainer's UpdateRule.update makes it: on the float32
                 # master of a float16 parameter under use_fp32_update.
@@ -1072,12 +1074,3 @@ class KFAC(optimizer.GradientMethod):
             self._begin_step()
             self.guard.forget()
             self._checkpoint_due = True
-
-
-def _updates(param) -> bool:
-    """Whether ``param`` is updated: not a frozen one
-    (``link.disable_update()``), whose gradient, though computed, neither
-    moves it nor counts in the bounded step (it would shrink the other
-    layers' steps)."""
-    rule = param.update_rule
-    return rule is not None and rule.enabled
