@@ -4,6 +4,7 @@ and the environment of an ``mpiexec`` launch.
 
 Nothing here knows about a particular benchmark.
 """
+import argparse
 import datetime
 import json
 import os
@@ -21,6 +22,16 @@ from typing import Callable, Dict, List, Optional, Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THREAD_VARIABLES = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS',
                     'MKL_NUM_THREADS')
+
+
+# -- the command line -------------------------------------------------------------
+def argument_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of ``python -m prog``: the first paragraph of its
+    docstring ``doc`` as the description, shown whole, its line breaks
+    kept."""
+    return argparse.ArgumentParser(
+        prog='python -m ' + prog, description=doc.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 # -- the run header ---------------------------------------------------------------

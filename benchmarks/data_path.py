@@ -31,7 +31,6 @@ cropped to 224):
 
 Timings are medians of repeats within this run.
 """
-import argparse
 import os
 import pickle
 import shutil
@@ -182,10 +181,7 @@ def startup(images, n, list_lines, directory, repeats) -> Dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog='python -m benchmarks.data_path',
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser('benchmarks.data_path', __doc__)
     parser.add_argument('--smoke', action='store_true',
                         help='32 images, a 10000-line list, one repeat '
                              '(overrides --images, --list-lines and '

@@ -21,7 +21,6 @@ what the failure costs beyond starting and running the job. The snapshot
 writer's blocking of the training loop, the other figure a test asserted,
 is ``blocked_s`` of ``python -m benchmarks.snapshot``.
 """
-import argparse
 import os
 import subprocess
 import sys
@@ -104,10 +103,7 @@ def measure(case: str, repeats: int, clean: bool, directory: str) -> Dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog='python -m benchmarks.failure_latency',
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser('benchmarks.failure_latency', __doc__)
     parser.add_argument('--smoke', action='store_true',
                         help='one failing run of each case, no clean runs '
                              '(overrides --repeats)')

@@ -195,10 +195,7 @@ def measure_agreement(size, calls):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog='python -m benchmarks.preemption',
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser('benchmarks.preemption', __doc__)
     parser.add_argument('--smoke', action='store_true',
                         help='the small ResNet once, 200 agreement calls '
                              'on 2 processes (overrides --repeats, --archs '

@@ -22,7 +22,6 @@ defaults, refresh interval 20, after a refresh step), the median
 milliseconds of each call over ``--repeats`` steps (the pre-launch calls
 in a step's order, each repeat a new step), and of the three together.
 """
-import argparse
 import sys
 import time
 from typing import Callable, Dict
@@ -122,10 +121,7 @@ def measure(name: str, repeats: int) -> Dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog='python -m benchmarks.replay_host',
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser('benchmarks.replay_host', __doc__)
     parser.add_argument('--smoke', action='store_true',
                         help='the small ResNet, 20 repeats (overrides '
                              '--repeats)')

@@ -22,7 +22,6 @@ of the "before" save time of the same run. The byte counts split the state
 into K-FAC factors, K-FAC inverses, momentum, model and the rest, so it is
 visible what a lean optimizer state removes.
 """
-import argparse
 import os
 import shutil
 import sys
@@ -162,10 +161,7 @@ def print_result(result):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog='python -m benchmarks.snapshot',
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser('benchmarks.snapshot', __doc__)
     parser.add_argument('--smoke', action='store_true',
                         help='the small ResNet at 16x16 (seconds)')
     parser.add_argument('--out', default='result/snapshot.json',

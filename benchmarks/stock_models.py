@@ -96,7 +96,6 @@ the JSON records the load average before and after. BLAS threads:
 """
 import chainerkfac  # NOQA  (before chainer: NumPy-2 compatibility shims)
 
-import argparse
 import gc
 import itertools
 import json
@@ -840,10 +839,7 @@ def _limits(text: str):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(
-        prog='python -m benchmarks.stock_models',
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser('benchmarks.stock_models', __doc__)
     parser.add_argument('--smoke', action='store_true',
                         help='tiny models, one seed, seconds')
     parser.add_argument('--part', default='timing,accuracy,stability',

@@ -21,7 +21,6 @@ Writes ``optimisation.json`` and ``optimisation.png`` into ``--out``::
 
     python -m experiments.curvature.optimisation
 """
-import argparse
 import itertools
 import os
 import sys
@@ -148,10 +147,8 @@ def final_score(curves, epochs):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(
-        prog='python -m experiments.curvature.optimisation',
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser(
+        'experiments.curvature.optimisation', __doc__)
     parser.add_argument('--epochs', type=int, default=20)
     parser.add_argument('--search-epochs', type=int, default=10,
                         help='epochs of each run of the grid search')

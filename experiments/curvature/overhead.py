@@ -32,7 +32,6 @@ Writes ``overhead.json`` and ``overhead.png`` into ``--out``::
 
     python -m experiments.curvature.overhead [--peer]
 """
-import argparse
 import json
 import os
 import sys
@@ -61,10 +60,7 @@ GOALS = {'batch_l2': 1.5, 'sum_grad_squared': 1.5, 'variance': 1.5,
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(
-        prog='python -m experiments.curvature.overhead',
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser('experiments.curvature.overhead', __doc__)
     parser.add_argument('--batch', type=int, default=64)
     parser.add_argument('--repetitions', type=int, default=7)
     parser.add_argument('--exact-repetitions', type=int, default=1,

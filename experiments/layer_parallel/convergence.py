@@ -23,11 +23,11 @@ N = 256 and 2048 bold) and ``fig4_convergence.json`` (every history, and
 the V-cycles to a drop of 10⁻⁵, the goal being at most 12 for every N).
 Indian Pines (the seed's third case) is not shipped and is not run.
 """
-import argparse
 import sys
 import time
 
 from chainerkfac import layer_parallel as lp
+from benchmarks import _common
 from experiments.layer_parallel import common
 
 #: Relative residual drop of the goal (and of the seed's Fig. 4, 5 orders).
@@ -95,10 +95,8 @@ def v_cycles(count, iterations: int) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog='python -m experiments.layer_parallel.convergence',
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser(
+        'experiments.layer_parallel.convergence', __doc__)
     parser.add_argument('--layers', default='64,128,256,512,1024,2048')
     parser.add_argument('--cases', default='peaks,digits')
     parser.add_argument('--weights', default='smooth,independent')

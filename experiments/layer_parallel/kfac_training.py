@@ -33,7 +33,6 @@ accuracy, the steps each optimizer needs to first reach each of
 
 Writes ``kfac_training.json`` and ``fig_kfac_training.png``.
 """
-import argparse
 import json
 import os
 import sys
@@ -45,6 +44,7 @@ import chainer
 from chainerkfac import layer_parallel as lp
 from chainerkfac.layer_parallel import data
 from chainerkfac.optimizers import KFAC
+from benchmarks import _common
 from experiments.layer_parallel import common
 
 OPTIMIZERS = ('adam', 'kfac')
@@ -160,10 +160,8 @@ def plot(results, args, path) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog='python -m experiments.layer_parallel.kfac_training',
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser(
+        'experiments.layer_parallel.kfac_training', __doc__)
     parser.add_argument('--cases', default='peaks,digits')
     parser.add_argument('--layers', type=int, default=32)
     parser.add_argument('--steps', type=int, default=200)

@@ -45,7 +45,6 @@ measured layer-serial times.
 
 Writes ``table1_scaling.json`` and ``fig5_scaling.png``.
 """
-import argparse
 import json
 import os
 import statistics
@@ -55,6 +54,7 @@ import time
 
 from chainerkfac import layer_parallel as lp
 from chainerkfac.layer_parallel import perf_model
+from benchmarks import _common
 from experiments.layer_parallel import common
 
 #: The seed's weak-scaling configurations, layers:cores.
@@ -319,10 +319,8 @@ def plot(launches, checks, predicted, path, layers_per_process,
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog='python -m experiments.layer_parallel.scaling',
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser(
+        'experiments.layer_parallel.scaling', __doc__)
     parser.add_argument('--processes', default='1,2,4')
     parser.add_argument('--layers-per-process', type=int, default=64)
     parser.add_argument('--cases', default='peaks,digits')

@@ -31,7 +31,6 @@ Chainer's.
 
 Writes ``table2_training.json`` and ``fig7_training.png``.
 """
-import argparse
 import json
 import math
 import os
@@ -46,6 +45,7 @@ import chainer.functions as F
 from chainerkfac import layer_parallel as lp
 from chainerkfac.layer_parallel import data
 from chainerkfac.layer_parallel import perf_model
+from benchmarks import _common
 from experiments.layer_parallel import common
 
 
@@ -200,10 +200,8 @@ def plot(serial, parallel, label, path) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog='python -m experiments.layer_parallel.training',
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser(
+        'experiments.layer_parallel.training', __doc__)
     parser.add_argument('--layers', type=int, default=128)
     parser.add_argument('--iterations', type=int, default=400)
     parser.add_argument('--processes', type=int, default=2)
