@@ -72,10 +72,16 @@ alike; each ratio to SGD is the median over rounds of the ratio within a
 round. The stale optimizer's refresh steps are kept apart (a refresh step
 does the work of an every-step K-FAC step); the *amortised* cost over one
 refresh cycle of ``k`` steps is, per round, ``(t_every + (k − 1) t_stale)
-/ k``, then the median. Stage times (:attr:`KFAC.stage_times`:
-forward_backward = stages 1-2 with factor capture, factors,
-reduce_scatter, inverse, precondition, all_gather, update) are medians
-over the timed steps; for SGD, forward_backward and update.
+/ k``, then the median. A replayed stale variant (``kfac_stale_graph``)
+is stepped on, after the rounds, to its next refresh step and one step
+past it (``refresh_cycle`` in the JSON): where that step captured the
+graph again (a refresh drops it), what it took beyond a replayed step is
+added to every cycle (``recapture_s``); where its cycle could not be
+timed, its amortised figures are left out. Stage times
+(:attr:`KFAC.stage_times`: forward_backward = stages 1-2 with factor
+capture, factors, reduce_scatter, inverse, precondition, all_gather,
+update) are medians over the timed steps; for SGD, forward_backward and
+update.
 
 **Capture.** K-FAC's capture is measured two ways: as the difference of
 forward_backward medians (K-FAC every step minus SGD, both in the rounds),
@@ -518,9 +524,11 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
     samples = {v: [] for v in keys}
     stages = {v: [] for v in keys}
     ratios = collections.defaultdict(list)
+    round_times = []
     for r in range(rounds):
         shift = r % len(variants)
         times = {}
+        round_times.append(times)
         for variant in variants[shift:] + variants[:shift]:
             if variant in failed:
                 continue
@@ -552,12 +560,35 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
         for key, elapsed in times.items():
             if key != 'sgd' and not key.endswith('_refresh'):
                 ratios[key].append(elapsed / sgd)
+    # A replayed variant's cycle: what its refresh drops and captures again
+    cycles = {}
+    for variant in KFAC_GRAPH_VARIANTS:
+        if variant in steps and variant not in failed:
+            try:
+                cycles[variant] = refresh_cycle(
+                    steps[variant], x, t, interval, synchronize, steps)
+            except Exception as error:   # its amortised figure is left out
+                cycles[variant] = {'failed': '{}: {}'.format(
+                    type(error).__name__, error)}
+                print('the refresh cycle of {} could not be timed ({}); '
+                      'its amortised figures are left out'.format(
+                          variant, cycles[variant]['failed']),
+                      file=sys.stderr, flush=True)
+            drop_graph(classifiers[variant])
+    extras = {v: recapture_seconds(c, _common.median(samples[v])
+                                   if samples.get(v) else None)
+              for v, c in cycles.items()}
+    for times in round_times:
+        sgd = times.get('sgd')
+        if not sgd:
+            continue
         for stale in STALE_VARIANTS:
             every = KFAC_GRAPH_VARIANTS.get(stale, ({}, 'kfac_every'))[1]
-            if stale in times and every in times:
+            extra = extras.get(stale, 0.0)
+            if stale in times and every in times and extra is not None:
                 ratios[stale + '_amortised'].append(
-                    (times[every] + (interval - 1) * times[stale]) /
-                    interval / sgd)
+                    cycle_seconds(times[every], times[stale], interval,
+                                  extra) / interval / sgd)
     capture = {}
 
     def summary(partial: bool) -> Dict:
@@ -586,6 +617,9 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
         if partial:
             result['partial'] = True
         result['extra_over_sgd'] = extra_over_sgd(result)
+        if cycles:
+            result['refresh_cycle'] = {
+                v: dict(c, recapture_s=extras[v]) for v, c in cycles.items()}
         graphed = [v for v in GRAPH_VARIANTS if v in steps]
         if graphed:
             result['graph_stats'] = {v: dict(steps[v].graph.stats)
@@ -621,6 +655,74 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
     if profile and kfac_variant is not None:
         result['profile'] = profile_step(steps[kfac_variant], x, t)
     return result
+
+
+def _timed_step(step, x, t, synchronize: Callable[[], None],
+                steps: Dict = None) -> float:
+    """Seconds of one synchronised step of a variant (alone)."""
+    synchronize()
+    start = time.perf_counter()
+    with alone(step, steps):
+        step(x, t)
+    synchronize()
+    return time.perf_counter() - start
+
+
+def refresh_cycle(step: 'KFACGraphStep', x, t, interval: int,
+                  synchronize: Callable[[], None], steps: Dict = None
+                  ) -> Dict[str, object]:
+    """Step a replayed K-FAC variant on to its next refresh step and one
+    step past it: what a training run pays once per refresh cycle beyond
+    its replayed stale steps. The refresh step runs eagerly; the step
+    after it is captured again where the refresh dropped the graph, or
+    replayed where the graph was kept.
+
+    Returns ``{'steps_to_refresh', 'refresh_s', 'next_s', 'next'}``:
+    seconds of the refresh step and of the step after it, and how that
+    step ran (``'captured'``, ``'replayed'`` or ``'eager'``).
+
+    Raises
+    ------
+    RuntimeError
+        No refresh step within ``interval + 1`` steps.
+    """
+    for n in range(1, interval + 2):
+        refresh_s = _timed_step(step, x, t, synchronize, steps)
+        if step.refreshed:
+            break
+    else:
+        raise RuntimeError('no refresh step within {} steps'.format(
+            interval + 1))
+    before = collections.Counter(step.graph.stats)
+    next_s = _timed_step(step, x, t, synchronize, steps)
+    after = step.graph.stats
+    way = next((w for w in ('captured', 'replayed', 'eager')
+                if after[w] > before[w]), 'eager')
+    return {'steps_to_refresh': n, 'refresh_s': refresh_s,
+            'next_s': next_s, 'next': way}
+
+
+def recapture_seconds(cycle: Dict, replay_s: Optional[float]
+                      ) -> Optional[float]:
+    """What a refresh cycle of a replayed variant pays beyond its eager
+    refresh step and its replayed steps: the step after the refresh less
+    a replayed step where it was captured again (at least 0), else 0.
+    None where the cycle could not be timed (then its amortised figures
+    are left out: without the capture they would flatter it)."""
+    if cycle is None or 'failed' in cycle or replay_s is None:
+        return None
+    if cycle['next'] != 'captured':
+        return 0.0
+    return max(0.0, cycle['next_s'] - replay_s)
+
+
+def cycle_seconds(every_s: float, stale_s: float, interval: int,
+                  extra_s: float = 0.0) -> float:
+    """Seconds of one refresh cycle of ``interval`` steps: one refresh
+    step (an every-step step), ``interval − 1`` stale steps, and what the
+    cycle pays once beyond them (a replayed variant's capture after each
+    refresh: :func:`recapture_seconds`)."""
+    return every_s + extra_s + (interval - 1) * stale_s
 
 
 def conv_a_timed() -> Dict[str, object]:
@@ -1123,18 +1225,34 @@ PEER_THROUGHPUT = ('sgd', 'kfac_inverse', 'kfac_inverse_stale',
 
 
 def images_per_second(median_s: Dict[str, float], batch: int,
-                      interval: int, every: str, *stales: str
+                      interval: int, every: str, *stales: str,
+                      extras: Dict[str, Optional[float]] = None
                       ) -> Dict[str, float]:
     """Images per second of each timed step, and of each stale variant
     amortised over a refresh cycle of ``interval`` steps (one every-step
-    step and ``interval − 1`` stale ones, from the medians)."""
+    step, ``interval − 1`` stale ones, from the medians, and ``extras``'
+    seconds of the variant: a replayed variant's capture after each
+    refresh, :func:`recapture_seconds`; where that is None the amortised
+    figure is left out)."""
+    extras = extras or {}
     out = {k: batch / v for k, v in median_s.items()
            if v and not k.endswith('_refresh')}
     for stale in stales:
-        if median_s.get(every) and median_s.get(stale):
-            cycle = median_s[every] + (interval - 1) * median_s[stale]
+        extra = extras.get(stale, 0.0)
+        if median_s.get(every) and median_s.get(stale) and \
+                extra is not None:
+            cycle = cycle_seconds(median_s[every], median_s[stale],
+                                  interval, extra)
             out[stale + '_amortised'] = batch * interval / cycle
     return out
+
+
+def recaptures(result: Dict) -> Dict[str, Optional[float]]:
+    """A result's :func:`recapture_seconds` by variant (None: not timed;
+    a variant whose cycle was not measured at all: None too)."""
+    cycles = result.get('refresh_cycle', {})
+    return {v: cycles.get(v, {}).get('recapture_s') if v in cycles else None
+            for v in KFAC_GRAPH_VARIANTS if result['median_s'].get(v)}
 
 
 def device_bytes_in_use(xp) -> Optional[int]:
@@ -1187,12 +1305,13 @@ def sweep(args, specs: Dict[str, Dict], xp, target: str,
                                  spec['rounds'], spec['warmup'], xp,
                                  target=target, kfac_options=kfac_options)
                 result['workspace_bytes'] = limit
+                extras = recaptures(result)
                 result['images_per_s'] = images_per_second(
                     result['median_s'], batch, args.interval, 'kfac_every',
-                    'kfac_stale', 'kfac_stale_graph')
+                    'kfac_stale', 'kfac_stale_graph', extras=extras)
                 result['images_per_s'].update(images_per_second(
                     result['median_s'], batch, args.interval, 'kfac_tf32',
-                    'kfac_stale_graph_tf32'))
+                    'kfac_stale_graph_tf32', extras=extras))
                 free_device_memory(xp)
                 result['device_bytes_in_use_after'] = device_bytes_in_use(xp)
                 if args.peer and limit == limits[0]:
