@@ -75,7 +75,7 @@ refresh cycle of ``k`` steps is, per round, ``(t_every + (k − 1) t_stale)
 / k``, then the median. A replayed stale variant (``kfac_stale_graph``)
 is stepped on, after the rounds, to its next refresh step and one step
 past it (``refresh_cycle`` in the JSON): where that step captured the
-graph again (a refresh drops it), what it took beyond a replayed step is
+graph again (the refresh dropped it), what it took beyond a replayed step is
 added to every cycle (``recapture_s``); where its cycle could not be
 timed, its amortised figures are left out. Stage times
 (:attr:`KFAC.stage_times`: forward_backward = stages 1-2 with factor

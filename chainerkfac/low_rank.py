@@ -263,6 +263,11 @@ class WoodburyInverse:
         self.columns = columns
         self.weighted = linalg.matmul(columns, core_inverse)    # W = U C⁻¹
         self.damping = float(damping)
+        # 1/γ by the dtype of the matrices multiplied, as 0-d arrays beside
+        # the columns: a captured CUDA graph reads them where they are, so
+        # a refresh taken in place (refill) reaches its replays, where a
+        # host number would stay baked in its kernels
+        self._scales = {}
 
     @property
     def dim(self) -> int:
@@ -272,15 +277,50 @@ class WoodburyInverse:
         """``F⁻¹ · matrix`` for a (d, o) matrix."""
         u, w = self._operands(matrix.dtype)
         out = matrix - linalg.matmul(u, linalg.matmul(w.T, matrix))
-        out *= out.dtype.type(1.0 / self.damping)
+        out *= self._scale(out.dtype)
         return out
 
     def right(self, matrix):
         """``matrix · F⁻¹`` for an (o, d) matrix."""
         u, w = self._operands(matrix.dtype)
         out = matrix - linalg.matmul(linalg.matmul(matrix, w), u.T)
-        out *= out.dtype.type(1.0 / self.damping)
+        out *= self._scale(out.dtype)
         return out
+
+    def refill(self, other: 'WoodburyInverse') -> bool:
+        """Take ``other``'s values (the same factor refreshed) into this
+        object's arrays, in place, where their shapes and dtypes match:
+        what holds this object — and a CUDA graph that reads its arrays —
+        then applies the new inverse. Returns whether it did; where not,
+        nothing changed."""
+        if not (_same_layout(self.columns, other.columns) and
+                _same_layout(self.weighted, other.weighted)):
+            return False
+        if other.columns is not self.columns:
+            self.columns[...] = other.columns
+        self.weighted[...] = other.weighted
+        self.damping = other.damping
+        for scale in self._scales.values():
+            scale.fill(1.0 / self.damping)
+        return True
+
+    def arrays(self) -> list:
+        """The device arrays it applies (a CUDA graph's buffers)."""
+        return [self.columns, self.weighted] + [
+            self._scales[k] for k in sorted(self._scales, key=str)]
+
+    def _scale(self, dtype):
+        """``1/γ`` as a 0-d array of ``dtype`` (made once per dtype, by a
+        fill: no copy from the host, which a capture refuses). The same
+        rounding as ``dtype.type(1/γ)``."""
+        scale = self._scales.get(dtype)
+        if scale is None:
+            xp = get_array_module(self.columns)
+            with chainer.using_device(
+                    chainer.backend.get_device_from_array(self.columns)):
+                scale = self._scales[dtype] = xp.full(
+                    (), 1.0 / self.damping, dtype)
+        return scale
 
     def dense(self):
         """The inverse as a (d, d) array (tests)."""
@@ -297,6 +337,40 @@ def inversion_matrix(factor):
     factor: the kernel ``Uᵀ U`` of a low-rank one (its damped inverse is
     ``C⁻¹``), else the factor."""
     return factor.kernel() if isinstance(factor, LowRank) else factor
+
+
+def refilled(old, new):
+    """``old`` holding ``new``'s values where it can take them in place (two
+    dense inverses of one shape and dtype, or two Woodbury inverses with
+    their arrays alike: :meth:`WoodburyInverse.refill`), else ``new``. A
+    refreshed inverse then keeps its predecessor's arrays, which a
+    captured CUDA graph reads (:mod:`chainerkfac.graphs.kfac_step`)."""
+    if old is None or new is None or old is new:
+        return new
+    if isinstance(old, WoodburyInverse):
+        if isinstance(new, WoodburyInverse) and old.refill(new):
+            return old
+        return new
+    if isinstance(new, WoodburyInverse) or not _same_layout(old, new):
+        return new
+    old[...] = new
+    return old
+
+
+def inverse_arrays(inverse) -> list:
+    """The arrays an inverse (dense, diagonal or Woodbury) applies."""
+    if isinstance(inverse, WoodburyInverse):
+        return inverse.arrays()
+    return [] if inverse is None else [inverse]
+
+
+def _same_layout(a, b) -> bool:
+    """Whether ``b`` can be copied into ``a`` as it is: arrays of one
+    module, shape, dtype and memory layout (strides: what reads ``a``
+    then computes as it would with ``b``), ``a`` writable."""
+    return (type(a) is type(b) and getattr(a, 'shape', None) == b.shape
+            and a.dtype == b.dtype and a.strides == b.strides and
+            getattr(a.flags, 'writeable', True))
 
 
 def inverse_of(factor, inverse, damping: float):

@@ -432,13 +432,16 @@ class FisherBlock:
         self.refresh_count[factor] += 1
 
     def commit(self, factor: str, value, result: linalg.InverseResult,
-               with_diff: bool = False) -> bool:
+               with_diff: bool = False, refill: bool = False) -> bool:
         """Store a refreshed factor and its inverse.
 
         A factor whose inverse failed (non-finite, or not positive definite
         at any tried damping) is not stored: the block keeps its previous
         factor and inverse (none on the first step: the block then goes
-        unpreconditioned). Returns whether the factor was stored.
+        unpreconditioned). Returns whether the factor was stored. With
+        ``refill`` the new inverse goes into the previous one's arrays where
+        it fits them (:func:`chainerkfac.low_rank.refilled`), so that
+        whatever reads those arrays — a captured CUDA graph — applies it.
         """
         self.refresh_count[factor] += 1
         if result.inverse is None:
@@ -451,8 +454,10 @@ class FisherBlock:
             self.diff[factor] = (float(xp.linalg.norm(new - old)) / denom
                                  if denom > 0 else float('inf'))
         self.factors[factor] = value
-        self.inverses[factor] = low_rank.inverse_of(value, result.inverse,
-                                                    result.damping)
+        inverse = low_rank.inverse_of(value, result.inverse, result.damping)
+        if refill:
+            inverse = low_rank.refilled(self.inverses.get(factor), inverse)
+        self.inverses[factor] = inverse
         self.inverse_damping[factor] = float(result.damping)
         self.inverse_count[factor] += 1
         return True

@@ -304,14 +304,20 @@ class InverseStack:
     until one of them is another array (a refresh, a restore).
 
     It holds the inverses it stacked, so that "the same" is identity, not
-    an ``id`` that a new array may take over from a freed one. The stack
-    is written slot by slot (not ``xp.stack``, whose CuPy implementation
-    copies a table of pointers from the host for more than 8 small
-    arrays, which a CUDA graph's capture refuses)."""
+    an ``id`` that a new array may take over from a freed one. An inverse
+    refreshed in place (``commit(..., refill=True)``: the same array, a
+    new :attr:`~chainerkfac.fisher_blocks.base.FisherBlock.inverse_count`)
+    is copied into its slot again, in place too: a CUDA graph that reads
+    the stack sees it. The stack is written slot by slot (not
+    ``xp.stack``, whose CuPy implementation copies a table of pointers
+    from the host for more than 8 small arrays, which a CUDA graph's
+    capture refuses)."""
 
     def __init__(self, names=('A', 'G')):
         self.names = tuple(names)
         self._members = ()
+        self._blocks = ()
+        self._versions = ()
         self._stacks = None
 
     def get(self, blocks):
@@ -329,7 +335,42 @@ class InverseStack:
                 stacks.append(out)
             self._stacks = tuple(stacks)
             self._members = members
+            self._blocks = tuple(blocks)
+            self._versions = self._versions_of(blocks)
+        else:
+            self.refresh()
         return self._stacks
+
+    def refresh(self) -> None:
+        """Copy into their slots the inverses refreshed in place since they
+        were stacked (also for a batch its step did not precondition, by
+        :meth:`chainerkfac.optimizers.KFAC.refresh_inverse_stacks`). An
+        inverse that is another array now is left to :meth:`get`, which
+        stacks the batch anew."""
+        if self._stacks is None:
+            return
+        blocks = self._blocks
+        versions = self._versions_of(blocks)
+        if versions == self._versions:
+            return
+        members = tuple(b.inverses.get(n) for b in blocks
+                        for n in self.names)
+        if any(a is not b for a, b in zip(members, self._members)):
+            return
+        width = len(self.names)
+        for k, block in enumerate(blocks):
+            mine = slice(k * width, (k + 1) * width)
+            if versions[mine] != self._versions[mine]:
+                for name, stack in zip(self.names, self._stacks):
+                    stack[k] = block.inverses[name]
+        self._versions = versions
+
+    def arrays(self) -> list:
+        """The stacks (a CUDA graph's buffers)."""
+        return list(self._stacks or ())
+
+    def _versions_of(self, blocks) -> tuple:
+        return tuple(b.inverse_count[n] for b in blocks for n in self.names)
 
 
 def precondition_batch(blocks, grads, damping, stack: InverseStack,

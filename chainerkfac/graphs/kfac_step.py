@@ -19,9 +19,18 @@ so, and makes that step capturable:
 A refresh step (a factor due), the first step, a step after a restore
 (the guard takes its checkpoint) and any step of an optimizer set up in a
 way not replayed yet run eagerly, with the reason counted in
-:attr:`StepGraph.stats`. An eager step drops the graph, so the stale step
-after a refresh is captured again (the refresh wrote new inverses, which
-the graph would not read). After a replay, :meth:`KFACOptimizer.
+:attr:`StepGraph.stats`. An eager step drops the graph, but a refresh
+step keeps it: the optimizer writes each refreshed inverse into its
+predecessor's arrays where it fits them, and the stacked batches' slots
+likewise (:attr:`KFAC.refill_inverses
+<chainerkfac.optimizers.KFAC>`), so the replayed stale steps read the new
+inverses where the captured one read the old. The graph is kept only
+where every array stage 5 and the update read (the inverses, a Woodbury
+inverse's arrays and ``1/γ``, the stacks, the parameters, their states,
+the running statistics) is where the capture found it; otherwise (a
+factor whose low-rank form changed its rank, say) it is dropped and the
+next stale step captured again. (A capture took 0.1-0.2 s on ResNet-50
+on an H100, once per refresh.) After a replay, :meth:`KFACOptimizer.
 after_replay` does the step's host side: ``t``, the damping schedule, the
 report (:meth:`KFAC.finish_replayed_step
 <chainerkfac.optimizers.KFAC.finish_replayed_step>`), and the ``t`` of
@@ -86,6 +95,50 @@ class KFACOptimizer:
             return 'the guard takes its checkpoint (first step, or restored)'
         return None
 
+    #: The eager step that keeps the graph (:meth:`keeps_graph`).
+    REFRESH = 'a refresh step (factors due)'
+
+    def keeps_graph(self, reason: str) -> bool:
+        """A refresh step keeps the graph (its inverses go where the graph
+        reads them); :class:`~chainerkfac.graphs.step.StepGraph` checks
+        :meth:`graph_buffers` after it."""
+        return reason == self.REFRESH
+
+    def after_kept_eager(self) -> None:
+        """After a refresh step that keeps the graph: every stacked batch
+        of inverses up to date, also one the step did not precondition."""
+        self.optimizer.refresh_inverse_stacks()
+
+    def graph_buffers(self) -> tuple:
+        """Where a captured stale step reads what an eager step could
+        move: the inverses and their stacks, the parameters, their update
+        rules' states, the model's persistent arrays (the running
+        statistics)."""
+        opt = self.optimizer
+        arrays = opt.inverse_buffers()
+        for param in self._params():
+            arrays.append(param.array)
+            state = param.update_rule.state
+            if state:
+                arrays += [state[k] for k in sorted(state)]
+        for _, link in sorted(opt.target.namedlinks(), key=lambda x: x[0]):
+            for name in sorted(link._persistent):
+                value = getattr(link, name)
+                if hasattr(value, 'dtype'):
+                    arrays.append(value)
+        return step.buffer_signature(arrays)
+
+    def step_objects(self) -> list:
+        """The objects whose array attributes a step sets (its outputs:
+        the model's links' loss and predictions, each parameter's
+        gradient, the bounded step's ν and metric)."""
+        opt = self.optimizer
+        objects = list(opt.target.links()) + list(opt.target.params())
+        objects.append(opt)
+        if opt.step_bound is not None:
+            objects.append(opt.step_bound)
+        return objects
+
     def baked(self) -> tuple:
         """The host values a captured stale step holds: ρ_BN, eq. (20)'s
         norms and which blocks have inverses."""
@@ -112,6 +165,7 @@ class KFACOptimizer:
                 opt.guard = guard
             opt.device_damping = self._scalars.view('damping', 'float64')
             opt.device_lr = self._scalars.view('lr', 'float64')
+            opt.refill_inverses = True
         hyper.bind_rule_hyperparameters(params, self._scalars,
                                         ('lr', 'momentum'))
         self._scalars.write({'lr': opt.lr, 'momentum': opt.momentum,

@@ -40,7 +40,16 @@ warm-up) when an eager step ran after it (an eager step may reallocate
 what the graph reads), when the inputs' signature changes, and when a
 host value baked into the graph's kernels changed (the adapter's
 :meth:`~ChainerOptimizer.baked`: learning rate and momentum unless they
-are on the device, a hook's rate). The side stream
+are on the device, a hook's rate). An adapter may keep its graph through
+an eager step it names (``keeps_graph(reason)``: K-FAC's refresh steps,
+whose new inverses go into the arrays the graph reads): the graph is kept
+where every buffer the adapter lists (``graph_buffers()``: addresses,
+shapes, dtypes) is where it was at the capture, else dropped. The
+eager step left its own outputs in the Python objects (a parameter's
+gradient, the model's loss); after the next replay the references the
+capture had made (every array or Variable attribute of the adapter's
+``step_objects()`` that the capture set) are put back, as a replay
+rewrites those arrays. The side stream
 waits for the current stream before each capture or launch and the
 current stream for it after, so the code around the step needs no change.
 Within a :class:`StepGraph` call, Chainer's Linear and ``cupy.matmul``
@@ -301,6 +310,9 @@ class StepGraph:
         self._finalizer = None
         self._failed = set()
         self._reported = {}
+        self._buffers = None
+        self._outputs = []
+        self._rebind = False
         #: Counts: 'eager', 'captured', 'replayed', and each refusal and
         #: drop reason.
         self.stats = collections.Counter()
@@ -326,6 +338,11 @@ class StepGraph:
             self._drop('hyperparameters changed')
         if self._graph is not None:
             self._launch(inputs)
+            if self._rebind:
+                # the captured step's outputs, which the replay rewrote
+                for owner, name, value in self._outputs:
+                    vars(owner)[name] = value
+                self._rebind = False
             observation = _observation()
             if observation is not None:
                 observation.update(self._reported)
@@ -341,12 +358,28 @@ class StepGraph:
     def _eager(self, inputs, reason) -> str:
         if reason is not None:
             self.stats['eager: ' + reason] += 1
-        if self._graph is not None:
+        keep = self._graph is not None and self._keeps(reason)
+        if self._graph is not None and not keep:
             self._drop('an eager step ran')
         with self._route_linear():
             self.step(*inputs)
         self.stats['eager'] += 1
+        if keep:
+            settle = getattr(self.adapter, 'after_kept_eager', None)
+            if settle is not None:
+                settle()
+            if self.adapter.graph_buffers() == self._buffers:
+                self.stats['kept through: ' + reason] += 1
+                self._rebind = True
+            else:
+                self._drop('an eager step moved its buffers ({})'.format(
+                    reason))
         return 'eager'
+
+    def _keeps(self, reason) -> bool:
+        keeps = getattr(self.adapter, 'keeps_graph', None)
+        return reason is not None and keeps is not None and \
+            bool(keeps(reason))
 
     def _capture(self, inputs, signature, baked, retry: bool = True) -> str:
         start = time.perf_counter()
@@ -365,6 +398,8 @@ class StepGraph:
                              for a in inputs)
         pool = self._pool
         host = self.adapter.host_state()
+        keeps = getattr(self.adapter, 'keeps_graph', None) is not None
+        before = _attributes(self.adapter.step_objects()) if keeps else []
         main = cuda.get_current_stream()
         observation = _observation()
         reported = dict(observation or {})
@@ -411,6 +446,11 @@ class StepGraph:
         # rewrites, and host values the adapter reports again itself).
         self._reported = {k: v for k, v in (observation or {}).items()
                           if k not in reported or reported[k] is not v}
+        if keeps:
+            # what the graph reads, and the outputs it left in Python
+            self._buffers = self.adapter.graph_buffers()
+            self._outputs = _outputs(before, self._cupy.ndarray)
+            self._rebind = False
         self.adapter.after_capture(host)
         self.stats['captured'] += 1
         self.capture_seconds.append(time.perf_counter() - start)
@@ -483,6 +523,45 @@ class StepGraph:
         self._graph = self._baked = None   # the pool serves the next one
         self._static = ()
         self._reported = {}
+        self._buffers = None
+        self._outputs = []
+        self._rebind = False
+
+
+def _attributes(objects) -> List[tuple]:
+    """``(object, {name: value})`` of each object's instance attributes
+    (a shallow copy: what the capture will change)."""
+    return [(owner, dict(vars(owner))) for owner in objects]
+
+
+def _outputs(before, array_type) -> List[tuple]:
+    """``(object, name, value)`` of each attribute the capture set to an
+    array of ``array_type`` or a Variable (a parameter's gradient, the
+    model's loss): what a replay rewrites."""
+    out = []
+    for owner, old in before:
+        for name, value in vars(owner).items():
+            if old.get(name, None) is value:
+                continue
+            if isinstance(value, array_type) or (
+                    isinstance(value, chainer.Variable) and
+                    isinstance(value.array, array_type)):
+                out.append((owner, name, value))
+    return out
+
+
+def buffer_signature(arrays) -> tuple:
+    """``(address, shape, dtype)`` of each array (None skipped): where a
+    captured graph finds its buffers."""
+    out = []
+    for array in arrays:
+        if array is None:
+            continue
+        ptr = getattr(getattr(array, 'data', None), 'ptr', None)
+        if ptr is None:
+            ptr = array.__array_interface__['data'][0]
+        out.append((ptr, array.shape, array.dtype.str))
+    return tuple(out)
 
 
 #: Pools of closed StepGraphs that still hold blocks (arrays cut from them

@@ -375,6 +375,11 @@ class KFAC(optimizer.GradientMethod):
         self.device_damping = None
         #: η as a device scalar for the bounded step, or None (likewise).
         self.device_lr = None
+        #: A refreshed inverse goes into its predecessor's arrays where it
+        #: fits them (and the stacked batches' slots likewise), so that a
+        #: replayed stale step reads it: set by the same CUDA-graph replay,
+        #: which then keeps its graph through a refresh step.
+        self.refill_inverses = False
         #: Stages 3 and 6 (see :mod:`chainerkfac.transport`).
         self.transport = LocalTransport()
         #: The gradients arrive averaged over processes already
@@ -832,7 +837,8 @@ class KFAC(optimizer.GradientMethod):
         retries = 0
         for (block, name, matrix, _), result in zip(requests, results):
             retries += result.retries
-            if not block.commit(name, matrix, result, self.fisher_diff):
+            if not block.commit(name, matrix, result, self.fisher_diff,
+                                refill=self.refill_inverses):
                 logger.warning(
                     'K-FAC step %d: factor %s of %s could not be inverted '
                     '(non-finite, or not positive definite at damping %.3g); '
@@ -883,6 +889,25 @@ class KFAC(optimizer.GradientMethod):
             if block not in batched:
                 directions[block] = self._precondition(block, grads[block])
         return directions
+
+    def refresh_inverse_stacks(self) -> None:
+        """Bring every stacked batch of inverses up to date with inverses
+        refreshed in place (:attr:`refill_inverses`), including a batch the
+        refresh step did not precondition (no gradient there then)."""
+        for stack in self._inverse_stacks.values():
+            stack.refresh()
+
+    def inverse_buffers(self) -> List:
+        """Every array stage 5 reads its inverses from: each block's
+        inverses (a Woodbury inverse's arrays) and the stacked batches.
+        A captured stale step reads these addresses."""
+        arrays = []
+        for block in self.blocks:
+            for name in sorted(block.inverses):
+                arrays += low_rank.inverse_arrays(block.inverses[name])
+        for key in sorted(self._inverse_stacks, key=repr):
+            arrays += self._inverse_stacks[key].arrays()
+        return arrays
 
     def _bound_step(self, grads, directions) -> None:
         """Stage 5, end: ν of :mod:`chainerkfac.step_bound` from the owned

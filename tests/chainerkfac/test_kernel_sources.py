@@ -467,7 +467,7 @@ def test_batched_preconditioning_captures_beyond_eight_blocks(device, kind):
                     gamma=variable(to(r.randn(c).astype(dtype))),
                     beta=variable(to(r.randn(c).astype(dtype))))
                 made.append(types.SimpleNamespace(
-                    link=link, channels=c,
+                    link=link, channels=c, inverse_count={'F': 1},
                     inverses={'F': to(spd(2 * c, 100 + k).astype(dtype))}))
             else:
                 bias = kind == 'kronecker_bias'
@@ -477,6 +477,7 @@ def test_batched_preconditioning_captures_beyond_eight_blocks(device, kind):
                     if bias else None)
                 made.append(types.SimpleNamespace(
                     link=link, has_bias=bias, out_size=c,
+                    inverse_count={'A': 1, 'G': 1},
                     inverses={'A': to(spd(12 + bias, 100 + k).astype(dtype)),
                               'G': to(spd(c, 200 + k).astype(dtype))}))
         return made

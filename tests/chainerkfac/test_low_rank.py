@@ -46,6 +46,58 @@ def test_woodbury_equals_the_dense_damped_inverse(dim, rank):
         numpy.trace(columns.dot(columns.T)) / dim, rel=1e-14)
 
 
+def _woodbury(rng, dim, rank, damping, dtype=numpy.float64):
+    columns = rng.randn(dim, rank).astype(dtype)
+    core = numpy.linalg.inv(columns.T.dot(columns) +
+                            damping * numpy.eye(rank)).astype(dtype)
+    return low_rank.WoodburyInverse(columns, core, damping)
+
+
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
+def test_a_refilled_woodbury_inverse_applies_the_new_one(dtype):
+    """A refresh taken in place (what a replayed CUDA graph reads): the
+    old object's arrays hold the new inverse's values, its ``1/γ`` too,
+    and it applies exactly what the new object applies (the same
+    operations on the same values); another rank is not taken."""
+    rng = numpy.random.RandomState(5)
+    old = _woodbury(rng, 9, 3, 0.5, dtype)
+    matrix = rng.randn(9, 4).astype(dtype)
+    old.left(matrix)                       # 1/γ made for this dtype
+    scale = old._scales[numpy.dtype(dtype)]
+    arrays = old.arrays()
+    new = _woodbury(rng, 9, 3, 0.02, dtype)
+    assert low_rank.refilled(old, new) is old
+    assert all(a is b for a, b in zip(old.arrays(), arrays))
+    assert old._scales[numpy.dtype(dtype)] is scale
+    assert old.damping == 0.02
+    numpy.testing.assert_array_equal(old.left(matrix), new.left(matrix))
+    numpy.testing.assert_array_equal(old.right(matrix.T),
+                                     new.right(matrix.T))
+    assert scale == numpy.asarray(1 / 0.02, dtype)
+    other_rank = _woodbury(rng, 9, 4, 0.02, dtype)
+    assert low_rank.refilled(old, other_rank) is other_rank
+    numpy.testing.assert_array_equal(old.left(matrix), new.left(matrix))
+
+
+def test_refilled_dense_inverses_keep_their_array_where_it_fits():
+    old = numpy.arange(9.0).reshape(3, 3)
+    new = numpy.eye(3)
+    assert low_rank.refilled(old, new) is old
+    numpy.testing.assert_array_equal(old, new)
+    for other in (numpy.eye(4), numpy.eye(3, dtype=numpy.float32),
+                  numpy.asfortranarray(numpy.eye(3) * 2)):
+        assert low_rank.refilled(old, other) is other
+    frozen = numpy.zeros(3)
+    frozen.flags.writeable = False
+    assert low_rank.refilled(frozen, numpy.ones(3)) is not frozen
+    assert low_rank.refilled(None, new) is new
+    assert low_rank.refilled(old, None) is None
+    assert low_rank.refilled(old, _woodbury(
+        numpy.random.RandomState(1), 3, 1, 0.1)) is not old
+    assert low_rank.inverse_arrays(old) == [old]
+    assert low_rank.inverse_arrays(None) == []
+
+
 def test_sums_and_scales_keep_the_columns_or_go_dense():
     rng = numpy.random.RandomState(0)
     a, b = rng.randn(6, 2), rng.randn(6, 3)

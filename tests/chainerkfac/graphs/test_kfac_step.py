@@ -19,6 +19,7 @@ import chainer
 import chainer.functions as F
 
 from chainerkfac import fused
+from chainerkfac import low_rank
 from chainerkfac import graphs
 from chainerkfac.device_guard import DeviceStepGuard
 from chainerkfac.optimizers import GuardedOptimizer
@@ -126,18 +127,19 @@ def test_kfac_mixed_schedule_replays_stale_steps_as_eager(make):
         assert min(scales) < 0.5, scales
         assert [o['kfac/step_scale'] for o in obs] == scales
     # refresh steps (t = 0, 4, 8, 12) eager; the first stale step of the
-    # run warms up; each later cycle's first stale step is captured again
-    # (the refresh wrote new inverses), the others replayed
+    # run warms up, the next is captured; the graph is kept through each
+    # later refresh (its inverses go where the graph reads them), so every
+    # other stale step is replayed
     assert modes == ['eager', 'eager', 'captured', 'replayed', 'eager',
-                     'captured', 'replayed', 'replayed', 'eager',
-                     'captured', 'replayed', 'replayed', 'eager']
+                     'replayed', 'replayed', 'replayed', 'eager',
+                     'replayed', 'replayed', 'replayed', 'eager']
     stats = optimizer.stats
     assert stats['eager: a refresh step (factors due)'] == 3
     assert stats['eager: the first step (it sets up the transport and '
                  'eq. 20)'] == 1
-    assert stats['dropped: an eager step ran'] == 3
-    assert stats['dropped: hyperparameters changed'] == 0
-    assert fake.captures == 3
+    assert stats['kept through: a refresh step (factors due)'] == 3
+    assert not [k for k in stats if k.startswith('dropped')], stats
+    assert fake.captures == 1
     _assert_same_state(eager, state)
     numpy.testing.assert_equal(obs, eager_obs)   # NaN == NaN
     assert isinstance(optimizer.optimizer.guard, DeviceStepGuard)
@@ -146,7 +148,7 @@ def test_kfac_mixed_schedule_replays_stale_steps_as_eager(make):
 def test_kfac_non_finite_replayed_step_is_undone_on_the_device():
     batches = _batches(8, nan_at=(6,))
     _, _, modes, (fake, optimizer) = _run(_kfac, batches[:6], graphed=True)
-    assert modes[-1] == 'captured'
+    assert modes[-2:] == ['eager', 'replayed']   # kept through a refresh
     model = optimizer.target
     before = {n: p.array.copy() for n, p in model.namedparams()}
     velocity = {n: p.update_rule.state['v'].copy()
@@ -293,3 +295,41 @@ def test_graphed_checks_what_it_is_given():
                                  comm=object()).setup(model)
     adapter = graphs.graphed(optimizer, cupy=ReplayCupy(list)).adapter
     assert 'communicator' in adapter.refusal()
+
+
+@pytest.mark.parametrize('make', [_kfac, _bounded],
+                         ids=['kfac', 'kfac-bounded'])
+def test_refilled_inverses_take_the_same_steps_in_the_same_arrays(make):
+    """``refill_inverses`` (set by the graphed run) writes each refreshed
+    inverse into its predecessor's arrays: the steps are those of the
+    optimizer that makes new ones, to the bit (the same values in the
+    same layout), and after the first refresh the inverses' arrays
+    (dense, diagonal and Woodbury, with 1/γ as the damping schedule moves
+    it) never move: what lets a captured stale step go on through a
+    refresh."""
+    from chainerkfac.graphs import step as graphs_step
+    batches = _batches(13)
+    runs = []
+    for refill in (False, True):
+        numpy.random.seed(0)
+        model = helpers.ConvNet(bn=True)
+        optimizer = make(model)
+        optimizer.refill_inverses = refill
+        lossfun = _lossfun(model)
+        signatures = []
+        for x, t in batches:
+            optimizer.update(lossfun, x, t)
+            signatures.append(graphs_step.buffer_signature(
+                optimizer.inverse_buffers()))
+        runs.append((model, optimizer, signatures))
+    (plain, plain_opt, moved), (model, optimizer, kept) = runs
+    for (name, a), (_, b) in zip(sorted(plain.namedparams()),
+                                 sorted(model.namedparams())):
+        numpy.testing.assert_array_equal(a.array, b.array, err_msg=name)
+        numpy.testing.assert_array_equal(a.update_rule.state['v'],
+                                         b.update_rule.state['v'])
+    assert optimizer.damping == plain_opt.damping
+    assert any(isinstance(inv, low_rank.WoodburyInverse)
+               for b in optimizer.blocks for inv in b.inverses.values())
+    assert len(set(kept)) == 1 and kept[0]
+    assert len(set(moved)) > 1       # new arrays at every refresh

@@ -440,3 +440,137 @@ def test_the_parameter_walk_is_shared_within_a_step_and_redone_after():
         assert len(walk()) == 2 and len(walks) == before + 1
     finally:
         chainer.Sequential.params = original
+
+
+class _Holder:
+    """An optimizer's state whose 'refresh' steps run eagerly: ``inverse``
+    is what the captured kernel reads, ``out`` what each step writes."""
+
+    def __init__(self, fake):
+        self.inverse = fake.asarray(numpy.full(4, 1.0))
+        self.out = None
+        self.due = False
+        self.refill = True
+
+
+class _Refreshing:
+    """The adapter of such an optimizer: its refresh steps may keep the
+    graph (``keeps_graph``), which reads ``holder.inverse``."""
+
+    REFRESH = 'a refresh'
+
+    def __init__(self, holder):
+        self.holder = holder
+
+    def before_step(self):
+        pass
+
+    def refusal(self):
+        return self.REFRESH if self.holder.due else None
+
+    def baked(self):
+        return ()
+
+    def host_state(self):
+        return ()
+
+    def restore_host_state(self, state):
+        pass
+
+    def after_capture(self, before):
+        pass
+
+    def after_replay(self):
+        pass
+
+    def keeps_graph(self, reason):
+        return reason == self.REFRESH
+
+    def graph_buffers(self):
+        return graphs_step.buffer_signature([self.holder.inverse])
+
+    def step_objects(self):
+        return [self.holder]
+
+
+def _refreshing_setup():
+    fake = FakeCupy()
+    holder = _Holder(fake)
+    weights = numpy.zeros(4)
+
+    def step(x):
+        if holder.due:      # a refresh: a new inverse, in place or not
+            new = numpy.full(4, 10.0)
+            if holder.refill:
+                holder.inverse[...] = new
+            else:
+                holder.inverse = fake.asarray(new)
+        inverse = holder.inverse    # the kernel reads this array
+        out = holder.out = fake.asarray(numpy.zeros(4))
+
+        def kernel():
+            weights[...] += inverse * x
+            out[...] = inverse * x
+        fake.kernel(kernel)
+
+    graph = graphs_step.StepGraph(step, _Refreshing(holder), warmup=1,
+                                  cupy=fake, route_linear=Counting())
+    return fake, graph, holder, weights
+
+
+@pytest.mark.parametrize('refill', [True, False])
+def test_an_eager_step_keeps_the_graph_where_its_buffers_stay(refill):
+    """A refresh step that writes its new inverse into the array the graph
+    reads keeps the graph: the replays after it apply the new inverse.
+    One that puts a new array there drops it (the graph would read the
+    old one), and the next step is captured again. Either way the
+    weights are those of every step taken eagerly."""
+    fake, graph, holder, weights = _refreshing_setup()
+    holder.refill = refill
+    modes = [graph(_x(fake, 1)), graph(_x(fake, 1)), graph(_x(fake, 1))]
+    captured_out = holder.out
+    holder.due = True
+    modes.append(graph(_x(fake, 2)))
+    eager_out = holder.out
+    holder.due = False
+    modes += [graph(_x(fake, 3)), graph(_x(fake, 4))]
+    assert modes[:4] == ['eager', 'captured', 'replayed', 'eager']
+    # steps 1-3 with the inverse 1, then 2, 3 and 4 with the new one (10)
+    numpy.testing.assert_array_equal(weights, 1 + 1 + 1 + 10 * (2 + 3 + 4))
+    reason = 'a refresh'
+    if refill:
+        assert modes[4:] == ['replayed', 'replayed']
+        assert graph.stats['kept through: ' + reason] == 1
+        assert not [k for k in graph.stats if k.startswith('dropped')]
+        # the eager step's output stood until the next replay; then the
+        # capture's, which each replay rewrites, is put back
+        assert eager_out is not captured_out
+        assert holder.out is captured_out
+        numpy.testing.assert_array_equal(holder.out, 40.0)
+    else:
+        assert modes[4:] == ['captured', 'replayed']
+        assert graph.stats[
+            'dropped: an eager step moved its buffers (a refresh)'] == 1
+        assert graph.stats['captured'] == 2
+
+
+def test_an_eager_step_the_adapter_does_not_name_drops_the_graph():
+    """Only the eager steps the adapter names keep the graph: any other
+    reason (the guard's checkpoint, say) drops it as before."""
+    fake, graph, holder, weights = _refreshing_setup()
+    for _ in range(3):
+        graph(_x(fake, 1))
+    graph.adapter.refusal = lambda: 'another reason'
+    assert graph(_x(fake, 1)) == 'eager'
+    graph.adapter.refusal = lambda: None
+    assert graph(_x(fake, 1)) == 'captured'
+    assert graph.stats['dropped: an eager step ran'] == 1
+
+
+def test_buffer_signature_names_where_arrays_are():
+    a = numpy.zeros((2, 3), numpy.float32)
+    signature = graphs_step.buffer_signature([a, None, a.T])
+    assert signature == ((a.ctypes.data, (2, 3), '<f4'),
+                         (a.ctypes.data, (3, 2), '<f4'))
+    b = a.copy()
+    assert graphs_step.buffer_signature([b]) != signature[:1]
