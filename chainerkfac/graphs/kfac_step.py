@@ -45,6 +45,8 @@ apply_on_device`), the same arithmetic as the host's.
 """
 from typing import Optional
 
+import chainer
+
 from chainerkfac.device_guard import DeviceStepGuard
 from chainerkfac.graphs import hyper, step
 
@@ -124,7 +126,7 @@ class KFACOptimizer:
         for _, link in sorted(opt.target.namedlinks(), key=lambda x: x[0]):
             for name in sorted(link._persistent):
                 value = getattr(link, name)
-                if hasattr(value, 'dtype'):
+                if isinstance(value, chainer.get_array_types()):
                     arrays.append(value)
         return step.buffer_signature(arrays)
 
