@@ -27,7 +27,8 @@ import pytest
 
 import chainer
 
-from chainerkfac import device_guard, fused, multi_tensor, packing, step_bound
+from chainerkfac import device_guard, fused, low_rank, multi_tensor, packing
+from chainerkfac import step_bound
 from tests import cuda_cpu
 from tests.chainerkfac import cuda_emulation
 from tests.chainerkfac.test_linalg import spd
@@ -505,10 +506,28 @@ def test_batched_preconditioning_captures_beyond_eight_blocks(device, kind):
         run(members, on_device, 0.01, stack)      # eager: stacks made
         rules.capturing = True
         got = run(members, on_device, 0.01, stack)
+        # a refresh taken in place (a graphed run, eagerly): the stacks a
+        # captured step reads keep their arrays and take the new inverse
+        stacks = stack.arrays()
+        rules.capturing = False
+        host_blocks = blocks_on(numpy.asarray)
+        for blocks, to in ((host_blocks, numpy.asarray),
+                           (members, device.array)):
+            name = names[-1]
+            new = to(spd(blocks[3].inverses[name].shape[0], 7).astype(dtype))
+            blocks[3].inverses[name] = low_rank.refilled(
+                blocks[3].inverses[name], new)
+            blocks[3].inverse_count[name] += 1
+        refreshed = run(members, on_device, 0.01, stack)
+        assert all(a is b for a, b in zip(stack.arrays(), stacks))
     assert max(rules.joined, default=0) <= 2
     for directions, wanted in zip(got, expected):
         for a, b in zip(directions, wanted):
             assert isinstance(a, cuda_emulation.Array)
+            numpy.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    expected = run(host_blocks, grads, 0.01, kronecker.InverseStack(names))
+    for directions, wanted in zip(refreshed, expected):
+        for a, b in zip(directions, wanted):
             numpy.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 

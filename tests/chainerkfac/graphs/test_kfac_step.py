@@ -57,6 +57,16 @@ def _kfac(model, interval=4, kl_clip=None):
                         weight_rescale=True, kl_clip=kl_clip).setup(model)
 
 
+def _decayed(model):
+    """K-FAC averaging its factors over refreshes (``factor_decay``): a
+    low-rank factor's rank adds up at each refresh until it goes dense,
+    so its inverse's arrays change shape."""
+    return helpers.kfac(lr=0.05, momentum=0.9, damping=1e-1,
+                        refresh_interval_a=4, refresh_interval_g=4,
+                        refresh_interval_f=4, factor_decay=0.5,
+                        weight_rescale=True).setup(model)
+
+
 def _bounded(model):
     """K-FAC with its default bounded step, at a bound that acts here."""
     return _kfac(model, kl_clip=1e-5)
@@ -333,3 +343,24 @@ def test_refilled_inverses_take_the_same_steps_in_the_same_arrays(make):
                for b in optimizer.blocks for inv in b.inverses.values())
     assert len(set(kept)) == 1 and kept[0]
     assert len(set(moved)) > 1       # new arrays at every refresh
+
+
+def test_a_refresh_that_moves_a_buffer_drops_the_graph():
+    """Where a refresh cannot take its inverse in place (a low-rank
+    factor's rank grew), the graph is dropped and the next stale step
+    captured again; the run is the eager one to the bit, and a refresh
+    whose inverses all fit keeps the graph."""
+    batches = _batches(17)
+    eager, eager_obs, _, _ = _run(_decayed, batches, graphed=False)
+    state, obs, modes, (fake, optimizer) = _run(_decayed, batches,
+                                                graphed=True)
+    stats = optimizer.stats
+    moved = 'dropped: an eager step moved its buffers ({})'.format(
+        'a refresh step (factors due)')
+    assert stats[moved] >= 1, dict(stats)
+    assert stats['captured'] == 1 + stats[moved]
+    assert stats['kept through: a refresh step (factors due)'] >= 1
+    assert stats[moved] + stats[
+        'kept through: a refresh step (factors due)'] == 4   # t = 4 ... 16
+    _assert_same_state(eager, state)
+    numpy.testing.assert_equal(obs, eager_obs)
