@@ -266,8 +266,10 @@ class WoodburyInverse:
         # 1/γ by the dtype of the matrices multiplied, as 0-d arrays beside
         # the columns: a captured CUDA graph reads them where they are, so
         # a refresh taken in place (refill) reaches its replays, where a
-        # host number would stay baked in its kernels
+        # host number would stay baked in its kernels. The columns' dtype's
+        # is made now (a refresh is eager), others at their first use.
         self._scales = {}
+        self._scale(numpy.dtype(columns.dtype))
 
     @property
     def dim(self) -> int:
@@ -311,11 +313,26 @@ class WoodburyInverse:
 
     def _scale(self, dtype):
         """``1/γ`` as a 0-d array of ``dtype`` (made once per dtype, by a
-        fill: no copy from the host, which a capture refuses). The same
-        rounding as ``dtype.type(1/γ)``."""
+        fill: no copy from the host). The same rounding as
+        ``dtype.type(1/γ)``.
+
+        Raises
+        ------
+        RuntimeError
+            Asked for a new dtype while a CUDA graph is being captured:
+            made there, its fill would be part of the graph and every
+            replay would write the capture's 1/γ over a refill's (the
+            capture then fails cleanly and the step runs eagerly).
+        """
         scale = self._scales.get(dtype)
         if scale is None:
             xp = get_array_module(self.columns)
+            if xp is not numpy and \
+                    xp.cuda.get_current_stream().is_capturing():
+                raise RuntimeError(
+                    'WoodburyInverse: 1/γ in {} first asked for while a '
+                    'CUDA graph is being captured (it is made at an eager '
+                    'step)'.format(numpy.dtype(dtype).name))
             with chainer.using_device(
                     chainer.backend.get_device_from_array(self.columns)):
                 scale = self._scales[dtype] = xp.full(

@@ -457,6 +457,11 @@ class FisherBlock:
         inverse = low_rank.inverse_of(value, result.inverse, result.damping)
         if refill:
             inverse = low_rank.refilled(self.inverses.get(factor), inverse)
+            if isinstance(inverse, low_rank.WoodburyInverse) and \
+                    inverse.columns is not getattr(value, 'columns', None):
+                # refilled: the factor's columns are the inverse's again
+                # (one d × k array, not two with the same values)
+                self.factors[factor] = low_rank.LowRank(inverse.columns)
         self.inverses[factor] = inverse
         self.inverse_damping[factor] = float(result.damping)
         self.inverse_count[factor] += 1

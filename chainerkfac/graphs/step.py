@@ -361,8 +361,15 @@ class StepGraph:
         keep = self._graph is not None and self._keeps(reason)
         if self._graph is not None and not keep:
             self._drop('an eager step ran')
-        with self._route_linear():
-            self.step(*inputs)
+        try:
+            with self._route_linear():
+                self.step(*inputs)
+        except BaseException:
+            # it may have moved a buffer before it failed: nothing checks
+            # them now, so the graph goes
+            if keep:
+                self._drop('an eager step failed')
+            raise
         self.stats['eager'] += 1
         if keep:
             settle = getattr(self.adapter, 'after_kept_eager', None)

@@ -79,6 +79,29 @@ def test_a_refilled_woodbury_inverse_applies_the_new_one(dtype):
     numpy.testing.assert_array_equal(old.left(matrix), new.left(matrix))
 
 
+def test_woodbury_scale_is_made_eagerly_and_refused_in_a_capture(
+        monkeypatch):
+    """1/γ for the columns' dtype exists from the start (a refresh is
+    eager); one for another dtype first asked for while a CUDA graph is
+    being captured is refused (its fill would be part of the graph, and
+    every replay would write the capture's γ over a refill's)."""
+    import types
+    rng = numpy.random.RandomState(3)
+    inverse = _woodbury(rng, 6, 2, 0.25)
+    assert list(inverse._scales) == [numpy.dtype(numpy.float64)]
+    assert inverse._scales[numpy.dtype(numpy.float64)] == 4.0
+    capturing = types.SimpleNamespace(
+        full=numpy.full, cuda=types.SimpleNamespace(
+            get_current_stream=lambda: types.SimpleNamespace(
+                is_capturing=lambda: True)))
+    monkeypatch.setattr(low_rank, 'get_array_module',
+                        lambda *arrays: capturing)
+    inverse._scale(numpy.dtype(numpy.float64))        # made before: fine
+    with pytest.raises(RuntimeError, match='float32 first asked for while '
+                       'a CUDA graph is being captured'):
+        inverse._scale(numpy.dtype(numpy.float32))
+
+
 def test_refilled_dense_inverses_keep_their_array_where_it_fits():
     old = numpy.arange(9.0).reshape(3, 3)
     new = numpy.eye(3)

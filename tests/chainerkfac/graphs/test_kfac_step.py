@@ -339,8 +339,13 @@ def test_refilled_inverses_take_the_same_steps_in_the_same_arrays(make):
         numpy.testing.assert_array_equal(a.update_rule.state['v'],
                                          b.update_rule.state['v'])
     assert optimizer.damping == plain_opt.damping
-    assert any(isinstance(inv, low_rank.WoodburyInverse)
-               for b in optimizer.blocks for inv in b.inverses.values())
+    woodbury = [(b, n) for b in optimizer.blocks
+                for n, inv in b.inverses.items()
+                if isinstance(inv, low_rank.WoodburyInverse)]
+    assert woodbury
+    for block, name in woodbury:
+        # one d × k array for the factor and its refilled inverse
+        assert block.factors[name].columns is block.inverses[name].columns
     assert len(set(kept)) == 1 and kept[0]
     assert len(set(moved)) > 1       # new arrays at every refresh
 

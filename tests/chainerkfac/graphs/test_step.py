@@ -567,6 +567,28 @@ def test_an_eager_step_the_adapter_does_not_name_drops_the_graph():
     assert graph.stats['dropped: an eager step ran'] == 1
 
 
+def test_a_kept_eager_step_that_fails_drops_the_graph():
+    """An eager step the adapter names that raises may have moved a buffer
+    before it failed, and nothing checks them then: the graph goes, the
+    error reaches the caller, and the next step is captured again."""
+    fake, graph, holder, weights = _refreshing_setup()
+    for _ in range(3):
+        graph(_x(fake, 1))
+    holder.due = True
+    step = graph.step
+
+    def failing(x):
+        holder.inverse = fake.asarray(numpy.full(4, 5.0))   # moved ...
+        raise MemoryError('out of memory')                   # ... then died
+    graph.step = failing
+    with pytest.raises(MemoryError):
+        graph(_x(fake, 2))
+    assert graph.stats['dropped: an eager step failed'] == 1
+    graph.step, holder.due = step, False
+    assert graph(_x(fake, 1)) == 'captured'
+    numpy.testing.assert_array_equal(weights, 3 + 5)
+
+
 def test_buffer_signature_names_where_arrays_are():
     a = numpy.zeros((2, 3), numpy.float32)
     signature = graphs_step.buffer_signature([a, None, a.T])
