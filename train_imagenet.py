@@ -332,6 +332,7 @@ def main(argv=None):
         return demo.run_demo(args, comm)
     cfg = resolve_config(args, comm)
     summary = train(args, comm, args.optimizer, args.out, cfg, stop)
+    stop.settle()          # decided: a late signal must not kill the exit
     if comm.rank == 0:
         print(json.dumps(summary, indent=1))
     return preemption.RESUME_STATUS if summary.get('preempted') else 0

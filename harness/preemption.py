@@ -137,6 +137,18 @@ class StopRequest:
             signal.signal(number, handler)
         self._previous = {}
 
+    def settle(self):
+        """The run's outcome is decided (done, or stopped and snapshotted):
+        the stop signals are ignored from now on. A late one — the
+        scheduler's clock firing as the last step ends — must not end the
+        process by its default action while it finishes: CPython gives
+        signals with a Python handler their default action back at exit,
+        before MPI is finalised, and SIGUSR1's ends the process, which a
+        job script then reads as a failed run."""
+        for number in self.signals:
+            signal.signal(number, signal.SIG_IGN)
+        self._previous = {}
+
     def _handle(self, number, frame):
         # Only a flag: the step boundary acts on it. A second signal
         # changes nothing.

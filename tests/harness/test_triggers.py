@@ -3,12 +3,15 @@ minutes, always at the end of the optimizer step in progress) and when the
 run stops (its last epoch, or a stop all processes agreed on)."""
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
 from harness import preemption, triggers
 from harness.triggers import SnapshotPeriod
 from tests.harness import OneProcess
+from tests.launch import REPO
 
 #: Micro-batches per step and per epoch of the stand-in run.
 ACC_ITERS, EPOCH = 4, 5
@@ -153,3 +156,36 @@ def test_signal_names(text, names):
 def test_bad_signal_names(text, error):
     with pytest.raises(ValueError, match=error):
         preemption.parse_signals(text)
+
+
+_LATE_SIGNALS = '''
+import os, signal, subprocess, sys, time
+from harness import preemption
+stop = preemption.StopRequest((signal.SIGUSR1, signal.SIGTERM)).install()
+if sys.argv[1] == 'settle':
+    stop.settle()
+# the scheduler's clock, firing on as the process exits
+subprocess.Popen(['sh', '-c',
+                  'while kill -USR1 {} 2>/dev/null; do :; done'.format(
+                      os.getpid())])
+time.sleep(0.2)
+'''
+
+
+def test_a_signal_after_the_outcome_is_decided_does_not_end_the_exit(
+        tmp_path):
+    """A run whose outcome is decided settles its stop request: a late
+    SIGUSR1 (the clock firing as the last step ends) is ignored, also
+    while the process exits — where CPython has given signals with a
+    Python handler their default action back and SIGUSR1 would end it
+    (status 138: a job script reads a failed run; seen once in CI)."""
+    script = tmp_path / 'late.py'
+    script.write_text(_LATE_SIGNALS)
+    env = dict(os.environ, PYTHONPATH=REPO)
+
+    def status(mode):
+        return subprocess.run([sys.executable, str(script), mode], env=env,
+                              cwd=REPO, timeout=60).returncode
+    assert [status('settle') for _ in range(3)] == [0, 0, 0]
+    # the hazard it removes: with only the handler, the exit is killed
+    assert -signal.SIGUSR1 in [status('handled') for _ in range(5)]

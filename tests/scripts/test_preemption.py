@@ -295,19 +295,23 @@ def test_stop_points_cover_every_phase_one_rank_and_both_signals():
     assert {p[3] for p in points} == {'USR1', 'TERM'}
 
 
-def job_env(dataset, out, tmp_path, nproc, **variables):
+def job_env(dataset, out, tmp_path, nproc, pace=None, **variables):
     """The environment of a job script (docs/jobs) driven by a stand-in
     scheduler: the run of :func:`preempt_command` on ``nproc`` processes,
-    and a requeue that leaves a file."""
+    and a requeue that leaves a file. ``pace``: seconds added to each
+    micro-batch (:mod:`tests.scripts.paced`), so that a clock counted from
+    the job's start falls inside the run on any machine."""
     cmd = preempt_command(dataset, out)
     at = cmd.index('--out')
     spaced = [word for word in cmd + [launch.MPIEXEC] if ' ' in word]
     if spaced:
         pytest.skip('the job scripts take LAUNCH and ARGS as word lists: '
                     '{} has a space'.format(spaced[0]))
+    run = '{} {}'.format(*cmd[:2]) if pace is None else \
+        '{} -m tests.scripts.paced {} --'.format(cmd[0], pace)
     env = launch.mpi_env()
     env.update(OUT=out, ARGS=' '.join(cmd[2:at] + cmd[at + 2:]),
-               LAUNCH='{} -n {} {} {}'.format(launch.MPIEXEC, nproc, *cmd[:2]),
+               LAUNCH='{} -n {} {}'.format(launch.MPIEXEC, nproc, run),
                REQUEUE='touch {}'.format(tmp_path / 'requeued'),
                SLURM_JOB_ID='1', **variables)
     return env
@@ -341,8 +345,11 @@ def test_job_script_requeues_on_the_resume_status_and_the_run_ends_alike(
             status = run_job(script, job_env(dataset, out, tmp_path, nproc),
                              log, signal_after=(out, 2, nproc))
         else:
+            # each of the run's 24 micro-batches 0.15 s longer: the clock
+            # at 2 s falls inside it however fast the machine (a run of
+            # 2 s, imports included, once ended before it in CI)
             status = run_job(script, job_env(
-                dataset, out, tmp_path, nproc, WALLTIME_S='12',
+                dataset, out, tmp_path, nproc, pace=0.15, WALLTIME_S='12',
                 LEAD_S='10'), log)
     with open(str(tmp_path / 'job1')) as f:
         output = f.read()
