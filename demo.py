@@ -96,7 +96,7 @@ def run_demo(args, comm):
         json.dump(summaries, f, indent=1)
     with open(os.path.join(out, 'summary.txt'), 'w') as f:
         f.write(table + '\n')
-    write_figures(out)
+    write_figures(out, args.target_acc)
     return 0
 
 
@@ -114,11 +114,13 @@ def summary_table(summaries, target):
     return '\n'.join(rows)
 
 
-def write_figures(out):
-    """Figures 3, 4 and 5 for the demo runs, by the analysis scripts."""
+def write_figures(out, target=0.9):
+    """Figures 3, 4 and 5 for the demo runs, by the analysis scripts;
+    ``target``: the top-1 accuracy Figure 3 marks (the run's
+    ``--target-acc``)."""
     from analysis import curves, fim_size, fisher_diff
     runs = [os.path.join(out, name) for name in ('kfac', 'sgd')]
-    curves.main(runs + ['--target', '0.9', '--out',
+    curves.main(runs + ['--target', repr(float(target)), '--out',
                         os.path.join(out, 'figure3_curves.png')])
     fisher_diff.main([runs[0], '--mark', '20', '--out',
                       os.path.join(out, 'figure5_fisher_diff.png')])

@@ -147,18 +147,22 @@ def run_files(run_dirs: Sequence[str]) -> List[str]:
     return [os.path.join(d, name) for d in run_dirs for name in RUN_FILES]
 
 
-def load_run(path: str) -> Run:
-    """Read and check a run directory.
+def load_run(path: str, require_log: bool = True) -> Run:
+    """Read and check a run directory. With ``require_log=False`` a run
+    without a ``log`` yet (one stopped in its first epoch) is read with an
+    empty one (Figure 5 needs only ``fisher_diff.jsonl``).
 
     Raises
     ------
     AnalysisError
-        if ``path`` is not a directory, has no ``log``, or its ``log`` or
-        ``config.json`` is not in the expected format.
+        if ``path`` is not a directory, has no ``log`` (where required), or
+        its ``log`` or ``config.json`` is not in the expected format.
     """
     if not os.path.isdir(path):
         raise AnalysisError('{}: not a run directory'.format(path))
     log_path = os.path.join(path, 'log')
+    if not os.path.isfile(log_path) and not require_log:
+        return Run(path=path, log=[], config=_run_config(path))
     if not os.path.isfile(log_path):
         raise AnalysisError(
             '{}: no Chainer LogReport file "log" in this directory (is it a '
@@ -170,8 +174,13 @@ def load_run(path: str) -> Run:
         raise AnalysisError(
             '{}: not a Chainer LogReport log (expected a JSON list of '
             'per-epoch entries with "epoch" and "iteration")'.format(log_path))
-    if not log:
+    if not log and require_log:
         raise AnalysisError('{}: the log has no entries yet'.format(log_path))
+    return Run(path=path, log=log, config=_run_config(path))
+
+
+def _run_config(path: str) -> Dict:
+    """``config.json`` of a run directory, ``{}`` where it has none."""
     config_path = os.path.join(path, 'config.json')
     config = {}
     if os.path.isfile(config_path):
@@ -179,7 +188,7 @@ def load_run(path: str) -> Run:
         if not isinstance(config, dict):
             raise AnalysisError('{}: not a run config (expected a JSON '
                                 'object)'.format(config_path))
-    return Run(path=path, log=log, config=config)
+    return config
 
 
 def load_fisher_diff(run: Run) -> List[Dict]:
@@ -195,6 +204,10 @@ def load_fisher_diff(run: Run) -> List[Dict]:
         if the file is missing, or a line is not such a record.
     """
     path = os.path.join(run.path, 'fisher_diff.jsonl')
+    if not os.path.isfile(path) and run.optimizer != 'kfac':
+        raise AnalysisError(
+            '{}: a {} run: Diff(t) of eq. (21) exists for K-FAC runs only'
+            .format(run.path, run.optimizer))
     if not os.path.isfile(path):
         raise AnalysisError(
             '{}: no fisher_diff.jsonl (train with Diff logging on: '
@@ -229,10 +242,21 @@ def json_path_for(png_path: str) -> str:
 
 
 def check_outputs(png_path: str, inputs: Sequence[str]) -> None:
-    """Refuse a PNG path whose PNG or JSON would overwrite an input file."""
+    """Refuse, before any work, a PNG path whose PNG or JSON would
+    overwrite an input file or a directory, or whose folder is a file."""
     if not png_path.lower().endswith('.png'):
         raise AnalysisError('--out {}: the picture is written as PNG; give a '
                             'path ending in .png'.format(png_path))
+    for path in (png_path, json_path_for(png_path)):
+        if os.path.isdir(path):
+            raise AnalysisError('--out {}: {} is a directory'.format(
+                png_path, path))
+    folder = os.path.dirname(os.path.abspath(png_path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise AnalysisError('--out {}: {} is a file, not a folder'.format(
+            png_path, folder))
     targets = {os.path.realpath(png_path),
                os.path.realpath(json_path_for(png_path))}
     for path in inputs:
@@ -246,20 +270,33 @@ def save_outputs(figure, png_path: str, data: Dict) -> str:
     """Write ``figure`` as PNG and ``data`` as JSON beside it.
 
     Both go through a temporary file and a rename, so an interrupted script
-    leaves no half-written picture. Returns the JSON path. Call
+    leaves no half-written picture, and a write that fails (a folder that
+    cannot be made or written, a full disk) leaves no temporary file and
+    is reported as :class:`AnalysisError`. Returns the JSON path. Call
     :func:`check_outputs` first, before any work.
     """
     directory = os.path.dirname(os.path.abspath(png_path))
-    os.makedirs(directory, exist_ok=True)
     json_path = json_path_for(png_path)
     tmp_json = json_path + '.tmp'
-    with open(tmp_json, 'w') as f:
-        json.dump(data, f, indent=1, allow_nan=True)
-        f.write('\n')
     tmp_png = png_path + '.tmp.png'
-    figure.savefig(tmp_png, dpi=120)
-    os.replace(tmp_json, json_path)
-    os.replace(tmp_png, png_path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(tmp_json, 'w') as f:
+            json.dump(data, f, indent=1, allow_nan=True)
+            f.write('\n')
+        figure.savefig(tmp_png, dpi=120)
+        os.replace(tmp_png, png_path)
+        os.replace(tmp_json, json_path)
+    except OSError as error:
+        raise AnalysisError('--out {}: cannot write: {}'.format(
+            png_path, error.strerror or error)) from None
+    finally:
+        for tmp in (tmp_json, tmp_png):
+            if os.path.lexists(tmp):
+                try:
+                    os.remove(tmp)
+                except OSError:
+                    pass
     return json_path
 
 

@@ -5,11 +5,15 @@
 
 For every run directory, ``validation/main/accuracy`` of its ``log`` (one
 entry per epoch, in percent) against ``epoch``; ``--figure 3`` (default)
-adds the learning-rate panel (``lr`` of the log, the value at the end of
-each epoch; a log without ``lr`` falls back to eq. (17) evaluated from the
-run's config, and says so), ``--figure 6`` is the accuracy panel alone, for
-the diag / stale variants of one mini-batch size. A dashed line marks the
-target accuracy; the first epoch reaching it is printed per run.
+adds the learning-rate panel (``lr`` of the log: ``train_imagenet.py``
+logs its mean over the epoch's steps; a K-FAC log without ``lr`` falls
+back to eq. (17) from the run's config, averaged over each epoch the same
+way, and says so; other optimizers' configs do not hold their rate, so
+theirs is left out), ``--figure 6`` is the accuracy panel alone, for the
+diag / stale variants of one mini-batch size. A dashed line marks the
+target accuracy; the first epoch reaching it is printed per run (epochs
+whose accuracy is not a finite number are drawn as gaps and do not
+count).
 
 Legend labels come from the runs: the ``"run": {"label"}`` that
 ``train_imagenet.py`` writes (optimizer, mini-batch size, variant), else
@@ -17,6 +21,7 @@ optimizer, ``BS=…`` and diag/stale from the config, else the directory name;
 runs that would share a label get their directory's name added.
 """
 import argparse
+import math
 from typing import Dict, List, Optional, Sequence
 
 from analysis import _io
@@ -25,9 +30,11 @@ from chainerkfac import equations
 ACCURACY_KEY = 'validation/main/accuracy'
 FIGURE_TITLES = {
     3: 'Figure 3: top-1 validation accuracy and learning rate schedules',
-    6: 'Figure 6: top-1 validation accuracy of the K-FAC variants '
+    6: 'Figure 6: top-1 validation accuracy of the K-FAC variants\n'
        '(no approx / diag / stale / stale diag)',
 }
+#: Points per epoch of eq. (17)'s mean (the fallback of a log without lr).
+LR_SAMPLES = 64
 
 
 def target_percent(target: float) -> float:
@@ -46,21 +53,30 @@ def lr_series(run: _io.Run, epochs: List[float]) -> Dict:
         return {'epoch': [e for e, _ in logged],
                 'lr': [float(v) for _, v in logged], 'source': 'log'}
     config = run.config
-    if all(isinstance(config.get(k), (int, float))
-           for k in ('lr', 'p_decay', 'e_start', 'e_end')) and \
+    # eq. (17) is K-FAC's schedule: an SGD or LARS config's lr is not the
+    # rate its run took
+    if run.optimizer == 'kfac' and all(
+            isinstance(config.get(k), (int, float))
+            for k in ('lr', 'p_decay', 'e_start', 'e_end')) and \
             config['e_end'] > config['e_start']:
-        return {'epoch': list(epochs), 'lr': [
-            equations.polynomial_lr(e, config['lr'], config['p_decay'],
-                                    config['e_start'], config['e_end'])
-            for e in epochs], 'source': 'config (eq. 17)'}
+        def mean_over(epoch):
+            # the epoch's mean, as train_imagenet.py logs lr
+            points = [epoch - 1 + (k + 0.5) / LR_SAMPLES
+                      for k in range(LR_SAMPLES)]
+            return sum(equations.polynomial_lr(
+                x, config['lr'], config['p_decay'], config['e_start'],
+                config['e_end']) for x in points) / LR_SAMPLES
+        return {'epoch': list(epochs), 'lr': [mean_over(e) for e in epochs],
+                'source': 'config (eq. 17)'}
     return {'epoch': [], 'lr': [], 'source': 'none'}
 
 
 def epochs_to_target(epochs: Sequence[float], accuracy: Sequence[float],
                      target: float) -> Optional[float]:
-    """First epoch whose accuracy (percent) reaches ``target`` (percent)."""
+    """First epoch whose accuracy (percent) reaches ``target`` (percent);
+    a value that is not finite reaches nothing."""
     for epoch, value in zip(epochs, accuracy):
-        if value >= target:
+        if math.isfinite(value) and value >= target:
             return epoch
     return None
 
@@ -83,13 +99,20 @@ def analyse(run_dirs: Sequence[str], target: float, figure: int,
                 'Evaluator)'.format(run.path, ACCURACY_KEY))
         epochs = [e['epoch'] for e in entries]
         accuracy = [100.0 * float(e[ACCURACY_KEY]) for e in entries]
+        finite = [a for a in accuracy if math.isfinite(a)]
+        if not finite:
+            raise _io.AnalysisError(
+                '{}: no epoch of the log has a finite "{}"'.format(
+                    run.path, ACCURACY_KEY))
         result['runs'].append({
             'path': run.path,
             'label': labels[i],
             'optimizer': run.optimizer, 'batch_size': run.batch_size,
             'variant': run.variant(),
             'epoch': epochs, 'val_accuracy_percent': accuracy,
-            'best_percent': max(accuracy),
+            'best_percent': max(finite),
+            'non_finite_epochs': [e for e, a in zip(epochs, accuracy)
+                                  if not math.isfinite(a)],
             'epochs_to_target': epochs_to_target(epochs, accuracy, target),
             'lr': lr_series(run, epochs) if figure == 3 else None})
     return result
@@ -135,10 +158,13 @@ def format_table(result: Dict) -> str:
     target = result['target_percent']
     for run in result['runs']:
         reached = run['epochs_to_target']
-        lines.append('{} [{}]: best {:.2f}%, {:g}% {}'.format(
+        lines.append('{} [{}]: best {:.2f}%, {:g}% {}{}'.format(
             run['label'], run['path'], run['best_percent'], target,
             'reached at epoch {:g}'.format(reached) if reached is not None
-            else 'not reached'))
+            else 'not reached', '; not finite at epoch(s) {}'.format(
+                ', '.join('{:g}'.format(e)
+                          for e in run['non_finite_epochs']))
+            if run.get('non_finite_epochs') else ''))
         lr = {}
         if run['lr'] is not None:
             lr = dict(zip(run['lr']['epoch'], run['lr']['lr']))
@@ -183,8 +209,12 @@ def main(argv=None):
     args = parse_args(argv)
     out = args.out or 'fig{}_curves.png'.format(args.figure)
     _io.check_outputs(out, _io.run_files(args.runs))
-    result = analyse(args.runs, target_percent(args.target), args.figure,
-                     args.labels)
+    target = target_percent(args.target)
+    if not (math.isfinite(args.target) and 0 < target <= 100):
+        raise _io.AnalysisError('--target {:g}: a top-1 accuracy in (0, '
+                                '100] percent, or a fraction in (0, 1]'
+                                .format(args.target))
+    result = analyse(args.runs, target, args.figure, args.labels)
     json_path = _io.save_outputs(plot(result), out, result)
     print(FIGURE_TITLES[args.figure])
     print(format_table(result))

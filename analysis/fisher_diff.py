@@ -143,7 +143,8 @@ def run_labels(runs: Sequence[_io.Run]) -> List[str]:
 
 
 def analyse(run_dirs: Sequence[str], args) -> Dict:
-    runs = [_io.load_run(d) for d in run_dirs]
+    # a run killed in its first epoch has Diff records but no log yet
+    runs = [_io.load_run(d, require_log=False) for d in run_dirs]
     out = {'figure': 5, 'percentiles': list(PERCENTILES), 'mark': args.mark,
            'x': 'K-FAC step (iteration of the global mini-batch)',
            'runs': []}
@@ -187,7 +188,8 @@ def plot(result: Dict):
             ax.plot(s['x'], s['p50'], color=color, linewidth=1.5,
                     label=run['label'])
         if result['mark_shown']:
-            ax.axvline(result['mark'], color='red', linewidth=1.2,
+            # black: red is the fourth run's colour (C3)
+            ax.axvline(result['mark'], color='black', linewidth=1.2,
                        label='iteration {}'.format(result['mark']))
         ax.set_yscale('log')
         ax.set_ylabel('Diff of {}'.format(factor))

@@ -413,14 +413,20 @@ def load(comm, trainer, optimizer, updater, out, prefix, files,
         error = e
     raise_together(comm, error)
     iterator = updater.get_iterator('main')
+    error = None
     if comm.rank == 0:
         reached = next((entry.extension.reached
                         for entry in trainer._extensions.values()
                         if isinstance(entry.extension, TimeToAccuracy)),
                        None)
-        run_dir.continue_run_files(
-            os.path.dirname(os.path.abspath(files[0])), out,
-            getattr(updater.get_optimizer('main'), 't', 0), reached)
+        try:
+            run_dir.continue_run_files(
+                os.path.dirname(os.path.abspath(files[0])), out,
+                getattr(updater.get_optimizer('main'), 't', 0), reached)
+        except (OSError, ValueError) as e:   # a damaged fisher_diff.jsonl
+            error = e
+    raise_together(comm, error)
+    if comm.rank == 0:
         print('resumed from {} ({} process(es)) on {} process(es) at epoch '
               '{:.4f}{}'.format(
                   prefix, len(files), comm.size, iterator.epoch_detail,

@@ -335,6 +335,11 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
         trainer.extend(target)
     if kfac and args.fisher_diff:
         trainer.extend(FisherDiffLog(optimizer, comm=comm))
+    elif args.fisher_diff and comm.rank == 0 and not args.demo:
+        # one command line for several optimizers is fine; say so once
+        print("--fisher-diff: Diff(t) of eq. (21) is K-FAC's; this "
+              '--optimizer {} run writes no fisher_diff.jsonl'.format(
+                  optimizer_name), flush=True)
     writer = snapshots.AtomicThreadWriter(
         args.compress_snapshots, facts={
             'optimizer': optimizer_name,

@@ -14,12 +14,15 @@ all, so that a fresh run never mixes its files with an earlier run's.
 import json
 import os
 import re
+import logging
 import zipfile
 
 import config as config_module
 from harness.mpi import raise_together
 from harness.run_lock import RunLock
 from harness.snapshots import SNAPSHOT_RE, remove_unfinished
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE = 'config.json'
 LOG_FILE = 'log'
@@ -57,17 +60,18 @@ def run_facts(optimizer, n_processes, acc_iters, batch_per_process, arch,
 
 
 def label_of(optimizer_name, cfg):
-    """Default name of a run in the figures, e.g. ``'K-FAC bs32768 stale'``.
-    """
+    """Default name of a run in the figures, e.g. ``'K-FAC bs32768 stale'``
+    (the variants named as the paper's Figure 6 and
+    ``analysis._io.Run.variant`` name them: ``stale diag``)."""
     label = '{} bs{}'.format(optimizer_name.upper() if optimizer_name !=
                              'kfac' else 'K-FAC', cfg.global_batch_size)
     if optimizer_name == 'kfac':
-        if cfg.bn_fisher == 'diag':
-            label += ' diag'
         if any(v != 1 for v in (cfg.refresh_interval_a,
                                 cfg.refresh_interval_g,
                                 cfg.refresh_interval_f)):
             label += ' stale'
+        if cfg.bn_fisher == 'diag':
+            label += ' diag'
     return label
 
 
@@ -101,8 +105,25 @@ def continue_run_files(snapshot_dir, out, step, reached):
     lines = []
     if os.path.exists(source):
         with open(source) as f:
-            lines = [line for line in f if line.strip()
-                     and json.loads(line)['step'] < step]
+            text = f.read().splitlines(True)
+        for number, line in enumerate(text, 1):
+            if not line.strip():
+                continue
+            try:
+                record_step = json.loads(line)['step']
+            except (ValueError, KeyError, TypeError):
+                if number == len(text):
+                    # cut off where the killed run stopped writing (after
+                    # its snapshot, so not one of the lines kept)
+                    logger.warning('%s:%d: an unfinished last line, '
+                                   'dropped', source, number)
+                    continue
+                raise ValueError('{}:{}: not a fisher_diff record (the run '
+                                 'cannot continue it; move the file aside '
+                                 'to resume without it)'.format(
+                                     source, number)) from None
+            if record_step < step:
+                lines.append(line if line.endswith('\n') else line + '\n')
     target = os.path.join(out, FISHER_DIFF_FILE)
     if lines or os.path.exists(target):
         _write_atomic(target, ''.join(lines))

@@ -48,9 +48,21 @@ def test_figure6_and_lr_from_config(runs, tmp_path, capsys):
     assert curves.main([str(run), '--out', str(out)]) == 0
     data = read_json(str(tmp_path / 'out' / 'fig.json'))
     assert data['runs'][0]['lr']['source'] == 'config (eq. 17)'
-    # lr 0.02, p_decay 3, e_start 1, e_end 4: at epoch 2, 0.02 (2/3)^3.
+    # lr 0.02, p_decay 3, e_start 1, e_end 4: 0.02 ((4 - x) / 3)^3, its
+    # mean over epoch 2 (x from 1 to 2) as the log's lr is an epoch's mean:
+    # 0.02 (3^4 - 2^4) / (4 · 27)
     assert data['runs'][0]['lr']['lr'][1] == pytest.approx(
-        0.02 * (2 / 3) ** 3)
+        0.02 * 65 / 108, rel=1e-4)
+    # an SGD run's config holds K-FAC's schedule, not its own: none drawn
+    sgd = tmp_path / 'sgd_nolr'
+    shutil.copytree(runs['sgd32'], str(sgd))
+    log = read_log(str(sgd))
+    for entry in log:
+        del entry['lr']
+    (sgd / 'log').write_text(json.dumps(log))
+    result = curves.analyse([str(sgd)], 60.0, 3)
+    assert result['runs'][0]['lr'] == {'epoch': [], 'lr': [],
+                                       'source': 'none'}
     out6 = tmp_path / 'fig6.png'
     assert curves.main([runs['kfac32'], runs['kfac64_diag'], '--figure',
                         '6', '--labels', 'no approx', 'diag', '--target',
@@ -104,3 +116,63 @@ def test_bad_inputs_are_clear_errors(runs, tmp_path, capsys):
         assert curves.main(argv + ['--out', str(outdir / 'f.png')]) == 2
         assert message in capsys.readouterr().err
     assert no_outputs(outdir)
+
+
+def test_epochs_whose_accuracy_is_not_finite_are_gaps(runs, tmp_path,
+                                                      capsys):
+    """A NaN or an infinite accuracy in a log is drawn as a gap: it is not
+    the best and does not reach the target; the table names the epochs."""
+    run = tmp_path / 'nan'
+    shutil.copytree(runs['kfac32'], str(run))
+    log = read_log(str(run))
+    log[0]['validation/main/accuracy'] = float('nan')
+    log[1]['validation/main/accuracy'] = float('inf')
+    (run / 'log').write_text(json.dumps(log))
+    out = tmp_path / 'fig.png'
+    assert curves.main([str(run), '--target', '0.99', '--out',
+                        str(out)]) == 0
+    printed = capsys.readouterr().out
+    entry = read_json(str(tmp_path / 'fig.json'))['runs'][0]
+    finite = 100 * log[2]['validation/main/accuracy']
+    assert entry['best_percent'] == pytest.approx(finite)
+    assert entry['epochs_to_target'] == (log[2]['epoch'] if finite >= 99
+                                         else None)
+    assert entry['non_finite_epochs'] == [log[0]['epoch'], log[1]['epoch']]
+    assert 'not finite at epoch(s) 1, 2' in printed
+
+
+@pytest.mark.parametrize('target', ['-5', 'nan', '150', '0'])
+def test_a_target_out_of_range_is_refused(runs, tmp_path, capsys, target):
+    assert curves.main([runs['kfac32'], '--target=' + target, '--out',
+                        str(tmp_path / 'f.png')]) == 2
+    assert 'a top-1 accuracy in (0, 100]' in capsys.readouterr().err
+    assert no_outputs(tmp_path)
+
+
+def test_an_output_that_cannot_be_written_is_a_clear_error(
+        runs, tmp_path, capsys, monkeypatch):
+    """--out a directory, or under a file: refused before any work. A write
+    that fails on the way (a full disk, a folder the process may not
+    write): one line naming --out, exit 2, and no file left, temporary or
+    not."""
+    folder = tmp_path / 'isdir.png'
+    folder.mkdir()
+    afile = tmp_path / 'afile'
+    afile.write_text('x')
+    for out, message in ((folder, 'is a directory'),
+                         (afile / 'f.png', 'is a file, not a folder')):
+        assert curves.main([runs['kfac32'], '--out', str(out)]) == 2
+        assert message in capsys.readouterr().err
+    assert sorted(os.listdir(str(tmp_path))) == ['afile', 'isdir.png']
+    from matplotlib.figure import Figure
+
+    def full(self, path, **kwargs):
+        with open(path, 'w') as f:
+            f.write('half')
+        raise OSError(28, 'No space left on device')
+    monkeypatch.setattr(Figure, 'savefig', full)
+    out = tmp_path / 'new' / 'f.png'
+    assert curves.main([runs['kfac32'], '--out', str(out)]) == 2
+    assert 'cannot write: No space left on device' in \
+        capsys.readouterr().err
+    assert os.listdir(str(tmp_path / 'new')) == []

@@ -1,6 +1,7 @@
 """Figure 5 from the Diff logs of real runs (conftest trains them)."""
 import json
 import math
+import os
 import shutil
 
 import numpy
@@ -95,9 +96,10 @@ def test_bad_inputs_are_clear_errors(runs, tmp_path, capsys):
     nolog = tmp_path / 'nolog'
     nolog.mkdir()
     cases = [
-        ([str(nodiff)], 'no fisher_diff.jsonl'),
+        ([str(nodiff)], 'a sgd run: Diff(t) of eq. (21) exists for K-FAC '
+         'runs only'),
         ([str(garbled)], 'not a FisherDiffLog record'),
-        ([str(nolog)], 'no Chainer LogReport file "log"'),
+        ([str(nolog)], 'no fisher_diff.jsonl (train with Diff logging on'),
         ([runs['kfac32'], '--model', 'resnet50'],
          "are not the K-FAC layers of model 'resnet50'"),
         ([runs['kfac32'], '--model', 'alexnet'], "unknown model 'alexnet'"),
@@ -108,6 +110,21 @@ def test_bad_inputs_are_clear_errors(runs, tmp_path, capsys):
         assert fisher_diff.main(argv + ['--out', str(outdir / 'f.png')]) == 2
         assert message in capsys.readouterr().err
     assert no_outputs(outdir)
+
+
+def test_a_run_stopped_in_its_first_epoch_has_its_figure(runs, tmp_path):
+    """Killed before its first epoch ended: Diff records and a config but
+    no log yet; Figure 5 needs only those."""
+    early = tmp_path / 'early'
+    shutil.copytree(runs['kfac32'], str(early))
+    os.remove(str(early / 'log'))
+    out = tmp_path / 'f.png'
+    assert fisher_diff.main([str(early), '--out', str(out)]) == 0
+    assert_picture(str(out))
+    whole = fisher_diff.analyse([runs['kfac32']], fisher_diff.parse_args(
+        [runs['kfac32']]))
+    data = read_json(str(tmp_path / 'f.json'))
+    assert data['runs'][0]['series'] == whole['runs'][0]['series']
 
 
 def test_non_finite_values_are_left_out():

@@ -103,3 +103,43 @@ def test_source_elsewhere_with_overwrite_clears_here(out, tmp_path_factory):
     claim(out, overwrite=True, continues=True,
           source=str(elsewhere / 'snapshot_step_2.rank0'))
     assert sorted(os.listdir(out)) == ['notes.txt']
+
+
+def test_label_names_the_variants_as_figure_6_does():
+    import types
+    cfg = types.SimpleNamespace(global_batch_size=64, bn_fisher='diag',
+                                refresh_interval_a=20, refresh_interval_g=1,
+                                refresh_interval_f=1)
+    assert run_dir.label_of('kfac', cfg) == 'K-FAC bs64 stale diag'
+    assert run_dir.label_of('sgd', cfg) == 'SGD bs64'
+
+
+def _diff_lines(steps):
+    import json
+    return ''.join(json.dumps({'step': s, 'iteration': 3 * s, 'A': {}}) +
+                   '\n' for s in steps)
+
+
+def test_continuing_drops_a_cut_off_last_diff_line(tmp_path, caplog):
+    """A killed run's last fisher_diff.jsonl line cut off (a full disk, a
+    node lost): written after the snapshot, it is dropped with a warning;
+    the lines before the snapshot's step stay."""
+    import json
+    path = tmp_path / run_dir.FISHER_DIFF_FILE
+    path.write_text(_diff_lines(range(5)) + '{"step": 5, "iter')
+    with caplog.at_level('WARNING'):
+        run_dir.continue_run_files(str(tmp_path), str(tmp_path), 3, None)
+    assert [json.loads(line)['step']
+            for line in path.read_text().splitlines()] == [0, 1, 2]
+    assert 'fisher_diff.jsonl:6: an unfinished last line' in caplog.text
+
+
+def test_continuing_names_a_damaged_diff_line(tmp_path):
+    path = tmp_path / run_dir.FISHER_DIFF_FILE
+    text = _diff_lines(range(5)).splitlines(True)
+    text[1] = 'garbage\n'
+    path.write_text(''.join(text))
+    with pytest.raises(ValueError, match=r'fisher_diff\.jsonl:2: not a '
+                       'fisher_diff record'):
+        run_dir.continue_run_files(str(tmp_path), str(tmp_path), 3, None)
+    assert path.read_text() == ''.join(text)       # left as it was

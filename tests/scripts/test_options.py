@@ -108,3 +108,16 @@ def test_cuda_graphs_need_the_gpu(capsys):
     assert train_imagenet.parse_args(LISTS + ['--gpu', '--cuda-graphs'])\
         .cuda_graphs == 'on'
     assert train_imagenet.parse_args(LISTS).cuda_graphs == 'auto'
+
+
+def test_the_demo_marks_its_target_in_figure_3(monkeypatch, tmp_path):
+    import demo
+    from analysis import curves, fim_size, fisher_diff
+    seen = {}
+    monkeypatch.setattr(curves, 'main', lambda argv: seen.update(
+        curves=argv) or 0)
+    monkeypatch.setattr(fisher_diff, 'main', lambda argv: 0)
+    monkeypatch.setattr(fim_size, 'main', lambda argv: 0)
+    demo.write_figures(str(tmp_path), 0.8)
+    at = seen['curves'].index('--target')
+    assert curves.target_percent(float(seen['curves'][at + 1])) == 80.0

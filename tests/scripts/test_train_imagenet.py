@@ -94,9 +94,15 @@ def test_run_ending_inside_a_step_completes_it_and_saves_it(dataset,
     config = imagenet_like.write_config(dataset['root'], 'bs32.json',
                                         global_batch_size=32)
     result = run(command(dataset, tmp_path, '--optimizer', 'sgd',
-                         '--epochs', '1', config=config))
+                         '--epochs', '1', '--fisher-diff', config=config))
     assert result.returncode == 0, result.stdout[-3000:]
     assert 'ends 2 micro-batches into a step of 4' in result.stdout
+    # one command line for several optimizers: Diff(t) is K-FAC's alone
+    assert result.stdout.count("--fisher-diff: Diff(t) of eq. (21) is "
+                               "K-FAC's; this --optimizer sgd run writes "
+                               'no fisher_diff.jsonl') == 1
+    assert not os.path.exists(os.path.join(str(tmp_path),
+                                           'fisher_diff.jsonl'))
     # --no-progress: plain lines for a log file, no terminal escape codes.
     assert '\x1b' not in result.stdout
     [entry] = read_log(tmp_path)
