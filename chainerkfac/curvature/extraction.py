@@ -150,8 +150,10 @@ def extract(predictor, x, t, quantities=q.FIRST_ORDER,
     # running statistics and gradients are given back.
     statistics = step_guard.StepGuard()
     statistics.checkpoint(predictor)
+    # (a lazily sized layer not run yet, L.Linear(None, n), has no
+    # gradient to give back: Chainer refuses to read one)
     grads = [(p, None if p.grad is None else p.grad.copy())
-             for p in predictor.params()]
+             for p in predictor.params(include_uninit=False)]
     try:
         run.gradient_pass(x, t, lossfun)
     except BaseException:

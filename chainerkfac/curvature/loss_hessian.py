@@ -29,8 +29,11 @@ from chainerkfac import capture as capture_module
 from chainerkfac import sampling
 from chainerkfac.estimator import softmax_hessian_root
 
-#: Eigenvalues below ``-NEGATIVE_TOLERANCE · max|λ|`` make a loss Hessian
-#: indefinite (rounding leaves tiny negative ones on a semi-definite one).
+#: Eigenvalues below ``-tolerance · max|λ|`` make a loss Hessian indefinite
+#: (rounding leaves tiny negative ones on a semi-definite one): the
+#: tolerance is this, or a hundred roundings of the Hessian's dtype where
+#: that is coarser (float32: 1.2e-5; a softmax Hessian's zero eigenvalue
+#: comes out near -4e-10 relative there).
 NEGATIVE_TOLERANCE = 1e-8
 
 
@@ -137,7 +140,9 @@ def _root_of(hessians):
     xp = chainer.backend.get_array_module(hessians)
     values, vectors = xp.linalg.eigh(hessians)
     scale = float(xp.abs(values).max()) if values.size else 0.0
-    if scale > 0 and float(values.min()) < -NEGATIVE_TOLERANCE * scale:
+    tolerance = max(NEGATIVE_TOLERANCE,
+                    100 * float(numpy.finfo(values.dtype).eps))
+    if scale > 0 and float(values.min()) < -tolerance * scale:
         raise ValueError(
             'the loss Hessian w.r.t. the logits has a negative eigenvalue '
             '({:.3g}): the generalized Gauss-Newton needs a convex loss'

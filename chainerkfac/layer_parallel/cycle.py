@@ -23,6 +23,7 @@ The propagator is any object with ``step(start, stop, u)``: the value at
 fine point ``stop`` from ``u`` at fine point ``start`` (a coarse step spans
 stop - start fine steps). Layouts come from :mod:`.partition`.
 """
+import math
 from typing import List, Optional, Protocol
 
 from chainerkfac.layer_parallel import partition
@@ -143,6 +144,13 @@ class FASSolver(VCycle):
         Returns the residual norm of every iteration; stops at the first
         one at most ``tol`` or ``rtol`` times the first, or after
         ``max_iter`` iterations.
+
+        Raises
+        ------
+        FloatingPointError
+            The residual is not finite (a NaN or an infinity in the input,
+            the weights or the states): no iteration can bring it down, so
+            the solve ends there instead of at ``max_iter``.
         """
         if max_iter < 1:
             raise ValueError('max_iter must be positive, not {}'.format(
@@ -161,6 +169,11 @@ class FASSolver(VCycle):
                 self._relax(0)
                 values = self._c_values(0)
                 history.append(self._residual_norm(0, values))
+                if not math.isfinite(history[-1]):
+                    raise FloatingPointError(
+                        'MGRIT: the residual is {} at iteration {} (a NaN '
+                        'or an infinity in the input, the weights or the '
+                        'states)'.format(history[-1], len(history)))
                 if history[-1] <= tol or history[-1] <= rtol * history[0]:
                     corrected = False
                     break

@@ -63,6 +63,12 @@ class SimultaneousTraining:
     def __init__(self, mgrit: MGRIT, optimizer, m1: int = 2, m2: int = 2,
                  grid: Optional[ProcessGrid] = None,
                  smoothness: float = 0.0):
+        for name, value in (('m1', m1), ('m2', m2)):
+            if isinstance(value, bool) or not isinstance(value, int) or \
+                    value < 1:
+                raise ValueError('{} must be an integer >= 1 (MGRIT '
+                                 'iterations a step), got {!r}'.format(
+                                     name, value))
         self.mgrit = mgrit
         self.m1, self.m2 = m1, m2
         self.grid = grid

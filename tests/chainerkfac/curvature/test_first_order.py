@@ -4,6 +4,7 @@ import numpy
 import pytest
 
 import chainer
+import chainer.functions as F
 
 from chainerkfac import curvature
 from chainerkfac.curvature import adapters
@@ -96,3 +97,40 @@ def test_a_loss_that_uses_parameters_itself_is_refused():
     with pytest.raises(curvature.UnsupportedGraph,
                        match='/fc/W outside the predictor'):
         curvature.extract(model, x, t, lossfun=regularised)
+
+
+def test_lazily_sized_layers_before_their_first_call():
+    """Chainer's MNIST example as written, ``L.Linear(None, n)``, not run
+    yet, and an auxiliary lazy head the forward never calls: the
+    per-sample gradients equal the loop over samples (a crash reading the
+    unset gradients before)."""
+    import chainer.links as L
+
+    class TwoHeads(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.body = L.Linear(None, 8)
+                self.head = L.Linear(None, 4)
+                self.aux = L.Linear(None, 2)      # never called
+
+        def forward(self, x):
+            return self.head(F.relu(self.body(x)))
+    numpy.random.seed(0)
+    rng = numpy.random.RandomState(1)
+    x = rng.randn(5, 7)
+    t = rng.randint(0, 4, 5).astype(numpy.int32)
+    with chainer.using_config('dtype', numpy.float64):   # W made at call
+        model = TwoHeads()
+        got = curvature.extract(model, x, t, quantities=('batch_grad',))
+    assert sorted(got) == ['/body/W', '/body/b', '/head/W', '/head/b']
+    assert model.aux.W.array is None and model.body.W.dtype == numpy.float64
+    for n in range(len(x)):
+        model.cleargrads()
+        loss = F.softmax_cross_entropy(model(x[n:n + 1]), t[n:n + 1])
+        loss.backward()
+        params = dict(model.namedparams())
+        for path in got:
+            numpy.testing.assert_allclose(
+                got[path]['batch_grad'][n], params[path].grad / len(x),
+                rtol=1e-12, atol=1e-15, err_msg=path)

@@ -160,6 +160,34 @@ def test_any_loss_by_double_backprop():
     close(got['/fc/b']['kflr_B'], blocks['/fc/b'])
 
 
+def test_float32_softmax_loss_by_double_backprop_is_convex():
+    """A softmax loss's Hessian has a zero eigenvalue per sample, which
+    float32 rounds to about -4e-10 relative: within float32's own rounding,
+    not a sign of a concave loss (refused before at a fixed 1e-8). Its
+    diagonal GGN equals the closed form's to float32 rounding."""
+    import chainer.links as L
+    rng = numpy.random.RandomState(0)
+    numpy.random.seed(0)
+    with chainer.using_config('dtype', numpy.float32):
+        model = chainer.Sequential(L.Linear(20, 32), F.relu,
+                                   L.Linear(32, 10))
+    x = rng.randn(64, 20).astype(numpy.float32)
+    t = rng.randint(0, 10, 64).astype(numpy.int32)
+    reference = curvature.extract(model, x, t, quantities=('diag_ggn',))
+    for lossfun in (
+            lambda y, t: F.softmax_cross_entropy(
+                y, t, enable_double_backprop=True),
+            lambda y, t: -F.mean(F.select_item(F.log_softmax(y), t))):
+        got = curvature.extract(model, x, t, quantities=('diag_ggn',),
+                                lossfun=lossfun)
+        for path in got:
+            want = reference[path]['diag_ggn']
+            assert got[path]['diag_ggn'].dtype == numpy.float32
+            numpy.testing.assert_allclose(
+                got[path]['diag_ggn'], want, rtol=0,
+                atol=1e-5 * float(abs(want).max()), err_msg=path)
+
+
 def test_indefinite_loss_hessian_is_refused():
     model, x, _ = nets.build('conv_pool_linear')
 

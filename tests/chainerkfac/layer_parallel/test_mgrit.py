@@ -148,3 +148,45 @@ def test_errors_name_the_problem():
         lp.MGRIT(net, levels=3)
     with pytest.raises(TypeError, match='comm'):
         lp.MGRIT(net, comm=object())
+
+
+def test_the_default_tolerance_follows_the_dtype():
+    """``tol=None``: 1e-10 in float64; in float32, whose residuals stop
+    falling far above 1e-10, 1e-5 — the float64 tolerance there ran every
+    solve to ``max_iter`` without a word. The float32 solve stops early
+    and its logits are the float64 network's to float32's accuracy."""
+    import chainer
+    net64 = common.dense_net(n_layers=64)
+    x, t = common.batch(net64)
+    logits64, history64 = lp.MGRIT(net64, warm_start=False).forward(x)
+    assert history64[-1] <= 1e-10 < min(history64[:-1])
+    numpy.random.seed(0)
+    with chainer.using_config('dtype', numpy.float32):
+        net32 = lp.ResidualODE(n_in=2, width=4, n_layers=64, n_out=3)
+    net32.copyparams(net64)
+    logits32, history32 = lp.MGRIT(net32, warm_start=False).forward(
+        x.astype(numpy.float32))
+    assert len(history32) < 50 and history32[-1] <= 1e-5
+    numpy.testing.assert_allclose(logits32, logits64, rtol=0, atol=1e-4)
+    assert lp.MGRIT(net32, tol=1e-3)._tol(numpy.float32) == 1e-3
+
+
+def test_a_non_finite_residual_ends_the_solve_at_once():
+    net = common.dense_net(n_layers=64)
+    x, t = common.batch(net)
+    x[0, 0] = numpy.nan
+    mgrit = lp.MGRIT(net, max_iter=50)
+    with pytest.raises(FloatingPointError, match='the residual is nan at '
+                       'iteration 1'):
+        mgrit.forward(x)
+
+
+def test_a_cap_of_zero_iterations_is_refused_not_the_default():
+    net = common.dense_net(n_layers=16)
+    x, t = common.batch(net)
+    with pytest.raises(ValueError, match='max_iter must be positive'):
+        lp.MGRIT(net).forward(x, max_iter=0)
+    import chainer
+    with pytest.raises(ValueError, match='m1 must be an integer >= 1'):
+        lp.SimultaneousTraining(lp.MGRIT(net), chainer.optimizers.SGD(),
+                                m1=0)
