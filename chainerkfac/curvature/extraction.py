@@ -206,8 +206,11 @@ class _Extraction:
         self.params = params
         self.predictor.cleargrads()
         loss = lossfun(logits, t)
-        self.softmax = self.request.needs_root and \
-            loss_hessian.is_softmax_cross_entropy(loss, t)
+        # (also where no Hessian is asked for: ignored labels make the loss
+        # a mean over fewer than N samples, for the first-order quantities
+        # too, whose rows are ∇ℓₙ / N)
+        self.softmax = loss_hessian.is_softmax_cross_entropy(loss, t) and \
+            self.request.needs_root
         # Per-sample gradients carry 1/N of the global batch.
         self.loss = loss if self.batch.local == self.batch.total else \
             loss * (self.batch.local / self.batch.total)
@@ -220,6 +223,13 @@ class _Extraction:
         for name in ('kfac', 'kflr', 'kfra', 'diag_hessian'):
             if name in self.request:
                 graph.check_independent(name)
+        # what KFRA and the Hessian diagonal refuse in a graph (a residual
+        # join, a shared weight, a function without its second derivative),
+        # now rather than after the exact passes
+        if 'kfra' in self.request:
+            kfra_module._chain(graph)
+        if 'diag_hessian' in self.request:
+            hessian_diagonal._curved_functions(graph)
         # Coupled samples: the slots are empty, per-sample passes do all.
         self.passes = columns.Passes(graph, self.column_chunk)
         for path, reason in graph.sampled.items():

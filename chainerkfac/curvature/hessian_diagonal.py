@@ -45,19 +45,29 @@ import chainer.functions.array.get_item as get_item
 import chainer.functions.array.pad as pad
 import chainer.functions.array.reshape as reshape
 import chainer.functions.array.split_axis as split_axis
+import chainer.functions.array.flip as flip
+import chainer.functions.array.rollaxis as rollaxis
 import chainer.functions.array.squeeze as squeeze
+import chainer.functions.array.stack as stack
+import chainer.functions.array.swapaxes as swapaxes
+import chainer.functions.array.tile as tile
 import chainer.functions.array.transpose as transpose
 import chainer.functions.math.average as average
 import chainer.functions.math.basic_math as basic_math
 import chainer.functions.math.exponential as exponential
 import chainer.functions.math.identity as identity
+import chainer.functions.math.maximum as maximum
+import chainer.functions.math.minimum as minimum
+import chainer.functions.math.minmax as minmax
 import chainer.functions.math.sqrt as sqrt
 import chainer.functions.math.square as square
 import chainer.functions.math.sum as sum_module
 import chainer.functions.math.trigonometric as trigonometric
 import chainer.functions.noise.dropout as dropout
 import chainer.functions.pooling.average_pooling_2d as average_pooling_2d
+import chainer.functions.pooling.average_pooling_nd as average_pooling_nd
 import chainer.functions.pooling.max_pooling_nd as max_pooling_nd
+import chainer.functions.pooling.unpooling_2d as unpooling_2d
 
 from chainerkfac import capture as capture_module
 from chainerkfac.curvature.graph import UnsupportedGraph
@@ -75,7 +85,11 @@ ZERO_CURVATURE = (
     basic_math.Sub, basic_math.SubFromConstant, basic_math.Neg,
     basic_math.MulConstant, sum_module.Sum, average.Mean,
     dropout.Dropout, max_pooling_nd.MaxPoolingND,
-    average_pooling_2d.AveragePooling2D)
+    average_pooling_2d.AveragePooling2D,
+    average_pooling_nd.AveragePoolingND, unpooling_2d.Unpooling2D,
+    minmax.Max, minmax.Min, maximum.Maximum, minimum.Minimum,
+    stack.Stack, swapaxes.Swapaxes, tile.Tile, flip.Flip,
+    rollaxis.Rollaxis)
 #: Elementwise functions of one input with a second derivative.
 ELEMENTWISE = (
     sigmoid.Sigmoid, tanh.Tanh, softplus.Softplus, elu.ELU,

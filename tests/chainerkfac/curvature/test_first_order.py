@@ -134,3 +134,16 @@ def test_lazily_sized_layers_before_their_first_call():
             numpy.testing.assert_allclose(
                 got[path]['batch_grad'][n], params[path].grad / len(x),
                 rtol=1e-12, atol=1e-15, err_msg=path)
+
+
+def test_ignored_labels_are_refused_for_every_quantity():
+    """With ignored labels the loss is a mean over fewer than N samples:
+    the first-order quantities were returned scaled by 1/N_valid (1.25×
+    the documented ∇ℓₙ / N for one of five ignored) while the second-order
+    ones were refused; now all are, alike."""
+    model, x, t = nets.build('conv_pool_linear')
+    t = t.copy()
+    t[0] = -1
+    for quantities in (('batch_grad',), ('variance',), ('diag_ggn',)):
+        with pytest.raises(ValueError, match='ignore_label=-1'):
+            curvature.extract(model, x, t, quantities=quantities)

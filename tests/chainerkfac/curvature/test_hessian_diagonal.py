@@ -46,6 +46,42 @@ def test_piecewise_linear_network_hessian_is_its_ggn():
         numpy.testing.assert_array_equal(q['diag_hessian'], q['diag_ggn'])
 
 
+class PiecewiseLinear(chainer.Chain):
+    """A conv net through the piecewise linear array and pooling functions
+    (global max pooling, N-d average pooling, unpooling, stack, swapaxes,
+    tile, flip, rollaxis, maximum / minimum), with a curved tanh."""
+
+    def __init__(self):
+        super().__init__()
+        with chainer.using_config('dtype', numpy.float64), self.init_scope():
+            self.conv = L.Convolution2D(2, 3, 3, pad=1)
+            self.fc = L.Linear(12, nets.N_CLASS)
+
+    def forward(self, x):
+        h = F.tanh(self.conv(x))                               # (N, 3, 4, 4)
+        h = F.unpooling_2d(F.average_pooling_nd(h, 2), 2, outsize=(4, 4))
+        h = F.maximum(h, F.minimum(h * 0.5, F.flip(h, 2)))
+        h = F.swapaxes(F.rollaxis(h, 3, 1), 2, 3)              # (N, 4, 4, 3)
+        pooled = F.stack([F.max(h, axis=(1, 2)),
+                          F.min(h, axis=(1, 2))], axis=1)      # (N, 2, 3)
+        return self.fc(F.tile(pooled, (1, 2, 1)))
+
+
+def test_piecewise_linear_functions_add_no_curvature():
+    """Their second derivatives vanish almost everywhere: the diagonal
+    Hessian through them equals double backprop's (it refused them
+    before, though the docs promised 'pooling, reshapes, sums')."""
+    numpy.random.seed(2)
+    model = PiecewiseLinear()
+    rng = numpy.random.RandomState(5)
+    x = rng.randn(3, 2, 4, 4)
+    t = rng.randint(0, nets.N_CLASS, 3).astype(numpy.int32)
+    expected = oracles.hessian_diagonal(model, x, t)
+    got = curvature.extract(model, x, t, quantities=('diag_hessian',))
+    for path, diagonal in expected.items():
+        close(got[path]['diag_hessian'], diagonal, path)
+
+
 class Softmaxed(chainer.Chain):
     def __init__(self):
         super().__init__()

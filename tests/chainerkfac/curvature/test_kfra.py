@@ -78,10 +78,22 @@ def test_kfra_equals_the_written_out_recursion(net):
     ('shared_weights', 'used by 3 calls'),
     ('unmodelled_params', '/act/W'),
 ])
-def test_off_a_chain_is_a_clear_error(graph, match):
+def test_off_a_chain_is_a_clear_error(graph, match, monkeypatch):
+    """Refused once the gradient pass has shown the graph, before any of
+    the exact passes of the other quantities asked with it (seconds on a
+    real network), and the gradients are given back."""
+    from chainerkfac.curvature import extraction
+
+    def forbidden(*args, **kwargs):
+        pytest.fail('an exact pass ran before the refusal')
+    monkeypatch.setattr(extraction._Extraction, 'ggn_passes', forbidden)
     model, x, t = nets.build(graph)
+    for param in model.params():
+        param.grad = None
     with pytest.raises(curvature.UnsupportedGraph, match=match):
-        curvature.extract(model, x, t, quantities=('kfra',))
+        curvature.extract(model, x, t,
+                          quantities=('diag_ggn', 'kflr', 'kfra'))
+    assert all(p.grad is None for p in model.params())
 
 
 def test_too_many_features_is_a_clear_error(monkeypatch):
