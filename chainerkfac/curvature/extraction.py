@@ -134,6 +134,11 @@ def extract(predictor, x, t, quantities=q.FIRST_ORDER,
     coupled, take one backward pass per sample in place of each of those.
     """
     request = q.Request(quantities)
+    if isinstance(predictor, chainer.links.Classifier):
+        raise TypeError(
+            'extract takes the network that returns the logits, not a '
+            'Classifier around it (which returns the loss): pass '
+            'model.predictor, and its loss as lossfun')
     if conv_factors not in q.CONV_FACTORS:
         raise ValueError('conv_factors must be one of {}, got {!r}'.format(
             q.CONV_FACTORS, conv_factors))
@@ -198,6 +203,11 @@ class _Extraction:
     # -- 1-2: gradient pass and graph ------------------------------------
     def gradient_pass(self, x, t, lossfun) -> None:
         self.logits = logits = self.predictor(x)
+        if not isinstance(logits, chainer.Variable):
+            raise TypeError('predictor(x) must return the logits (N, C) as '
+                            'one Variable, got a {} (wrap a network with '
+                            'several outputs to return the one the loss '
+                            'takes)'.format(type(logits).__name__))
         if logits.ndim != 2:
             raise ValueError('predictor(x) must return logits (N, C), got '
                              'shape {}'.format(logits.shape))

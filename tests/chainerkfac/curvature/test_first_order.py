@@ -147,3 +147,25 @@ def test_ignored_labels_are_refused_for_every_quantity():
     for quantities in (('batch_grad',), ('variance',), ('diag_ggn',)):
         with pytest.raises(ValueError, match='ignore_label=-1'):
             curvature.extract(model, x, t, quantities=quantities)
+
+
+def test_a_classifier_or_several_outputs_are_named():
+    """Chainer's L.Classifier (it returns the loss) and a predictor that
+    returns a tuple: errors that say what to pass, before any pass (they
+    were a TypeError from inside the Classifier and an AttributeError)."""
+    import chainer.links as L
+    model, x, t = nets.build('conv_pool_linear')
+    with pytest.raises(TypeError, match='pass model.predictor'):
+        curvature.extract(L.Classifier(model), x, t)
+
+    class TwoOutputs(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.net = model
+
+        def forward(self, x):
+            y = self.net(x)
+            return y, y
+    with pytest.raises(TypeError, match='as one Variable, got a tuple'):
+        curvature.extract(TwoOutputs(), x, t)
