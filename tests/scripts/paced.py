@@ -10,7 +10,7 @@ their results are the run's own (only the log's timing differs).
 import sys
 import time
 
-from tests.scripts.signal_at import TRAIN_IMAGENET
+from tests.scripts.signal_at import run_patched
 
 
 def patch(seconds):
@@ -25,12 +25,7 @@ def patch(seconds):
 
 
 def main(argv):
-    split = argv.index('--')
-    [seconds] = argv[:split]
-    patch(float(seconds))
-    sys.argv = [TRAIN_IMAGENET] + argv[split + 1:]
-    import train_imagenet
-    return train_imagenet.main()
+    return run_patched(argv, lambda seconds: patch(float(seconds)))
 
 
 if __name__ == '__main__':

@@ -95,13 +95,20 @@ def patch(sender):
     snapshots.AtomicThreadWriter.save = saving
 
 
-def main(argv):
+def run_patched(argv, patching):
+    """``argv``: ``OPTION -- ARGS``: ``patching(OPTION)``, then
+    ``train_imagenet.py ARGS`` in this process; returns its exit status.
+    (The wrappers of the tests: this module and :mod:`.paced`.)"""
     split = argv.index('--')
-    [spec] = argv[:split]
-    patch(Sender(spec))
+    [option] = argv[:split]
+    patching(option)
     sys.argv = [TRAIN_IMAGENET] + argv[split + 1:]
     import train_imagenet
     return train_imagenet.main()
+
+
+def main(argv):
+    return run_patched(argv, lambda spec: patch(Sender(spec)))
 
 
 if __name__ == '__main__':
