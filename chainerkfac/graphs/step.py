@@ -364,6 +364,11 @@ class StepGraph:
         try:
             with self._route_linear():
                 self.step(*inputs)
+            if keep:
+                settle = getattr(self.adapter, 'after_kept_eager', None)
+                if settle is not None:
+                    settle()
+                stayed = self.adapter.graph_buffers() == self._buffers
         except BaseException:
             # it may have moved a buffer before it failed: nothing checks
             # them now, so the graph goes
@@ -372,10 +377,7 @@ class StepGraph:
             raise
         self.stats['eager'] += 1
         if keep:
-            settle = getattr(self.adapter, 'after_kept_eager', None)
-            if settle is not None:
-                settle()
-            if self.adapter.graph_buffers() == self._buffers:
+            if stayed:
                 self.stats['kept through: ' + reason] += 1
                 self._rebind = True
             else:
