@@ -140,6 +140,11 @@ def _propagate(function, index, curvature, batch, chunk):
             '{} features per sample (more than {})'.format(
                 type(function).__name__, features, MAX_FEATURES))
     xp = chainer.backend.get_array_module(curvature)
+    if not bool(xp.isfinite(curvature).all()):
+        raise FloatingPointError(
+            'kfra: the curvature reaching {} is not finite (a NaN or an '
+            'infinity in the input, the weights or the loss)'.format(
+                type(function).__name__))
     values, vectors = xp.linalg.eigh(curvature)
     keep = values > RANK_TOLERANCE * max(float(values.max()), 0.0)
     columns = (vectors[:, keep] * xp.sqrt(values[keep])).T.astype(

@@ -236,6 +236,7 @@ class MGRIT:
             Residual norm of every iteration.
         """
         net = self.net
+        net.check_input(x)          # before any solve
         with self._timed('weights'):
             self._fetch_coarse_weights()
         xp = backend.get_array_module(x)

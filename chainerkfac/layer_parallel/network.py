@@ -97,6 +97,7 @@ class ResidualODE(chainer.Chain):
             else:
                 h, w = ((image_size, image_size)
                         if isinstance(image_size, int) else image_size)
+                self.image_size = (int(h), int(w))
                 pad = ksize // 2
                 self.opening = L.Convolution2D(n_in, width, ksize, pad=pad)
                 self.layers = chainer.ChainList(
@@ -117,8 +118,27 @@ class ResidualODE(chainer.Chain):
 
     # -- the serial network ------------------------------------------------
 
+    def check_input(self, x) -> None:
+        """Refuse a batch whose images are not the size the network was
+        built for (its classifier's width is set by it), before any
+        layer runs.
+
+        Raises
+        ------
+        ValueError
+            The size of ``x``'s images, and the network's.
+        """
+        size = getattr(self, 'image_size', None)
+        if size is not None and tuple(x.shape[2:]) != size:
+            raise ValueError(
+                'the batch has images of {} but the network was built for '
+                'image_size={} (ResidualODE(..., image_size=...))'.format(
+                    'x'.join(str(s) for s in x.shape[2:]) or 'no size',
+                    'x'.join(str(s) for s in size)))
+
     def forward(self, x) -> chainer.Variable:
         """Logits of ``x``, layer-serial, with Chainer's graph."""
+        self.check_input(x)
         u = self.open(x)
         for n in range(self.n_layers):
             u = u + self.h * self.residual(n, u)

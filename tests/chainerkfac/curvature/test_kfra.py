@@ -102,3 +102,15 @@ def test_too_many_features_is_a_clear_error(monkeypatch):
     x, t = nets.data()
     with pytest.raises(curvature.UnsupportedGraph, match='48 features'):
         curvature.extract(model, x, t, quantities=('kfra',))
+
+
+def test_a_nan_input_is_named():
+    """A NaN in the input reached NumPy's eigensolver as 'Eigenvalues did
+    not converge'."""
+    model = nets.Chain()
+    x, t = nets.data()
+    x = x.copy()
+    x[0, 0] = numpy.nan
+    with pytest.raises(FloatingPointError, match='kfra: the curvature '
+                       'reaching .* is not finite'):
+        curvature.extract(model, x, t, quantities=('kfra',))

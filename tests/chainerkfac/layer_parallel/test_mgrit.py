@@ -190,3 +190,21 @@ def test_a_cap_of_zero_iterations_is_refused_not_the_default():
     with pytest.raises(ValueError, match='m1 must be an integer >= 1'):
         lp.SimultaneousTraining(lp.MGRIT(net), chainer.optimizers.SGD(),
                                 m1=0)
+
+
+def test_images_of_another_size_are_refused_before_the_solve(monkeypatch):
+    """A conv network's classifier is sized by its image_size: a batch of
+    another size failed only after the whole forward solve."""
+    net = common.conv_net()
+    x, _ = common.batch(net)
+    wrong = numpy.zeros(x.shape[:2] + (x.shape[2] + 2, x.shape[3]))
+    mgrit = lp.MGRIT(net)
+
+    def solve(*args, **kwargs):
+        pytest.fail('the solve ran')
+    monkeypatch.setattr(mgrit.forward_solver, 'solve', solve)
+    message = 'images of 6x4 but the network was built for image_size=4x4'
+    with pytest.raises(ValueError, match=message):
+        mgrit.forward(wrong)
+    with pytest.raises(ValueError, match=message):
+        net(wrong)
