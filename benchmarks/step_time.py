@@ -533,15 +533,9 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             if variant in failed:
                 continue
             gc.collect()
-            synchronize()
-
-            def timed(variant=variant):
-                start = time.perf_counter()
-                with alone(steps[variant], steps):
-                    steps[variant](x, t)
-                synchronize()
-                return time.perf_counter() - start
-            elapsed = attempt(variant, 'round {}'.format(r), timed)
+            elapsed = attempt(variant, 'round {}'.format(r),
+                              functools.partial(_timed_step, steps[variant],
+                                                x, t, synchronize, steps))
             if elapsed is None:
                 continue
             drop_graph(classifiers[variant])
@@ -780,12 +774,7 @@ def time_capture(step: KFACStep, x, t, n_steps: int,
     per_step, over_sgd = [], []
     for _ in range(n_steps):
         if sgd is not None:
-            synchronize()
-            start = time.perf_counter()
-            with alone(sgd, steps):
-                sgd(x, t)
-            synchronize()
-            sgd_seconds = time.perf_counter() - start
+            sgd_seconds = _timed_step(sgd, x, t, synchronize, steps)
             drop_graph(sgd.model)
         with CaptureTimer(step.optimizer.blocks, synchronize) as timer, \
                 alone(step, steps):

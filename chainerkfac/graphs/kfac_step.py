@@ -45,8 +45,7 @@ apply_on_device`), the same arithmetic as the host's.
 """
 from typing import Optional
 
-import chainer
-
+from chainerkfac import device_guard
 from chainerkfac.device_guard import DeviceStepGuard
 from chainerkfac.graphs import hyper, step
 
@@ -117,18 +116,12 @@ class KFACOptimizer:
         rules' states, the model's persistent arrays (the running
         statistics)."""
         opt = self.optimizer
-        arrays = opt.inverse_buffers()
-        for param in self._params():
-            arrays.append(param.array)
-            state = param.update_rule.state
-            if state:
-                arrays += [state[k] for k in sorted(state)]
-        for _, link in sorted(opt.target.namedlinks(), key=lambda x: x[0]):
-            for name in sorted(link._persistent):
-                value = getattr(link, name)
-                if isinstance(value, chainer.get_array_types()):
-                    arrays.append(value)
-        return step.buffer_signature(arrays)
+        # the parameters, states and statistics as the device guard copies
+        # them (the arrays an update writes, the persistent ones)
+        return step.buffer_signature(
+            opt.inverse_buffers() +
+            device_guard._update_arrays(self._params()) +
+            device_guard._persistent_arrays(opt.target))
 
     def step_objects(self) -> list:
         """The objects whose array attributes a step sets (its outputs:
