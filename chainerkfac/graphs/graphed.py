@@ -66,9 +66,12 @@ class GraphedOptimizer:
             optimizer = self.optimizer
             if self.graph is not None:
                 self.graph.close()      # another loss: its graphs go
-            self.graph = step_module.StepGraph(
-                lambda *inputs: optimizer.update(lossfun, *inputs),
-                self.adapter, **self._options)
+            self.graph = step_module.StepGraph(None, self.adapter,
+                                               **self._options)
+            make = getattr(self.adapter, 'step_function', None)
+            self.graph.step = (
+                make(lossfun, self.graph) if make is not None else
+                lambda *inputs: optimizer.update(lossfun, *inputs))
             self._lossfun = lossfun
         return self.graph(*args)
 
@@ -86,10 +89,17 @@ class GraphedOptimizer:
 
 
 def graphed(optimizer, warmup: int = step_module.WARMUP, cupy=None,
-            route_linear=None) -> GraphedOptimizer:
+            route_linear=None, refresh_passes: bool = False
+            ) -> GraphedOptimizer:
     """``optimizer`` with its steps captured and replayed as CUDA graphs
     where they can be (module docstring; what runs eagerly, and why, is
     counted in ``.stats``).
+
+    With ``refresh_passes`` (K-FAC only) the forward and backward passes of
+    K-FAC's refresh steps are replayed too, from a graph of their own; the
+    rest of such a step runs eagerly
+    (:class:`~chainerkfac.graphs.kfac_step.RefreshPasses`; counted in
+    ``.stats`` as ``'refresh passes: ...'``).
 
     Raises
     ------
@@ -110,8 +120,11 @@ def graphed(optimizer, warmup: int = step_module.WARMUP, cupy=None,
     if getattr(optimizer, 'target', None) is None:
         raise ValueError('graphed: set the optimizer up with its model '
                          'first (optimizer.setup(model))')
+    if refresh_passes and not isinstance(optimizer, KFAC):
+        raise TypeError('graphed(refresh_passes=True) is for K-FAC, got '
+                        '{}'.format(type(optimizer).__name__))
     if isinstance(optimizer, KFAC):
-        adapter = kfac_step.KFACOptimizer(optimizer)
+        adapter = kfac_step.KFACOptimizer(optimizer, refresh_passes)
     elif isinstance(optimizer, GuardedOptimizer):
         adapter = guarded_step.GuardedOptimizer(optimizer)
     else:

@@ -58,20 +58,63 @@ class KFACOptimizer:
     ----------
     optimizer : chainerkfac.optimizers.KFAC
         Set up with its model.
+    refresh_passes : bool
+        Replay the forward and backward passes of the refresh steps too
+        (:class:`RefreshPasses`); the rest of such a step runs eagerly.
     """
 
     #: The values written to the device before each step.
     NAMES = ('lr', 'momentum', 'damping')
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, refresh_passes: bool = False):
         self.optimizer = optimizer
+        self.refresh_passes = refresh_passes
         self._scalars = None
         self._advanced = []
         self._params = step.ParameterWalk(optimizer)
+        self._reason = None
+        #: The graph of the refresh steps' passes (a child of the stale
+        #: steps' StepGraph), once a step function made it.
+        self.passes_graph: Optional[step.StepGraph] = None
+
+    def step_function(self, lossfun, graph: step.StepGraph):
+        """The step :class:`~chainerkfac.graphs.step.StepGraph` ``graph``
+        takes on its inputs: ``update(lossfun, *inputs)``; with
+        ``refresh_passes``, a refresh step's passes go through a child
+        graph of ``graph`` and the rest of the step runs eagerly
+        (:meth:`KFAC.finish_step <chainerkfac.optimizers.KFAC.finish_step>`).
+        """
+        opt = self.optimizer
+        if not self.refresh_passes:
+            return lambda *inputs: opt.update(lossfun, *inputs)
+        if self.passes_graph is not None:
+            self.passes_graph.close()
+        self.passes_graph = step.StepGraph(
+            lambda *inputs: opt.run_passes(lossfun, *inputs),
+            RefreshPasses(opt, self._params), warmup=graph.warmup,
+            parent=graph, label='refresh passes: ')
+
+        def take(*inputs):
+            if self._reason != self.REFRESH:
+                opt.update(lossfun, *inputs)
+                return
+            opt.timer.start()
+            self.passes_graph(*inputs)
+            opt.finish_step()
+        return take
+
+    def close(self) -> None:
+        """Drop the refresh passes' graph (its parent closes)."""
+        if self.passes_graph is not None:
+            self.passes_graph.close()
 
     # -- decisions --------------------------------------------------------
     def refusal(self) -> Optional[str]:
         """Why the coming step runs eagerly, or None."""
+        self._reason = self._refusal()
+        return self._reason
+
+    def _refusal(self) -> Optional[str]:
         opt = self.optimizer
         if opt.transport.size > 1:
             return ('K-FAC on {} processes (its collectives are not '
@@ -147,6 +190,7 @@ class KFACOptimizer:
     def before_step(self) -> None:
         """Install the device guard and the device hyperparameters (once
         the parameters exist), then write η, m and γ to the device."""
+        self._reason = None
         opt = self.optimizer
         params = [p for p in self._params() if p.array is not None]
         if not params:
@@ -191,3 +235,137 @@ class KFACOptimizer:
         for rule in self._advanced:
             rule.t += 1
         self.optimizer.finish_replayed_step()
+
+
+class RefreshPasses:
+    """What a :class:`~chainerkfac.graphs.step.StepGraph` of a K-FAC
+    refresh step's forward and backward passes
+    (:meth:`KFAC.run_passes <chainerkfac.optimizers.KFAC.run_passes>`: the
+    loss, its backward pass, the capture of the factors due) needs to know.
+    A child of the stale steps' graph (``KFACOptimizer(...,
+    refresh_passes=True)``); the rest of the step (stages 3-6, the update)
+    runs eagerly on what the replay wrote.
+
+    A replay runs no Python: what the passes leave on the host — each
+    block's captured sums (the arrays the replay rewrites) and counts, the
+    estimator's samples, the optimizer's open micro-batch — is put back
+    after each replay as the capture left it (:meth:`after_replay`), and
+    the gradients and the model's outputs are rebound by the StepGraph.
+    Replayed: the empirical Fisher (the default). Not replayed: ``fisher=
+    'mc'`` (its labels are drawn on the host from the logits) and
+    ``'exact'``, a step whose capture records its graph (the first steps,
+    for eq. 20 'auto'), a step after a restore (the guard's checkpoint).
+    Which factors are due is baked into the graph: another set captures
+    again.
+    """
+
+    def __init__(self, optimizer, params: step.ParameterWalk):
+        self.optimizer = optimizer
+        self._params = params
+        self._captured = None
+
+    def refusal(self) -> Optional[str]:
+        opt = self.optimizer
+        if opt.estimator.fisher != 'emp':
+            return ("fisher='{}' (its passes read the logits on the "
+                    'host)'.format(opt.estimator.fisher))
+        if opt._checkpoint_due:
+            return 'the guard takes its checkpoint (restored)'
+        if opt.estimator.capture_hook.record_graph:
+            return 'the passes record their graph (eq. 20, the table)'
+        return None
+
+    def baked(self) -> tuple:
+        """Which factors of which blocks are due (the captured kernels
+        form those)."""
+        due = self.optimizer.estimator.due
+        return tuple(tuple(sorted(due.get(b, ())))
+                     for b in self.optimizer.estimator.blocks)
+
+    def before_step(self) -> None:
+        """Nothing: the parent's ``before_step`` wrote the device values."""
+
+    def graph_buffers(self) -> tuple:
+        """What the passes read that a step could move: the parameters
+        (and their rules' states, as the guard walks them) and the model's
+        persistent arrays."""
+        opt = self.optimizer
+        return step.buffer_signature(
+            device_guard._update_arrays(self._params()) +
+            device_guard._persistent_arrays(opt.target))
+
+    def step_objects(self) -> list:
+        """The objects whose array attributes the passes set: the model's
+        links (loss, predictions) and the parameters (gradients)."""
+        target = self.optimizer.target
+        return list(target.links()) + list(target.params())
+
+    def host_state(self) -> tuple:
+        """What the passes change on the host: the optimizer's open
+        micro-batch, the estimator's counts, each block's capture."""
+        opt = self.optimizer
+        estimator = opt.estimator
+        blocks = tuple(
+            (block, {name: _copied(getattr(block, name))
+                     for name in _BLOCK_CAPTURE})
+            for block in estimator.blocks)
+        return (opt._micro,
+                {name: _copied(getattr(estimator, name))
+                 for name in _ESTIMATOR_CAPTURE},
+                blocks)
+
+    def restore_host_state(self, state) -> None:
+        opt = self.optimizer
+        micro, estimator, blocks = state
+        opt._micro = micro
+        for name, value in estimator.items():
+            setattr(opt.estimator, name, _copied(value))
+        for block, values in blocks:
+            for name, value in values.items():
+                setattr(block, name, _copied(value))
+
+    def after_capture(self, before) -> None:
+        """Keep what the captured passes left on the host."""
+        self._captured = self.host_state()
+
+    def after_replay(self) -> None:
+        """Leave on the host what the captured passes left (module
+        docstring): the captured sums, now rewritten by the replay."""
+        self.restore_host_state(self._captured)
+
+    def captured_arrays(self) -> list:
+        """The arrays of the captured sums (which a replay rewrites), in
+        the blocks' order (none before the first capture): for an
+        emulated replay."""
+        return [] if self._captured is None else \
+            _sum_arrays(self._captured[2])
+
+    def current_arrays(self) -> list:
+        """The arrays of the blocks' sums now, in the same order."""
+        return _sum_arrays(self.host_state()[2])
+
+
+#: The attributes of a block and of the estimator that the passes of one
+#: micro-batch change.
+_BLOCK_CAPTURE = ('_open', '_calls', '_step_sums', '_step_counts',
+                  '_scales', '_collect')
+_ESTIMATOR_CAPTURE = ('batch_size', 'samples', '_passes', '_touched',
+                      '_summed_passes', '_summed_blocks')
+
+
+def _copied(value):
+    """A shallow copy of a dict or set (what the passes rebuild or
+    mutate), else the value."""
+    if isinstance(value, (dict, set)):
+        return type(value)(value)
+    return value
+
+
+def _sum_arrays(blocks) -> list:
+    arrays = []
+    for _, values in blocks:
+        sums = values['_step_sums']
+        for name in sorted(sums):
+            value = sums[name]
+            arrays.append(getattr(value, 'columns', value))
+    return arrays

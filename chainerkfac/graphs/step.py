@@ -276,17 +276,36 @@ class StepGraph:
         A context manager routing the step's GEMMs (Chainer's Linear,
         ``cupy.matmul``) through capturable ones around every step
         (default :func:`chainerkfac.graphs.gemm.route_step`).
+    parent : StepGraph, optional
+        A graph of part of ``parent``'s eager steps (K-FAC's refresh
+        steps' passes, :mod:`chainerkfac.graphs.kfac_step`): it captures
+        on ``parent``'s side stream into ``parent``'s memory pool (one
+        pool for both: the two are never replayed at once, and what one
+        step's replay writes is read before the other's next replay), its
+        counts go into ``parent``'s :attr:`stats` with ``label`` before
+        each key, and its GEMMs are routed by ``parent``'s eager step that
+        calls it.
+    label : str
+        See ``parent``.
     """
 
     def __init__(self, step: Callable, adapter, warmup: int = WARMUP,
-                 cupy=None, route_linear=None):
+                 cupy=None, route_linear=None,
+                 parent: Optional['StepGraph'] = None, label: str = ''):
         if warmup < 1:
             raise ValueError('warmup must be at least 1 (the first step of '
                              'a signature builds what capture must not)')
         self.step = step
         self.adapter = adapter
         self.warmup = warmup
-        if cupy is None:
+        self.parent = parent
+        self.label = label
+        if parent is not None:
+            cupy = parent._cupy
+            route_linear = contextlib.nullcontext    # the parent routes
+            if cupy is None:
+                self._no_cupy = parent._no_cupy
+        if cupy is None and parent is None:
             try:
                 import cupy
             except ImportError as error:    # a CPU machine: every step eager
@@ -313,11 +332,18 @@ class StepGraph:
         self._buffers = None
         self._outputs = []
         self._rebind = False
+        # a child checks its buffers before each replay and rebinds its
+        # outputs after it (its parent's steps ran in between)
+        self._verify = parent is not None
         #: Counts: 'eager', 'captured', 'replayed', and each refusal and
-        #: drop reason.
-        self.stats = collections.Counter()
+        #: drop reason (``parent``'s, with ``label`` before each key).
+        self.stats = collections.Counter() if parent is None else \
+            parent.stats
         #: Wall seconds of each capture (with the first launch).
         self.capture_seconds: List[float] = []
+
+    def _count(self, key: str) -> None:
+        self.stats[self.label + key] += 1
 
     def __call__(self, *inputs) -> str:
         """Take one step on ``inputs``; returns ``'eager'``,
@@ -336,9 +362,13 @@ class StepGraph:
         baked = self.adapter.baked()
         if self._graph is not None and baked != self._baked:
             self._drop('hyperparameters changed')
+        if self._graph is not None and self._verify and \
+                self.adapter.graph_buffers() != self._buffers:
+            # moved by a step this graph did not see (a parent's)
+            self._drop('its buffers moved')
         if self._graph is not None:
             self._launch(inputs)
-            if self._rebind:
+            if self._rebind or self._verify:
                 # the captured step's outputs, which the replay rewrote
                 for owner, name, value in self._outputs:
                     vars(owner)[name] = value
@@ -347,7 +377,7 @@ class StepGraph:
             if observation is not None:
                 observation.update(self._reported)
             self.adapter.after_replay()
-            self.stats['replayed'] += 1
+            self._count('replayed')
             return 'replayed'
         if self._warm < self.warmup:
             self._warm += 1
@@ -357,7 +387,7 @@ class StepGraph:
     # -- the three ways ---------------------------------------------------
     def _eager(self, inputs, reason) -> str:
         if reason is not None:
-            self.stats['eager: ' + reason] += 1
+            self._count('eager: ' + reason)
         keep = self._graph is not None and self._keeps(reason)
         if self._graph is not None and not keep:
             self._drop('an eager step ran')
@@ -375,10 +405,10 @@ class StepGraph:
             if keep:
                 self._drop('an eager step failed')
             raise
-        self.stats['eager'] += 1
+        self._count('eager')
         if keep:
             if stayed:
-                self.stats['kept through: ' + reason] += 1
+                self._count('kept through: ' + reason)
                 self._rebind = True
             else:
                 self._drop('an eager step moved its buffers ({})'.format(
@@ -393,21 +423,13 @@ class StepGraph:
     def _capture(self, inputs, signature, baked, retry: bool = True) -> str:
         start = time.perf_counter()
         cuda = self._cupy.cuda
-        if self._stream is None:
-            _sweep_retired()
-            self._stream = cuda.Stream(non_blocking=True)
-            self._pool = cuda.MemoryPool()
-            # the workspaces cuDNN and cuBLAS keep for this stream are cut
-            # from this graph's pool: let them go with the StepGraph, then
-            # the pool's blocks (_retire)
-            self._finalizer = weakref.finalize(
-                self, self._release, self._stream.ptr, self._pool)
-            self._finalizer.atexit = False   # the process's memory goes
+        self._stream, self._pool = self._resources()
         self._static = tuple(self._cupy.empty(a.shape, a.dtype)
                              for a in inputs)
         pool = self._pool
         host = self.adapter.host_state()
-        keeps = getattr(self.adapter, 'keeps_graph', None) is not None
+        keeps = getattr(self.adapter, 'keeps_graph', None) is not None or \
+            self._verify
         before = _attributes(self.adapter.step_objects()) if keeps else []
         main = cuda.get_current_stream()
         observation = _observation()
@@ -442,13 +464,13 @@ class StepGraph:
                                'memory (%s); %d MiB of cached free blocks '
                                'given back, capturing once more', failure,
                                freed >> 20)
-                self.stats['capture out of memory'] += 1
+                self._count('capture out of memory')
                 return self._capture(inputs, signature, baked, retry=False)
             self._failed.add(signature)
             logger.warning('CUDA graph: the step could not be captured '
                            '(%s: %s); it runs eagerly',
                            type(failure).__name__, failure)
-            self.stats['capture failed'] += 1
+            self._count('capture failed')
             return self._eager(inputs, 'capture failed')
         self._graph, self._baked = graph, baked
         # What the step reported (device arrays that every replay
@@ -461,9 +483,27 @@ class StepGraph:
             self._outputs = _outputs(before, self._cupy.ndarray)
             self._rebind = False
         self.adapter.after_capture(host)
-        self.stats['captured'] += 1
+        self._count('captured')
         self.capture_seconds.append(time.perf_counter() - start)
         return 'captured'
+
+    def _resources(self) -> tuple:
+        """The side stream and the graphs' memory pool (a child's are its
+        parent's), made at the first capture."""
+        if self.parent is not None:
+            return self.parent._resources()
+        if self._stream is None:
+            _sweep_retired()
+            cuda = self._cupy.cuda
+            self._stream = cuda.Stream(non_blocking=True)
+            self._pool = cuda.MemoryPool()
+            # the workspaces cuDNN and cuBLAS keep for this stream are cut
+            # from this graph's pool: let them go with the StepGraph, then
+            # the pool's blocks (_retire)
+            self._finalizer = weakref.finalize(
+                self, self._release, self._stream.ptr, self._pool)
+            self._finalizer.atexit = False   # the process's memory goes
+        return self._stream, self._pool
 
     def _free_cached_blocks(self) -> int:
         """Give the free blocks of CuPy's default pool and of the graph's
@@ -509,7 +549,12 @@ class StepGraph:
         stream, and the workspaces the cuDNN backend and the GEMMs keep for
         that stream (cut from the pool, they would keep part of it alive).
         Also done when the StepGraph is garbage-collected; a later step
-        captures afresh."""
+        captures afresh. The adapter's ``close()``, where it has one, closes
+        the graphs of its own (a child's pool and stream are its
+        parent's)."""
+        closer = getattr(self.adapter, 'close', None)
+        if closer is not None:
+            closer()
         self._drop('closed')
         self._pool = self._stream = None
         if self._finalizer is not None:
@@ -528,7 +573,7 @@ class StepGraph:
 
     def _drop(self, why: str) -> None:
         if self._graph is not None:
-            self.stats['dropped: ' + why] += 1
+            self._count('dropped: ' + why)
         self._graph = self._baked = None   # the pool serves the next one
         self._static = ()
         self._reported = {}

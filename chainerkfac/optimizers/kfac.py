@@ -554,6 +554,31 @@ class KFAC(optimizer.GradientMethod):
         if self._micro < self.acc_iters:
             self.accumulator.hold(self.target)
             return
+        self.finish_step()
+
+    def run_passes(self, lossfun, *args) -> None:
+        """The forward and backward passes of ``update(lossfun, *args)``
+        (with the capture of the factors due), for a started optimizer at a
+        step of one micro-batch whose guard needs no checkpoint: what
+        :meth:`update` runs before :meth:`finish_step`, with the timer
+        started by the caller. A CUDA graph replays it for the refresh
+        steps (:mod:`chainerkfac.graphs.kfac_step`)."""
+        if not self._started or self._micro or self.acc_iters != 1 or \
+                self._checkpoint_due:
+            raise RuntimeError(
+                'run_passes: for a started K-FAC at a step of one '
+                'micro-batch (started {}, micro-batch {}, acc_iters {}, '
+                'checkpoint due {}); call update()'.format(
+                    self._started, self._micro, self.acc_iters,
+                    self._checkpoint_due))
+        self.target.cleargrads()
+        self._run_loss(lossfun, args, {})
+        self.estimator.end_micro_batch()
+        self._micro += 1
+
+    def finish_step(self) -> None:
+        """Take the K-FAC step of the micro-batches closed so far (the end
+        of :meth:`update` at its ``acc_iters``-th call)."""
         self.accumulator.collect(self.target)
         self.timer.mark('forward_backward', self._like())
         self._step()
@@ -573,9 +598,7 @@ class KFAC(optimizer.GradientMethod):
         """
         pending = self._micro
         if pending:
-            self.accumulator.collect(self.target)
-            self.timer.mark('forward_backward', self._like())
-            self._step()
+            self.finish_step()
         return pending
 
     def _run_loss(self, lossfun, args, kwds) -> None:

@@ -11,18 +11,28 @@ arrays, so the stand-in emulates both halves:
   guard's and the hyperparameters' buffers); the step runs; ``end_capture``
   puts that memory back (the device work did not happen), leaving the
   step's host effects (``t``, the damping, the due factors ...) once;
-* **launch**: the step runs again on the static inputs, and every host
-  effect is undone around it: the adapter's ``host_state`` /
-  ``restore_host_state`` (what StepGraph relies on after a failed
-  capture), and its reports go to a reporter of their own; the arrays the
-  capture reported (loss, accuracy) are overwritten with the new values,
-  as a replay rewrites the memory of the captured ones.
+* **launch**: the step of the StepGraph that captured the graph runs
+  again on its static inputs, and every host effect is undone around it:
+  the adapter's ``host_state`` / ``restore_host_state`` (what StepGraph
+  relies on after a failed capture), and its reports go to a reporter of
+  their own; the arrays the capture made and a replay rewrites are
+  overwritten with the new values, as a replay rewrites their memory:
+  what it reported (loss, accuracy), the outputs StepGraph rebinds
+  (gradients, the model's loss) and the adapter's ``captured_arrays()``
+  (K-FAC's captured factor sums, against ``current_arrays()``); then the
+  attributes of the adapter's ``step_objects()`` that hold device arrays
+  (or Variables of them) are put back as they were before the launch, as
+  a replay sets none. (NumPy scalars stand for CuPy's 0-d results, which
+  NumPy's 0-d arithmetic gives as scalars: they keep the re-run's values,
+  as the 0-d arrays the capture made would hold the replay's.)
 
 A host effect the adapter's state misses therefore happens twice, a
 report it misses never: tests that compare with eager runs see both.
 ``capturing`` says whether a capture is open (the tests' host-read
 checks).
 """
+import sys
+
 import numpy
 
 import chainer
@@ -31,7 +41,8 @@ from tests.chainerkfac.graphs.cupy_graph_fake import FakeCupy
 
 
 class Array(numpy.ndarray):
-    """The inputs' type (CuPy's ndarray here), NumPy otherwise."""
+    """What ``empty`` and ``asarray`` make (CuPy's ndarray is NumPy's
+    here)."""
 
 
 class ReplayCupy(FakeCupy):
@@ -44,19 +55,32 @@ class ReplayCupy(FakeCupy):
     def __init__(self, device_arrays):
         super().__init__()
         fake = self
-        self.ndarray = Array
+        # every NumPy array stands for device memory (the gradients that
+        # NumPy's products make are plain ndarrays)
+        self.ndarray = numpy.ndarray
         self.step_graph = None         # the StepGraph whose graphs launch
         self.captures = 0
         base = self.cuda.Stream
 
         class Graph:
+            def __init__(self, owner, before):
+                self.owner = owner
+                # the host state the captured step began from (the first
+                # launch follows the capture, whose host effects stay)
+                self.before = before
+
             def launch(self, stream=None):
                 fake.log.append(('launch', stream.name))
-                fake._replay()
+                fake._replay(self.owner, self.before)
+                self.before = None
 
         class Stream(base):
             def begin_capture(self):
                 assert fake.capturing is None
+                # the StepGraph that captures (its _capture calls this)
+                fake._owner = sys._getframe(1).f_locals.get('self')
+                fake._before = (None if fake._owner is None else
+                                fake._owner.adapter.host_state())
                 fake.capturing = []
                 fake._saved = [(a, a.copy()) for a in device_arrays()]
                 fake.log.append(('begin_capture', self.name,
@@ -67,7 +91,7 @@ class ReplayCupy(FakeCupy):
                     array[...] = copy
                 fake.capturing = None
                 fake.captures += 1
-                return Graph()
+                return Graph(fake._owner, fake._before)
 
             def is_capturing(self):
                 return fake.capturing is not None
@@ -85,13 +109,36 @@ class ReplayCupy(FakeCupy):
     def asarray(self, array):
         return numpy.array(array).view(Array)
 
-    def _replay(self):
-        graph = self.step_graph
+    def _replay(self, graph=None, before=None):
+        graph = graph if graph is not None else self.step_graph
         adapter = graph.adapter
         host = adapter.host_state()
+        if before is not None:
+            adapter.restore_host_state(before)
+        captured = getattr(adapter, 'captured_arrays', list)()
+        # a replay sets no Python attribute: those of the objects the step
+        # sets are put back after it (StepGraph rebinds the outputs)
+        saved = [(o, dict(vars(o)))
+                 for o in getattr(adapter, 'step_objects', list)()]
         observation = {}
         with chainer.reporter.Reporter().scope(observation):
             graph.step(*graph._static)
+        if captured:
+            fresh = adapter.current_arrays()
+            assert len(fresh) == len(captured)
+            for old, new in zip(captured, fresh):
+                old[...] = new
+        for owner, name, old in graph._outputs:
+            new = vars(owner).get(name)
+            if new is old:
+                continue
+            if isinstance(old, chainer.Variable):
+                old, new = old.array, new.array
+            old[...] = new
+        for owner, attributes in saved:
+            for name, value in attributes.items():
+                if _device_value(value):
+                    vars(owner)[name] = value
         adapter.restore_host_state(host)
         for key, old in graph._reported.items():
             new = observation.get(key)
@@ -132,3 +179,10 @@ def device_arrays_of(optimizer, model):
     if damping is not None:
         arrays.append(damping.base)
     return [a for a in arrays if isinstance(a, numpy.ndarray)]
+
+
+def _device_value(value) -> bool:
+    """An emulated device array, or a Variable of one."""
+    if isinstance(value, chainer.Variable):
+        value = value.array
+    return isinstance(value, numpy.ndarray)

@@ -11,6 +11,7 @@ refusals. The CUDA run is tests/gpu/test_kfac_graphs_gpu.py."""
 import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
 
 import contextlib
+import functools
 
 import numpy
 import pytest
@@ -79,9 +80,11 @@ def _guarded(model):
     return optimizer
 
 
-def _run(make, batches, graphed, lr_of=lambda step: 0.05 / (1 + step)):
+def _run(make, batches, graphed, lr_of=lambda step: 0.05 / (1 + step),
+         refresh_passes=False, between=None):
     """Train a fresh ConvNet on ``batches``; returns the state, the
-    observations, the modes and the fake."""
+    observations, the modes and the fake. ``between(step, model)`` runs
+    before each step."""
     numpy.random.seed(0)
     model = helpers.ConvNet(bn=True)
     optimizer = make(model)
@@ -90,10 +93,13 @@ def _run(make, batches, graphed, lr_of=lambda step: 0.05 / (1 + step)):
         fake = ReplayCupy(lambda: device_arrays_of(inner, model))
         inner = optimizer
         optimizer = graphs.graphed(optimizer, warmup=1, cupy=fake,
-                                   route_linear=contextlib.nullcontext)
+                                   route_linear=contextlib.nullcontext,
+                                   refresh_passes=refresh_passes)
     lossfun = _lossfun(model)
     observations, modes = [], []
     for step, (x, t) in enumerate(batches):
+        if between is not None:
+            between(step, model)
         optimizer.lr = lr_of(step)
         observation = {}
         if fake is not None:
@@ -369,3 +375,149 @@ def test_a_refresh_that_moves_a_buffer_drops_the_graph():
         'kept through: a refresh step (factors due)'] == 4   # t = 4 ... 16
     _assert_same_state(eager, state)
     numpy.testing.assert_equal(obs, eager_obs)
+
+
+# -- the refresh steps' passes replayed (graphed(refresh_passes=True)) -----
+
+_PASSES = 'refresh passes: '
+
+
+def _every(model):
+    """K-FAC refreshing every factor at every step (the paper's every-step
+    K-FAC): no stale step, so only the passes can be replayed."""
+    return _kfac(model, interval=1)
+
+
+def _every_decayed(model):
+    """Every step, factors averaged over refreshes (the previous factor
+    is read at each refresh) and low-rank factors whose rank grows."""
+    return helpers.kfac(lr=0.05, momentum=0.9, damping=1e-1,
+                        factor_decay=0.5, weight_rescale=True).setup(model)
+
+
+@pytest.mark.parametrize('make', [_every, _every_decayed, _bounded],
+                         ids=['every', 'every-decayed', 'bounded'])
+def test_refresh_passes_replayed_every_step_as_eager(make):
+    """Every step refreshes: the stale graph never runs, and from the
+    third refresh on the forward and backward passes are replayed, the
+    rest of the step eager; the same weights, velocities, statistics, host
+    state and reports as the eager run, to the bit."""
+    batches = _batches(9)
+    make = {_bounded: lambda m: _kfac(m, interval=1, kl_clip=1e-5)}.get(
+        make, make)
+    eager, eager_obs, _, _ = _run(make, batches, graphed=False)
+    state, obs, modes, (fake, optimizer) = _run(make, batches,
+                                                graphed=True,
+                                                refresh_passes=True)
+    assert modes == ['eager'] * 9
+    stats = optimizer.stats
+    # the first step plain; the passes' first refresh warms up, the next
+    # is captured, then replayed
+    assert stats[_PASSES + 'eager'] == 1
+    assert stats[_PASSES + 'captured'] == 1
+    assert stats[_PASSES + 'replayed'] == 6
+    assert stats['eager: a refresh step (factors due)'] == 8
+    assert not [k for k in stats if 'dropped' in k or 'failed' in k], stats
+    assert fake.captures == 1
+    _assert_same_state(eager, state)
+    numpy.testing.assert_equal(obs, eager_obs)   # NaN == NaN
+    # what each refresh step stored is its own: a later replay of the
+    # passes rewrites the captured sums, not a factor
+    passes = optimizer.adapter.passes_graph.adapter
+    captured = {id(a) for a in passes.captured_arrays()}
+    for block in optimizer.optimizer.blocks:
+        for factor in block.factors.values():
+            assert id(getattr(factor, 'columns', factor)) not in captured
+
+
+def test_refresh_passes_and_the_stale_graph_take_turns():
+    """A mixed schedule: the stale steps replayed from one graph, kept
+    through each refresh, and the refresh steps' passes from another; to
+    the bit the eager run."""
+    batches = _batches(17)
+    eager, eager_obs, _, _ = _run(_kfac, batches, graphed=False)
+    state, obs, modes, (fake, optimizer) = _run(_kfac, batches,
+                                                graphed=True,
+                                                refresh_passes=True)
+    stats = optimizer.stats
+    assert modes.count('replayed') == 10 and modes.count('eager') == 6
+    assert stats['kept through: a refresh step (factors due)'] == 4
+    # refreshes at t = 4, 8, 12, 16: warm-up, capture, two replays
+    assert (stats[_PASSES + 'eager'], stats[_PASSES + 'captured'],
+            stats[_PASSES + 'replayed']) == (1, 1, 2)
+    assert fake.captures == 2
+    assert not [k for k in stats if 'dropped' in k], stats
+    _assert_same_state(eager, state)
+    numpy.testing.assert_equal(obs, eager_obs)
+
+
+def test_refresh_passes_capture_again_where_their_buffers_moved():
+    """A parameter given a new array between steps (as a loader might):
+    the passes' graph sees it before its replay, drops and captures again
+    (it must not read the old array); the run stays the eager one."""
+    def move(step, model):
+        if step == 5:
+            model.conv.W.array = model.conv.W.array.copy()
+    batches = _batches(8)
+    eager, eager_obs, _, _ = _run(_every, batches, graphed=False,
+                                  between=move)
+    state, obs, modes, (fake, optimizer) = _run(
+        _every, batches, graphed=True, refresh_passes=True, between=move)
+    stats = optimizer.stats
+    assert stats[_PASSES + 'dropped: its buffers moved'] == 1
+    assert stats[_PASSES + 'captured'] == 2
+    _assert_same_state(eager, state)
+    numpy.testing.assert_equal(obs, eager_obs)
+
+
+def test_refresh_passes_not_replayed_with_the_mc_fisher():
+    make = functools.partial(_mc_every)
+    batches = _batches(6)
+    eager, eager_obs, _, _ = _run(make, batches, graphed=False)
+    state, obs, modes, (fake, optimizer) = _run(make, batches,
+                                                graphed=True,
+                                                refresh_passes=True)
+    stats = optimizer.stats
+    assert stats[_PASSES + "eager: fisher='mc' (its passes read the "
+                 'logits on the host)'] == 5
+    assert fake.captures == 0
+    _assert_same_state(eager, state)
+    numpy.testing.assert_equal(obs, eager_obs)
+
+
+def _mc_every(model):
+    return helpers.kfac(lr=0.05, momentum=0.9, damping=1e-1, fisher='mc',
+                        seed=4).setup(model)
+
+
+def test_a_failed_capture_of_the_passes_runs_them_eagerly(monkeypatch):
+    class Refusing(ReplayCupy):
+        def __init__(self, device_arrays):
+            super().__init__(device_arrays)
+
+            class Failing(self.cuda.Stream):
+                def end_capture(self):
+                    super().end_capture()
+                    raise RuntimeError('cudaErrorStreamCaptureInvalidated')
+            self.cuda.Stream = Failing
+
+    batches = _batches(7)
+    eager, eager_obs, _, _ = _run(_every, batches, graphed=False)
+    monkeypatch.setitem(globals(), 'ReplayCupy', Refusing)
+    state, obs, modes, (_, optimizer) = _run(_every, batches, graphed=True,
+                                             refresh_passes=True)
+    stats = optimizer.stats
+    assert stats[_PASSES + 'capture failed'] == 1
+    assert stats[_PASSES + 'eager: its capture failed before'] == 4
+    _assert_same_state(eager, state)
+    numpy.testing.assert_equal(obs, eager_obs)
+
+
+def test_refresh_passes_are_for_kfac_and_its_plain_steps():
+    model = helpers.ConvNet(bn=True)
+    with pytest.raises(TypeError, match='for K-FAC'):
+        graphs.graphed(chainer.optimizers.MomentumSGD().setup(model),
+                       refresh_passes=True)
+    optimizer = _every(model)
+    with pytest.raises(RuntimeError, match='started K-FAC'):
+        optimizer.run_passes(_lossfun(model), *_batches(1)[0])
