@@ -87,8 +87,12 @@ def _gram(rows, scale, factor_dtype, tf32=False):
         write_scaled(half, rows, normaliser)
         return restore_half(half_matmul(half.T, half), out_dtype, normaliser)
     rows = rows.astype(out_dtype, copy=False)
-    # One array and its transpose: NumPy calls syrk.
-    return rows.T.dot(rows) * out_dtype.type(scale)
+    if xp is numpy:
+        # One array and its transpose: NumPy calls syrk.
+        return rows.T.dot(rows) * out_dtype.type(scale)
+    # CuPy's dot calls its own cuBLAS, which a capturing stream refuses
+    # (the refresh steps' passes are captured: chainerkfac.graphs)
+    return in_place_matmul(rows.T, rows) * out_dtype.type(scale)
 
 
 def diagonal_gram(rows, scale: float, append_ones: bool = False):

@@ -198,3 +198,36 @@ def test_gpu_lanes_take_the_largest_factor_first_onto_the_least_loaded():
     assert linalg_cuda._assign_lanes([5.0, 1.0, 9.0], 2) == [1, 1, 0]
     # More lanes than factors: one lane each.
     assert sorted(linalg_cuda._assign_lanes(costs, 8)) == list(range(6))
+
+
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
+def test_gpu_gram_goes_to_our_cublas(monkeypatch, dtype):
+    """On the GPU a Linear's or dense BN's Gram factor is one product by
+    our cuBLAS handle (the rows and their transpose read in place): CuPy's
+    ``dot`` calls its own cuBLAS, which a capturing stream refuses, and the
+    refresh steps' passes are captured (chainerkfac.graphs). Here a
+    computing cuBLAS stand-in reads memory as cuBLAS does; CuPy's dot or
+    matmul fails the test. The factor is NumPy's."""
+    import types
+    from tests.chainerkfac.fisher_blocks.test_patches import (
+        _OnDevice, _device_gemm)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("CuPy's own product was called")
+
+    class Rows(_OnDevice):
+        dot = refused
+
+    fake_cupy = types.SimpleNamespace(matmul=refused,
+                                      ascontiguousarray=refused)
+    fake, gemm = _device_gemm(monkeypatch)
+    monkeypatch.setattr(linalg, 'get_array_module', lambda *a: (
+        fake_cupy if isinstance(a[0], _OnDevice) else numpy))
+    rows = numpy.random.RandomState(2).randn(7, 5).astype(dtype)
+    got = linalg.gram(rows.view(Rows), 0.25, 'float32')
+    want = linalg.gram(rows, 0.25, 'float32')
+    assert got.dtype == want.dtype
+    numpy.testing.assert_allclose(
+        got, want, rtol=10 * numpy.finfo(dtype).eps * rows.shape[0])
+    assert len(fake.calls) >= 1 and 'gemm' in fake.calls[-1][0].lower()
+    gemm.close()
