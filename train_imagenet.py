@@ -160,6 +160,12 @@ def parse_args(argv=None):
                              'flag): refuse a run where they cannot. '
                              'The summary counts eager, captured and '
                              'replayed steps')
+    parser.add_argument('--replay-refresh-passes', action='store_true',
+                        help="with CUDA graphs, replay K-FAC's refresh "
+                             'steps\' forward and backward passes too (the '
+                             'capture of the factors with them; the rest of '
+                             'such a step runs eagerly). Opt-in: not yet '
+                             'measured on a GPU')
     parser.add_argument('--cudnn-workspace', type=workspace_size,
                         default='auto',
                         help="cuDNN's workspace limit for a convolution "
@@ -302,6 +308,11 @@ def parse_args(argv=None):
     if args.cuda_graphs == 'on' and not args.gpu:
         parser.error('--cuda-graphs replays GPU work: it needs --gpu (the '
                      'arrays would be NumPy arrays)')
+    if args.replay_refresh_passes and (not args.gpu or
+                                       args.cuda_graphs == 'off'):
+        parser.error('--replay-refresh-passes replays part of the steps '
+                     'as CUDA graphs: it needs --gpu and CUDA graphs (not '
+                     '--cuda-graphs off)')
     for name, value in (('--cudnn-workspace', args.cudnn_workspace),
                         ('--cudnn-autotune', args.cudnn_autotune)):
         if value != 'auto' and not args.gpu:

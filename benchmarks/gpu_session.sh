@@ -76,7 +76,7 @@ if [ "${DRY_RUN:-0}" != 1 ]; then
     say "set up"
 fi
 
-SWEEP=sgd,kfac_every,kfac_stale,kfac_low_rank,sgd_graph,kfac_stale_graph
+SWEEP=sgd,kfac_every,kfac_stale,kfac_low_rank,sgd_graph,kfac_stale_graph,kfac_every_graph
 step step_time_b32 150 "$PY" -m benchmarks.step_time --gpu --peer \
     --models resnet50 --resnet50-rounds 7 --variants "$SWEEP" \
     --out "$WORK/step_time_b32.json"

@@ -51,7 +51,12 @@ same fixed batch:
   replayed (each cycle's first captured again; counts and capture seconds
   as for ``sgd_graph``);
 * ``kfac_stale_graph_tf32`` (``--gpu``): the same with ``kfac_tf32``'s
-  options (its stale steps' preconditioning on TF32 Tensor Cores).
+  options (its stale steps' preconditioning on TF32 Tensor Cores);
+* ``kfac_every_graph`` (``--gpu``): ``kfac_every`` through
+  ``graphs.graphed(..., refresh_passes=True)``: each step's forward and
+  backward passes (with the capture of the factors) replayed from a CUDA
+  graph, the rest of the step (stages 3-6, the update) eager; its counts
+  in ``graph_stats`` are ``'refresh passes: ...'``.
 
 The CPU runs ``sgd``, ``kfac_every`` and ``kfac_stale`` by default,
 ``--gpu`` all but ``kfac_shifted`` (``--variants`` picks any subset that
@@ -202,7 +207,8 @@ KFAC_VARIANTS = {
     'kfac_shifted': {'conv_a_strategy': 'shifted'},
 }
 #: The opt-in CUDA-graph variants (``--gpu``).
-GRAPH_VARIANTS = ('sgd_graph', 'kfac_stale_graph', 'kfac_stale_graph_tf32')
+GRAPH_VARIANTS = ('sgd_graph', 'kfac_stale_graph', 'kfac_stale_graph_tf32',
+                  'kfac_every_graph')
 #: The replayed K-FAC variants: name -> KFAC keyword arguments, and the
 #: every-step variant whose step their refresh steps take.
 KFAC_GRAPH_VARIANTS = {
@@ -220,7 +226,7 @@ GPU_VARIANTS = tuple(v for v in VARIANTS if v != 'kfac_shifted')
 #: stale step, the replayed SGD and stale steps): half the default run's
 #: variants, its time and its memory at each batch.
 SWEEP_GPU_VARIANTS = ('sgd', 'kfac_every', 'kfac_stale', 'kfac_low_rank',
-                      'sgd_graph', 'kfac_stale_graph')
+                      'sgd_graph', 'kfac_stale_graph', 'kfac_every_graph')
 #: Variants with refresh steps, kept apart as ``<variant>_refresh``.
 STALE_VARIANTS = ('kfac_stale', 'kfac_stale_graph', 'kfac_stale_graph_tf32')
 #: Every-step variants whose capture is timed by layer type.
@@ -246,7 +252,8 @@ PEER_GOALS = (
     ('SGD step', ('sgd_graph', 'sgd'), 'sgd', 1.0),
     ('K-FAC stale step', ('kfac_stale_graph', 'kfac_stale'),
      'kfac_inverse_stale', 0.8),
-    ('K-FAC every step', ('kfac_every',), 'kfac_inverse', 0.5),
+    ('K-FAC every step', ('kfac_every_graph', 'kfac_every'),
+     'kfac_inverse', 0.5),
     ('K-FAC every step, low-rank factors', ('kfac_low_rank',),
      'kfac_inverse', 0.5),
 )
@@ -390,10 +397,12 @@ class KFACGraphStep(KFACStep):
     step (no stage timers: a replay has none, and synchronised timers
     would refuse the capture)."""
 
-    def __init__(self, model, interval: int, **kwargs):
+    def __init__(self, model, interval: int, refresh_passes: bool = False,
+                 **kwargs):
         from chainerkfac import graphs
         super().__init__(model, interval, False, **kwargs)
-        self.stepper = graphs.graphed(self.optimizer)
+        self.stepper = graphs.graphed(self.optimizer,
+                                      refresh_passes=refresh_passes)
 
     def __call__(self, x, t):
         self.stepper.update(self.model, x, t)
@@ -403,6 +412,14 @@ class KFACGraphStep(KFACStep):
     @property
     def graph(self):
         return self.stepper.graph
+
+    @property
+    def capture_seconds(self) -> List[float]:
+        """Seconds of each capture: the stale steps' graph's, then the
+        refresh passes' graph's."""
+        passes = self.stepper.adapter.passes_graph
+        return list(self.graph.capture_seconds) + (
+            [] if passes is None else list(passes.capture_seconds))
 
 
 class CaptureTimer:
@@ -499,6 +516,9 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             steps[variant] = SGDStep(model, synchronize)
         elif variant == 'sgd_graph':
             steps[variant] = SGDGraphStep(model)
+        elif variant == 'kfac_every_graph':
+            steps[variant] = KFACGraphStep(model, 1, refresh_passes=True,
+                                           **(kfac_options or {}))
         elif variant in KFAC_GRAPH_VARIANTS:
             steps[variant] = KFACGraphStep(
                 model, interval, **dict(KFAC_GRAPH_VARIANTS[variant][0],
@@ -619,9 +639,11 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             result['graph_stats'] = {v: dict(steps[v].graph.stats)
                                      for v in graphed}
             result['not_replayed'] = [
-                v for v in graphed if not steps[v].graph.stats['replayed']]
+                v for v in graphed if not replayed(steps[v].graph.stats)]
             result['graph_capture_s'] = {
-                v: list(steps[v].graph.capture_seconds) for v in graphed}
+                v: list(getattr(steps[v], 'capture_seconds',
+                                steps[v].graph.capture_seconds))
+                for v in graphed}
         if gpu:
             # the ways of forming A and of inverting the lone factors
             # that timing chose (autotune)
@@ -649,6 +671,13 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
     if profile and kfac_variant is not None:
         result['profile'] = profile_step(steps[kfac_variant], x, t)
     return result
+
+
+def replayed(stats) -> int:
+    """Steps (or refresh steps' passes) a graph's counts say were
+    replayed."""
+    return stats.get('replayed', 0) + stats.get('refresh passes: replayed',
+                                                0)
 
 
 def _timed_step(step, x, t, synchronize: Callable[[], None],
@@ -1208,7 +1237,7 @@ THROUGHPUT = ('sgd', 'kfac_every', 'kfac_stale', 'kfac_stale_amortised')
 #: amortised with ``kfac_every``'s step as well.
 GRAPH_THROUGHPUT = ('sgd_graph', 'kfac_stale_graph',
                     'kfac_stale_graph_amortised', 'kfac_stale_graph_tf32',
-                    'kfac_stale_graph_tf32_amortised')
+                    'kfac_stale_graph_tf32_amortised', 'kfac_every_graph')
 PEER_THROUGHPUT = ('sgd', 'kfac_inverse', 'kfac_inverse_stale',
                    'kfac_inverse_stale_amortised')
 

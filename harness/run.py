@@ -270,6 +270,9 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
         args.init_weights_from)
     if comm.rank == 0:
         print('cuDNN: {}'.format(chainerkfac.cudnn.describe()), flush=True)
+        if use_graphs and kfac and args.replay_refresh_passes:
+            graphs_why += ("; K-FAC's refresh steps' passes replayed too "
+                           '(--replay-refresh-passes)')
         print('CUDA graphs: {}'.format(graphs_why), flush=True)
         if args.gpu:
             print('cuDNN convolutions: {}'.format(tuning_words), flush=True)
@@ -313,7 +316,8 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
     if use_graphs:
         # Only the updater steps through the graphs; snapshots, schedules
         # and observers see the optimizer itself.
-        stepper = graphs.graphed(optimizer)
+        stepper = graphs.graphed(
+            optimizer, refresh_passes=kfac and args.replay_refresh_passes)
     updater = AugmentedUpdater(
         train_iter, stepper, comm, acc_iters, cfg.epochs, converter,
         args.seed, cfg.alpha_mixup if augmenting else 0.0, n_class,

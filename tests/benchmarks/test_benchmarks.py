@@ -849,6 +849,30 @@ def test_step_time_goals_leave_out_a_graph_that_never_replayed():
     assert goals['SGD step']['value'] == pytest.approx(0.05 / 0.04)
 
 
+def test_step_time_every_step_goal_takes_the_replayed_passes():
+    """``kfac_every_graph`` (the refresh steps' passes replayed) is in
+    ``--gpu``'s runs and the sweep's, counts as replayed by its passes'
+    replays, and is the every-step goal's step where it replayed."""
+    from benchmarks import step_time
+    assert 'kfac_every_graph' in step_time.parse_args(['--gpu']).variants
+    assert 'kfac_every_graph' in step_time.SWEEP_GPU_VARIANTS
+    with pytest.raises(SystemExit):     # CUDA graphs need a GPU
+        step_time.parse_args(['--variants', 'sgd,kfac_every_graph'])
+    assert step_time.replayed({'eager': 9, 'refresh passes: replayed': 5}
+                              ) == 5
+    assert step_time.replayed({'eager': 9}) == 0
+    theirs = {'kfac_inverse': 0.4}
+    result = {'median_s': {'kfac_every': 0.38, 'kfac_every_graph': 0.27}}
+    goals = step_time.goals_vs_peer(step_time.replayed_medians(result),
+                                    theirs)
+    assert goals['K-FAC every step']['ours'] == 'kfac_every_graph'
+    assert goals['K-FAC every step']['value'] == pytest.approx(0.27 / 0.4)
+    result['not_replayed'] = ['kfac_every_graph']
+    goals = step_time.goals_vs_peer(step_time.replayed_medians(result),
+                                    theirs)
+    assert goals['K-FAC every step']['ours'] == 'kfac_every'
+
+
 def test_step_time_sweep_point_by_point_in_processes(tmp_path):
     """On the GPU each batch of a sweep runs in a process of its own (its
     device memory gone with it); here forced on the CPU: the same rows,

@@ -95,12 +95,15 @@ def _guarded(model):
     return optimizer
 
 
-def _steps(model, optimizer, batches, use_graph, schedule=False):
-    """``optimizer``'s steps on ``model`` over ``batches``, graphed or
-    eagerly (the eager steps route their GEMMs as a graph's: the same
-    calls either way); with ``schedule``, a new learning rate every
-    step. Returns what stepped (the graphed optimizer or ``optimizer``)."""
-    stepper = graphs.graphed(optimizer) if use_graph else optimizer
+def _steps(model, optimizer, batches, use_graph, schedule=False,
+           **graphed):
+    """``optimizer``'s steps on ``model`` over ``batches``, graphed (with
+    the options ``graphed``) or eagerly (the eager steps route their GEMMs
+    as a graph's: the same calls either way); with ``schedule``, a new
+    learning rate every step. Returns what stepped (the graphed optimizer
+    or ``optimizer``)."""
+    stepper = graphs.graphed(optimizer, **graphed) if use_graph else \
+        optimizer
     for step, (x, t) in enumerate(batches):
         if schedule:
             optimizer.lr = 0.02 * 0.97 ** step
@@ -112,11 +115,28 @@ def _steps(model, optimizer, batches, use_graph, schedule=False):
     return stepper
 
 
-def _train(kind, make, batches, use_graph):
+def _train(kind, make, batches, use_graph, **graphed):
     model = _network(kind)
     optimizer = make(model)
-    stepper = _steps(model, optimizer, batches, use_graph, schedule=True)
+    stepper = _steps(model, optimizer, batches, use_graph, schedule=True,
+                     **graphed)
     return model, optimizer, stepper
+
+
+def _assert_equal_runs(eager, model):
+    """Weights and BN statistics of two float64 runs to 1e-12 (module
+    docstring)."""
+    reference = support.weights(eager)
+    got = support.weights(model)
+    for name, value in reference.items():
+        numpy.testing.assert_allclose(got[name], value, rtol=0,
+                                      atol=1e-12 * abs(value).max(),
+                                      err_msg=name)
+    for link, ref in zip(model.links(), eager.links()):
+        if isinstance(link, L.BatchNormalization):
+            numpy.testing.assert_allclose(
+                support.to_cpu(link.avg_mean), support.to_cpu(ref.avg_mean),
+                rtol=0, atol=1e-12)
 
 
 def _run_steps(model, extra, batches, use_graph):
@@ -235,17 +255,41 @@ def test_fifty_steps_replayed_equal_eager(kind, make):
         assert stats['replayed'] >= 45, stats
     assert isinstance(optimizer.guard, DeviceStepGuard)
     assert not optimizer.last_step_skipped
-    reference = support.weights(eager)
-    got = support.weights(model)
-    for name, value in reference.items():
-        numpy.testing.assert_allclose(got[name], value, rtol=0,
-                                      atol=1e-12 * abs(value).max(),
-                                      err_msg=name)
-    for link, ref in zip(model.links(), eager.links()):
-        if isinstance(link, L.BatchNormalization):
-            numpy.testing.assert_allclose(
-                support.to_cpu(link.avg_mean), support.to_cpu(ref.avg_mean),
-                rtol=0, atol=1e-12)
+    _assert_equal_runs(eager, model)
+
+
+def _kfac_every(model):
+    """K-FAC refreshing every factor at every step, otherwise _kfac."""
+    return KFAC(lr=0.02, momentum=0.9, damping=0.1, damping_target=0.01,
+                damping_warmup_steps=20, refresh_interval_a=1,
+                refresh_interval_g=1, refresh_interval_f=1,
+                weight_rescale=True, verbose=False).setup(model)
+
+
+@pytest.mark.parametrize('kind', ['mlp', 'small_resnet'])
+@pytest.mark.parametrize('make, stale', [(_kfac_every, False),
+                                         (_kfac, True)],
+                         ids=['every', 'stale'])
+def test_refresh_passes_replayed_equal_eager(kind, make, stale):
+    """``graphed(refresh_passes=True)``: the refresh steps' forward and
+    backward passes replayed from a graph of their own (the rest of the
+    step eager), the stale steps from theirs; 30 steps equal to the eager
+    run in float64 to 1e-12."""
+    batches = _batches(kind, 30)
+    eager, _, _ = _train(kind, make, batches, False)
+    model, optimizer, stepper = _train(kind, make, batches, True,
+                                       refresh_passes=True)
+    stats = dict(stepper.stats)
+    passes = 'refresh passes: '
+    assert not stats.get(passes + 'capture failed'), stats
+    # every step: 29 refreshes after the first step, 3 of them warm up,
+    # one is captured; stale: t = 5, ..., 25, 5 refreshes
+    assert stats[passes + 'captured'] == 1, stats
+    assert stats[passes + 'replayed'] == (1 if stale else 25), stats
+    if stale:
+        assert stats['replayed'] >= 12, stats
+    assert not optimizer.last_step_skipped
+    _assert_equal_runs(eager, model)
 
 
 class _DeepMLP(chainer.Chain):
@@ -418,12 +462,15 @@ def test_batched_retries_as_the_cpu(max_dim, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize('flag', [['--cuda-graphs'], ['--cuda-graphs',
-                                                      'auto']])
+                                                      'auto'],
+                                  ['--replay-refresh-passes']])
 def test_train_imagenet_with_cuda_graphs(tmp_path, monkeypatch, flag):
     """``--demo --gpu --cuda-graphs`` (and ``--cuda-graphs auto``, which
     turns them on here) with a config of one process's batch and
     stale factors (refresh every 5 steps): both runs train, and their
-    summaries count replayed steps."""
+    summaries count replayed steps; with ``--replay-refresh-passes``
+    K-FAC's refresh steps' passes are replayed too (about 18 refreshes in
+    the two epochs: 3 warm up, one is captured)."""
     import json
     import os
     from tests import launch
@@ -450,3 +497,8 @@ def test_train_imagenet_with_cuda_graphs(tmp_path, monkeypatch, flag):
         stats = summary['cuda_graphs']
         assert stats.get('replayed', 0) > 0, (summary['optimizer'], stats)
         assert 0.0 < summary['final_top1'] <= 1.0, summary
+        if '--replay-refresh-passes' in flag and \
+                summary['optimizer'] == 'kfac':
+            assert "refresh steps' passes replayed" in proc.stdout
+            assert stats.get('refresh passes: replayed', 0) >= 5, stats
+            assert not stats.get('refresh passes: capture failed'), stats

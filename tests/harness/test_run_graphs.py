@@ -44,6 +44,20 @@ def test_the_option():
         LISTS + ['--cuda-graphs', 'off']).cuda_graphs == 'off'
 
 
+def test_replay_refresh_passes_needs_the_graphs(capsys):
+    """``--replay-refresh-passes`` (opt-in) with --gpu and CUDA graphs
+    auto or on; refused up front without a GPU or with the graphs off."""
+    assert not train_imagenet.parse_args(LISTS).replay_refresh_passes
+    assert train_imagenet.parse_args(
+        LISTS + ['--gpu', '--replay-refresh-passes']).replay_refresh_passes
+    for bad in (['--replay-refresh-passes'],
+                ['--gpu', '--cuda-graphs', 'off',
+                 '--replay-refresh-passes']):
+        with pytest.raises(SystemExit):
+            train_imagenet.parse_args(LISTS + bad)
+        assert '--replay-refresh-passes' in capsys.readouterr().err
+
+
 @pytest.mark.parametrize('graphs', [False, True])
 def test_optimizers_built_for_replay(graphs, monkeypatch):
     args = train_imagenet.parse_args(
