@@ -36,6 +36,11 @@ report (:meth:`KFAC.finish_replayed_step
 <chainerkfac.optimizers.KFAC.finish_replayed_step>`), and the ``t`` of
 the update rules the captured step advanced.
 
+With ``refresh_passes`` (:func:`chainerkfac.graphs.graphed`'s option,
+opt-in) a refresh step's forward and backward passes are replayed too,
+from a graph of their own (:class:`RefreshPasses`, a child of the stale
+steps' StepGraph); the rest of that step runs eagerly.
+
 Not replayed yet: several processes (the transport's collectives and its
 agreement on the flag), ``acc_iters > 1``, ``loss_reduction='sum'``,
 optimizer hooks, synchronised stage timers. The bounded step

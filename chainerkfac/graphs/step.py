@@ -49,7 +49,11 @@ eager step left its own outputs in the Python objects (a parameter's
 gradient, the model's loss); after the next replay the references the
 capture had made (every array or Variable attribute of the adapter's
 ``step_objects()`` that the capture set) are put back, as a replay
-rewrites those arrays. The side stream
+rewrites those arrays. A StepGraph may have children (``parent=``): a
+graph of part of the parent's eager steps (K-FAC's refresh steps'
+passes), on the parent's side stream and pool, which checks its
+adapter's ``graph_buffers()`` before each replay (the parent's steps ran
+in between) and rebinds its outputs after each. The side stream
 waits for the current stream before each capture or launch and the
 current stream for it after, so the code around the step needs no change.
 Within a :class:`StepGraph` call, Chainer's Linear and ``cupy.matmul``
