@@ -417,9 +417,9 @@ class KFACGraphStep(KFACStep):
     def capture_seconds(self) -> List[float]:
         """Seconds of each capture: the stale steps' graph's, then the
         refresh passes' graph's."""
-        passes = self.stepper.adapter.passes_graph
-        return list(self.graph.capture_seconds) + (
-            [] if passes is None else list(passes.capture_seconds))
+        passes = self.stepper.adapter.passes_graphs.values()
+        return list(self.graph.capture_seconds) + [
+            s for graph in passes for s in graph.capture_seconds]
 
 
 class CaptureTimer:

@@ -165,11 +165,16 @@ def patch_gram(x, geometry: ConvGeometry, scale: float,
         gram = form(strategy)
     elif xp is numpy:
         gram = form(min(costs, key=costs.get))
-    elif len(costs) > 1 and chainer.config.autotune and \
-            not xp.cuda.get_current_stream().is_capturing():
-        gram = _timed_choice(
-            (x.shape, x.dtype.str, geometry, factor_dtype.str, tf32,
-             str(chainer.backend.get_device_from_array(x))), form, xp)
+    elif len(costs) > 1 and chainer.config.autotune:
+        key = (x.shape, x.dtype.str, geometry, factor_dtype.str, tf32,
+               str(chainer.backend.get_device_from_array(x)))
+        if xp.cuda.get_current_stream().is_capturing():
+            # no timing in a CUDA graph's capture: the way an eager step
+            # timed for this shape (a refresh step's replayed passes form
+            # A as its eager ones do), else the unfolded one
+            gram = form(_TIMED.get(key, 'unfolded'))
+        else:
+            gram = _timed_choice(key, form, xp)
     else:
         # On the GPU the shifted product as it was then (a product per
         # band rectangle, CuPy's matmul copying operands) lost to the

@@ -48,7 +48,7 @@ optimizer hooks, synchronised stage timers. The bounded step
 ν is computed there (:meth:`chainerkfac.step_bound.StepBound.
 apply_on_device`), the same arithmetic as the host's.
 """
-from typing import Optional
+from typing import Dict, Optional
 
 from chainerkfac import device_guard
 from chainerkfac.device_guard import DeviceStepGuard
@@ -78,9 +78,12 @@ class KFACOptimizer:
         self._advanced = []
         self._params = step.ParameterWalk(optimizer)
         self._reason = None
-        #: The graph of the refresh steps' passes (a child of the stale
-        #: steps' StepGraph), once a step function made it.
-        self.passes_graph: Optional[step.StepGraph] = None
+        self._lossfun = None
+        self._parent = None
+        #: The graphs of the refresh steps' passes (children of the stale
+        #: steps' StepGraph), by the factors due (a graph forms those), the
+        #: latest used last: at most :data:`PASSES_GRAPHS`.
+        self.passes_graphs: Dict[tuple, step.StepGraph] = {}
 
     def step_function(self, lossfun, graph: step.StepGraph):
         """The step :class:`~chainerkfac.graphs.step.StepGraph` ``graph``
@@ -92,26 +95,41 @@ class KFACOptimizer:
         opt = self.optimizer
         if not self.refresh_passes:
             return lambda *inputs: opt.update(lossfun, *inputs)
-        if self.passes_graph is not None:
-            self.passes_graph.close()
-        self.passes_graph = step.StepGraph(
-            lambda *inputs: opt.run_passes(lossfun, *inputs),
-            RefreshPasses(opt, self._params), warmup=graph.warmup,
-            parent=graph, label='refresh passes: ')
+        self.close()
+        self._lossfun, self._parent = lossfun, graph
 
         def take(*inputs):
-            if self._reason != self.REFRESH:
+            if self._reason != self.REFRESH or opt._checkpoint_due:
+                # update() takes the guard's checkpoint (a restore)
                 opt.update(lossfun, *inputs)
                 return
             opt.timer.start()
-            self.passes_graph(*inputs)
+            self._passes_graph()(*inputs)
             opt.finish_step()
         return take
 
+    def _passes_graph(self) -> step.StepGraph:
+        """The passes' graph for the factors due now (made, and the least
+        recently used closed beyond :data:`PASSES_GRAPHS`)."""
+        key = RefreshPasses.due_key(self.optimizer)
+        graph = self.passes_graphs.pop(key, None)
+        if graph is None:
+            if len(self.passes_graphs) >= PASSES_GRAPHS:
+                oldest = next(iter(self.passes_graphs))
+                self.passes_graphs.pop(oldest).close()
+            opt, lossfun = self.optimizer, self._lossfun
+            graph = step.StepGraph(
+                lambda *inputs: opt.run_passes(lossfun, *inputs),
+                RefreshPasses(opt, self._params), warmup=self._parent.warmup,
+                parent=self._parent, label='refresh passes: ')
+        self.passes_graphs[key] = graph      # the latest used last
+        return graph
+
     def close(self) -> None:
-        """Drop the refresh passes' graph (its parent closes)."""
-        if self.passes_graph is not None:
-            self.passes_graph.close()
+        """Drop the refresh passes' graphs (their parent closes)."""
+        for graph in self.passes_graphs.values():
+            graph.close()
+        self.passes_graphs = {}
 
     # -- decisions --------------------------------------------------------
     def refusal(self) -> Optional[str]:
@@ -242,6 +260,12 @@ class KFACOptimizer:
         self.optimizer.finish_replayed_step()
 
 
+#: Graphs of the refresh steps' passes kept at once, one per set of factors
+#: due (the paper's schedules refresh every factor together: one; A and G
+#: on intervals of their own: two).
+PASSES_GRAPHS = 4
+
+
 class RefreshPasses:
     """What a :class:`~chainerkfac.graphs.step.StepGraph` of a K-FAC
     refresh step's forward and backward passes
@@ -259,44 +283,49 @@ class RefreshPasses:
     Replayed: the empirical Fisher (the default). Not replayed: ``fisher=
     'mc'`` (its labels are drawn on the host from the logits) and
     ``'exact'``, a step whose capture records its graph (the first steps,
-    for eq. 20 'auto'), a step after a restore (the guard's checkpoint).
-    Which factors are due is baked into the graph: another set captures
-    again.
+    for eq. 20 'auto'). (A step after a restore takes the guard's
+    checkpoint in :meth:`KFAC.update`, eagerly.) Which factors are due is
+    baked into the graph: :class:`KFACOptimizer` keeps one graph per set.
+    A parameter the passes do not reach has no gradient after the capture,
+    and none after a replay (the eager step leaves it alone).
     """
 
     def __init__(self, optimizer, params: step.ParameterWalk):
         self.optimizer = optimizer
         self._params = params
         self._captured = None
+        self._unreached = []
 
     def refusal(self) -> Optional[str]:
         opt = self.optimizer
         if opt.estimator.fisher != 'emp':
             return ("fisher='{}' (its passes read the logits on the "
                     'host)'.format(opt.estimator.fisher))
-        if opt._checkpoint_due:
-            return 'the guard takes its checkpoint (restored)'
         if opt.estimator.capture_hook.record_graph:
             return 'the passes record their graph (eq. 20, the table)'
         return None
 
+    @staticmethod
+    def due_key(optimizer) -> tuple:
+        """Which factors of which blocks are due."""
+        due = optimizer.estimator.due
+        return tuple(tuple(sorted(due.get(b, ())))
+                     for b in optimizer.estimator.blocks)
+
     def baked(self) -> tuple:
         """Which factors of which blocks are due (the captured kernels
         form those)."""
-        due = self.optimizer.estimator.due
-        return tuple(tuple(sorted(due.get(b, ())))
-                     for b in self.optimizer.estimator.blocks)
+        return self.due_key(self.optimizer)
 
     def before_step(self) -> None:
         """Nothing: the parent's ``before_step`` wrote the device values."""
 
     def graph_buffers(self) -> tuple:
-        """What the passes read that a step could move: the parameters
-        (and their rules' states, as the guard walks them) and the model's
-        persistent arrays."""
+        """What the passes read that a step could move: the parameters and
+        the model's persistent arrays (the running statistics)."""
         opt = self.optimizer
         return step.buffer_signature(
-            device_guard._update_arrays(self._params()) +
+            [p.array for p in opt.target.params()] +
             device_guard._persistent_arrays(opt.target))
 
     def step_objects(self) -> list:
@@ -330,13 +359,25 @@ class RefreshPasses:
                 setattr(block, name, _copied(value))
 
     def after_capture(self, before) -> None:
-        """Keep what the captured passes left on the host."""
+        """Keep what the captured passes left on the host, and which
+        parameters they left without a gradient."""
         self._captured = self.host_state()
+        self._unreached = [p for p in self.optimizer.target.params()
+                           if p.grad is None]
 
     def after_replay(self) -> None:
         """Leave on the host what the captured passes left (module
-        docstring): the captured sums, now rewritten by the replay."""
+        docstring): the captured sums, now rewritten by the replay, and no
+        gradient where the passes give none (a replay runs no
+        ``cleargrads``)."""
         self.restore_host_state(self._captured)
+        for param in self._unreached:
+            param.cleargrad()
+
+    def after_drop(self) -> None:
+        """Let go of the captured sums (their memory is the graph's)."""
+        self._captured = None
+        self._unreached = []
 
     def captured_arrays(self) -> list:
         """The arrays of the captured sums (which a replay rewrites), in

@@ -578,6 +578,9 @@ class StepGraph:
     def _drop(self, why: str) -> None:
         if self._graph is not None:
             self._count('dropped: ' + why)
+            forget = getattr(self.adapter, 'after_drop', None)
+            if forget is not None:
+                forget()        # what it kept of the capture
         self._graph = self._baked = None   # the pool serves the next one
         self._static = ()
         self._reported = {}

@@ -493,8 +493,10 @@ def timed_device(monkeypatch):
 def test_gpu_strategy_timed_under_autotune(timed_device, caplog):
     """On the GPU, with ``chainer.config.autotune``, A's two ways are
     timed once per input shape (after a warm-up of each) and the faster
-    kept; without autotune, or while a CUDA graph is being captured, the
-    unfolded way, untimed. A way that fails or disagrees is not chosen."""
+    kept; without autotune the unfolded way, untimed; while a CUDA graph
+    is being captured the way timed for that shape (a replayed refresh
+    step forms A as an eager one), else the unfolded way, untimed. A way
+    that fails or disagrees is not chosen."""
     import chainer
     g = ConvGeometry(3, 3, 1, 1, 1, 1)
     x = numpy.random.RandomState(12).randn(2, 3, 6, 6)
@@ -515,6 +517,7 @@ def test_gpu_strategy_timed_under_autotune(timed_device, caplog):
         assert gram(x) == ['shifted']          # the choice is kept
         state.stream.capturing = True
         assert gram(x[:1]) == ['unfolded']     # no timing in a capture
+        assert gram(x) == ['shifted']          # ... but the timed choice
         state.stream.capturing = False
         state.seconds = {'unfolded': 1.0, 'shifted': 2.0}
         assert gram(x[:1]) == ['unfolded'] * 2 + ['shifted'] * 2

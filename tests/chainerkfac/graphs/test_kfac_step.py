@@ -81,12 +81,12 @@ def _guarded(model):
 
 
 def _run(make, batches, graphed, lr_of=lambda step: 0.05 / (1 + step),
-         refresh_passes=False, between=None):
-    """Train a fresh ConvNet on ``batches``; returns the state, the
-    observations, the modes and the fake. ``between(step, model)`` runs
-    before each step."""
+         refresh_passes=False, between=None, network=helpers.ConvNet):
+    """Train a fresh ``network`` (a ConvNet) on ``batches``; returns the
+    state, the observations, the modes and the fake. ``between(step,
+    model)`` runs before each step."""
     numpy.random.seed(0)
-    model = helpers.ConvNet(bn=True)
+    model = network(bn=True)
     optimizer = make(model)
     fake = None
     if graphed:
@@ -113,7 +113,8 @@ def _run(make, batches, graphed, lr_of=lambda step: 0.05 / (1 + step),
             for k, v in observation.items()})
     state = {n: p.array.copy() for n, p in model.namedparams()}
     for name, param in model.namedparams():
-        state[name + '/v'] = param.update_rule.state['v'].copy()
+        if param.update_rule.state is not None:     # None: never updated
+            state[name + '/v'] = param.update_rule.state['v'].copy()
         state[name + '/t'] = param.update_rule.t
     state['avg_mean'] = model.bn.avg_mean.copy()
     state['avg_var'] = model.bn.avg_var.copy()
@@ -423,7 +424,7 @@ def test_refresh_passes_replayed_every_step_as_eager(make):
     numpy.testing.assert_equal(obs, eager_obs)   # NaN == NaN
     # what each refresh step stored is its own: a later replay of the
     # passes rewrites the captured sums, not a factor
-    passes = optimizer.adapter.passes_graph.adapter
+    passes, = [g.adapter for g in optimizer.adapter.passes_graphs.values()]
     captured = {id(a) for a in passes.captured_arrays()}
     for block in optimizer.optimizer.blocks:
         for factor in block.factors.values():
@@ -509,6 +510,105 @@ def test_a_failed_capture_of_the_passes_runs_them_eagerly(monkeypatch):
     stats = optimizer.stats
     assert stats[_PASSES + 'capture failed'] == 1
     assert stats[_PASSES + 'eager: its capture failed before'] == 4
+    _assert_same_state(eager, state)
+    numpy.testing.assert_equal(obs, eager_obs)
+
+
+class _WithUnusedHead(helpers.ConvNet):
+    """A ConvNet with a Linear the loss never reaches."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with helpers.float64_links(), self.init_scope():
+            self.aux = chainer.links.Linear(3, 2)
+
+
+def test_replayed_passes_leave_an_unreached_parameter_alone():
+    """A replay runs no ``cleargrads``: a parameter the passes do not
+    reach must have no gradient after it, as after eager passes, so that
+    the step leaves it alone (it had the zeros of the step before)."""
+    batches = _batches(8)
+    eager, eager_obs, _, _ = _run(_every, batches, graphed=False,
+                                  network=_WithUnusedHead)
+    state, obs, modes, (_, optimizer) = _run(
+        _every, batches, graphed=True, refresh_passes=True,
+        network=_WithUnusedHead)
+    assert optimizer.stats[_PASSES + 'replayed'] == 5
+    assert eager['/aux/W/t'] == state['/aux/W/t'] == 0
+    assert not [k for k in optimizer.stats if 'dropped' in k]
+    _assert_same_state(eager, state)
+    numpy.testing.assert_equal(obs, eager_obs)
+
+
+def _a_every_third(model):
+    """A refreshed every third step, G and F every step: two sets of
+    factors due."""
+    return helpers.kfac(lr=0.05, momentum=0.9, damping=1e-1,
+                        refresh_interval_a=3).setup(model)
+
+
+def test_one_passes_graph_per_set_of_factors_due():
+    """Factors on intervals of their own: the due set alternates, and
+    each set's passes are captured once and replayed (no capture at each
+    change of set)."""
+    batches = _batches(19)
+    eager, eager_obs, _, _ = _run(_a_every_third, batches, graphed=False)
+    state, obs, modes, (fake, optimizer) = _run(
+        _a_every_third, batches, graphed=True, refresh_passes=True)
+    stats = optimizer.stats
+    assert len(optimizer.adapter.passes_graphs) == 2
+    assert stats[_PASSES + 'captured'] == fake.captures == 2
+    assert stats[_PASSES + 'replayed'] >= 12, dict(stats)
+    assert not [k for k in stats if 'dropped' in k], dict(stats)
+    _assert_same_state(eager, state)
+    numpy.testing.assert_equal(obs, eager_obs)
+
+
+def test_passes_graphs_beyond_the_limit_are_closed(monkeypatch):
+    """One graph kept (the limit at 1) for two sets due: each change of
+    set closes the other's graph and captures again; the run stays the
+    eager one."""
+    from chainerkfac.graphs import kfac_step
+    monkeypatch.setattr(kfac_step, 'PASSES_GRAPHS', 1)
+    batches = _batches(19)
+    eager, eager_obs, _, _ = _run(_a_every_third, batches, graphed=False)
+    state, obs, modes, (fake, optimizer) = _run(
+        _a_every_third, batches, graphed=True, refresh_passes=True)
+    assert len(optimizer.adapter.passes_graphs) == 1
+    assert optimizer.stats[_PASSES + 'dropped: closed'] >= 4
+    assert fake.captures >= 5
+    _assert_same_state(eager, state)
+    numpy.testing.assert_equal(obs, eager_obs)
+
+
+def test_closing_lets_go_of_the_captured_sums():
+    _, _, _, (_, optimizer) = _run(_every, _batches(5), graphed=True,
+                                   refresh_passes=True)
+    passes, = [g.adapter for g in optimizer.adapter.passes_graphs.values()]
+    assert passes.captured_arrays()
+    optimizer.close()
+    assert not optimizer.adapter.passes_graphs
+    assert passes.captured_arrays() == []
+
+
+def test_a_checkpoint_due_at_a_refresh_step_takes_update():
+    """A step that must take the guard's checkpoint first (after a
+    restore) goes through update(), not the passes' graph."""
+    def due(step, model):
+        if step == 4:
+            holder[0]._checkpoint_due = True
+    holder = []
+
+    def make(model):
+        holder[:] = [_every(model)]
+        return holder[0]
+    batches = _batches(7)
+    eager, eager_obs, _, _ = _run(make, batches, graphed=False, between=due)
+    state, obs, modes, (_, optimizer) = _run(make, batches, graphed=True,
+                                             refresh_passes=True,
+                                             between=due)
+    assert not holder[0]._checkpoint_due
+    assert optimizer.stats[_PASSES + 'replayed'] == 3
     _assert_same_state(eager, state)
     numpy.testing.assert_equal(obs, eager_obs)
 
