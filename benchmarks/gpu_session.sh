@@ -14,10 +14,12 @@
 # took and how it ended.
 #
 # The steps: the step times at batch 32 against the peer (the goals; the
-# replayed refresh cycle), the GPU suite (single process), batches 64 and
+# replayed refresh cycle and refresh passes), the GPU suite (single
+# process), a kernel profile of a refresh step at batch 32, batches 64 and
 # 128 against the peer, the inverse stage's routes, the GPU suite under
-# mpiexec -n 1,2, the host's work before a replay, and a kernel profile
-# of a refresh step at batch 32. DRY_RUN=1 prints them instead.
+# mpiexec -n 1,2 and the host's work before a replay. DRY_RUN=1 prints
+# them instead; STEPS (names, comma-separated) runs only those, e.g. the
+# rest in a second call.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -48,6 +50,10 @@ step() {
     shift 2
     local left=$(( DEADLINE - $(date +%s) - 10 ))
     local limit=$(( cap < left ? cap : left ))
+    if [ -n "${STEPS:-}" ] && [[ ",$STEPS," != *",$name,"* ]]; then
+        [ "${DRY_RUN:-0}" = 1 ] || say "$name: not in STEPS"
+        return 0
+    fi
     if [ "${DRY_RUN:-0}" = 1 ]; then
         echo "$name (at most ${cap}s): $*"
         return 0
@@ -82,6 +88,8 @@ step step_time_b32 150 "$PY" -m benchmarks.step_time --gpu --peer \
     --out "$WORK/step_time_b32.json"
 step gpu_suite 220 env LOG="$WORK/gpu_suite_full.log" PY="$PY" \
     bash tests/gpu/run.sh single
+step kernel_profile_b32 90 "$PY" -m benchmarks.kernel_profile --batch 32 \
+    --variants kfac_every --out "$WORK/kernel_profile_b32.json"
 step sweep_64_128 190 "$PY" -m benchmarks.step_time --gpu --peer \
     --models resnet50 --resnet50-rounds 5 --batches 64,128 \
     --out "$WORK/sweep.json"
@@ -91,8 +99,6 @@ step gpu_suite_mpi 70 env LOG="$WORK/gpu_suite_mpi_full.log" PY="$PY" \
     MPI_SIZES=1,2 MPI_TIMEOUT=60 bash tests/gpu/run.sh mpi
 step replay_host 30 "$PY" -m benchmarks.replay_host \
     --out "$WORK/replay_host.json"
-step kernel_profile_b32 90 "$PY" -m benchmarks.kernel_profile --batch 32 \
-    --variants kfac_every --out "$WORK/kernel_profile_b32.json"
 [ "${DRY_RUN:-0}" = 1 ] && exit 0
 say "end"
 pack

@@ -26,10 +26,16 @@ def test_dry_run_names_the_steps_in_order(tmp_path):
     proc, _ = _run(tmp_path, 600, 'python3', DRY_RUN='1')
     assert proc.returncode == 0, proc.stderr
     names = [line.split(' ')[0] for line in proc.stdout.splitlines()]
-    assert names == ['step_time_b32', 'gpu_suite', 'sweep_64_128',
-                     'inverse_routes', 'gpu_suite_mpi', 'replay_host',
-                     'kernel_profile_b32']
+    assert names == ['step_time_b32', 'gpu_suite', 'kernel_profile_b32',
+                     'sweep_64_128', 'inverse_routes', 'gpu_suite_mpi',
+                     'replay_host']
     assert '--peer' in proc.stdout and '--batches 64,128' in proc.stdout
+    assert 'kfac_every_graph' in proc.stdout
+    # STEPS: only those (the rest of a session in a second call)
+    proc, _ = _run(tmp_path, 600, 'python3', DRY_RUN='1',
+                   STEPS='sweep_64_128,replay_host')
+    assert [line.split(' ')[0] for line in proc.stdout.splitlines()] == [
+        'sweep_64_128', 'replay_host']
 
 
 def test_a_step_past_the_time_left_is_cut_and_the_rest_skipped(
