@@ -576,12 +576,15 @@ class KFAC(optimizer.GradientMethod):
         self.estimator.end_micro_batch()
         self._micro += 1
 
-    def finish_step(self) -> None:
+    def finish_step(self, update=None) -> None:
         """Take the K-FAC step of the micro-batches closed so far (the end
-        of :meth:`update` at its ``acc_iters``-th call)."""
+        of :meth:`update` at its ``acc_iters``-th call). ``update(grads,
+        present)``, where given, takes stage 5 and the update in place of
+        :meth:`update_step` (a CUDA graph's replay of it:
+        :mod:`chainerkfac.graphs.kfac_step`)."""
         self.accumulator.collect(self.target)
         self.timer.mark('forward_backward', self._like())
-        self._step()
+        self._step(update)
 
     def flush_accumulation(self) -> int:
         """Take the K-FAC step now with the micro-batches accumulated since
@@ -629,7 +632,7 @@ class KFAC(optimizer.GradientMethod):
         return None
 
     # -- stages 3-6 and the update --------------------------------------------
-    def _step(self):
+    def _step(self, update=None):
         # this step's device γ per scale (made again each step: the device
         # damping is rewritten in place before it)
         self._step_dampings = {}
@@ -683,15 +686,8 @@ class KFAC(optimizer.GradientMethod):
         retries = self._refresh(factors, counts)
         self.timer.mark('inverse', self._like())
 
-        directions = self._precondition_owned(grads, present)
-        if self.step_bound is not None:
-            self._bound_step(grads, directions)
-        self.timer.mark('precondition', self._like())
         step = self.t
-        if self.shard_update:
-            self._update_sharded(directions, present)
-        else:
-            self._update_everywhere(directions, present)
+        (update or self.update_step)(grads, present)
         refreshed = set()
         for block in blocks:
             for name in counts[block]:
@@ -702,6 +698,21 @@ class KFAC(optimizer.GradientMethod):
         self.call_hooks('post')
         self.guard.checkpoint(self.target)
         self._begin_step()
+
+    def update_step(self, grads, present) -> None:
+        """Stage 5 (the owned blocks' preconditioning, the bounded step),
+        stage 6 and the update of eqs. (19)-(20), from the reduced
+        gradients ``grads`` (``{block: [array or None]}``; ``present``:
+        which parameters have one anywhere): the end of a step, after its
+        inverses. Advances ``t``."""
+        directions = self._precondition_owned(grads, present)
+        if self.step_bound is not None:
+            self._bound_step(grads, directions)
+        self.timer.mark('precondition', self._like())
+        if self.shard_update:
+            self._update_sharded(directions, present)
+        else:
+            self._update_everywhere(directions, present)
 
     def _update_everywhere(self, directions, present) -> None:
         """Stage 6, then the update: every process gathers every

@@ -50,11 +50,17 @@ class ReplayCupy(FakeCupy):
     ----------
     device_arrays : callable
         ``() -> list`` of the arrays that are device memory.
+    watched : callable, optional
+        ``() -> list`` of objects whose attributes holding device arrays a
+        replay must leave as they were (besides the adapter's
+        ``step_objects()``): the optimizer, its bounded step, the model's
+        links and parameters. What an adapter fails to rebind there shows.
     """
 
-    def __init__(self, device_arrays):
+    def __init__(self, device_arrays, watched=list):
         super().__init__()
         fake = self
+        self.watched = watched
         # every NumPy array stands for device memory (the gradients that
         # NumPy's products make are plain ndarrays)
         self.ndarray = numpy.ndarray
@@ -118,8 +124,9 @@ class ReplayCupy(FakeCupy):
         captured = getattr(adapter, 'captured_arrays', list)()
         # a replay sets no Python attribute: those of the objects the step
         # sets are put back after it (StepGraph rebinds the outputs)
-        saved = [(o, dict(vars(o)))
-                 for o in getattr(adapter, 'step_objects', list)()]
+        objects = {id(o): o for o in list(self.watched()) + list(
+            getattr(adapter, 'step_objects', list)())}
+        saved = [(o, dict(vars(o))) for o in objects.values()]
         observation = {}
         with chainer.reporter.Reporter().scope(observation):
             graph.step(*graph._static)
@@ -179,6 +186,14 @@ def device_arrays_of(optimizer, model):
     if damping is not None:
         arrays.append(damping.base)
     return [a for a in arrays if isinstance(a, numpy.ndarray)]
+
+
+def watched_of(optimizer, model) -> list:
+    """What a replay of ``optimizer``'s steps must not rebind (the
+    ``watched`` of :class:`ReplayCupy`)."""
+    objects = [optimizer, getattr(optimizer, 'step_bound', None)]
+    objects += list(model.links()) + list(model.params())
+    return [o for o in objects if o is not None]
 
 
 def _device_value(value) -> bool:

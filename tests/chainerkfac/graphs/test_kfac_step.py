@@ -26,7 +26,8 @@ from chainerkfac.optimizers import GuardedOptimizer
 from chainerkfac.step_bound import StepBound
 from chainerkfac.step_guard import StepGuard
 from tests.chainerkfac import helpers
-from tests.chainerkfac.graphs.replay_fake import ReplayCupy, device_arrays_of
+from tests.chainerkfac.graphs.replay_fake import (
+    ReplayCupy, device_arrays_of, watched_of)
 
 
 def _lossfun(model):
@@ -89,7 +90,8 @@ def _run(make, batches, graphed, lr_of=lambda step: 0.05 / (1 + step),
     optimizer = make(model)
     fake = None
     if graphed:
-        fake = ReplayCupy(lambda: device_arrays_of(inner, model))
+        fake = ReplayCupy(lambda: device_arrays_of(inner, model),
+                          watched=lambda: watched_of(inner, model))
         inner = optimizer
         optimizer = graphs.graphed(optimizer, warmup=1, cupy=fake,
                                    route_linear=contextlib.nullcontext,
@@ -210,8 +212,8 @@ def test_nothing_is_read_on_the_host_while_capturing(monkeypatch):
         forbidden('StepBound.apply')(), apply(self, *args))[1])
     original = ReplayCupy.__init__
 
-    def recording(self, *args):
-        original(self, *args)
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
         fakes.append(self)
     monkeypatch.setattr(ReplayCupy, '__init__', recording)
     for make in (_kfac, _bounded, _guarded):
@@ -246,8 +248,8 @@ class _Refusing(ReplayCupy):
     """CUDA ends every capture with an error (a forbidden call
     invalidated it)."""
 
-    def __init__(self, device_arrays):
-        super().__init__(device_arrays)
+    def __init__(self, device_arrays, **kwargs):
+        super().__init__(device_arrays, **kwargs)
 
         class Failing(self.cuda.Stream):
             def end_capture(self):
@@ -384,6 +386,7 @@ def test_a_refresh_that_moves_a_buffer_drops_the_graph():
 # -- the refresh steps' passes replayed (graphed(refresh_passes=True)) -----
 
 _PASSES = 'refresh passes: '
+_UPDATE = 'refresh update: '
 
 
 def _passes_as_eager(make, batches, **kwargs):
@@ -414,10 +417,11 @@ def _every_decayed(model):
 @pytest.mark.parametrize('make', [_every, _every_decayed, _bounded],
                          ids=['every', 'every-decayed', 'bounded'])
 def test_refresh_passes_replayed_every_step_as_eager(make):
-    """Every step refreshes: the stale graph never runs, and from the
-    third refresh on the forward and backward passes are replayed, the
-    rest of the step eager; the same weights, velocities, statistics, host
-    state and reports as the eager run, to the bit."""
+    """Every step refreshes: the stale graph never runs; from the third
+    refresh on the forward and backward passes are replayed, from the
+    fourth the step's end after its eager inverses (stage 5, the update)
+    too; the same weights, velocities, statistics, host state and reports
+    as the eager run, to the bit."""
     batches = _batches(9)
     make = {_bounded: lambda m: _kfac(m, interval=1, kl_clip=1e-5)}.get(
         make, make)
@@ -429,9 +433,14 @@ def test_refresh_passes_replayed_every_step_as_eager(make):
     assert stats[_PASSES + 'eager'] == 1
     assert stats[_PASSES + 'captured'] == 1
     assert stats[_PASSES + 'replayed'] == 6
+    # the end of the step: from the passes' capture on (their gradients
+    # where a graph wrote them)
+    assert stats[_UPDATE + 'eager'] == 1
+    assert stats[_UPDATE + 'captured'] == 1
+    assert stats[_UPDATE + 'replayed'] == 5
     assert stats['eager: a refresh step (factors due)'] == 8
     assert not [k for k in stats if 'dropped' in k or 'failed' in k], stats
-    assert fake.captures == 1
+    assert fake.captures == 2
     # what each refresh step stored is its own: a later replay of the
     # passes rewrites the captured sums, not a factor
     passes, = [g.adapter for g in optimizer.adapter.passes_graphs.values()]
@@ -441,19 +450,77 @@ def test_refresh_passes_replayed_every_step_as_eager(make):
             assert id(getattr(factor, 'columns', factor)) not in captured
 
 
-def test_refresh_passes_and_the_stale_graph_take_turns():
+def test_a_non_finite_replayed_refresh_is_undone_on_the_device():
+    """A refresh step whose passes and end are replayed, on a batch with
+    a NaN: the device guard flags it and its checkpoint puts the weights,
+    velocities and statistics back (the replayed end leaves the guard's
+    step open for it, as the eager check does); the next step goes on."""
+    batches = _batches(9, nan_at=(7,))
+    _, _, modes, (fake, optimizer) = _run(_every, batches[:7], graphed=True,
+                                          refresh_passes=True)
+    assert optimizer.stats[_UPDATE + 'replayed'] == 3
+    model = optimizer.target
+    before = {n: p.array.copy() for n, p in model.namedparams()}
+    velocity = {n: p.update_rule.state['v'].copy()
+                for n, p in model.namedparams()}
+    mean = model.bn.avg_mean.copy()
+    x, t = (fake.asarray(a) for a in batches[7])
+    with chainer.reporter.Reporter().scope({}):
+        optimizer.update(optimizer._lossfun, x, t)
+    assert optimizer.stats[_UPDATE + 'replayed'] == 4
+    assert optimizer.last_step_skipped
+    for name, param in model.namedparams():
+        numpy.testing.assert_array_equal(param.array, before[name])
+        numpy.testing.assert_array_equal(param.update_rule.state['v'],
+                                         velocity[name])
+    numpy.testing.assert_array_equal(model.bn.avg_mean, mean)
+    x, t = (fake.asarray(a) for a in batches[8])
+    with chainer.reporter.Reporter().scope({}):
+        optimizer.update(optimizer._lossfun, x, t)
+    assert optimizer.stats[_UPDATE + 'replayed'] == 5
+    assert not optimizer.last_step_skipped
+    assert optimizer.guard.skipped_steps == 1
+
+
+def test_the_stacks_take_the_refilled_inverses_before_the_end(monkeypatch):
+    """Before each call of the end's graph (a replay runs no version
+    check) the stacked batches take the inverses refreshed in place."""
+    from chainerkfac.graphs import step as graphs_step
+    from chainerkfac.optimizers import KFAC
+    events = []
+    refresh = KFAC.refresh_inverse_stacks
+    monkeypatch.setattr(KFAC, 'refresh_inverse_stacks', lambda self: (
+        events.append('stacks'), refresh(self))[1])
+    call = graphs_step.StepGraph.__call__
+
+    def called(graph, *inputs):
+        events.append(graph.label)
+        return call(graph, *inputs)
+    monkeypatch.setattr(graphs_step.StepGraph, '__call__', called)
+    _run(_every, _batches(6), graphed=True, refresh_passes=True)
+    ends = [i for i, e in enumerate(events) if e == _UPDATE]
+    assert len(ends) == 4
+    assert all(events[i - 1] == 'stacks' for i in ends)
+
+
+@pytest.mark.parametrize('make', [_kfac, _bounded],
+                         ids=['kfac', 'kfac-bounded'])
+def test_refresh_passes_and_the_stale_graph_take_turns(make):
     """A mixed schedule: the stale steps replayed from one graph, kept
-    through each refresh, and the refresh steps' passes from another; to
-    the bit the eager run."""
+    through each refresh, and the refresh steps' passes and end from
+    others; to the bit the eager run (with the bounded step, its ν and
+    metric reported from the graph that took the step)."""
     batches = _batches(17)
-    modes, fake, optimizer = _passes_as_eager(_kfac, batches)
+    modes, fake, optimizer = _passes_as_eager(make, batches)
     stats = optimizer.stats
     assert modes.count('replayed') == 10 and modes.count('eager') == 6
     assert stats['kept through: a refresh step (factors due)'] == 4
     # refreshes at t = 4, 8, 12, 16: warm-up, capture, two replays
     assert (stats[_PASSES + 'eager'], stats[_PASSES + 'captured'],
             stats[_PASSES + 'replayed']) == (1, 1, 2)
-    assert fake.captures == 2
+    assert (stats[_UPDATE + 'eager'], stats[_UPDATE + 'captured'],
+            stats[_UPDATE + 'replayed']) == (1, 1, 1)
+    assert fake.captures == 3
     assert not [k for k in stats if 'dropped' in k], stats
 
 
@@ -534,7 +601,8 @@ def test_one_passes_graph_per_set_of_factors_due():
     modes, fake, optimizer = _passes_as_eager(_a_every_third, batches)
     stats = optimizer.stats
     assert len(optimizer.adapter.passes_graphs) == 2
-    assert stats[_PASSES + 'captured'] == fake.captures == 2
+    assert stats[_PASSES + 'captured'] == stats[_UPDATE + 'captured'] == 2
+    assert fake.captures == 4
     assert stats[_PASSES + 'replayed'] >= 12, dict(stats)
     assert not [k for k in stats if 'dropped' in k], dict(stats)
 
