@@ -160,12 +160,13 @@ def parse_args(argv=None):
                              'flag): refuse a run where they cannot. '
                              'The summary counts eager, captured and '
                              'replayed steps')
-    parser.add_argument('--replay-refresh-passes', action='store_true',
+    parser.add_argument('--replay-refresh-steps', action='store_true',
                         help="with CUDA graphs, replay K-FAC's refresh "
-                             'steps\' forward and backward passes too (the '
-                             'capture of the factors with them; the rest of '
-                             'such a step runs eagerly). Opt-in: not yet '
-                             'measured on a GPU')
+                             'steps too but for their inverse stage (their '
+                             'passes with the capture of the factors, and '
+                             'stage 5 with the update, from two graphs; the '
+                             'factors\' average and inverses eagerly in '
+                             'between). Opt-in: not yet measured on a GPU')
     parser.add_argument('--cudnn-workspace', type=workspace_size,
                         default='auto',
                         help="cuDNN's workspace limit for a convolution "
@@ -308,9 +309,9 @@ def parse_args(argv=None):
     if args.cuda_graphs == 'on' and not args.gpu:
         parser.error('--cuda-graphs replays GPU work: it needs --gpu (the '
                      'arrays would be NumPy arrays)')
-    if args.replay_refresh_passes and (not args.gpu or
+    if args.replay_refresh_steps and (not args.gpu or
                                        args.cuda_graphs == 'off'):
-        parser.error('--replay-refresh-passes replays part of the steps '
+        parser.error('--replay-refresh-steps replays part of the steps '
                      'as CUDA graphs: it needs --gpu and CUDA graphs (not '
                      '--cuda-graphs off)')
     for name, value in (('--cudnn-workspace', args.cudnn_workspace),

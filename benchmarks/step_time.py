@@ -53,10 +53,11 @@ same fixed batch:
 * ``kfac_stale_graph_tf32`` (``--gpu``): the same with ``kfac_tf32``'s
   options (its stale steps' preconditioning on TF32 Tensor Cores);
 * ``kfac_every_graph`` (``--gpu``): ``kfac_every`` through
-  ``graphs.graphed(..., refresh_passes=True)``: each step's forward and
+  ``graphs.graphed(..., refresh_steps=True)``: each step's forward and
   backward passes (with the capture of the factors) replayed from a CUDA
-  graph, the rest of the step (stages 3-6, the update) eager; its counts
-  in ``graph_stats`` are ``'refresh passes: ...'``.
+  graph, its factors' average and inverses eager, its end (stage 5, the
+  update) from another graph; its counts in ``graph_stats`` are
+  ``'refresh passes: ...'`` and ``'refresh update: ...'``.
 
 The CPU runs ``sgd``, ``kfac_every`` and ``kfac_stale`` by default,
 ``--gpu`` all but ``kfac_shifted`` (``--variants`` picks any subset that
@@ -397,12 +398,12 @@ class KFACGraphStep(KFACStep):
     step (no stage timers: a replay has none, and synchronised timers
     would refuse the capture)."""
 
-    def __init__(self, model, interval: int, refresh_passes: bool = False,
+    def __init__(self, model, interval: int, refresh_steps: bool = False,
                  **kwargs):
         from chainerkfac import graphs
         super().__init__(model, interval, False, **kwargs)
         self.stepper = graphs.graphed(self.optimizer,
-                                      refresh_passes=refresh_passes)
+                                      refresh_steps=refresh_steps)
 
     def __call__(self, x, t):
         self.stepper.update(self.model, x, t)
@@ -415,11 +416,14 @@ class KFACGraphStep(KFACStep):
 
     @property
     def capture_seconds(self) -> List[float]:
-        """Seconds of each capture: the stale steps' graph's, then the
-        refresh passes' graph's."""
-        passes = self.stepper.adapter.passes_graphs.values()
+        """Seconds of each capture: the stale steps' graph's, then each
+        refresh passes' graph's and its end's."""
+        graphs = []
+        for passes in self.stepper.adapter.passes_graphs.values():
+            graphs += [passes, passes.adapter.update_graph]
         return list(self.graph.capture_seconds) + [
-            s for graph in passes for s in graph.capture_seconds]
+            s for graph in graphs if graph is not None
+            for s in graph.capture_seconds]
 
 
 class CaptureTimer:
@@ -517,7 +521,7 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
         elif variant == 'sgd_graph':
             steps[variant] = SGDGraphStep(model)
         elif variant == 'kfac_every_graph':
-            steps[variant] = KFACGraphStep(model, 1, refresh_passes=True,
+            steps[variant] = KFACGraphStep(model, 1, refresh_steps=True,
                                            **(kfac_options or {}))
         elif variant in KFAC_GRAPH_VARIANTS:
             steps[variant] = KFACGraphStep(

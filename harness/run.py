@@ -270,9 +270,9 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
         args.init_weights_from)
     if comm.rank == 0:
         print('cuDNN: {}'.format(chainerkfac.cudnn.describe()), flush=True)
-        if use_graphs and kfac and args.replay_refresh_passes:
-            graphs_why += ("; K-FAC's refresh steps' passes replayed too "
-                           '(--replay-refresh-passes)')
+        if use_graphs and kfac and args.replay_refresh_steps:
+            graphs_why += ("; K-FAC's refresh steps replayed too but for "
+                           'their inverse stage (--replay-refresh-steps)')
         print('CUDA graphs: {}'.format(graphs_why), flush=True)
         if args.gpu:
             print('cuDNN convolutions: {}'.format(tuning_words), flush=True)
@@ -317,7 +317,7 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
         # Only the updater steps through the graphs; snapshots, schedules
         # and observers see the optimizer itself.
         stepper = graphs.graphed(
-            optimizer, refresh_passes=kfac and args.replay_refresh_passes)
+            optimizer, refresh_steps=kfac and args.replay_refresh_steps)
     updater = AugmentedUpdater(
         train_iter, stepper, comm, acc_iters, cfg.epochs, converter,
         args.seed, cfg.alpha_mixup if augmenting else 0.0, n_class,

@@ -13,9 +13,9 @@ capture. The one-line switch::
     optimizer = chainerkfac.graphs.graphed(optimizer)   # after setup
     optimizer.update(model, x, t)     # eager, captured or replayed
 
-Replayable: K-FAC's stale steps (its refresh steps run eagerly, but for
-their forward and backward passes with ``graphed(optimizer,
-refresh_passes=True)``: :mod:`chainerkfac.graphs.kfac_step`),
+Replayable: K-FAC's stale steps (its refresh steps run eagerly, or with
+``graphed(optimizer, refresh_steps=True)`` all but their inverse stage
+from two graphs: :mod:`chainerkfac.graphs.kfac_step`),
 :class:`~chainerkfac.optimizers.GuardedOptimizer`'s steps
 (:mod:`chainerkfac.graphs.guarded_step`) and Chainer's MomentumSGD and SGD,
 each on one process. Their skipped-step guard is then

@@ -89,17 +89,19 @@ class GraphedOptimizer:
 
 
 def graphed(optimizer, warmup: int = step_module.WARMUP, cupy=None,
-            route_linear=None, refresh_passes: bool = False
+            route_linear=None, refresh_steps: bool = False
             ) -> GraphedOptimizer:
     """``optimizer`` with its steps captured and replayed as CUDA graphs
     where they can be (module docstring; what runs eagerly, and why, is
     counted in ``.stats``).
 
-    With ``refresh_passes`` (K-FAC only) the forward and backward passes of
-    K-FAC's refresh steps are replayed too, from a graph of their own; the
-    rest of such a step runs eagerly
-    (:class:`~chainerkfac.graphs.kfac_step.RefreshPasses`; counted in
-    ``.stats`` as ``'refresh passes: ...'``).
+    With ``refresh_steps`` (K-FAC only) K-FAC's refresh steps are replayed
+    too but for their factors' average and inverse stage, which run
+    eagerly between two graphs: their forward and backward passes
+    (:class:`~chainerkfac.graphs.kfac_step.RefreshPasses`, counted in
+    ``.stats`` as ``'refresh passes: ...'``) and their end, stage 5 and the
+    update (:class:`~chainerkfac.graphs.kfac_step.RefreshUpdate`,
+    ``'refresh update: ...'``).
 
     Raises
     ------
@@ -120,11 +122,11 @@ def graphed(optimizer, warmup: int = step_module.WARMUP, cupy=None,
     if getattr(optimizer, 'target', None) is None:
         raise ValueError('graphed: set the optimizer up with its model '
                          'first (optimizer.setup(model))')
-    if refresh_passes and not isinstance(optimizer, KFAC):
-        raise TypeError('graphed(refresh_passes=True) is for K-FAC, got '
+    if refresh_steps and not isinstance(optimizer, KFAC):
+        raise TypeError('graphed(refresh_steps=True) is for K-FAC, got '
                         '{}'.format(type(optimizer).__name__))
     if isinstance(optimizer, KFAC):
-        adapter = kfac_step.KFACOptimizer(optimizer, refresh_passes)
+        adapter = kfac_step.KFACOptimizer(optimizer, refresh_steps)
     elif isinstance(optimizer, GuardedOptimizer):
         adapter = guarded_step.GuardedOptimizer(optimizer)
     else:

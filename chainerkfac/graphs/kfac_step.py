@@ -36,10 +36,12 @@ report (:meth:`KFAC.finish_replayed_step
 <chainerkfac.optimizers.KFAC.finish_replayed_step>`), and the ``t`` of
 the update rules the captured step advanced.
 
-With ``refresh_passes`` (:func:`chainerkfac.graphs.graphed`'s option,
-opt-in) a refresh step's forward and backward passes are replayed too,
-from a graph of their own (:class:`RefreshPasses`, a child of the stale
-steps' StepGraph); the rest of that step runs eagerly.
+With ``refresh_steps`` (:func:`chainerkfac.graphs.graphed`'s option,
+opt-in) a refresh step is replayed too but for its factors' average and
+inverse stage: its forward and backward passes (with the capture of the
+factors) from one graph (:class:`RefreshPasses`), then, after the eager
+stages 3-4, its end (stage 5 and the update) from another
+(:class:`RefreshUpdate`), both children of the stale steps' StepGraph.
 
 Not replayed yet: several processes (the transport's collectives and its
 agreement on the flag), ``acc_iters > 1``, ``loss_reduction='sum'``,
@@ -63,17 +65,19 @@ class KFACOptimizer:
     ----------
     optimizer : chainerkfac.optimizers.KFAC
         Set up with its model.
-    refresh_passes : bool
-        Replay the forward and backward passes of the refresh steps too
-        (:class:`RefreshPasses`); the rest of such a step runs eagerly.
+    refresh_steps : bool
+        Replay the refresh steps too but for their inverse stage: their
+        forward and backward passes (:class:`RefreshPasses`) and their
+        end (:class:`RefreshUpdate`); the factors' average and inverses
+        run eagerly in between.
     """
 
     #: The values written to the device before each step.
     NAMES = ('lr', 'momentum', 'damping')
 
-    def __init__(self, optimizer, refresh_passes: bool = False):
+    def __init__(self, optimizer, refresh_steps: bool = False):
         self.optimizer = optimizer
-        self.refresh_passes = refresh_passes
+        self.refresh_steps = refresh_steps
         self._scalars = None
         self._advanced = []
         self._params = step.ParameterWalk(optimizer)
@@ -88,12 +92,13 @@ class KFACOptimizer:
     def step_function(self, lossfun, graph: step.StepGraph):
         """The step :class:`~chainerkfac.graphs.step.StepGraph` ``graph``
         takes on its inputs: ``update(lossfun, *inputs)``; with
-        ``refresh_passes``, a refresh step's passes go through a child
-        graph of ``graph`` and the rest of the step runs eagerly
-        (:meth:`KFAC.finish_step <chainerkfac.optimizers.KFAC.finish_step>`).
+        ``refresh_steps``, a refresh step's passes go through a child
+        graph of ``graph``, then :meth:`KFAC.finish_step
+        <chainerkfac.optimizers.KFAC.finish_step>` with the step's end
+        through another once the passes' gradients are a graph's.
         """
         opt = self.optimizer
-        if not self.refresh_passes:
+        if not self.refresh_steps:
             return lambda *inputs: opt.update(lossfun, *inputs)
         self.close()
         self._lossfun, self._parent = lossfun, graph
@@ -108,7 +113,7 @@ class KFACOptimizer:
             how = passes(*inputs)
             # the gradients where a graph wrote them: the step's end may
             # be replayed too, from a graph of these passes' own
-            opt.finish_step(passes.adapter.update_graph(passes)
+            opt.finish_step(passes.adapter.update_function(passes)
                             if how != 'eager' else None)
         return take
 
@@ -125,7 +130,7 @@ class KFACOptimizer:
             graph = step.StepGraph(
                 lambda *inputs: opt.run_passes(lossfun, *inputs),
                 RefreshPasses(opt, self._params, self),
-                warmup=self._parent.warmup, parent=self._parent,
+                warmup=CHILD_WARMUP, parent=self._parent,
                 label='refresh passes: ')
         self.passes_graphs[key] = graph      # the latest used last
         return graph
@@ -265,6 +270,10 @@ class KFACOptimizer:
         self.optimizer.finish_replayed_step()
 
 
+#: Eager calls of a refresh graph before its capture: one (the steps before
+#: ran its kernels, and timed cuDNN's algorithms and the convolutions' A,
+#: eagerly: the first step is a refresh step).
+CHILD_WARMUP = 1
 #: Graphs of the refresh steps' passes kept at once, one per set of factors
 #: due (the paper's schedules refresh every factor together: one; A and G
 #: on intervals of their own: two).
@@ -277,8 +286,8 @@ class RefreshPasses:
     (:meth:`KFAC.run_passes <chainerkfac.optimizers.KFAC.run_passes>`: the
     loss, its backward pass, the capture of the factors due) needs to know.
     A child of the stale steps' graph (``KFACOptimizer(...,
-    refresh_passes=True)``); the rest of the step (stages 3-6, the update)
-    runs eagerly on what the replay wrote.
+    refresh_steps=True)``); the rest of the step runs on what the replay
+    wrote: stages 3-4 eagerly, the end through :class:`RefreshUpdate`.
 
     A replay runs no Python: what the passes leave on the host — each
     block's captured sums (the arrays the replay rewrites) and counts, the
@@ -302,21 +311,23 @@ class RefreshPasses:
         self._stale = stale
         self._captured = None
         self._unreached = []
-        self._update = None
+        #: The graph of the step's end on these passes' gradients, once
+        #: made (:meth:`update_function`).
+        self.update_graph: Optional[step.StepGraph] = None
 
-    def update_graph(self, passes: step.StepGraph):
+    def update_function(self, passes: step.StepGraph):
         """``update(grads, present)`` for :meth:`KFAC.finish_step
         <chainerkfac.optimizers.KFAC.finish_step>`: stage 5 and the update
         through a graph of their own (:class:`RefreshUpdate`, a child of
         the stale steps' graph, as these passes' graph), on the gradients
         these passes' graph wrote."""
-        if self._update is None:
-            self._update = step.StepGraph(
+        if self.update_graph is None:
+            self.update_graph = step.StepGraph(
                 None, RefreshUpdate(self.optimizer, self._params,
                                     self._stale),
-                warmup=passes.warmup, parent=passes.parent,
+                warmup=CHILD_WARMUP, parent=passes.parent,
                 label='refresh update: ')
-        graph = self._update
+        graph = self.update_graph
         opt = self.optimizer
 
         def update(grads, present):
@@ -414,9 +425,9 @@ class RefreshPasses:
         of the update's graph, which read these passes' gradients."""
         self._captured = None
         self._unreached = []
-        if self._update is not None:
-            self._update.close()
-            self._update = None
+        if self.update_graph is not None:
+            self.update_graph.close()
+            self.update_graph = None
 
     def captured_arrays(self) -> list:
         """The arrays of the captured sums (which a replay rewrites), in

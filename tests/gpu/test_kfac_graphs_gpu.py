@@ -270,24 +270,27 @@ def _kfac_every(model):
 @pytest.mark.parametrize('make, stale', [(_kfac_every, False),
                                          (_kfac, True)],
                          ids=['every', 'stale'])
-def test_refresh_passes_replayed_equal_eager(kind, make, stale):
-    """``graphed(refresh_passes=True)``: the refresh steps' forward and
-    backward passes replayed from a graph of their own (the rest of the
-    step eager), the stale steps from theirs; 30 steps equal to the eager
-    run in float64 to 1e-12."""
-    batches = _batches(kind, 30)
+def test_refresh_steps_replayed_equal_eager(kind, make, stale):
+    """``graphed(refresh_steps=True)``: the refresh steps' forward and
+    backward passes replayed from a graph of their own, their end (stage
+    5, the update) from another after the eager inverses, the stale steps
+    from theirs; equal to the eager run in float64 to 1e-12."""
+    batches = _batches(kind, 60 if stale else 30)
     eager, _, _ = _train(kind, make, batches, False)
     model, optimizer, stepper = _train(kind, make, batches, True,
-                                       refresh_passes=True)
+                                       refresh_steps=True)
     stats = dict(stepper.stats)
-    passes = 'refresh passes: '
+    passes, end = 'refresh passes: ', 'refresh update: '
     assert not stats.get(passes + 'capture failed'), stats
-    # every step: 29 refreshes after the first step, 3 of them warm up,
-    # one is captured; stale: t = 5, ..., 25, 5 refreshes
-    assert stats[passes + 'captured'] == 1, stats
-    assert stats[passes + 'replayed'] == (1 if stale else 25), stats
+    assert not stats.get(end + 'capture failed'), stats
+    # every step: 29 refreshes after the first step: the passes' graph
+    # warms up on one and captures the next, the end's graph a step later;
+    # stale: t = 5, ..., 55, 11 refreshes
+    assert stats[passes + 'captured'] == stats[end + 'captured'] == 1, stats
+    assert stats[passes + 'replayed'] == (9 if stale else 27), stats
+    assert stats[end + 'replayed'] == (8 if stale else 26), stats
     if stale:
-        assert stats['replayed'] >= 12, stats
+        assert stats['replayed'] >= 30, stats
     assert not optimizer.last_step_skipped
     _assert_equal_runs(eager, model)
 
@@ -463,14 +466,15 @@ def test_batched_retries_as_the_cpu(max_dim, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize('flag', [['--cuda-graphs'], ['--cuda-graphs',
                                                       'auto'],
-                                  ['--replay-refresh-passes']])
+                                  ['--replay-refresh-steps']])
 def test_train_imagenet_with_cuda_graphs(tmp_path, monkeypatch, flag):
     """``--demo --gpu --cuda-graphs`` (and ``--cuda-graphs auto``, which
     turns them on here) with a config of one process's batch and
     stale factors (refresh every 5 steps): both runs train, and their
-    summaries count replayed steps; with ``--replay-refresh-passes``
-    K-FAC's refresh steps' passes are replayed too (about 18 refreshes in
-    the two epochs: 3 warm up, one is captured)."""
+    summaries count replayed steps; with ``--replay-refresh-steps``
+    K-FAC's refresh steps are replayed too but for their inverses (about
+    18 refreshes in the two epochs: the passes' graph warms up on one and
+    captures the next, the end's graph a refresh later)."""
     import json
     import os
     from tests import launch
@@ -497,8 +501,9 @@ def test_train_imagenet_with_cuda_graphs(tmp_path, monkeypatch, flag):
         stats = summary['cuda_graphs']
         assert stats.get('replayed', 0) > 0, (summary['optimizer'], stats)
         assert 0.0 < summary['final_top1'] <= 1.0, summary
-        if '--replay-refresh-passes' in flag and \
+        if '--replay-refresh-steps' in flag and \
                 summary['optimizer'] == 'kfac':
-            assert "refresh steps' passes replayed" in proc.stdout
+            assert "refresh steps replayed too" in proc.stdout
             assert stats.get('refresh passes: replayed', 0) >= 5, stats
-            assert not stats.get('refresh passes: capture failed'), stats
+            assert stats.get('refresh update: replayed', 0) >= 3, stats
+            assert not [k for k in stats if 'capture failed' in k], stats

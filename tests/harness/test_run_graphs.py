@@ -44,18 +44,18 @@ def test_the_option():
         LISTS + ['--cuda-graphs', 'off']).cuda_graphs == 'off'
 
 
-def test_replay_refresh_passes_needs_the_graphs(capsys):
-    """``--replay-refresh-passes`` (opt-in) with --gpu and CUDA graphs
+def test_replay_refresh_steps_needs_the_graphs(capsys):
+    """``--replay-refresh-steps`` (opt-in) with --gpu and CUDA graphs
     auto or on; refused up front without a GPU or with the graphs off."""
-    assert not train_imagenet.parse_args(LISTS).replay_refresh_passes
+    assert not train_imagenet.parse_args(LISTS).replay_refresh_steps
     assert train_imagenet.parse_args(
-        LISTS + ['--gpu', '--replay-refresh-passes']).replay_refresh_passes
-    for bad in (['--replay-refresh-passes'],
+        LISTS + ['--gpu', '--replay-refresh-steps']).replay_refresh_steps
+    for bad in (['--replay-refresh-steps'],
                 ['--gpu', '--cuda-graphs', 'off',
-                 '--replay-refresh-passes']):
+                 '--replay-refresh-steps']):
         with pytest.raises(SystemExit):
             train_imagenet.parse_args(LISTS + bad)
-        assert '--replay-refresh-passes' in capsys.readouterr().err
+        assert '--replay-refresh-steps' in capsys.readouterr().err
 
 
 @pytest.mark.parametrize('graphs', [False, True])

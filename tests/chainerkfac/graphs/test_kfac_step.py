@@ -81,7 +81,7 @@ def _guarded(model):
 
 
 def _run(make, batches, graphed, lr_of=lambda step: 0.05 / (1 + step),
-         refresh_passes=False, between=None, network=helpers.ConvNet):
+         refresh_steps=False, between=None, network=helpers.ConvNet):
     """Train a fresh ``network`` (a ConvNet) on ``batches``; returns the
     state, the observations, the modes and the fake. ``between(step,
     model)`` runs before each step."""
@@ -95,7 +95,7 @@ def _run(make, batches, graphed, lr_of=lambda step: 0.05 / (1 + step),
         inner = optimizer
         optimizer = graphs.graphed(optimizer, warmup=1, cupy=fake,
                                    route_linear=contextlib.nullcontext,
-                                   refresh_passes=refresh_passes)
+                                   refresh_steps=refresh_steps)
     lossfun = _lossfun(model)
     observations, modes = [], []
     for step, (x, t) in enumerate(batches):
@@ -383,7 +383,7 @@ def test_a_refresh_that_moves_a_buffer_drops_the_graph():
     numpy.testing.assert_equal(obs, eager_obs)
 
 
-# -- the refresh steps' passes replayed (graphed(refresh_passes=True)) -----
+# -- the refresh steps' passes replayed (graphed(refresh_steps=True)) -----
 
 _PASSES = 'refresh passes: '
 _UPDATE = 'refresh update: '
@@ -395,7 +395,7 @@ def _passes_as_eager(make, batches, **kwargs):
     modes, fake and optimizer."""
     eager, eager_obs, _, _ = _run(make, batches, graphed=False, **kwargs)
     state, obs, modes, (fake, optimizer) = _run(
-        make, batches, graphed=True, refresh_passes=True, **kwargs)
+        make, batches, graphed=True, refresh_steps=True, **kwargs)
     _assert_same_state(eager, state)
     numpy.testing.assert_equal(obs, eager_obs)   # NaN == NaN
     return modes, fake, optimizer
@@ -416,7 +416,7 @@ def _every_decayed(model):
 
 @pytest.mark.parametrize('make', [_every, _every_decayed, _bounded],
                          ids=['every', 'every-decayed', 'bounded'])
-def test_refresh_passes_replayed_every_step_as_eager(make):
+def test_refresh_steps_replayed_every_step_as_eager(make):
     """Every step refreshes: the stale graph never runs; from the third
     refresh on the forward and backward passes are replayed, from the
     fourth the step's end after its eager inverses (stage 5, the update)
@@ -457,7 +457,7 @@ def test_a_non_finite_replayed_refresh_is_undone_on_the_device():
     step open for it, as the eager check does); the next step goes on."""
     batches = _batches(9, nan_at=(7,))
     _, _, modes, (fake, optimizer) = _run(_every, batches[:7], graphed=True,
-                                          refresh_passes=True)
+                                          refresh_steps=True)
     assert optimizer.stats[_UPDATE + 'replayed'] == 3
     model = optimizer.target
     before = {n: p.array.copy() for n, p in model.namedparams()}
@@ -497,7 +497,7 @@ def test_the_stacks_take_the_refilled_inverses_before_the_end(monkeypatch):
         events.append(graph.label)
         return call(graph, *inputs)
     monkeypatch.setattr(graphs_step.StepGraph, '__call__', called)
-    _run(_every, _batches(6), graphed=True, refresh_passes=True)
+    _run(_every, _batches(6), graphed=True, refresh_steps=True)
     ends = [i for i, e in enumerate(events) if e == _UPDATE]
     assert len(ends) == 4
     assert all(events[i - 1] == 'stacks' for i in ends)
@@ -505,7 +505,7 @@ def test_the_stacks_take_the_refilled_inverses_before_the_end(monkeypatch):
 
 @pytest.mark.parametrize('make', [_kfac, _bounded],
                          ids=['kfac', 'kfac-bounded'])
-def test_refresh_passes_and_the_stale_graph_take_turns(make):
+def test_refresh_steps_and_the_stale_graph_take_turns(make):
     """A mixed schedule: the stale steps replayed from one graph, kept
     through each refresh, and the refresh steps' passes and end from
     others; to the bit the eager run (with the bounded step, its ν and
@@ -524,7 +524,7 @@ def test_refresh_passes_and_the_stale_graph_take_turns(make):
     assert not [k for k in stats if 'dropped' in k], stats
 
 
-def test_refresh_passes_capture_again_where_their_buffers_moved():
+def test_refresh_steps_capture_again_where_their_buffers_moved():
     """A parameter given a new array between steps (as a loader might):
     the passes' graph sees it before its replay, drops and captures again
     (it must not read the old array); the run stays the eager one."""
@@ -538,7 +538,7 @@ def test_refresh_passes_capture_again_where_their_buffers_moved():
     assert stats[_PASSES + 'captured'] == 2
 
 
-def test_refresh_passes_not_replayed_with_the_mc_fisher():
+def test_refresh_steps_not_replayed_with_the_mc_fisher():
     batches = _batches(6)
     modes, fake, optimizer = _passes_as_eager(_mc_every, batches)
     stats = optimizer.stats
@@ -557,7 +557,7 @@ def test_a_failed_capture_of_the_passes_runs_them_eagerly(monkeypatch):
     eager, eager_obs, _, _ = _run(_every, batches, graphed=False)
     monkeypatch.setitem(globals(), 'ReplayCupy', _Refusing)
     state, obs, modes, (_, optimizer) = _run(_every, batches, graphed=True,
-                                             refresh_passes=True)
+                                             refresh_steps=True)
     stats = optimizer.stats
     assert stats[_PASSES + 'capture failed'] == 1
     assert stats[_PASSES + 'eager: its capture failed before'] == 4
@@ -622,7 +622,7 @@ def test_passes_graphs_beyond_the_limit_are_closed(monkeypatch):
 
 def test_closing_lets_go_of_the_captured_sums():
     _, _, _, (_, optimizer) = _run(_every, _batches(5), graphed=True,
-                                   refresh_passes=True)
+                                   refresh_steps=True)
     passes, = [g.adapter for g in optimizer.adapter.passes_graphs.values()]
     assert passes.captured_arrays()
     optimizer.close()
@@ -647,11 +647,11 @@ def test_a_checkpoint_due_at_a_refresh_step_takes_update():
     assert optimizer.stats[_PASSES + 'replayed'] == 3
 
 
-def test_refresh_passes_are_for_kfac_and_its_plain_steps():
+def test_refresh_steps_are_for_kfac_and_its_plain_steps():
     model = helpers.ConvNet(bn=True)
     with pytest.raises(TypeError, match='for K-FAC'):
         graphs.graphed(chainer.optimizers.MomentumSGD().setup(model),
-                       refresh_passes=True)
+                       refresh_steps=True)
     optimizer = _every(model)
     with pytest.raises(RuntimeError, match='started K-FAC'):
         optimizer.run_passes(_lossfun(model), *_batches(1)[0])
