@@ -212,12 +212,15 @@ class KFACOptimizer:
 
     def baked(self) -> tuple:
         """The host values a captured stale step holds: ρ_BN, eq. (20)'s
-        norms and which blocks have inverses."""
+        norms, which blocks have inverses and the bounded step's bound
+        (None: no bound)."""
         opt = self.optimizer
+        bound = opt.step_bound
         return (opt.rho_bn,
                 tuple(getattr(p.update_rule, 'rescale_norm', None)
                       for p in self._params()),
-                tuple(b.has_inverses() for b in opt.blocks))
+                tuple(b.has_inverses() for b in opt.blocks),
+                None if bound is None else bound.kl_clip)
 
     # -- before and after a step ------------------------------------------
     def before_step(self) -> None:
@@ -334,8 +337,10 @@ class RefreshPasses:
             graph.adapter.args = (grads, present)
             graph.step = lambda: opt.update_step(grads, present)
             # the refilled inverses into the stacks the graph reads (a
-            # replay runs no version check)
+            # replay runs no version check), every batch stacked now (not
+            # in a capture)
             opt.refresh_inverse_stacks()
+            opt.prepare_inverse_stacks(grads, present)
             try:
                 graph()
             finally:

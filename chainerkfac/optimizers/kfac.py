@@ -705,6 +705,9 @@ class KFAC(optimizer.GradientMethod):
         gradients ``grads`` (``{block: [array or None]}``; ``present``:
         which parameters have one anywhere): the end of a step, after its
         inverses. Advances ``t``."""
+        # γ per scale made anew (not those of a capture that failed or was
+        # retried: their kernels never ran)
+        self._step_dampings = {}
         directions = self._precondition_owned(grads, present)
         if self.step_bound is not None:
             self._bound_step(grads, directions)
@@ -888,32 +891,16 @@ class KFAC(optimizer.GradientMethod):
         the full BN Fishers of equal sizes (a Python loop over shape
         groups, a few kernels per group); on the CPU, where batching saves
         nothing, block by block."""
-        owned = [b for b in self.blocks
-                 if self.transport.owns(b) and any(present[b])]
+        owned, batches = self._batches(grads, present)
         directions = {}
-        like = self._like()
-        groups = {}
-        if like is not None and not isinstance(like, numpy.ndarray):
-            for block in owned:
-                if all(g is not None for g in grads[block]):
-                    key = (kronecker.batch_key(block) or
-                           batch_norm.batch_key(block))
-                    if key is not None:
-                        groups.setdefault(key, []).append(block)
         batched = set()
-        for key, members in groups.items():
-            if len(members) < 2:
-                continue
+        for members, stack in batches:
             damping = self._block_damping(members[0])
             member_grads = [grads[b] for b in members]
             if isinstance(members[0], batch_norm.BatchNormalizationBlock):
-                stack = self._inverse_stacks.setdefault(
-                    key, kronecker.InverseStack(('F',)))
                 out = batch_norm.precondition_batch(members, member_grads,
                                                     damping, stack)
             else:
-                stack = self._inverse_stacks.setdefault(
-                    key, kronecker.InverseStack())
                 out = kronecker.precondition_batch(
                     members, member_grads, damping, stack,
                     tf32=members[0].precondition_tf32)
@@ -923,6 +910,46 @@ class KFAC(optimizer.GradientMethod):
             if block not in batched:
                 directions[block] = self._precondition(block, grads[block])
         return directions
+
+    def _batches(self, grads, present):
+        """``(owned, batches)``: the owned blocks with a gradient, and
+        stage 5's batches of them, ``(members, stack)`` for each shape
+        group of two or more blocks with every gradient (on the GPU only:
+        :meth:`batches_stage_5`)."""
+        owned = [b for b in self.blocks
+                 if self.transport.owns(b) and any(present[b])]
+        groups = {}
+        if self.batches_stage_5():
+            for block in owned:
+                if all(g is not None for g in grads[block]):
+                    key = (kronecker.batch_key(block) or
+                           batch_norm.batch_key(block))
+                    if key is not None:
+                        groups.setdefault(key, []).append(block)
+        batches = []
+        for key, members in groups.items():
+            if len(members) < 2:
+                continue
+            names = ('F',) if isinstance(
+                members[0], batch_norm.BatchNormalizationBlock) else ('A', 'G')
+            batches.append((members, self._inverse_stacks.setdefault(
+                key, kronecker.InverseStack(names))))
+        return owned, batches
+
+    def batches_stage_5(self) -> bool:
+        """Whether stage 5 goes in batches of equal blocks: on the GPU
+        (the CPU gains nothing by it)."""
+        like = self._like()
+        return like is not None and not isinstance(like, numpy.ndarray)
+
+    def prepare_inverse_stacks(self, grads, present) -> None:
+        """Stack, or bring up to date, every batch of inverses that stage 5
+        reads for these gradients, now: a CUDA graph's capture of stage 5
+        then stacks and copies nothing (what a capture allocates is the
+        graph's, and its copies are only recorded: run again, or retried
+        after a failed capture, the bookkeeping would say done)."""
+        for members, stack in self._batches(grads, present)[1]:
+            stack.get(members)
 
     def refresh_inverse_stacks(self) -> None:
         """Bring every stacked batch of inverses up to date with inverses

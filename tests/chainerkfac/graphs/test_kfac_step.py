@@ -647,6 +647,133 @@ def test_a_checkpoint_due_at_a_refresh_step_takes_update():
     assert optimizer.stats[_PASSES + 'replayed'] == 3
 
 
+class _FailingEnd(ReplayCupy):
+    """CUDA refuses the first capture of a refresh step's end (the
+    stand-in computes during a capture; CUDA only records)."""
+
+    def __init__(self, device_arrays, **kwargs):
+        super().__init__(device_arrays, **kwargs)
+        fake = self
+        fake.failed = 0
+
+        class Failing(self.cuda.Stream):
+            def end_capture(self):
+                graph = super().end_capture()
+                if fake._owner.label == _UPDATE and not fake.failed:
+                    fake.failed += 1
+                    raise RuntimeError('cudaErrorStreamCaptureInvalidated')
+                return graph
+        self.cuda.Stream = Failing
+
+
+def test_a_failed_capture_of_the_end_leaves_no_damping_behind(
+        monkeypatch):
+    """The device γ a failed capture of the step's end made were only
+    recorded, never computed: the eager end that follows makes its own
+    (it read the failed capture's before)."""
+    from chainerkfac.optimizers import KFAC
+    fakes, made, used = [], set(), []
+    block_damping = KFAC._block_damping
+
+    def spied(self, block):
+        if not fakes:                      # the eager run
+            return block_damping(self, block)
+        cached = self._step_dampings.get(block.damping_scale(self.rho_bn))
+        out = block_damping(self, block)
+        if fakes[0].capturing is not None and cached is None:
+            made.add(id(out))
+        elif fakes[0].capturing is None:
+            used.append(out)
+        return out
+    monkeypatch.setattr(KFAC, '_block_damping', spied)
+    original = _FailingEnd.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        fakes.append(self)
+    monkeypatch.setattr(_FailingEnd, '__init__', recording)
+    monkeypatch.setitem(globals(), 'ReplayCupy', _FailingEnd)
+    modes, fake, optimizer = _passes_as_eager(_every, _batches(6))
+    assert fake.failed == 1
+    assert optimizer.stats[_UPDATE + 'capture failed'] == 1
+    assert made and used
+    assert not [a for a in used if id(a) in made]
+
+
+class _Twins(helpers.ConvNet):
+    """A ConvNet with two equal Linear layers of width 64 after it: a
+    batch of two equal Kronecker blocks in stage 5 once their factors,
+    averaged over refreshes from a batch of 6, went dense (at the eighth
+    step; low rank, Woodbury, before)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with helpers.float64_links(), self.init_scope():
+            self.widen = chainer.links.Linear(4, 64)
+            self.twin1 = chainer.links.Linear(64, 64)
+            self.twin2 = chainer.links.Linear(64, 64)
+
+    def forward(self, x):
+        h = F.relu(self.widen(F.relu(super().forward(x))))
+        return self.twin2(F.relu(self.twin1(h)))
+
+
+def test_the_end_stacks_its_batches_before_its_capture(monkeypatch):
+    """Stage 5 in batches (the GPU's way, forced here) with factors whose
+    inverses change form (averaged low-rank factors growing dense): the
+    end's graph, captured before, sees its inverses moved and captures
+    again, but the new batch is stacked before (never inside a capture:
+    a capture's stack would be the graph's memory, its copies only
+    recorded); the run is the eager one in batches."""
+    from chainerkfac.fisher_blocks import kronecker
+    from chainerkfac.optimizers import KFAC
+    monkeypatch.setattr(KFAC, 'batches_stage_5', lambda self: True)
+    fakes, stacked = [], []
+    get = kronecker.InverseStack.get
+
+    def spied(stack, blocks):
+        members = tuple(b.inverses[n] for b in blocks for n in stack.names)
+        if fakes and (len(members) != len(stack._members) or any(
+                a is not b for a, b in zip(members, stack._members))):
+            stacked.append(fakes[0].capturing is not None)
+        return get(stack, blocks)
+    monkeypatch.setattr(kronecker.InverseStack, 'get', spied)
+    original = ReplayCupy.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        fakes.append(self)
+    monkeypatch.setattr(ReplayCupy, '__init__', recording)
+    modes, fake, optimizer = _passes_as_eager(_every_decayed, _batches(10),
+                                              network=_Twins)
+    stats = optimizer.stats
+    assert stats[_UPDATE + 'dropped: its buffers moved'] >= 1, dict(stats)
+    assert stats[_UPDATE + 'captured'] >= 2, dict(stats)
+    assert stats[_UPDATE + 'replayed'] >= 1, dict(stats)
+    assert stacked and not any(stacked), stacked
+
+
+def test_a_new_bound_captures_again():
+    """The bounded step's bound is a constant of the captured kernels: a
+    new ``kl_clip`` (or none) captures the stale step and the refresh
+    step's end again; the run is the eager one."""
+    def change(step, model):
+        if step == 9:
+            holder[0].step_bound.kl_clip = 1e-3
+        if step == 13:
+            holder[0].step_bound = None
+    holder = []
+
+    def make(model):
+        holder[:] = [_kfac(model, interval=2, kl_clip=1e-5)]
+        return holder[0]
+    modes, fake, optimizer = _passes_as_eager(make, _batches(17),
+                                              between=change)
+    stats = optimizer.stats
+    assert stats['dropped: hyperparameters changed'] == 2, dict(stats)
+    assert stats[_UPDATE + 'dropped: hyperparameters changed'] >= 1
+
+
 def test_refresh_steps_are_for_kfac_and_its_plain_steps():
     model = helpers.ConvNet(bn=True)
     with pytest.raises(TypeError, match='for K-FAC'):
