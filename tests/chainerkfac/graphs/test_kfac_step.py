@@ -124,6 +124,34 @@ def _run(make, batches, graphed, lr_of=lambda step: 0.05 / (1 + step),
     return state, observations, modes, (fake, optimizer)
 
 
+def _record_fakes(monkeypatch, cls, fakes):
+    """Append each stand-in of ``cls`` made from now on to ``fakes``."""
+    original = cls.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        fakes.append(self)
+    monkeypatch.setattr(cls, '__init__', recording)
+
+
+def _kept(model):
+    """The weights, velocities and BN mean of ``model``, copied."""
+    return ({n: p.array.copy() for n, p in model.namedparams()},
+            {n: p.update_rule.state['v'].copy()
+             for n, p in model.namedparams()},
+            model.bn.avg_mean.copy())
+
+
+def _assert_kept(model, kept):
+    """``model`` as :func:`_kept` copied it (a skipped step)."""
+    weights, velocity, mean = kept
+    for name, param in model.namedparams():
+        numpy.testing.assert_array_equal(param.array, weights[name])
+        numpy.testing.assert_array_equal(param.update_rule.state['v'],
+                                         velocity[name])
+    numpy.testing.assert_array_equal(model.bn.avg_mean, mean)
+
+
 def _assert_same_state(a, b):
     assert sorted(a) == sorted(b)
     for key in a:
@@ -168,21 +196,14 @@ def test_kfac_non_finite_replayed_step_is_undone_on_the_device():
     _, _, modes, (fake, optimizer) = _run(_kfac, batches[:6], graphed=True)
     assert modes[-2:] == ['eager', 'replayed']   # kept through a refresh
     model = optimizer.target
-    before = {n: p.array.copy() for n, p in model.namedparams()}
-    velocity = {n: p.update_rule.state['v'].copy()
-                for n, p in model.namedparams()}
-    mean = model.bn.avg_mean.copy()
+    kept = _kept(model)
     x, t = (fake.asarray(a) for a in batches[6])
     observation = {}
     with chainer.reporter.Reporter().scope(observation):
         assert optimizer.update(optimizer._lossfun, x, t) == 'replayed'
     assert optimizer.last_step_skipped
     assert observation['kfac/skipped_step'] == 1.0
-    for name, param in model.namedparams():
-        numpy.testing.assert_array_equal(param.array, before[name])
-        numpy.testing.assert_array_equal(param.update_rule.state['v'],
-                                         velocity[name])
-    numpy.testing.assert_array_equal(model.bn.avg_mean, mean)
+    _assert_kept(model, kept)
     x, t = (fake.asarray(a) for a in batches[7])
     assert optimizer.update(optimizer._lossfun, x, t) == 'replayed'
     assert not optimizer.last_step_skipped
@@ -210,12 +231,7 @@ def test_nothing_is_read_on_the_host_while_capturing(monkeypatch):
     apply = StepBound.apply     # ν on the host: float() of the terms
     monkeypatch.setattr(StepBound, 'apply', lambda self, *args: (
         forbidden('StepBound.apply')(), apply(self, *args))[1])
-    original = ReplayCupy.__init__
-
-    def recording(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        fakes.append(self)
-    monkeypatch.setattr(ReplayCupy, '__init__', recording)
+    _record_fakes(monkeypatch, ReplayCupy, fakes)
     for make in (_kfac, _bounded, _guarded):
         fakes.clear()
         _, _, modes, _ = _run(make, _batches(6), graphed=True)
@@ -460,20 +476,13 @@ def test_a_non_finite_replayed_refresh_is_undone_on_the_device():
                                           refresh_steps=True)
     assert optimizer.stats[_UPDATE + 'replayed'] == 3
     model = optimizer.target
-    before = {n: p.array.copy() for n, p in model.namedparams()}
-    velocity = {n: p.update_rule.state['v'].copy()
-                for n, p in model.namedparams()}
-    mean = model.bn.avg_mean.copy()
+    kept = _kept(model)
     x, t = (fake.asarray(a) for a in batches[7])
     with chainer.reporter.Reporter().scope({}):
         optimizer.update(optimizer._lossfun, x, t)
     assert optimizer.stats[_UPDATE + 'replayed'] == 4
     assert optimizer.last_step_skipped
-    for name, param in model.namedparams():
-        numpy.testing.assert_array_equal(param.array, before[name])
-        numpy.testing.assert_array_equal(param.update_rule.state['v'],
-                                         velocity[name])
-    numpy.testing.assert_array_equal(model.bn.avg_mean, mean)
+    _assert_kept(model, kept)
     x, t = (fake.asarray(a) for a in batches[8])
     with chainer.reporter.Reporter().scope({}):
         optimizer.update(optimizer._lossfun, x, t)
@@ -686,12 +695,7 @@ def test_a_failed_capture_of_the_end_leaves_no_damping_behind(
             used.append(out)
         return out
     monkeypatch.setattr(KFAC, '_block_damping', spied)
-    original = _FailingEnd.__init__
-
-    def recording(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        fakes.append(self)
-    monkeypatch.setattr(_FailingEnd, '__init__', recording)
+    _record_fakes(monkeypatch, _FailingEnd, fakes)
     monkeypatch.setitem(globals(), 'ReplayCupy', _FailingEnd)
     modes, fake, optimizer = _passes_as_eager(_every, _batches(6))
     assert fake.failed == 1
@@ -738,12 +742,7 @@ def test_the_end_stacks_its_batches_before_its_capture(monkeypatch):
             stacked.append(fakes[0].capturing is not None)
         return get(stack, blocks)
     monkeypatch.setattr(kronecker.InverseStack, 'get', spied)
-    original = ReplayCupy.__init__
-
-    def recording(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        fakes.append(self)
-    monkeypatch.setattr(ReplayCupy, '__init__', recording)
+    _record_fakes(monkeypatch, ReplayCupy, fakes)
     modes, fake, optimizer = _passes_as_eager(_every_decayed, _batches(10),
                                               network=_Twins)
     stats = optimizer.stats
