@@ -139,14 +139,17 @@ def _assert_equal_runs(eager, model):
                 rtol=0, atol=1e-12)
 
 
-def _run_steps(model, extra, batches, use_graph):
-    """K-FAC refreshed every 5 steps with ``extra`` options on ``model``
-    over ``batches``, graphed or eagerly."""
+def _run_steps(model, extra, batches, use_graph, interval=5, **graphed):
+    """K-FAC refreshed every ``interval`` steps with ``extra`` options on
+    ``model`` over ``batches``, graphed (with the options ``graphed``) or
+    eagerly."""
     optimizer = KFAC(lr=0.02, momentum=0.9, damping=0.1,
-                     refresh_interval_a=5, refresh_interval_g=5,
-                     refresh_interval_f=5, verbose=False,
+                     refresh_interval_a=interval,
+                     refresh_interval_g=interval,
+                     refresh_interval_f=interval, verbose=False,
                      **extra).setup(model)
-    return optimizer, _steps(model, optimizer, batches, use_graph)
+    return optimizer, _steps(model, optimizer, batches, use_graph,
+                             **graphed)
 
 
 def test_recaptures_do_not_grow_device_memory(monkeypatch):
@@ -315,12 +318,16 @@ class _DeepMLP(chainer.Chain):
         return self.last(h)
 
 
-def test_more_than_eight_equal_blocks_are_replayed():
+@pytest.mark.parametrize('refresh_steps', [False, True],
+                         ids=['stale', 'refresh-steps'])
+def test_more_than_eight_equal_blocks_are_replayed(refresh_steps):
     """Stage 5 batches blocks of equal shapes; more than 8 of them were
     stacked by ``cupy.stack``, which copies a table of pointers from the
     host, and the capture refused it (ResNet-50 has 16 BN layers of 256
     channels): every stale step then ran eagerly. Dense factors, so that
-    every block is batched; 20 steps end where the eager run's do."""
+    every block is batched; 20 steps end where the eager run's do. With
+    ``refresh_steps``, every step a refresh whose passes and end (the
+    batches read from stacks refreshed in place) are replayed."""
     import cupy
     from chainerkfac.fisher_blocks import batch_norm, kronecker
     rng = numpy.random.RandomState(3)
@@ -333,6 +340,10 @@ def test_more_than_eight_equal_blocks_are_replayed():
         with chainer.using_config('dtype', numpy.float64):
             model = models.SoftLabelClassifier(_DeepMLP())
         model.to_device('@cupy:0')
+        if refresh_steps:
+            return (model,) + _run_steps(
+                model, dict(low_rank=False), batches, use_graph,
+                interval=1, **({'refresh_steps': True} if use_graph else {}))
         return (model,) + _run_steps(model, dict(low_rank=False), batches,
                                      use_graph)
     eager, _, _ = run(False)
@@ -341,7 +352,10 @@ def test_more_than_eight_equal_blocks_are_replayed():
             for b in optimizer.blocks]
     assert max(keys.count(k) for k in keys if k is not None) >= 10
     stats = dict(stepper.stats)
-    assert stats['replayed'] >= 8, stats
+    if refresh_steps:
+        assert stats['refresh update: replayed'] >= 15, stats
+    else:
+        assert stats['replayed'] >= 8, stats
     reference = support.weights(eager)
     for name, value in support.weights(model).items():
         numpy.testing.assert_allclose(
