@@ -454,9 +454,9 @@ class RefreshUpdate:
     wrote, after the eager inverse stage (whose inverses go into the
     arrays the graph reads: ``refill_inverses``). A child of the stale
     steps' graph, one per graph of the passes (:class:`RefreshPasses`).
-    In an eager refresh step that is the end most of its host time goes
-    to (on an H100 at batch 32: 0.028 s for stage 5 and 0.010 s for the
-    update, against a few ms of kernels).
+    Eagerly this end is mostly host time (on an H100 at batch 32: 0.028 s
+    for stage 5 and 0.010 s for the update, against a few ms of
+    kernels).
 
     The step's ``(grads, present)`` are set in :attr:`args` around each
     call. Its host side after a replay is the stale step's: ``t`` and the
