@@ -83,7 +83,11 @@ is stepped on, after the rounds, to its next refresh step and one step
 past it (``refresh_cycle`` in the JSON): where that step captured the
 graph again (the refresh dropped it), what it took beyond a replayed step is
 added to every cycle (``recapture_s``); where its cycle could not be
-timed, its amortised figures are left out. Stage times
+timed, its amortised figures are left out. With ``kfac_every_graph`` in
+the run, ``images_per_s`` also has the replayed stale cycle whose refresh
+step is replayed too but for its inverses (``--replay-refresh-steps``),
+``kfac_stale_graph_amortised_replayed_refresh``: that step's median in
+place of ``kfac_every``'s. Stage times
 (:attr:`KFAC.stage_times`: forward_backward = stages 1-2 with factor
 capture, factors, reduce_scatter, inverse, precondition, all_gather,
 update) are medians over the timed steps; for SGD, forward_backward and
@@ -1236,12 +1240,19 @@ def goals_vs_peer_table(rows) -> str:
 # -- the throughput sweep -----------------------------------------------------
 #: images/s keys: ours, then the peer's.
 THROUGHPUT = ('sgd', 'kfac_every', 'kfac_stale', 'kfac_stale_amortised')
+#: The replayed stale cycle whose refresh step is replayed too but for its
+#: inverses (``graphed(..., refresh_steps=True)``): ``kfac_stale_graph``'s
+#: step and recapture with ``kfac_every_graph``'s step, the same work.
+REPLAYED_REFRESH = 'kfac_stale_graph_amortised_replayed_refresh'
 #: ... and the replayed variants' (columns where a row has them): a
 #: graphed K-FAC run takes its refresh steps eagerly, so its cycle is
-#: amortised with ``kfac_every``'s step as well.
+#: amortised with ``kfac_every``'s step as well; with
+#: ``--replay-refresh-steps`` with ``kfac_every_graph``'s
+#: (:data:`REPLAYED_REFRESH`).
 GRAPH_THROUGHPUT = ('sgd_graph', 'kfac_stale_graph',
                     'kfac_stale_graph_amortised', 'kfac_stale_graph_tf32',
-                    'kfac_stale_graph_tf32_amortised', 'kfac_every_graph')
+                    'kfac_stale_graph_tf32_amortised', 'kfac_every_graph',
+                    REPLAYED_REFRESH)
 PEER_THROUGHPUT = ('sgd', 'kfac_inverse', 'kfac_inverse_stale',
                    'kfac_inverse_stale_amortised')
 
@@ -1267,6 +1278,25 @@ def images_per_second(median_s: Dict[str, float], batch: int,
                                   interval, extra)
             out[stale + '_amortised'] = batch * interval / cycle
     return out
+
+
+def replayed_refresh_cycle(median_s: Dict[str, float], batch: int,
+                           interval: int,
+                           extras: Dict[str, Optional[float]]
+                           ) -> Dict[str, float]:
+    """``{REPLAYED_REFRESH: images/s}``: the replayed stale step amortised
+    over a cycle whose refresh step is replayed too but for its inverses
+    (what ``--replay-refresh-steps`` runs: ``kfac_every_graph``'s median,
+    the same work as a stale run's refresh step), with the stale graph's
+    recapture after a refresh; empty where either step was not timed
+    replayed (pass :func:`replayed_medians`) or the cycle was not."""
+    out = images_per_second(
+        {k: median_s.get(k) for k in ('kfac_every_graph',
+                                      'kfac_stale_graph')},
+        batch, interval, 'kfac_every_graph', 'kfac_stale_graph',
+        extras=extras)
+    value = out.get('kfac_stale_graph_amortised')
+    return {} if value is None else {REPLAYED_REFRESH: value}
 
 
 def recaptures(result: Dict) -> Dict[str, Optional[float]]:
@@ -1334,6 +1364,8 @@ def sweep(args, specs: Dict[str, Dict], xp, target: str,
                 result['images_per_s'].update(images_per_second(
                     result['median_s'], batch, args.interval, 'kfac_tf32',
                     'kfac_stale_graph_tf32', extras=extras))
+                result['images_per_s'].update(replayed_refresh_cycle(
+                    replayed_medians(result), batch, args.interval, extras))
                 free_device_memory(xp)
                 result['device_bytes_in_use_after'] = device_bytes_in_use(xp)
                 if args.peer and limit == limits[0]:

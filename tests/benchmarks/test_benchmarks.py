@@ -469,6 +469,19 @@ def test_step_time_sweep_tables_the_replayed_variants():
         extras={'kfac_stale_graph': None})
     assert 'kfac_stale_graph_amortised' not in untimed
     assert untimed['kfac_stale_amortised'] == ips['kfac_stale_amortised']
+    # with the refresh step replayed too (--replay-refresh-steps): the
+    # every-step replayed step in the cycle, where it replayed
+    median['kfac_every_graph'] = 0.2
+    replayed = step_time.replayed_refresh_cycle(
+        median, 32, 20, {'kfac_stale_graph': 0.1})
+    assert replayed == {step_time.REPLAYED_REFRESH: pytest.approx(
+        32 * 20 / (0.2 + 0.1 + 19 * 0.025))}
+    assert step_time.replayed_refresh_cycle(
+        median, 32, 20, {'kfac_stale_graph': None}) == {}
+    assert step_time.replayed_refresh_cycle(
+        step_time.replayed_medians({'median_s': median, 'not_replayed': [
+            'kfac_every_graph']}), 32, 20, {'kfac_stale_graph': 0.1}) == {}
+    ips.update(replayed)
     row = {'model': 'resnet50', 'batch': 32, 'workspace_bytes': 1 << 30,
            'images_per_s': ips}
     data = {'sweep': [row], 'gpu': True, 'autotune': True,
