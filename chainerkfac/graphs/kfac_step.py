@@ -324,22 +324,20 @@ class RefreshPasses:
         through a graph of their own (:class:`RefreshUpdate`, a child of
         the stale steps' graph, as these passes' graph), on the gradients
         these passes' graph wrote."""
+        opt = self.optimizer
         if self.update_graph is None:
+            adapter = RefreshUpdate(opt, self._params, self._stale)
             self.update_graph = step.StepGraph(
-                None, RefreshUpdate(self.optimizer, self._params,
-                                    self._stale),
+                lambda: opt.update_step(*adapter.args), adapter,
                 warmup=CHILD_WARMUP, parent=passes.parent,
                 label='refresh update: ')
         graph = self.update_graph
-        opt = self.optimizer
 
         def update(grads, present):
             graph.adapter.args = (grads, present)
-            graph.step = lambda: opt.update_step(grads, present)
-            # the refilled inverses into the stacks the graph reads (a
-            # replay runs no version check), every batch stacked now (not
-            # in a capture)
-            opt.refresh_inverse_stacks()
+            # every batch the graph reads stacked now (not in a capture),
+            # with the inverses refilled in place copied into its slots (a
+            # replay runs no version check)
             opt.prepare_inverse_stacks(grads, present)
             try:
                 graph()

@@ -51,7 +51,7 @@ capture had made (every array or Variable attribute of the adapter's
 ``step_objects()`` that the capture set) are put back, as a replay
 rewrites those arrays. A StepGraph may have children (``parent=``): a
 graph of part of the parent's eager steps (K-FAC's refresh steps'
-passes), on the parent's side stream and pool, which checks its
+passes and end), on the parent's side stream and pool, which checks its
 adapter's ``graph_buffers()`` before each replay (the parent's steps ran
 in between) and rebinds its outputs after each. The side stream
 waits for the current stream before each capture or launch and the
@@ -282,10 +282,10 @@ class StepGraph:
         (default :func:`chainerkfac.graphs.gemm.route_step`).
     parent : StepGraph, optional
         A graph of part of ``parent``'s eager steps (K-FAC's refresh
-        steps' passes, :mod:`chainerkfac.graphs.kfac_step`): it captures
-        on ``parent``'s side stream into ``parent``'s memory pool (one
-        pool for both: the two are never replayed at once, and what one
-        step's replay writes is read before the other's next replay), its
+        steps' passes and end, :mod:`chainerkfac.graphs.kfac_step`): it
+        captures on ``parent``'s side stream into ``parent``'s memory pool
+        (one pool for all: they are never replayed at once, and what one
+        step's replay writes is read before another's next replay), its
         counts go into ``parent``'s :attr:`stats` with ``label`` before
         each key, and its GEMMs are routed by ``parent``'s eager step that
         calls it.

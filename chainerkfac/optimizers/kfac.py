@@ -633,9 +633,6 @@ class KFAC(optimizer.GradientMethod):
 
     # -- stages 3-6 and the update --------------------------------------------
     def _step(self, update=None):
-        # this step's device γ per scale (made again each step: the device
-        # damping is rewritten in place before it)
-        self._step_dampings = {}
         if self.shard_update:
             hooks.check_sharded(self)
         blocks, transport = self.blocks, self.transport
@@ -705,8 +702,9 @@ class KFAC(optimizer.GradientMethod):
         gradients ``grads`` (``{block: [array or None]}``; ``present``:
         which parameters have one anywhere): the end of a step, after its
         inverses. Advances ``t``."""
-        # γ per scale made anew (not those of a capture that failed or was
-        # retried: their kernels never ran)
+        # this step's device γ per scale, made anew (the device damping is
+        # rewritten in place before each step; and a capture that failed
+        # or was retried only recorded the kernels of its own)
         self._step_dampings = {}
         directions = self._precondition_owned(grads, present)
         if self.step_bound is not None:

@@ -497,9 +497,9 @@ def test_the_stacks_take_the_refilled_inverses_before_the_end(monkeypatch):
     from chainerkfac.graphs import step as graphs_step
     from chainerkfac.optimizers import KFAC
     events = []
-    refresh = KFAC.refresh_inverse_stacks
-    monkeypatch.setattr(KFAC, 'refresh_inverse_stacks', lambda self: (
-        events.append('stacks'), refresh(self))[1])
+    prepare = KFAC.prepare_inverse_stacks
+    monkeypatch.setattr(KFAC, 'prepare_inverse_stacks', lambda self, *a: (
+        events.append('stacks'), prepare(self, *a))[1])
     call = graphs_step.StepGraph.__call__
 
     def called(graph, *inputs):
