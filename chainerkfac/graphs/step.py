@@ -304,7 +304,10 @@ class StepGraph:
         self.warmup = warmup
         self.parent = parent
         self.label = label
+        #: The live children (``parent=self``): graphs on this one's pool.
+        self._children = weakref.WeakSet()
         if parent is not None:
+            parent._children.add(self)
             cupy = parent._cupy
             route_linear = contextlib.nullcontext    # the parent routes
             if cupy is None:
@@ -463,6 +466,12 @@ class StepGraph:
             self.adapter.restore_host_state(host)
             self._static = ()
             if retry and _out_of_memory(failure):
+                # the pool's free blocks include what the other live graphs
+                # on it use at each replay (a capture's temporaries go back
+                # to the pool when Python drops them): those graphs go first
+                for other in self._on_the_same_pool():
+                    other._drop('the memory pool was given back (a capture '
+                                'on it ran out of memory)')
                 freed = self._free_cached_blocks()
                 logger.warning('CUDA graph: the capture ran out of device '
                                'memory (%s); %d MiB of cached free blocks '
@@ -486,6 +495,14 @@ class StepGraph:
             self._buffers = self.adapter.graph_buffers()
             self._outputs = _outputs(before, self._cupy.ndarray)
             self._rebind = False
+        # The Variables the capture left (``L.Classifier``'s loss and
+        # predictions; the reporter keeps copies without the graph) hold
+        # its forward pass: every array kept for the backward one. Cut off,
+        # those arrays go back to the pool, for the next capture on it too
+        # (a replay writes them before it reads them), instead of a copy of
+        # the activations kept per graph on the pool.
+        _cut_from_graph(list(self._reported.values()) +
+                        [value for _, _, value in self._outputs])
         self.adapter.after_capture(host)
         self._count('captured')
         self.capture_seconds.append(time.perf_counter() - start)
@@ -508,6 +525,12 @@ class StepGraph:
                 self, self._release, self._stream.ptr, self._pool)
             self._finalizer.atexit = False   # the process's memory goes
         return self._stream, self._pool
+
+    def _on_the_same_pool(self) -> List['StepGraph']:
+        """The other live graphs that capture into this one's pool: its
+        parent's family (the parent and its children)."""
+        root = self.parent if self.parent is not None else self
+        return [g for g in [root, *root._children] if g is not self]
 
     def _free_cached_blocks(self) -> int:
         """Give the free blocks of CuPy's default pool and of the graph's
@@ -609,6 +632,15 @@ def _outputs(before, array_type) -> List[tuple]:
                     isinstance(value.array, array_type)):
                 out.append((owner, name, value))
     return out
+
+
+def _cut_from_graph(values) -> None:
+    """Cut each Variable among ``values`` from the computational graph
+    that made it (:meth:`chainer.Variable.unchain_backward`): what its
+    functions kept for the backward pass is let go."""
+    for value in values:
+        if isinstance(value, chainer.Variable):
+            value.unchain_backward()
 
 
 def buffer_signature(arrays) -> tuple:

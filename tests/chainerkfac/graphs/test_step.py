@@ -155,6 +155,56 @@ def test_a_capture_out_of_memory_is_tried_once_more(caplog):
     numpy.testing.assert_allclose(weights, -0.4)
 
 
+def test_a_child_out_of_memory_drops_the_graphs_on_its_pool_first():
+    """A child captures into its parent's pool, whose free blocks include
+    the temporaries every live graph on it rewrites at each replay: before
+    a capture that ran out of memory gives them back, the other graphs on
+    the pool go (their next replay would write freed memory); each is
+    captured again later."""
+    fake, parent, optimizer, weights, state, _ = _setup()
+    child_oom = {'n': 0}
+    side = numpy.zeros(4)
+
+    def part(x):
+        if child_oom['n'] and fake.capturing is not None:
+            child_oom['n'] -= 1
+            raise OutOfMemoryError('out of memory to allocate 512 bytes')
+        fake.kernel(lambda: side[:x.size].__iadd__(x))
+
+    class Part(graphs_step.ChainerOptimizer):
+        def step_objects(self):
+            return []
+
+        def graph_buffers(self):
+            return ()
+
+        def after_replay(self):     # a part of a step: t is the parent's
+            pass
+
+    child = graphs_step.StepGraph(part, Part(optimizer), warmup=1,
+                                  parent=parent, label='part: ')
+    sibling = graphs_step.StepGraph(part, Part(optimizer), warmup=1,
+                                    parent=parent, label='other: ')
+    assert [parent(_x(fake, 1)) for _ in range(4)] == \
+        ['eager', 'eager', 'captured', 'replayed']
+    assert [sibling(_x(fake, 1)) for _ in range(2)] == ['eager', 'captured']
+    child_oom['n'] = 1
+    assert [child(_x(fake, 1)) for _ in range(3)] == \
+        ['eager', 'captured', 'replayed']
+    reason = 'dropped: the memory pool was given back (a capture on it ran ' \
+        'out of memory)'
+    assert parent.stats[reason] == 1
+    assert parent.stats['other: ' + reason] == 1
+    assert parent.stats['part: capture out of memory'] == 1
+    assert parent._pool.frees == 1
+    # dropped, not closed: each captures again at its next step
+    assert parent(_x(fake, 1)) == 'captured'
+    assert sibling(_x(fake, 1)) == 'captured'
+    assert optimizer.t == 5
+    numpy.testing.assert_allclose(weights, -0.5)
+    numpy.testing.assert_allclose(side, 6.0)   # 3 + 3 steps of the parts
+
+
 def test_a_capture_out_of_memory_twice_runs_eagerly():
     fake, graph, optimizer, weights, state, _ = _setup()
     state['oom'] = 2
