@@ -99,7 +99,8 @@ class DeviceStepGuard:
             self._persistent.restore(_persistent_arrays(self._link))
 
     def check(self, arrays: Sequence,
-              agree: Optional[Callable[[bool], bool]] = None) -> bool:
+              agree: Optional[Callable[[bool], bool]] = None,
+              updated: Optional[Sequence] = None) -> bool:
         """Flag the step if any element of ``arrays`` is not finite, and
         copy what the update may write.
 
@@ -108,7 +109,10 @@ class DeviceStepGuard:
         False only where the host had to decide: with ``agree`` (several
         processes: the flag is read and agreed on the host), and at a
         step whose update rules have no state yet (the first: what the
-        update creates has no copy to go back to).
+        update creates has no copy to go back to). ``updated``: the
+        parameters the update will write, where not every parameter with
+        a gradient (K-FAC leaves alone one no loss reached, whose rule
+        never gets a state): only their rules are asked.
         """
         if self._link is None:
             raise RuntimeError('DeviceStepGuard.check before checkpoint: '
@@ -119,9 +123,10 @@ class DeviceStepGuard:
             return True
         self._make_flags(arrays[0] if arrays else params[0].array)
         _flag_nonfinite(arrays, self._flag)
+        asked = params if updated is None else updated
         host_decides = agree is not None or any(
             p.update_rule is not None and p.grad is not None and
-            p.update_rule.state is None for p in params)
+            p.update_rule.state is None for p in asked)
         if host_decides:
             # The update is launched only if finite: nothing to settle
             # (the caller restores the statistics of a skipped step).

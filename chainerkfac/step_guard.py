@@ -84,10 +84,14 @@ class StepGuard:
             setattr(child, name, value)
 
     def check(self, arrays: Sequence,
-              agree: Optional[Callable[[bool], bool]] = None) -> bool:
+              agree: Optional[Callable[[bool], bool]] = None,
+              updated: Optional[Sequence] = None) -> bool:
         """Whether every array is finite (on every process, with ``agree``,
         a logical and over processes); records :attr:`skipped`. On the GPU
-        one kernel and one host synchronisation for all arrays."""
+        one kernel and one host synchronisation for all arrays.
+        ``updated`` (the parameters the update writes) is for
+        :meth:`DeviceStepGuard.check
+        <chainerkfac.device_guard.DeviceStepGuard.check>`; unused here."""
         finite = fused.all_finite(arrays)
         if agree is not None:
             finite = agree(finite)

@@ -166,7 +166,7 @@ class KFACOptimizer:
                 ', '.join(sorted(set(hooks))))
         if not opt.started:
             return 'the first step (it sets up the transport and eq. 20)'
-        if opt.estimator.due:
+        if opt.refresh_due():
             return 'a refresh step (factors due)'
         if not isinstance(opt.guard, DeviceStepGuard) or not opt.guard.ready:
             return 'the guard takes its checkpoint (first step, or restored)'
@@ -475,8 +475,9 @@ class RefreshUpdate:
         opt = self.optimizer
         if not isinstance(opt.guard, DeviceStepGuard):
             return 'the guard is not on the device'
+        updated = opt.updated_params(opt.blocks, self.args[1])
         if any(p.grad is not None and p.update_rule.state is None
-               for p in self._params()):
+               for p in updated):
             return ('an update rule without state yet (the guard decides '
                     'on the host)')
         return None

@@ -231,11 +231,27 @@ def test_nothing_is_read_on_the_host_while_capturing(monkeypatch):
     apply = StepBound.apply     # ν on the host: float() of the terms
     monkeypatch.setattr(StepBound, 'apply', lambda self, *args: (
         forbidden('StepBound.apply')(), apply(self, *args))[1])
+    real_check = DeviceStepGuard.check
+
+    def check(guard, *args, **kwargs):
+        finite = real_check(guard, *args, **kwargs)
+        if not guard._open:     # it read the flag to decide (a rule
+            forbidden('the guard deciding')()   # without state: a head)
+        return finite
+    monkeypatch.setattr(DeviceStepGuard, 'check', check)
     _record_fakes(monkeypatch, ReplayCupy, fakes)
-    for make in (_kfac, _bounded, _guarded):
+    for make, network, refresh_steps in [
+            (_kfac, helpers.ConvNet, False), (_bounded, helpers.ConvNet, False),
+            (_guarded, helpers.ConvNet, False),
+            (_kfac, _WithUnusedHead, False), (_every, _WithUnusedHead, True)]:
         fakes.clear()
-        _, _, modes, _ = _run(make, _batches(6), graphed=True)
-        assert 'captured' in modes and 'replayed' in modes
+        _, _, modes, (_, optimizer) = _run(
+            make, _batches(6), graphed=True, network=network,
+            refresh_steps=refresh_steps)
+        if refresh_steps:
+            assert optimizer.stats[_UPDATE + 'replayed'] >= 2
+        else:
+            assert 'captured' in modes and 'replayed' in modes
 
 
 def test_guarded_optimizer_lr_schedule_needs_no_new_capture():
@@ -574,6 +590,36 @@ def test_a_failed_capture_of_the_passes_runs_them_eagerly(monkeypatch):
     numpy.testing.assert_equal(obs, eager_obs)
 
 
+def test_a_capture_lets_go_of_its_forward_pass(monkeypatch):
+    """The Variables a capture left on the model (the loss, as
+    ``L.Classifier`` keeps it), which every replay hands out again, are
+    cut from their computational graph, so that the arrays its functions
+    kept for the backward pass go back to the pool (each graph of the
+    passes would otherwise keep a forward pass of its own); an eager
+    step's loss keeps its graph, as in Chainer. (The reporter keeps a copy
+    without the graph itself.)"""
+    made = []
+    plain = _lossfun
+
+    def keeping(model):
+        inner = plain(model)
+
+        def lossfun(x, t):
+            model.loss = inner(x, t)
+            made.append(model.loss)
+            return model.loss
+        return lossfun
+
+    monkeypatch.setitem(globals(), '_lossfun', keeping)
+    _, _, _, (_, optimizer) = _run(_every, _batches(5), graphed=True,
+                                   refresh_steps=True)
+    assert optimizer.stats[_PASSES + 'replayed'] == 2
+    model = optimizer.target
+    assert any(model.loss is loss for loss in made[1:])
+    assert model.loss.creator is None
+    assert made[0].creator is not None      # the first step's, eager
+
+
 class _WithUnusedHead(helpers.ConvNet):
     """A ConvNet with a Linear the loss never reaches."""
 
@@ -591,8 +637,26 @@ def test_replayed_passes_leave_an_unreached_parameter_alone():
     modes, _, optimizer = _passes_as_eager(_every, batches,
                                            network=_WithUnusedHead)
     assert optimizer.stats[_PASSES + 'replayed'] == 5
+    # the end too: the guard asks only the rules of what it updates
+    assert optimizer.stats[_UPDATE + 'replayed'] == 4, dict(optimizer.stats)
     assert optimizer.target.aux.W.update_rule.t == 0   # and the eager run's
     assert not [k for k in optimizer.stats if 'dropped' in k]
+
+
+def test_stale_steps_with_an_unreached_head_are_replayed_as_eager():
+    """A head no loss reaches keeps its factors due (it is refreshed as
+    soon as a step reaches it), but a step that does not reach it
+    refreshes nothing: the stale graph replays such steps, as the eager
+    run takes them (the head untouched)."""
+    batches = _batches(12)
+    eager, eager_obs, _, _ = _run(_kfac, batches, graphed=False,
+                                  network=_WithUnusedHead)
+    state, obs, modes, (_, optimizer) = _run(_kfac, batches, graphed=True,
+                                             network=_WithUnusedHead)
+    assert modes.count('replayed') >= 5, modes
+    _assert_same_state(eager, state)
+    numpy.testing.assert_equal(obs, eager_obs)
+    assert optimizer.target.aux.W.update_rule.t == 0
 
 
 def _a_every_third(model):
