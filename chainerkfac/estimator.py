@@ -125,8 +125,10 @@ class CurvatureEstimator:
         self._gradient_due: Dict = {}
         self._touched: Dict = {}
         self._passes = 1
-        self._summed_passes: set = set()
-        self._summed_blocks: set = set()
+        # pass index / block -> the first axis's length of what the pass's
+        # F.sum summed (None: not known)
+        self._summed_passes: Dict[int, Optional[int]] = {}
+        self._summed_blocks: Dict[object, Optional[int]] = {}
         #: Samples of the open micro-batch (first axis of the first routed
         #: call's input), and of the step so far.
         self.batch_size: Optional[int] = None
@@ -229,11 +231,12 @@ class CurvatureEstimator:
             if the backward pass of a loss that sums over the mini-batch
             contributed (``loss_reduction='mean'``).
         """
-        if self._summed_blocks:
-            self._summed_blocks = set()
-            self._summed_passes = set()
-            raise ValueError(_SUMMED_LOSS)
-        self._summed_passes = set()
+        batch = self.batch_size
+        summed = [n for n in self._summed_blocks.values()
+                  if n is None or batch is None or n == batch]
+        self._summed_blocks, self._summed_passes = {}, {}
+        if summed:
+            raise ValueError(_SUMMED_LOSS.format(batch))
         for block in self._due:
             block.end_micro_batch(self._passes)
         self.samples += self.batch_size or 0
@@ -247,7 +250,7 @@ class CurvatureEstimator:
             block.discard_open()
         self.batch_size = None
         self._touched = {}
-        self._summed_blocks = set()
+        self._summed_blocks = {}
 
     def close(self) -> None:
         """Take the hook out (the optimizer is done with)."""
@@ -258,7 +261,7 @@ class CurvatureEstimator:
         if self.loss_reduction == 'mean' and _is_summed_loss(function):
             # Refused if what it captures is still part of the update
             # (other passes, e.g. for input gradients, may sum).
-            self._summed_passes.add(pass_info.index)
+            self._summed_passes[pass_info.index] = _summed_length(function)
 
     def on_backward(self, block, function, in_data, out_grad, pass_info):
         names = self._due.get(block)
@@ -276,9 +279,10 @@ class CurvatureEstimator:
                 # Cleared since the last pass: what the link captured
                 # before is no part of the gradient of this update.
                 block.discard_open()
-                self._summed_blocks.discard(block)
+                self._summed_blocks.pop(block, None)
             if pass_info.index in self._summed_passes:
-                self._summed_blocks.add(block)
+                self._summed_blocks[block] = \
+                    self._summed_passes[pass_info.index]
         if block.collects(FactorKind.INPUTS):
             if in_data[0] is None:
                 raise RuntimeError(
@@ -321,9 +325,11 @@ class CurvatureEstimator:
             loss = lossfun(*args, **kwds)
         finally:
             self._capture.record_logits = False
-        if self.loss_reduction == 'mean' and _is_summed_loss(loss.creator):
-            raise ValueError(_SUMMED_LOSS)
         loss.backward()
+        # after the backward pass, which tells the batch's size
+        if self.loss_reduction == 'mean' and _is_summed_loss(
+                loss.creator, self.batch_size):
+            raise ValueError(_SUMMED_LOSS.format(self.batch_size))
         if self.loss_reduction == 'sum' and self.batch_size is None:
             raise RuntimeError(
                 "KFAC(loss_reduction='sum') takes the batch size from the "
@@ -373,20 +379,49 @@ class CurvatureEstimator:
 
 
 _SUMMED_LOSS = (
-    'K-FAC: the loss is a sum over the mini-batch (its last operation is '
-    'F.sum), but K-FAC scales the factors for a batch-mean loss. Use a mean '
-    "(F.mean, or reduce='mean' in the loss function), or "
-    "KFAC(loss_reduction='sum').")
+    'K-FAC: the loss looks like a sum over the mini-batch (its last '
+    'operation is F.sum, of an array whose first axis has the batch\'s '
+    'length, {}), but K-FAC scales the factors for a batch-mean loss. Use '
+    "a mean (F.mean, or reduce='mean' in the loss function), or "
+    "KFAC(loss_reduction='sum'). If it sums something else (the losses "
+    'of as many time steps, say), write that sum as a Python sum() or '
+    'F.add of the terms.')
 
 
-def _is_summed_loss(function) -> bool:
-    """Whether ``function`` (a loss's creator) sums into a scalar, and
-    not a mean written as a sum (:func:`_is_mean_as_sum`)."""
+def sums_over_batch(loss, batch: Optional[int]) -> bool:
+    """Whether the scalar ``loss`` (a Variable) looks like a sum over a
+    batch of ``batch`` samples rather than their mean: its last operation
+    ``F.sum`` of an array whose first axis has that length, not a mean
+    written as a sum (:func:`_is_summed_loss`)."""
+    return _is_summed_loss(loss.creator, batch)
+
+
+def _is_summed_loss(function, batch: Optional[int] = None) -> bool:
+    """Whether ``function`` (a loss's creator) sums into a scalar an
+    array whose first axis has the batch's length ``batch`` (where
+    known), and is not a mean written as a sum
+    (:func:`_is_mean_as_sum`). A guess from the last operation: a sum
+    over other things (time steps) of batch means passes where their
+    count is not the batch's."""
     if not isinstance(function, sum_module.Sum):
         return False
     outputs = [o() for o in function.outputs]
-    return all(o is not None and o.shape == () for o in outputs) and \
-        not _is_mean_as_sum(function)
+    if not all(o is not None and o.shape == () for o in outputs):
+        return False
+    length = _summed_length(function)
+    if batch is not None and length is not None and length != batch:
+        return False
+    return not _is_mean_as_sum(function)
+
+
+def _summed_length(function) -> Optional[int]:
+    """The length of the first axis of what an ``F.sum`` node summed (0
+    for a 0-d array; None where not known)."""
+    node = function.inputs[0] if function.inputs else None
+    shape = node.shape if node is not None else None
+    if shape is None:
+        return None
+    return int(shape[0]) if shape else 0
 
 
 def _is_mean_as_sum(function) -> bool:

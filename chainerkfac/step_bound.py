@@ -40,7 +40,7 @@ and the owners scale their directions before the all-gather: every
 process applies the same ν, and it is known before any update.
 """
 import math
-from typing import Callable, Iterable, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import numpy
 
@@ -164,10 +164,17 @@ class StepBound:
         ν of the last step.
     """
 
+    #: ν under which the bound holds a step back ...
+    HELD_SCALE = 0.05
+    #: ... over so many steps in a row before :meth:`held_back` says so
+    HELD_STEPS = 50
+
     def __init__(self, kl_clip: float):
         self.kl_clip = float(kl_clip)
         self.metric = float('nan')
         self.scale = 1.0
+        self._readings: List[float] = []
+        self._told = False
         #: ``float -> float``, identical on every process: the sum over a
         #: second group of processes holding other blocks of the same
         #: model (layer-parallel training: the other layer groups), after
@@ -263,6 +270,37 @@ class StepBound:
         for arrays in fused.values():
             multi_tensor.scale(arrays, scale)
         self.metric, self.scale = metric, scale
+
+    def held_back(self, step: int) -> Optional[str]:
+        """Once: a message when ν stayed under :attr:`HELD_SCALE` at
+        every reading over the last :attr:`HELD_STEPS` steps (ν read every
+        10th step, every 50th where it is on a device: a read is a
+        synchronisation); None otherwise. While the bound holds every
+        step so far back, ``lr`` changes nothing and training may crawl
+        (a model with dropout before its layers, at the default
+        ``kl_clip``)."""
+        on_host = isinstance(self.scale, (float, numpy.floating,
+                                          numpy.ndarray))
+        every = 10 if on_host else 50
+        if self._told or step % every:
+            return None
+        cuda = getattr(get_array_module(self.scale), 'cuda', None)
+        if cuda is not None and cuda.get_current_stream().is_capturing():
+            return None     # inside a CUDA graph's capture: not read
+        self._readings.append(float(self.scale))
+        needed = self.HELD_STEPS // every + 1
+        del self._readings[:-needed]
+        if len(self._readings) < needed or not all(
+                v < self.HELD_SCALE for v in self._readings):
+            return None
+        self._told = True
+        return ('the bounded step held every step of the last {} to under '
+                '{:.0%} of lr times the preconditioned gradient (ν = {:.3g} '
+                'now; kl_clip={:g}): while it does, lr changes nothing and '
+                'training may crawl. A larger kl_clip (1e-3, 1e-2) lets the '
+                'steps grow; kl_clip=None takes the bound off'.format(
+                    self.HELD_STEPS, self.HELD_SCALE, self._readings[-1],
+                    self.kl_clip))
 
     def observation(self) -> dict:
         """The reporter's entries of the last step."""

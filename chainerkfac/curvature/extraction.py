@@ -32,6 +32,7 @@ import chainer
 import chainer.functions as F
 
 from chainerkfac import capture as capture_module
+from chainerkfac import estimator
 from chainerkfac import linalg
 from chainerkfac import step_guard
 from chainerkfac.curvature import columns
@@ -216,6 +217,13 @@ class _Extraction:
         self.params = params
         self.predictor.cleargrads()
         loss = lossfun(logits, t)
+        if estimator.sums_over_batch(loss, len(logits)):
+            raise ValueError(
+                'extract: the loss sums over the batch (its last operation '
+                'is F.sum of {} values, one a sample), but the quantities '
+                "are those of the batch's mean loss (as BackPACK's): use a "
+                "mean (F.mean, or reduce='mean' in the loss "
+                'function)'.format(len(logits)))
         # (also where no Hessian is asked for: ignored labels make the loss
         # a mean over fewer than N samples, for the first-order quantities
         # too, whose rows are ∇ℓₙ / N)

@@ -76,7 +76,7 @@ class GuardedOptimizer:
 
     def __init__(self, actual_optimizer, acc_iters: int = 1, comm=None,
                  shard_update: bool = False):
-        options.check_option('acc_iters', acc_iters)
+        options.check_option('acc_iters', acc_iters, 'GuardedOptimizer')
         if not isinstance(shard_update, bool):
             raise ValueError('GuardedOptimizer: shard_update={!r} must be '
                              'True or False'.format(shard_update))

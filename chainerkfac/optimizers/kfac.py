@@ -22,7 +22,7 @@ One K-FAC step, top to bottom (:meth:`KFAC._step`, Algorithm 1):
 """
 import logging
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy
 
@@ -214,8 +214,10 @@ class KFAC(optimizer.GradientMethod):
         full Fisher (2C) — and the registration table says so. The default
         1024 keeps Chainer's MNIST MLP full (785 and 1001 inputs) and turns
         the 10 factors of a CIFAR VGG above it (3×3 convolutions' A up to
-        4608) diagonal: on a 2-core CPU its step is 1.23× MomentumSGD's,
-        5.49× without a limit (``benchmarks/stock_models.py``). ``None``:
+        4608) diagonal: on a 2-core CPU its step costs 1.03× MomentumSGD's
+        at the defaults (2026-11-26; 1.23× with every step refreshed and
+        dense factors, 5.49× so and without a limit, 2026-11-23:
+        ``benchmarks/stock_models.py``, docs/kfac.md). ``None``:
         no limit (the ImageNet configs, as the paper: ResNet-50's largest
         factor is 4608²).
     inverse_method : {'cholesky', 'newton_schulz'}
@@ -248,10 +250,13 @@ class KFAC(optimizer.GradientMethod):
         gradient are neither counted nor scaled). ν and m are reported as
         ``kfac/step_scale`` and ``kfac/step_metric``
         (:mod:`chainerkfac.step_bound`). Default :data:`DEFAULT_KL_CLIP`
-        (1e-4; on the digits nets at lr 0.01 it acts at nearly every step,
-        fresh or stale, ν ≈ 0.25-0.4: the step is then the one of squared
-        metric length 1e-4, and lr matters only where the step is
-        shorter); ``None``: no bound (the paper).
+        (1e-4; on the digits MLP at lr 0.01 it acts at every step of the
+        first epoch, fresh or stale, ν between 0.16 and 0.25: the step is
+        then the one of squared metric length 1e-4, and lr matters only
+        where the step is shorter; a model with dropout before its layers
+        may be held to ν near 0.01, and K-FAC warns once where ν stays
+        under 5 % for 50 steps: raise ``kl_clip`` there); ``None``: no
+        bound (the paper).
     conv_a_strategy : {'unfolded', 'shifted'}, optional
         Force how convolutions form A where it applies (benchmarks); by
         default the cheaper one by a cost model on the CPU, and on the GPU
@@ -323,7 +328,8 @@ class KFAC(optimizer.GradientMethod):
             loss_reduction=loss_reduction, max_factor_dim=max_factor_dim,
             inverse_method=inverse_method, low_rank=low_rank,
             kl_clip=kl_clip, conv_a_strategy=conv_a_strategy,
-            shard_update=shard_update)
+            shard_update=shard_update, process_local=process_local,
+            verbose=verbose, fisher_diff=fisher_diff, seed=seed)
         self.hyperparam.lr = lr
         self.hyperparam.momentum = momentum
         self.damping = float(damping)
@@ -396,6 +402,7 @@ class KFAC(optimizer.GradientMethod):
         self._checkpoint_due = False
         self._table_shown = False
         self._warned_uncaptured: set = set()
+        self._unreached: frozenset = frozenset()    # refresh_due()
         self._inverse_stacks: Dict = {}
         self._step_dampings: Dict = {}
         #: Stage 3's agreement on the form of low-rank factors.
@@ -680,7 +687,7 @@ class KFAC(optimizer.GradientMethod):
         factors = self._exchange.receive(factors)
         self.timer.mark('reduce_scatter', self._like())
 
-        retries = self._refresh(factors, counts)
+        retries, failed = self._refresh(factors, counts)
         self.timer.mark('inverse', self._like())
 
         step = self.t
@@ -688,8 +695,14 @@ class KFAC(optimizer.GradientMethod):
         refreshed = set()
         for block in blocks:
             for name in counts[block]:
+                if (block, name) in failed:
+                    continue        # not refreshed: due again next step
                 block.mark_refreshed(name, step)
                 refreshed.add(block.factor_kinds[name].interval)
+        # blocks whose factors were due and that no backward pass reached
+        # (a head the loss does not use): they stay due, refreshing nothing
+        self._unreached = frozenset(
+            b for b in due if not counts[b] and not any(present[b]))
         self._close_step(refreshed, retries, step)
         self.timer.mark('update', self._like())
         self.call_hooks('post')
@@ -726,7 +739,8 @@ class KFAC(optimizer.GradientMethod):
         hooks.call_direction_hooks(self, self.blocks, directions)
         self.t += 1
         if self.guard.check([d for ds in directions.values() for d in ds],
-                            self._agree()):
+                            self._agree(),
+                            self.updated_params(self.blocks, present)):
             self._apply([(b, directions.get(b, ())) for b in self.blocks])
         else:
             self.guard.restore()
@@ -749,13 +763,22 @@ class KFAC(optimizer.GradientMethod):
         hooks.call_direction_hooks(self, mine, directions, sharded=True)
         self.t += 1
         if self.guard.check([d for b in mine for d in directions[b]],
-                            self._agree()):
+                            self._agree(),
+                            self.updated_params(mine, present)):
             self._apply([(b, directions[b]) for b in mine])
             self.timer.mark('update', self._like())
             transport.gather_weights(self.blocks, present)
             self.timer.mark('all_gather', self._like())
         else:
             self.guard.restore()
+
+    @staticmethod
+    def updated_params(blocks, present) -> List:
+        """The parameters of ``blocks`` that an update writes: those with
+        a gradient on some process (``present``); K-FAC leaves the others
+        alone (a head no loss reached: no step, no state)."""
+        return [p for b in blocks
+                for p, has in zip(b.params, present.get(b, ())) if has]
 
     def _agree(self):
         """The finite check's agreement over processes (None: one)."""
@@ -838,8 +861,10 @@ class KFAC(optimizer.GradientMethod):
             return like.device.xp.zeros(block.factor_shapes()[name],
                                         linalg.factor_dtype_for(like.dtype))
 
-    def _refresh(self, factors, counts) -> int:
-        """Stage 4: average the reduced factor sums, invert, store."""
+    def _refresh(self, factors, counts) -> Tuple[int, set]:
+        """Stage 4: average the reduced factor sums, invert, store.
+        Returns the retries and the ``(block, name)`` of each factor that
+        could not be inverted (kept due: tried again at the next step)."""
         self.fisher_diffs = {}
         requests = []
         refreshed = []
@@ -869,19 +894,33 @@ class KFAC(optimizer.GradientMethod):
         results = linalg.damped_inverses(
             [low_rank.inversion_matrix(r[2]) for r in requests],
             [r[3] for r in requests], method=self.inverse_method)
-        retries = 0
+        retries, failed = 0, set()
         for (block, name, matrix, _), result in zip(requests, results):
             retries += result.retries
+            had = name in block.inverses
             if not block.commit(name, matrix, result, self.fisher_diff,
                                 refill=self.refill_inverses):
+                failed.add((block, name))
                 logger.warning(
                     'K-FAC step %d: factor %s of %s could not be inverted '
-                    '(non-finite, or not positive definite at damping %.3g); '
-                    'the previous factor and inverse are kept', self.t, name,
-                    block.name, result.damping)
+                    '(non-finite, or not positive definite at damping %.3g, '
+                    'its share of the damping after %d retries); %s; it is '
+                    'due again at the next step', self.t, name, block.name,
+                    result.damping, result.retries,
+                    'the previous factor and inverse are kept' if had else
+                    'the block has no inverse yet and gets the plain '
+                    'gradient')
             elif name in block.diff and self.fisher_diff:
                 self.fisher_diffs[(block.name, name)] = block.diff[name]
-        return retries
+        return retries, failed
+
+    def refresh_due(self) -> bool:
+        """Whether the coming step refreshes curvature: a factor is due
+        in a block that the last step reached. (A block no backward pass
+        reached, a head the loss does not use, keeps its factors due until
+        one does: while it is not reached, a step refreshes nothing there,
+        and a CUDA graph of a stale step may replay it.)"""
+        return any(b not in self._unreached for b in self.estimator.due)
 
     def _precondition_owned(self, grads, present):
         """Stage 5 for every owned block with a gradient. On the GPU the
@@ -1115,6 +1154,9 @@ class KFAC(optimizer.GradientMethod):
         }
         if self.step_bound is not None:
             observation.update(self.step_bound.observation())
+            held = self.step_bound.held_back(step + 1)
+            if held is not None and self.transport.rank == 0:
+                logger.warning('K-FAC step %d: %s', step, held)
         for (layer, factor), value in self.fisher_diffs.items():
             observation['kfac/diff/{}{}'.format(factor, layer)] = value
         chainer.reporter.report(observation)

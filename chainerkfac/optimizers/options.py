@@ -45,15 +45,16 @@ class OptionError(ValueError):
         What is wrong, e.g. ``'must be positive'``.
     """
 
-    def __init__(self, name: str, value: Any, why: str):
+    def __init__(self, name: str, value: Any, why: str,
+                 owner: str = 'KFAC'):
         self.name = name
         self.value = value
         self.why = why
-        super().__init__('KFAC: {}={!r} {}'.format(name, value, why))
+        super().__init__('{}: {}={!r} {}'.format(owner, name, value, why))
 
 
 def _positive(value) -> bool:
-    return _is_number(value) and value > 0
+    return _is_number(value) and value > 0 and math.isfinite(value)
 
 
 def _is_number(value) -> bool:
@@ -82,15 +83,16 @@ def _dtype_name(value) -> str:
 
 
 _RULES = {
-    'lr': (lambda v: _is_number(v) and v >= 0, 'must be a number >= 0'),
+    'lr': (lambda v: _is_number(v) and v >= 0 and math.isfinite(v),
+           'must be a finite number >= 0'),
     'momentum': (lambda v: _is_number(v) and 0 <= v < 1,
                  'must lie in [0, 1)'),
-    'damping': (_positive, 'must be positive'),
+    'damping': (_positive, 'must be a finite positive number'),
     'damping_target': (lambda v: v is None or _positive(v),
-                       'must be positive (or None)'),
+                       'must be a finite positive number (or None)'),
     'damping_warmup_steps': (lambda v: v is None or _positive_int(v),
                              'must be an int >= 1 (or None)'),
-    'rho_bn': (_positive, 'must be positive'),
+    'rho_bn': (_positive, 'must be a finite positive number'),
     'bn_fisher': (lambda v: v in BN_FISHER_MODES,
                   'must be one of {}'.format(BN_FISHER_MODES)),
     'fisher': (lambda v: v in FISHER_TYPES,
@@ -118,9 +120,16 @@ _RULES = {
     'inverse_method': (lambda v: v in INVERSE_METHODS,
                        'must be one of {}'.format(INVERSE_METHODS)),
     'low_rank': (lambda v: isinstance(v, bool), 'must be True or False'),
-    'kl_clip': (lambda v: v is None or (_positive(v) and math.isfinite(v)),
-                'must be a positive number (or None: no bound)'),
+    'kl_clip': (lambda v: v is None or _positive(v),
+                'must be a finite positive number (or None: no bound)'),
     'shard_update': (lambda v: isinstance(v, bool), 'must be True or False'),
+    'process_local': (lambda v: isinstance(v, bool),
+                      'must be True or False'),
+    'verbose': (lambda v: isinstance(v, bool), 'must be True or False'),
+    'fisher_diff': (lambda v: isinstance(v, bool), 'must be True or False'),
+    'seed': (lambda v: v is None or (
+        isinstance(v, (int, numpy.integer)) and not isinstance(v, bool) and
+        0 <= v < 2 ** 32), 'must be an int in [0, 2**32) (or None)'),
     'conv_a_strategy': (lambda v: v is None or v in CONV_A_STRATEGIES,
                         'must be one of {} (or None: the cheaper)'.format(
                             CONV_A_STRATEGIES)),
@@ -132,7 +141,7 @@ _RULES['refresh_interval_f'] = _RULES['refresh_interval_a']
 CHECKED_OPTIONS = tuple(_RULES)
 
 
-def check_option(name: str, value) -> None:
+def check_option(name: str, value, owner: str = 'KFAC') -> None:
     """Raise :class:`OptionError` if ``value`` is not allowed for the
     argument ``name`` of :class:`~chainerkfac.optimizers.KFAC`.
 
@@ -141,6 +150,9 @@ def check_option(name: str, value) -> None:
     name : str
         One of :data:`CHECKED_OPTIONS`.
     value : object
+    owner : str
+        The class the message names (another optimizer that takes the
+        same argument).
 
     Raises
     ------
@@ -151,7 +163,7 @@ def check_option(name: str, value) -> None:
     """
     ok, why = _RULES[name]
     if not ok(value):
-        raise OptionError(name, value, why)
+        raise OptionError(name, value, why, owner)
 
 
 def check_options(**options) -> None:

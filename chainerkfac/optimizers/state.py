@@ -13,8 +13,19 @@ def serialize(optimizer, serializer) -> None:
     (after Chainer's ``t``, ``epoch`` and the velocities): the damping, the
     MC label sampler, and per block its refresh bookkeeping and — for the
     blocks this process holds — its factors (inverses are recomputed from
-    them on loading, bit for bit)."""
-    optimizer.damping = float(serializer('damping', optimizer.damping))
+    them on loading, bit for bit). The damping is state only where it
+    follows its warm-up schedule (eq. 16, ``damping_target``); a constant
+    damping is a hyperparameter, like ``lr``: the one the optimizer was
+    made with stays (a warning says so where the snapshot's differs)."""
+    damping = float(serializer('damping', optimizer.damping))
+    if optimizer.damping_target is not None:
+        optimizer.damping = damping         # the schedule goes on from it
+    elif damping != optimizer.damping:
+        logger.warning(
+            'K-FAC: the snapshot was taken at damping %g; this optimizer '
+            'keeps its own, %g (a constant damping is a hyperparameter: '
+            'pass the snapshot\'s to go on with it)', damping,
+            optimizer.damping)
     # Gradients and factors of an unfinished accumulation are not part of
     # the state: snapshot at step boundaries (train_imagenet.py does).
     micro = int(serializer('micro_batch', optimizer.pending_micro_batches))

@@ -370,6 +370,38 @@ def test_a_summed_loss_is_refused_with_the_fix():
 
 
 @pytest.mark.parametrize('manual', [False, True])
+def test_a_sum_over_time_steps_of_batch_means_is_a_mean(manual):
+    """F.sum of the stacked batch means of T time steps (T not the batch's
+    size) sums no batch: it steps as the same loss written as a Python
+    sum (it was refused as a sum over the batch, and its advice gave
+    another step). T equal to the batch's size is still refused (the
+    check cannot tell), with the way out in the message."""
+    x, t = helpers.data(n=4, shape=(5,), n_class=3)
+    base = helpers.MLP()
+    trained = []
+    for stacked in (False, True):
+        model = base.copy(mode='copy')
+        optimizer = helpers.kfac(lr=0.1, momentum=0.9).setup(model)
+
+        def loss(x, t, model=model, stacked=stacked, steps=3):
+            terms = [F.softmax_cross_entropy(model(x * (1 + 0.1 * k)), t)
+                     for k in range(steps)]
+            return F.sum(F.stack(terms)) if stacked else sum(terms)
+        for _ in range(3):
+            helpers.update(optimizer, model, loss, x, t, manual)
+        trained.append(model)
+    for a, b in zip(trained[0].params(), trained[1].params()):
+        numpy.testing.assert_allclose(a.array, b.array, rtol=0, atol=1e-12)
+    model = helpers.MLP()
+    optimizer = helpers.kfac().setup(model)
+
+    def four_steps(x, t):
+        return F.sum(F.stack([F.softmax_cross_entropy(model(x), t)] * 4))
+    with pytest.raises(ValueError, match='Python sum'):
+        helpers.update(optimizer, model, four_steps, x, t, manual)
+
+
+@pytest.mark.parametrize('manual', [False, True])
 def test_the_double_backprop_cross_entropy_is_a_mean(manual):
     """softmax_cross_entropy(..., enable_double_backprop=True), which
     Chainer needs for a gradient penalty, is the batch mean written as

@@ -12,6 +12,7 @@ number below 1e4, so agreement is ~1e-12 relative; 1e-9 leaves room.
 """
 import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
 
+import logging
 import math
 
 import numpy
@@ -455,3 +456,77 @@ def test_gpu_multi_tensor_bound_against_numpy(dtype):
         for a, b in zip(got, want):
             numpy.testing.assert_allclose(cupy.asnumpy(a), b,
                                           rtol=2 * unit + scales)
+
+
+class _OnDevice:
+    """ν as a device scalar (float() of it is a synchronisation)."""
+
+    def __init__(self, value):
+        self.value = value
+        self.reads = 0
+
+    def __float__(self):
+        self.reads += 1
+        return self.value
+
+
+def test_a_bound_that_holds_every_step_back_is_told_once():
+    """ν under 5 % at every reading over 50 steps: one message naming
+    kl_clip; a reading above starts the count again. ν on the host is read
+    every 10th step, on a device every 50th."""
+    bound = step_bound.StepBound(1e-4)
+    told = []
+    for step in range(1, 201):
+        bound.scale = numpy.float64(0.3 if step == 40 else 0.01)
+        told.append(bound.held_back(step))
+    messages = [(s + 1, m) for s, m in enumerate(told) if m]
+    assert [s for s, _ in messages] == [100]       # 50..100, after 40's
+    assert 'kl_clip=0.0001' in messages[0][1] and '0.01' in messages[0][1]
+    device = step_bound.StepBound(1e-4)
+    scale = device.scale = _OnDevice(0.02)
+    told = [device.held_back(step) for step in range(1, 101)]
+    assert scale.reads == 2 and told[99] and not any(told[:99])
+
+
+def test_the_bound_is_not_read_inside_a_cuda_graphs_capture(monkeypatch):
+    """A read of ν on the device inside a capture (the step's report is
+    part of a captured stale step) would make the capture fail, and the
+    steps of that shape eager for good: it is skipped there."""
+    capturing = []
+
+    class Stream:
+        def is_capturing(self):
+            return bool(capturing)
+
+    class FakeCupy:
+        class cuda:
+            @staticmethod
+            def get_current_stream():
+                return Stream()
+    monkeypatch.setattr(step_bound, 'get_array_module',
+                        lambda value: FakeCupy)
+    bound = step_bound.StepBound(1e-4)
+    scale = bound.scale = _OnDevice(0.02)
+    capturing.append(True)
+    assert bound.held_back(50) is None and scale.reads == 0
+    capturing.clear()
+    assert bound.held_back(100) is None and scale.reads == 1
+    assert bound.held_back(150) and scale.reads == 2
+
+
+def test_kfac_warns_when_its_bound_holds_every_step_back(caplog):
+    x, t = _batch()
+    model = helpers.MLP()
+    optimizer = helpers.kfac(lr=0.1, kl_clip=1e-14).setup(model)
+    with caplog.at_level(logging.WARNING, logger='chainerkfac'):
+        for _ in range(60):
+            optimizer.update(helpers.loss_of(model), x, t)
+    held = [r.getMessage() for r in caplog.records
+            if 'held every step' in r.getMessage()]
+    assert len(held) == 1 and held[0].startswith('K-FAC step 59:')
+    caplog.clear()
+    free = helpers.kfac(lr=0.1, kl_clip=1e2).setup(helpers.MLP())
+    with caplog.at_level(logging.WARNING, logger='chainerkfac'):
+        for _ in range(60):
+            free.update(helpers.loss_of(free.target), x, t)
+    assert 'held every step' not in caplog.text

@@ -99,6 +99,25 @@ def test_a_loss_that_uses_parameters_itself_is_refused():
         curvature.extract(model, x, t, lossfun=regularised)
 
 
+def test_a_loss_summed_over_the_batch_is_refused():
+    """The quantities are the batch mean's (BackPACK's): a summed loss
+    would give per-sample gradients N times too large, silently. A sum
+    over something else than the batch (as many terms as not samples)
+    is not refused."""
+    model, x, t = nets.build('conv_pool_linear')
+
+    def summed(logits, t):
+        return F.sum(F.softmax_cross_entropy(logits, t, reduce='no'))
+    with pytest.raises(ValueError, match='sums over the batch'):
+        curvature.extract(model, x, t, lossfun=summed)
+
+    def two_terms(logits, t):
+        return F.sum(F.stack([F.softmax_cross_entropy(logits, t)] * 2))
+    curvature.extract(model, x, t, lossfun=two_terms,
+                      quantities=('batch_grad',))
+    assert len(x) != 2
+
+
 def test_lazily_sized_layers_before_their_first_call():
     """Chainer's MNIST example as written, ``L.Linear(None, n)``, not run
     yet, and an auxiliary lazy head the forward never calls: the

@@ -2,6 +2,7 @@
 state round-trip and failure paths, each against an independent computation
 (float64)."""
 import io
+import logging
 import math
 
 import numpy
@@ -271,6 +272,32 @@ def test_snapshot_and_resume_continue_exactly(fisher):
             param.array, dict(resumed.namedparams())[name].array, name)
 
 
+def test_a_constant_damping_is_the_constructors_after_a_resume(caplog):
+    """The damping is state where it follows its schedule (the resumed
+    run goes on from the snapshot's, above); a constant damping is a
+    hyperparameter, as lr is: the one passed to the resumed optimizer
+    stays, with a warning naming both."""
+    x, t = helpers.data(n=12)
+    model = helpers.ConvNet(bn=True)
+    optimizer = helpers.kfac(damping=1e-2).setup(model)
+    train(model, optimizer, x, t, 2)
+    saved = io.BytesIO()
+    serializers.save_npz(saved, optimizer)
+    for damping, warned in [(1e-2, False), (1e-1, True)]:
+        saved.seek(0)
+        caplog.clear()
+        resumed = helpers.kfac(damping=damping).setup(clone(model))
+        with caplog.at_level(logging.WARNING, logger='chainerkfac'):
+            serializers.load_npz(saved, resumed)
+        assert resumed.damping == damping
+        assert ('taken at damping 0.01' in caplog.text) == warned
+    saved.seek(0)
+    scheduled = helpers.kfac(damping=1e-1, damping_target=1e-3,
+                             damping_warmup_steps=5).setup(clone(model))
+    serializers.load_npz(saved, scheduled)
+    assert scheduled.damping == 1e-2        # the schedule's state
+
+
 def test_non_pd_factor_raises_damping_and_is_reported(monkeypatch):
     model = helpers.MLP()
     x, t = numpy.random.RandomState(0).randn(4, 5), \
@@ -320,6 +347,53 @@ def test_nan_factor_keeps_weights_finite(monkeypatch):
     assert observation['kfac/inverse_retries'] > 0
     numpy.testing.assert_array_equal(block.inverses['A'], healthy_inverse)
     numpy.testing.assert_array_equal(block.factors['A'], healthy_factor)
+    for _, param in model.namedparams():
+        assert numpy.isfinite(param.array).all()
+
+
+def test_a_factor_not_inverted_at_its_first_refresh_is_due_again(
+        monkeypatch, caplog):
+    """A factor whose first refresh cannot be inverted leaves its block
+    without curvature: not counted as preconditioned, said so (no
+    'previous factor kept'), and tried again at the next step, not 20
+    steps later."""
+    model = helpers.MLP()
+    x, t = numpy.random.RandomState(0).randn(4, 5), \
+        numpy.array([0, 1, 2, 0], numpy.int32)
+    optimizer = helpers.kfac(lr=0.1, refresh_interval_a=20,
+                             refresh_interval_g=20, refresh_interval_f=20)
+    optimizer.setup(model)
+    block = helpers.block_named(optimizer, '/l1')
+    original = block.captured
+
+    def nan_a():
+        factors = original()
+        if 'A' in factors:
+            total, count = factors['A']
+            factors['A'] = (total * numpy.nan, count)
+        return factors
+    monkeypatch.setattr(block, 'captured', nan_a)
+    observations = []
+    for step in range(3):
+        if step == 1:
+            monkeypatch.setattr(block, 'captured', original)
+        observation = {}
+        with chainer.Reporter().scope(observation), \
+                caplog.at_level(logging.WARNING, logger='chainerkfac'):
+            optimizer.update(helpers.loss_of(model), x, t)
+        observations.append(observation)
+    failed = [r.getMessage() for r in caplog.records
+              if 'could not be inverted' in r.getMessage()]
+    assert len(failed) == 1
+    assert 'no inverse yet' in failed[0] and 'previous' not in failed[0]
+    assert 'due again at the next step' in failed[0]
+    n_blocks = observations[2]['kfac/preconditioned_blocks']
+    assert observations[0]['kfac/preconditioned_blocks'] == n_blocks - 1
+    # refreshed at step 1 (A only), then stale like the others
+    assert block.last_refresh == {'A': 1, 'G': 0}
+    assert block.has_inverses()
+    assert observations[1]['kfac/refresh_A'] == 1.0
+    assert observations[2]['kfac/refresh_A'] == 0.0
     for _, param in model.namedparams():
         assert numpy.isfinite(param.array).all()
 
@@ -430,6 +504,12 @@ def test_shifted_and_unfolded_a_train_alike():
     (dict(damping_target=1e-4), 'damping_warmup_steps'),
     (dict(refresh_interval_a='eq99'), 'eq99'),
     (dict(refresh_interval_g=0), 'refresh interval'),
+    (dict(lr=float('inf')), 'lr=inf must be a finite'),
+    (dict(damping=float('inf')), 'damping=inf must be a finite'),
+    (dict(rho_bn=float('inf')), 'rho_bn=inf'),
+    (dict(process_local='no'), "process_local='no' must be True or False"),
+    (dict(fisher_diff='yes'), 'fisher_diff'),
+    (dict(seed='abc'), "seed='abc' must be an int"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
