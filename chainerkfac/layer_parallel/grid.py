@@ -7,6 +7,7 @@ that own the same layers in every replica, over which the gradients of
 those layers are averaged. Rank r is layer rank r mod ``layer_procs`` of
 replica r div ``layer_procs``.
 """
+from chainerkfac.layer_parallel.transport import agree_on_arrays
 from chainerkfac.layer_parallel.transport import transport_for
 
 
@@ -50,6 +51,14 @@ class ProcessGrid:
         share = size // self.n_replicas
         part = slice(self.replica * share, (self.replica + 1) * share)
         return tuple(array[part] for array in arrays)
+
+    def agree_on_weights(self, mgrit) -> bool:
+        """Give every replica the weights of replica 0 wherever they
+        differ (networks built with different seeds): data-parallel
+        replicas must start equal. Returns whether they differed."""
+        arrays = [p.array for _, p in sorted(mgrit.net.namedparams())
+                  if p.array is not None]
+        return agree_on_arrays(self.data_comm, arrays)
 
     def allreduce_grads(self, mgrit) -> None:
         """Average the gradients of ``mgrit``'s owned parameters over the

@@ -29,6 +29,7 @@ from chainer import backend
 from chainerkfac.layer_parallel import cycle
 from chainerkfac.layer_parallel import partition
 from chainerkfac.layer_parallel.network import ResidualODE
+from chainerkfac.layer_parallel.transport import agree_on_arrays
 from chainerkfac.layer_parallel.transport import transport_for
 
 logger = logging.getLogger(__name__)
@@ -80,9 +81,11 @@ class MGRIT:
     Parameters
     ----------
     net : ResidualODE
-        The network, built identically (same seed) on every process; each
-        process reads and writes only the layers it owns (and receives the
-        weights its coarse levels need at every :meth:`forward`).
+        The network, the same on every process: where its weights differ
+        (built with different seeds), rank 0's are broadcast, with a
+        warning. Each process reads and writes only the layers it owns
+        (and receives the weights its coarse levels need at every
+        :meth:`forward`).
     comm : None, mpi4py communicator or ChainerMN communicator
         The processes the layers are distributed over (``None``: one).
     coarsening : int
@@ -123,6 +126,7 @@ class MGRIT:
         self.net = net
         self.transport = transport_for(comm)
         self.rank = self.transport.rank
+        self._agree_on_weights()
         self.coarsening = coarsening
         self.tol = tol
         self.max_iter = max_iter
@@ -165,6 +169,17 @@ class MGRIT:
                 self.forward_solver.n_levels,
                 [layout.steps for layout in self.forward_solver.layouts],
                 coarsening, relax)
+
+    def _agree_on_weights(self) -> None:
+        """Every process starts from rank 0's weights: each owns some
+        layers, and one whose copy differs would run a network made of
+        several processes' layers."""
+        arrays = [p.array for _, p in sorted(self.net.namedparams())
+                  if p.array is not None]
+        if agree_on_arrays(self.transport, arrays) and self.rank == 0:
+            logger.warning(
+                "MGRIT: the network's weights differed between processes "
+                "(built with different seeds?); rank 0's were broadcast")
 
     def _cap(self, max_iter: Optional[int]) -> int:
         """A solve's iteration cap: the call's (0 is refused by the

@@ -13,6 +13,7 @@ distributed over the data replicas by :func:`.kfac.setup_kfac`): each
 process updates the parameters it owns, which the next forward sends to
 the processes whose coarse levels need them.
 """
+import logging
 from typing import NamedTuple, Optional
 
 from chainerkfac.layer_parallel import kfac
@@ -21,6 +22,8 @@ from chainerkfac.layer_parallel.mgrit import MGRIT
 from chainerkfac.optimizers.kfac import KFAC
 from chainerkfac.layer_parallel.regularization import \
     accumulate_time_smoothness
+
+logger = logging.getLogger(__name__)
 
 
 class StepResult(NamedTuple):
@@ -72,6 +75,12 @@ class SimultaneousTraining:
         self.mgrit = mgrit
         self.m1, self.m2 = m1, m2
         self.grid = grid
+        if grid is not None and grid.agree_on_weights(mgrit) and \
+                grid.replica == 0:
+            logger.warning(
+                "SimultaneousTraining: the network's weights differed "
+                "between replicas (built with different seeds?); replica "
+                "0's were broadcast")
         self.smoothness = smoothness
         if isinstance(optimizer, KFAC) and optimizer.target is None:
             kfac.setup_kfac(optimizer, mgrit, grid)

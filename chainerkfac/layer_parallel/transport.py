@@ -176,6 +176,27 @@ def transport_for(comm: Optional[Any]):
     return MPITransport(mpi_comm)
 
 
+def agree_on_arrays(transport, arrays) -> bool:
+    """Make ``arrays`` (the same list, in the same order, on every
+    process of ``transport``) rank 0's wherever they differ anywhere: one
+    digest each process, all gathered; rank 0's arrays broadcast only
+    where the digests differ. Returns whether they did."""
+    if transport.size == 1:
+        return False
+    import hashlib
+    import numpy
+    from chainer import backend
+    digest = hashlib.sha256()
+    for array in arrays:
+        digest.update(numpy.ascontiguousarray(
+            backend.CpuDevice().send(array)).tobytes())
+    if len(set(transport.allgather(digest.hexdigest()))) == 1:
+        return False
+    for array in arrays:
+        transport.bcast_array(array, 0)
+    return True
+
+
 def norm_of_squares(parts: List[List[float]]) -> float:
     """sqrt of the sum of squared norms gathered from all processes.
 

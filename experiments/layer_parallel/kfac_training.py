@@ -61,7 +61,12 @@ def _data(case, args):
 def _optimizer(name, args):
     if name == 'adam':
         return chainer.optimizers.Adam(alpha=args.adam_lr)
+    # The study's K-FAC, pinned (not the library's defaults, which moved
+    # since: refreshes every 20 steps and the bounded step): every factor
+    # refreshed at every step, no bound, dense factors
     return KFAC(lr=args.kfac_lr, momentum=0.9, damping=args.kfac_damping,
+                refresh_interval_a=1, refresh_interval_g=1,
+                refresh_interval_f=1, kl_clip=None, low_rank=False,
                 verbose=False)
 
 

@@ -43,6 +43,34 @@ def _agree(failures):
     assert not problems, '\n'.join(problems)
 
 
+def test_weights_built_differently_per_rank_become_rank_0s(caplog):
+    """A network built on each process with its own seed (the docs'
+    example without a seed, under mpiexec) runs as rank 0's network: its
+    weights are broadcast, with a warning, not silently mixed from every
+    rank's layers."""
+    net = common.dense_net(n_layers=16, seed=world.rank)
+    reference = common.dense_net(n_layers=16, seed=0)
+    x, t = common.batch(net)
+    options = dict(tol=1e-13, max_iter=40)
+    expected = common.mgrit_gradients(lp.MGRIT(reference, **options), x, t)
+    with caplog.at_level('WARNING', logger='chainerkfac'):
+        mgrit = lp.MGRIT(net, comm=world, **options)
+    logits, loss, _, _, grads = common.mgrit_gradients(mgrit, x, t)
+    failures = []
+    for (name, a), (_, b) in zip(sorted(net.namedparams()),
+                                 sorted(reference.namedparams())):
+        if not numpy.array_equal(a.array, b.array):
+            failures.append('weights of {} are not rank 0\'s'.format(name))
+    loss, wanted = (float(getattr(v, 'array', v)) for v in (loss,
+                                                            expected[1]))
+    if abs(loss - wanted) > 1e-10 * abs(wanted):
+        failures.append('loss {} != {}'.format(loss, wanted))
+    warned = 'differed between processes' in caplog.text
+    if world.rank == 0 and warned != (world.size > 1):
+        failures.append('warned: {}'.format(warned))
+    _agree(failures)
+
+
 @pytest.mark.parametrize('name', sorted(NETS))
 @pytest.mark.parametrize('relax', ['FCF', 'F'])
 def test_solves_are_bitwise_the_single_process_solves(name, relax):
@@ -91,15 +119,19 @@ def _grids():
     return [p for p in range(1, world.size + 1) if world.size % p == 0]
 
 
+@pytest.mark.parametrize('per_rank_seed', [False, True])
 @pytest.mark.parametrize('layer_procs', _grids())
 def test_layers_times_data_equals_one_process_on_the_global_batch(
-        layer_procs):
+        layer_procs, per_rank_seed):
     """m1 = m2 = 2 (inexact solves): each sample's iterates do not depend
     on the others', so replicas on shares of the batch with averaged
-    gradients take the global batch's steps."""
+    gradients take the global batch's steps. A network built with each
+    process's own seed starts from rank 0's weights (broadcast over the
+    layer group by MGRIT, over the replicas by the training)."""
     grid = lp.ProcessGrid(world, layer_procs=layer_procs)
-    net, reference_net = common.dense_net(n_layers=32), \
-        common.dense_net(n_layers=32)
+    net = common.dense_net(n_layers=32,
+                           seed=world.rank if per_rank_seed else 0)
+    reference_net = common.dense_net(n_layers=32)
     x, t = common.batch(net, size=12)
     training = lp.SimultaneousTraining(
         lp.MGRIT(net, comm=grid.layer_comm), chainer.optimizers.Adam(1e-2),
