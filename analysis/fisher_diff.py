@@ -8,7 +8,7 @@ For every run directory (its ``fisher_diff.jsonl``, written by
 factors A and G of the convolutional layers (left: A above, G below) and of
 the Fisher F of the BatchNormalization layers (right). One colour per run,
 labelled with its mini-batch size from ``config.json``; the median is a line,
-the 25-75th and 5-95th percentiles are shaded bands; log-scale y; a red
+the 25-75th and 5-95th percentiles are shaded bands; log-scale y; a black
 vertical line at iteration ``--mark`` (500, as in the paper) when that
 iteration lies inside the logged range.
 
@@ -251,7 +251,7 @@ def parse_args(argv):
     parser.add_argument('runs', nargs='+', metavar='RUN',
                         help='run directories with fisher_diff.jsonl')
     parser.add_argument('--mark', type=int, default=500,
-                        help='iteration of the red line (default 500)')
+                        help='iteration of the black line (default 500)')
     parser.add_argument('--model', default=None,
                         help='model the runs trained, to tell conv from FC '
                         'layers (default: "arch" in config.json); one of '
@@ -277,7 +277,7 @@ def main(argv=None):
     json_path = _io.save_outputs(plot(result), args.out, result)
     print(format_table(result))
     if not result['mark_shown']:
-        print('iteration {} lies outside the logged steps: no red line'
+        print('iteration {} lies outside the logged steps: no black line'
               .format(args.mark))
     print('wrote {} and {} (full series)'.format(args.out, json_path))
     return 0

@@ -70,6 +70,8 @@ def read_lists(train_path, val_path, root, n_class, comm):
                                                  n_class=n_class))
     except (OSError, ValueError) as e:
         error = e
+    if error is None:
+        error = _too_short(lists, (train_path, val_path), comm.size)
     raise_together(comm, error)
     for images in lists:
         mine = images.missing_files(augment.share(len(images), comm.size,
@@ -82,6 +84,24 @@ def read_lists(train_path, val_path, root, n_class, comm):
                                  len(lists[1]), n_class,
                                  time.perf_counter() - start))
     return lists
+
+
+def _too_short(lists, paths, n_processes):
+    """The error of a list too short to run on (None if none is): an
+    empty training list; a validation list with fewer images than
+    processes, each of which evaluates a share of it (a process with none
+    would fail at the first evaluation, after an epoch of training)."""
+    (train, val), (train_path, val_path) = lists, paths
+    if not len(train):
+        return ValueError('the training list {} is empty'.format(
+            train_path))
+    if len(val) < n_processes:
+        return ValueError(
+            'the validation list {} has {} image{}, fewer than the {} '
+            'processes: each evaluates a share of it (give it at least {})'
+            .format(val_path, len(val), '' if len(val) == 1 else 's',
+                    n_processes, n_processes))
+    return None
 
 
 def _scan(images, what, resize, crop, loaderjob, comm):
@@ -114,9 +134,10 @@ def _bad_images_error(images, bad, out, comm):
     shown = [message for _, message in bad[:10]]
     return OSError(
         '{} unreadable image(s) in {} (all listed in {}):\n  {}{}\nfix or '
-        'remove them, or pass --skip-bad-images to leave them out'.format(
+        'remove them, or pass --skip-bad-images to leave them out; run again '
+        'with --overwrite (this run left {} in {})'.format(
             len(bad), images.list_path, path, '\n  '.join(shown),
-            '\n  ...' if len(bad) > 10 else ''))
+            '\n  ...' if len(bad) > 10 else '', BAD_IMAGES_FILE, out))
 
 
 def _drop_bad(images, bad, out, comm):

@@ -5,6 +5,7 @@ Call :func:`prepare_process` before the first ``mpi4py.MPI`` import (which
 initialises MPI), as ``train_imagenet.py`` does.
 """
 import multiprocessing
+import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
 import sys
@@ -156,8 +157,13 @@ def prepare_process(loaderjob, stop=None):
     if loaderjob is None:
         loaderjob = default_loaderjob()
     if loaderjob > 0:
+        # multiprocessing starts its resource tracker with SIGINT and
+        # SIGTERM blocked, then unblocks them in this process: started
+        # inside the context below it would undo the SIGTERM held there
+        multiprocessing.resource_tracker.ensure_running()
         with preemption.held_in_children(signals):
             start_forkserver()
+        preemption.end_loaders_by_sigkill()
     return loaderjob
 
 

@@ -198,13 +198,28 @@ def agree(comm, request, clock_due=False):
 
 def held_in_children(signals):
     """A context in which processes started now (the loaders' fork server,
-    and so every loader) inherit ``signals`` blocked, SIGTERM excepted:
-    ``mpiexec`` forwards a SIGUSR1 to every process of a rank, and a
-    loader must not die of it; SIGTERM is how ``multiprocessing.Pool``
-    ends its workers, so it stays deliverable. In this process the
-    signals are only held back while the context lasts and are handled
+    and so every loader) inherit ``signals`` blocked: ``mpiexec`` forwards
+    a SIGUSR1 to every process of a rank, and a scheduler's SIGTERM may
+    reach every process of the job (Slurm signals each process of a job
+    step, a shell's ``kill -TERM -PGID`` a whole process group); a loader
+    killed by it mid-task leaves its pool's task queue locked, and the run
+    hangs at its stop (measured: still running 10 minutes after the
+    signal, its snapshot written). A loader holds nothing to save:
+    :func:`end_loaders_by_sigkill` ends them by SIGKILL. In this process
+    the signals are only held back while the context lasts and are handled
     when it ends."""
-    return _Blocked(set(signals) - {signal.SIGTERM})
+    return _Blocked(set(signals))
+
+
+def end_loaders_by_sigkill():
+    """Make ``terminate()`` of a process the fork server started (a
+    loader of ``multiprocessing.Pool``) send SIGKILL: a loader holds the
+    run's signals blocked (:func:`held_in_children`), SIGTERM included, so
+    ``Pool.terminate`` and multiprocessing's clean-up at exit, which send
+    SIGTERM and wait, would wait for ever. For the harness's process
+    only (the fork server's processes are all loaders)."""
+    from multiprocessing import popen_forkserver
+    popen_forkserver.Popen.terminate = popen_forkserver.Popen.kill
 
 
 class _Blocked:

@@ -101,6 +101,13 @@ def test_check_images_reports_every_bad_file(dataset, tmp_path):
     with open(os.path.join(str(tmp_path), 'bad_images.txt')) as f:
         assert len(f.readlines()) == 2
     assert no_training(tmp_path)
+    # the advice works as given: the same --out, with --overwrite
+    assert 'run again with --overwrite' in result.stdout
+    fixed = run(command(dataset, tmp_path, '--check-images', '--mean', mean,
+                        '--skip-bad-images', '--overwrite', '--epochs', '1',
+                        '--optimizer', 'sgd', train=dataset['train_corrupt'],
+                        val=val))
+    assert fixed.returncode == 0, fixed.stdout[-3000:]
 
     skipped = tmp_path / 'skipped'
     result = run(command(dataset, skipped, '--check-images', '--mean', mean,
@@ -130,6 +137,31 @@ def test_bad_list_line_names_file_and_line(dataset, tmp_path):
     assert result.returncode != 0
     assert 'bad.txt, line 2' in result.stdout
     assert no_training(tmp_path)
+
+
+@pytest.mark.parametrize('which,keep,message', [
+    ('val', 0, 'the validation list {} has 0 images, fewer than the 2'),
+    ('val', 1, 'the validation list {} has 1 image, fewer than the 2'),
+    ('train', 0, 'the training list {} is empty'),
+])
+def test_a_list_too_short_to_share_is_refused_at_once(dataset, tmp_path,
+                                                     which, keep, message):
+    """Two processes, each evaluating a share of the validation list: a
+    list with fewer images than processes failed at the first evaluation,
+    after an epoch of training; now refused with the lists, once, and
+    nothing of the run is left to refuse the corrected one."""
+    short = os.path.join(dataset['root'], 'short_{}.txt'.format(which))
+    with open(dataset[which]) as f:
+        lines = f.readlines()[:keep]
+    with open(short, 'w') as f:
+        f.writelines(lines)
+    out = tmp_path / 'run'
+    result = run(command(dataset, out, **{which: short}), nproc=2)
+    assert result.returncode != 0
+    assert message.format(short) in result.stdout, result.stdout[-3000:]
+    assert result.stdout.count('Traceback') == 1
+    assert no_training(out)
+    assert not os.path.exists(str(out)) or not os.listdir(str(out))
 
 
 def test_missing_image_names_file_and_line(dataset, tmp_path):

@@ -27,7 +27,8 @@ import pytest
 
 from tests import launch
 from tests.scripts import imagenet_like
-from tests.scripts.conftest import command, kill, read_log, run, weights
+from tests.scripts.conftest import command, kill, read_log, run, \
+    session_processes, weights
 
 #: Global batch 24 = 4 per process x 2 processes x 3 micro-batches, or x 3
 #: processes x 2; 48 images: 2 steps per epoch, 8 steps in all.
@@ -282,6 +283,38 @@ def test_sigkill_right_after_the_signal_falls_back_to_a_whole_snapshot(
     result = resume_until_done(dataset, out, nproc)
     assert 'resumed from' in result.stdout
     assert_same_run(uninterrupted[nproc], out, nproc)
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_process_stops_the_run_and_its_loaders(
+        dataset, tmp_path):
+    """SIGTERM to the whole process group, loaders included (as Slurm
+    signals every process of a job step, or ``kill -TERM -PGID``), one
+    process with ``--loaderjob 2``: the loaders hold it blocked and live
+    on to the stop (killed mid-task they left their pool locked, and the
+    run hung at its stop, snapshot written); the run exits 75, leaves no
+    process behind, and resumes to the end."""
+    out = str(tmp_path / 'run')
+    with open(str(tmp_path / 'output'), 'w') as log:
+        process = subprocess.Popen(
+            preempt_command(dataset, out, '--loaderjob', '2'),
+            env=launch.mpi_env(), cwd=launch.REPO, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_snapshot(out, 3, 1, process)
+        os.killpg(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=120) == RESUME_STATUS
+        deadline = time.time() + 10     # no loader left behind
+        while session_processes(process.pid) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not session_processes(process.pid)
+    finally:
+        kill(process)
+    with open(str(tmp_path / 'output')) as f:
+        output = f.read()
+    assert 'stopped by SIGTERM at the end of step' in output, output[-3000:]
+    result = resume_until_done(dataset, out, 1)
+    assert len(read_log(out)) == CONFIG['epochs'], result.stdout[-3000:]
 
 
 def test_stop_points_cover_every_phase_one_rank_and_both_signals():
