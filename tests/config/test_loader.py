@@ -52,9 +52,9 @@ def test_defaults_and_int_widening(tmp_path):
 
 
 @pytest.mark.parametrize('key, value, message', [
-    ('lr', -0.1, 'must be a number >= 0'),
+    ('lr', -0.1, 'must be a finite number >= 0'),
     ('lr', 0, 'must be positive'),
-    ('damping', 0.0, 'must be positive'),
+    ('damping', 0.0, 'must be a finite positive number'),
     ('damping', 1e-5, 'at least damping_target'),
     ('e_end', 1.5, 'larger than e_start'),
     ('e_start', -1, 'non-negative'),
