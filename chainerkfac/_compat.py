@@ -218,6 +218,26 @@ PATCHES = (
 )
 
 
+def check_import_order():
+    """Raise ``ImportError`` where Chainer was imported (or tried) before
+    this module on a NumPy without ``sctypes`` (NumPy 2): that import
+    failed inside Chainer, and left parts of it in ``sys.modules`` that
+    make every later ``import chainer`` fail with a circular-import error
+    naming neither NumPy nor this library."""
+    if not needs_numpy_sctypes():
+        return
+    loaded = sorted(name for name in sys.modules
+                    if name == 'chainer' or name.startswith('chainer.'))
+    if loaded:
+        raise ImportError(
+            'chainer was imported before chainerkfac on NumPy {} ({} of its '
+            'modules are loaded, e.g. {}): Chainer 7.8.1 needs the '
+            'compatibility shims chainerkfac installs before it loads. '
+            'Restart the interpreter and `import chainerkfac` before '
+            '`import chainer`'.format(numpy.__version__, len(loaded),
+                                      loaded[0]))
+
+
 def apply():
     """Apply every patch whose probe says it is needed; return their names."""
     applied = []
@@ -230,4 +250,5 @@ def apply():
     return applied
 
 
+check_import_order()
 apply()

@@ -254,3 +254,27 @@ def test_smoke_trainer_with_naive_communicator(tmp_path):
         (3, 'epoch'), out=str(tmp_path))
     chainer.serializers.load_npz(str(tmp_path / 'snapshot_iter_4'), resumed)
     assert resumed.updater.iteration == 4
+
+
+def test_chainer_imported_first_on_numpy_2_is_named():
+    """On NumPy 2 ``import chainer`` before chainerkfac fails inside
+    Chainer and leaves parts of it loaded, after which ``import
+    chainerkfac`` failed with a circular-import error naming neither:
+    now an ImportError says what happened and what to do. (NumPy 2 is
+    emulated by removing ``numpy.sctypes``; the leftovers of the failed
+    import by a stand-in module.)"""
+    code = '\n'.join([
+        'import sys, types',
+        'import numpy',
+        "if hasattr(numpy, 'sctypes'):",
+        '    del numpy.sctypes',
+        "sys.modules['chainer.function_node'] = types.ModuleType('x')",
+        'try:',
+        '    import chainerkfac._compat',
+        'except ImportError as error:',
+        "    print('ImportError:', error)"])
+    out = _python(code)
+    assert 'ImportError: chainer was imported before chainerkfac' in \
+        out.stdout, out.stdout + out.stderr
+    assert 'import chainerkfac` before `import chainer`' in out.stdout
+    assert 'chainer.function_node' in out.stdout
