@@ -937,3 +937,23 @@ def test_step_time_gpu_sweep_defaults_to_what_its_table_reads():
         v for _, candidates, _, _ in step_time.PEER_GOALS
         for v in candidates}
     assert read == set(sweep)
+
+
+def test_dropout_bound_smoke(tmp_path):
+    """The dropout study in seconds: one K-FAC run per kl_clip and
+    MomentumSGD's, each with its epochs' ν (K-FAC), loss and accuracy;
+    the default bound's run holds ν near 0.01 at this width too."""
+    data, out = run_benchmark('dropout_bound', tmp_path)
+    check_header(data, 'dropout_bound')
+    names = [r['run'] for r in data['runs']]
+    assert names == ['KFAC kl_clip=0.0001', 'KFAC kl_clip=0.01',
+                     'MomentumSGD']
+    for run in data['runs']:
+        epoch, = run['epochs']
+        assert positive(epoch['loss'])
+        assert 0 <= epoch['validation_accuracy'] <= 1
+        assert ('step_scale' in epoch) == run['run'].startswith('KFAC')
+    default, wider = (r['epochs'][0]['step_scale']['mean']
+                      for r in data['runs'][:2])
+    assert default < 0.05 < wider
+    assert 'wrote' in out

@@ -106,6 +106,8 @@ HELP_DEFAULTS = {
                               '--agreement-sizes', '--timeout'),
     'benchmarks.data_path': ('--out', '--images', '--list-lines',
                              '--repeats'),
+    'benchmarks.dropout_bound': ('--out', '--epochs', '--kl-clips',
+                                 '--width-divisor', '--lr'),
     'benchmarks.failure_latency': ('--out', '--repeats'),
     'benchmarks.replay_host': ('--out', '--repeats'),
     'benchmarks.snapshot': ('--out', '--batch', '--threads', '--dir'),
