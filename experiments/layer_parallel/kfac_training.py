@@ -61,13 +61,15 @@ def _data(case, args):
 def _optimizer(name, args):
     if name == 'adam':
         return chainer.optimizers.Adam(alpha=args.adam_lr)
-    # The study's K-FAC, pinned (not the library's defaults, which moved
-    # since: refreshes every 20 steps and the bounded step): every factor
-    # refreshed at every step, no bound, dense factors
     return KFAC(lr=args.kfac_lr, momentum=0.9, damping=args.kfac_damping,
-                refresh_interval_a=1, refresh_interval_g=1,
-                refresh_interval_f=1, kl_clip=None, low_rank=False,
-                verbose=False)
+                verbose=False, **KFAC_OPTIONS)
+
+
+#: The study's K-FAC, pinned (not the library's defaults, which moved
+#: since: refreshes every 20 steps and the bounded step): every factor
+#: refreshed at every step, no bound, dense factors. Recorded in the JSON.
+KFAC_OPTIONS = dict(refresh_interval_a=1, refresh_interval_g=1,
+                    refresh_interval_f=1, kl_clip=None, low_rank=False)
 
 
 def worker(args) -> None:
@@ -221,7 +223,8 @@ def main(argv=None):
         layers=args.layers, steps=args.steps, processes=args.processes,
         layer_procs=args.layer_procs, m1=args.m1, m2=args.m2,
         adam_lr=args.adam_lr, kfac_lr=args.kfac_lr,
-        kfac_damping=args.kfac_damping, digits_train=args.digits_train,
+        kfac_damping=args.kfac_damping, kfac_options=KFAC_OPTIONS,
+        digits_train=args.digits_train,
         targets=args.targets, runs=results, table=table)
     common.write_json(os.path.join(args.out, 'kfac_training.json'), payload)
     plot(results, args, os.path.join(args.out, 'fig_kfac_training.png'))

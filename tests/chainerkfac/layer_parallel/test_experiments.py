@@ -49,6 +49,10 @@ def test_kfac_training_script(tmp_path):
                         '--out', str(tmp_path)])
     with open(tmp_path / 'kfac_training.json') as f:
         result = json.load(f)
+    # the study's K-FAC, not the library's defaults, and said so
+    assert result['kfac_options'] == {
+        'refresh_interval_a': 1, 'refresh_interval_g': 1,
+        'refresh_interval_f': 1, 'kl_clip': None, 'low_rank': False}
     for case in ('peaks', 'digits'):
         runs = result['runs'][case]
         assert runs['kfac']['all_blocks_refreshed_at_step_0'] == 1
