@@ -48,11 +48,22 @@ class _MLP(chainer.Chain):
         return self.l2(F.relu(self.bn(self.l1(x))))
 
 
+class _MLPWithUnusedHead(_MLP):
+    """_MLP with a Linear head the loss never reaches."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.aux = L.Linear(32, 3)
+
+
 def _network(kind):
     numpy.random.seed(0)
     with chainer.using_config('dtype', numpy.float64):
         if kind == 'mlp':
             predictor = _MLP()
+        elif kind == 'mlp_head':
+            predictor = _MLPWithUnusedHead()
         else:
             if not chainer.backends.cuda.cudnn_enabled:
                 pytest.skip('the small ResNet is captured with cuDNN '
@@ -258,6 +269,29 @@ def test_fifty_steps_replayed_equal_eager(kind, make):
         assert stats['replayed'] >= 45, stats
     assert isinstance(optimizer.guard, DeviceStepGuard)
     assert not optimizer.last_step_skipped
+    _assert_equal_runs(eager, model)
+
+
+@pytest.mark.parametrize('refresh_steps', [False, True],
+                         ids=['stale', 'refresh-steps'])
+def test_a_model_with_an_unused_head_is_replayed(refresh_steps):
+    """A head no loss reaches keeps its factors due, and its rule no
+    state: every step counted as a refresh (no stale step replayed), and
+    the device guard decided on the host (a read a capture refuses). Now
+    its stale steps and refresh ends are replayed, equal to the eager run
+    to 1e-12, the head untouched."""
+    batches = _batches('mlp', 30)
+    graphed = {'refresh_steps': True} if refresh_steps else {}
+    eager, _, _ = _train('mlp_head', _kfac, batches, False)
+    model, optimizer, stepper = _train('mlp_head', _kfac, batches, True,
+                                       **graphed)
+    stats = dict(stepper.stats)
+    assert not [k for k in stats if 'capture failed' in k], stats
+    # t = 0, 5, ..., 25 refresh: 24 stale steps, the first 4 warm up
+    assert stats['replayed'] >= 15, stats
+    if refresh_steps:
+        assert stats['refresh update: replayed'] >= 2, stats
+    assert model.predictor.aux.W.update_rule.t == 0
     _assert_equal_runs(eager, model)
 
 
