@@ -369,6 +369,22 @@ def test_a_summed_loss_is_refused_with_the_fix():
         optimizer.update(summed, x, t)
 
 
+def _assert_same_steps(loss_of, variants, manual, x, t):
+    """One MLP's copies trained 3 steps by K-FAC, one per variant of the
+    loss (``loss_of(model, variant)``): the same weights to 1e-12."""
+    base = helpers.MLP()
+    trained = []
+    for variant in variants:
+        model = base.copy(mode='copy')
+        optimizer = helpers.kfac(lr=0.1, momentum=0.9).setup(model)
+        for _ in range(3):
+            helpers.update(optimizer, model, loss_of(model, variant), x, t,
+                           manual)
+        trained.append(model)
+    for a, b in zip(trained[0].params(), trained[1].params()):
+        numpy.testing.assert_allclose(a.array, b.array, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize('manual', [False, True])
 def test_a_sum_over_time_steps_of_batch_means_is_a_mean(manual):
     """F.sum of the stacked batch means of T time steps (T not the batch's
@@ -377,21 +393,14 @@ def test_a_sum_over_time_steps_of_batch_means_is_a_mean(manual):
     another step). T equal to the batch's size is still refused (the
     check cannot tell), with the way out in the message."""
     x, t = helpers.data(n=4, shape=(5,), n_class=3)
-    base = helpers.MLP()
-    trained = []
-    for stacked in (False, True):
-        model = base.copy(mode='copy')
-        optimizer = helpers.kfac(lr=0.1, momentum=0.9).setup(model)
 
-        def loss(x, t, model=model, stacked=stacked, steps=3):
+    def loss_of(model, stacked, steps=3):
+        def loss(x, t):
             terms = [F.softmax_cross_entropy(model(x * (1 + 0.1 * k)), t)
                      for k in range(steps)]
             return F.sum(F.stack(terms)) if stacked else sum(terms)
-        for _ in range(3):
-            helpers.update(optimizer, model, loss, x, t, manual)
-        trained.append(model)
-    for a, b in zip(trained[0].params(), trained[1].params()):
-        numpy.testing.assert_allclose(a.array, b.array, rtol=0, atol=1e-12)
+        return loss
+    _assert_same_steps(loss_of, (False, True), manual, x, t)
     model = helpers.MLP()
     optimizer = helpers.kfac().setup(model)
 
@@ -409,20 +418,11 @@ def test_the_double_backprop_cross_entropy_is_a_mean(manual):
     sum, and its advice, loss_reduction='sum', gave other steps). A sum
     scaled by another constant is still refused."""
     x, t = helpers.data(n=6, shape=(5,), n_class=3)
-    base = helpers.MLP()
-    trained = []
-    for double in (False, True):
-        model = base.copy(mode='copy')
-        optimizer = helpers.kfac(lr=0.1, momentum=0.9).setup(model)
 
-        def loss(x, t, model=model, double=double):
-            return F.softmax_cross_entropy(model(x), t,
-                                           enable_double_backprop=double)
-        for _ in range(3):
-            helpers.update(optimizer, model, loss, x, t, manual)
-        trained.append(model)
-    for a, b in zip(trained[0].params(), trained[1].params()):
-        numpy.testing.assert_allclose(a.array, b.array, rtol=0, atol=1e-12)
+    def loss_of(model, double):
+        return lambda x, t: F.softmax_cross_entropy(
+            model(x), t, enable_double_backprop=double)
+    _assert_same_steps(loss_of, (False, True), manual, x, t)
     model = helpers.MLP()
     optimizer = helpers.kfac().setup(model)
 
