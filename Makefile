@@ -18,8 +18,9 @@ VENV_NP2 ?= .venv-np2
 PY_NP2 := $(VENV_NP2)/bin/python
 
 # Chainer 7.8.1 is an sdist whose setup.py and `import chainer` need
-# pkg_resources, which setuptools 82 removed: hold setuptools<81 for the
-# build (PIP_BUILD_CONSTRAINT) and at run time (PIP_CONSTRAINT).
+# pkg_resources, which setuptools 82 removed (80.9 and later warn at its
+# every import): hold setuptools<80.9 for the build (PIP_BUILD_CONSTRAINT)
+# and at run time (PIP_CONSTRAINT).
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_BUILD_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1

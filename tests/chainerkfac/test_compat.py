@@ -278,3 +278,16 @@ def test_chainer_imported_first_on_numpy_2_is_named():
         out.stdout, out.stdout + out.stderr
     assert 'import chainerkfac` before `import chainer`' in out.stdout
     assert 'chainer.function_node' in out.stdout
+
+
+def test_importing_the_stack_warns_nothing():
+    """``import chainerkfac, chainer`` with UserWarnings as errors: setuptools
+    80.9 and later warn at every import of ``pkg_resources`` (Chainer's),
+    once a process, a UserWarning under mpiexec on every rank; the
+    constraints hold it below 80.9 (on the NumPy-2 leg's fresh venv
+    too)."""
+    out = _python('import warnings\n'
+                  "warnings.simplefilter('error', UserWarning)\n"
+                  'import chainerkfac, chainer\n'
+                  "print('imported')")
+    assert out.stdout.strip() == 'imported', out.stdout + out.stderr
