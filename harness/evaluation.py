@@ -63,32 +63,39 @@ class GlobalMeanEvaluator(extensions.Evaluator):
         return {key: total[i] / total[-1] for i, key in enumerate(keys)}
 
 
-def average_over_processes(comm, prefix='main/', totals=None):
+def average_over_processes(comm, prefix='main/', totals=None,
+                           micro_batches=None):
     """A ``LogReport`` postprocess: the entries starting with ``prefix``
     (training loss and accuracy of each process's micro-batches) become
     their mean over processes; with the same number of iterations per
     process in an epoch, that is the mean over all micro-batches of the
-    run. ``totals()`` gives counters (``{name: number}``) added as their
+    run. ``micro_batches()``: this process's micro-batches since the last
+    log, where they may differ (a run's last micro-iteration, where the
+    processes past its end take none): each process's mean then weighs by
+    them. ``totals()`` gives counters (``{name: number}``) added as their
     sum over processes. Every process must run the ``LogReport``."""
     def postprocess(stats):
         keys = sorted(k for k in stats if k.startswith(prefix))
         counters = totals() if totals is not None else {}
         names = sorted(counters)
-        values = numpy.array([float(stats[k]) for k in keys] +
-                             [float(counters[n]) for n in names],
+        weight = 1.0 if micro_batches is None else float(micro_batches())
+        values = numpy.array([float(stats[k]) * weight for k in keys] +
+                             [float(counters[n]) for n in names] + [weight],
                              numpy.float64)
         if comm.size > 1:
             values = comm.mpi_comm.allreduce(values)
-            values[:len(keys)] /= comm.size
-        for key, value in zip(keys + names, values):
+        if values[-1] > 0:
+            values[:len(keys)] /= values[-1]
+        for key, value in zip(keys + names, values[:-1]):
             stats[key] = float(value)
     return postprocess
 
 
-def log_report(comm, trigger=(1, 'epoch'), totals=None):
+def log_report(comm, trigger=(1, 'epoch'), totals=None, micro_batches=None):
     """``LogReport`` on every process with :func:`average_over_processes`;
     rank 0 writes ``log``."""
-    postprocess = average_over_processes(comm, totals=totals)
+    postprocess = average_over_processes(comm, totals=totals,
+                                         micro_batches=micro_batches)
     if comm.rank == 0:
         return extensions.LogReport(trigger=trigger, postprocess=postprocess,
                                     filename='log')

@@ -358,7 +358,8 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
                                        batch * comm.size):
         trainer.extend(observer, trigger=trigger)
     trainer.extend(evaluation.log_report(
-        comm, totals=lambda: {'bad_images_skipped': converter.skipped}))
+        comm, totals=lambda: {'bad_images_skipped': converter.skipped},
+        micro_batches=updater.take_micro_batches))
     label = args.label or run_dir.label_of(optimizer_name, cfg)
     if comm.rank == 0:
         trainer.extend(evaluation.print_report(

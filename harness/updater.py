@@ -110,6 +110,17 @@ class BatchConverter(chainer.dataset.Converter):
         return x, (t if self.labels_on_host else device.send(t))
 
 
+def end_chunk(n_examples: int, batch_size: int, stop_epoch: float) -> int:
+    """The global chunk count at which a run of ``stop_epoch`` epochs ends
+    on one process: the first ``c`` whose ``c · batch_size`` samples reach
+    it (as :class:`augment.GlobalBatchIterator` counts epochs, in its
+    arithmetic)."""
+    c = max(int(stop_epoch * n_examples / batch_size) - 2, 0)
+    while c * batch_size / n_examples < stop_epoch:
+        c += 1
+    return c
+
+
 class AugmentedUpdater(training.updaters.StandardUpdater):
     """StandardUpdater with the paper's augmentation and a complete last
     step.
@@ -151,6 +162,10 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
         self.comm = comm
         self.acc_iters = acc_iters
         self.stop_epoch = stop_epoch
+        main = self.get_iterator('main')
+        self._end_chunk = end_chunk(main.n_examples, main.batch_size,
+                                    stop_epoch)
+        self._micro_batches = 0     # this process's, since the last log
         self.seed = seed
         #: K-FAC's Monte-Carlo label sampler (draws from the stream), if
         #: the optimizer has one.
@@ -182,11 +197,54 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
 
     def update_core(self):
         iterator = self.get_iterator('main')
-        chunk = iterator.chunks + self.comm.rank
+        first = iterator.chunks         # the micro-iteration's first chunk
+        chunk = first + self.comm.rank
         batch = iterator.next()
-        x, t = self.converter(batch, self.device)
+        # The run ends at the chunk one process ends at: in the last
+        # micro-iteration the processes past it take no micro-batch, and
+        # the step averages over the others' (the step of one process
+        # accumulating them all)
+        mine = chunk < self._end_chunk
+        if mine:
+            x, t = self.converter(batch, self.device)
         if self.at_step_boundary:
             self.mixup.checkpoint()
+        if mine:
+            x, t = self._augmented(x, t, chunk)
+        optimizer = self.get_optimizer('main')
+        if iterator.is_new_epoch:
+            optimizer.new_epoch(auto=True)
+        self._read_skipped()
+        finished = iterator.epoch_detail >= self.stop_epoch
+        pending = optimizer.pending_micro_batches
+        total = None
+        if finished and first + self.comm.size > self._end_chunk:
+            total = self.comm.size * pending + (self._end_chunk - first)
+        stepped = False
+        if mine:
+            self._micro_batches += 1
+            stepped = pending + 1 == self.acc_iters
+            if stepped and total is not None:
+                optimizer.global_micro_batches = total
+            optimizer.update(optimizer.target, x, t)
+        self._after_step(optimizer)
+        self.finished = finished
+        if finished and not stepped and (
+                optimizer.pending_micro_batches or total):
+            self._flush(optimizer, total)
+        if self.finished:
+            self._read_skipped()
+
+    def take_micro_batches(self) -> int:
+        """This process's micro-batches since the last call (the log's
+        weight of its training loss and accuracy:
+        :func:`harness.evaluation.average_over_processes`)."""
+        count, self._micro_batches = self._micro_batches, 0
+        return count
+
+    def _augmented(self, x, t, chunk):
+        """``(x, t)`` of this process's ``chunk``, converted: mixed,
+        erased; K-FAC's Monte-Carlo labels drawn from its stream."""
         if self.mixup.streams:
             slot = chunk % (self.comm.size * self.acc_iters)
             x, t = self.mixup.streams[slot](
@@ -196,17 +254,7 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
             x = self.erasing(x, rng=stream_rng(self.seed, ERASING, chunk))
         if self.labels is not None:
             self.labels.source = stream_rng(self.seed, MC_LABELS, chunk)
-        optimizer = self.get_optimizer('main')
-        if iterator.is_new_epoch:
-            optimizer.new_epoch(auto=True)
-        self._read_skipped()
-        optimizer.update(optimizer.target, x, t)
-        self._after_step(optimizer)
-        self.finished = iterator.epoch_detail >= self.stop_epoch
-        if self.finished and optimizer.pending_micro_batches:
-            self._flush(optimizer)
-        if self.finished:
-            self._read_skipped()
+        return x, t
 
     def _after_step(self, optimizer):
         """Whether the step just taken was skipped: a skipped step must not
@@ -236,14 +284,19 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
                       file=sys.stderr, flush=True)
 
     # -- the end ---------------------------------------------------------------
-    def _flush(self, optimizer):
-        done = optimizer.flush_accumulation()
+    def _flush(self, optimizer, total=None):
+        """The final step of the micro-batches pending (``total``: over
+        all processes, where they differ)."""
+        done = optimizer.flush_accumulation() if total is None else \
+            optimizer.flush_accumulation(total)
         self._after_step(optimizer)
         chainer.reporter.report({'trailing_micro_batches': float(done)})
         if self.comm.rank == 0:
-            print('the run ends {} micro-batches into a step of {}: they '
+            print('the run ends {} micro-batches into a step of {}{}: they '
                   'make a final step of their own'.format(
-                      done, self.acc_iters), flush=True)
+                      done, self.acc_iters, '' if total is None else
+                      ' on this process ({} over all {})'.format(
+                          total, self.comm.size)), flush=True)
 
     def serialize(self, serializer):
         """Chainer's (iterator, optimizer, model, iteration), the number of

@@ -17,6 +17,8 @@ parameters it owns (and keeps only their optimizer state), and the new
 weights are all-gathered.
 """
 import logging
+from typing import Optional
+
 import chainer
 
 from chainerkfac import sharding
@@ -85,6 +87,9 @@ class GuardedOptimizer:
         state['acc_iters'] = acc_iters
         state['comm'] = comm
         state['shard_update'] = shard_update
+        #: The coming step's micro-batches over all processes, where they
+        #: differ between processes (:meth:`flush_accumulation`).
+        state['global_micro_batches'] = None
         state['guard'] = StepGuard()
         state['accumulator'] = GradientAccumulator()
         state['timer'] = StageTimer()
@@ -141,11 +146,23 @@ class GuardedOptimizer:
             return
         self._step()
 
-    def flush_accumulation(self) -> int:
+    def flush_accumulation(self, global_micro_batches: Optional[int] = None
+                           ) -> int:
         """Take the step now with the micro-batches accumulated since the
         last one (fewer than ``acc_iters``), averaged over them. Returns
-        their number (0: no step)."""
+        their number (0: no step). ``global_micro_batches``: the step's
+        micro-batches over all processes where they differ between
+        processes; every process then steps, one with none of its own too,
+        and the average is over them (as :meth:`KFAC.flush_accumulation
+        <chainerkfac.optimizers.KFAC.flush_accumulation>`)."""
         pending = self.pending_micro_batches
+        if global_micro_batches is not None:
+            self.global_micro_batches = global_micro_batches
+            if global_micro_batches > 0:
+                if not pending:         # nothing of its own: no gradient
+                    self.actual_optimizer.target.cleargrads()
+                self._step()
+            return pending
         if pending:
             self._step()
         return pending
@@ -154,8 +171,20 @@ class GuardedOptimizer:
         target = self.actual_optimizer.target
         self.timer.start()
         n_micro, self.pending_micro_batches = self.pending_micro_batches, 0
+        total = self.__dict__['global_micro_batches']
+        self.__dict__['global_micro_batches'] = None
         self.accumulator.collect(target)
-        if n_micro > 1:
+        if total is not None:
+            # the processes' micro-batches differ: each one's gradient
+            # weighs by its share (the mean over processes follows); one
+            # with none sends zeros
+            self.actual_optimizer.reallocate_cleared_grads()
+            size = 1 if self.comm is None else self.comm.size
+            scale = size / float(total)
+            for param in target.params():
+                if param.grad is not None:
+                    param.grad *= param.grad.dtype.type(scale)
+        elif n_micro > 1:
             for param in target.params():
                 if param.grad is not None:
                     param.grad /= n_micro

@@ -403,6 +403,10 @@ class KFAC(optimizer.GradientMethod):
         self._table_shown = False
         self._warned_uncaptured: set = set()
         self._unreached: frozenset = frozenset()    # refresh_due()
+        #: The coming step's micro-batches over all processes, where they
+        #: differ between processes (:meth:`flush_accumulation`); None:
+        #: each process's own, the same everywhere. Taken by the step.
+        self.global_micro_batches: Optional[int] = None
         self._inverse_stacks: Dict = {}
         self._step_dampings: Dict = {}
         #: Stage 3's agreement on the form of low-rank factors.
@@ -593,12 +597,25 @@ class KFAC(optimizer.GradientMethod):
         self.timer.mark('forward_backward', self._like())
         self._step(update)
 
-    def flush_accumulation(self) -> int:
+    def flush_accumulation(self, global_micro_batches: Optional[int] = None
+                           ) -> int:
         """Take the K-FAC step now with the micro-batches accumulated since
         the last step (fewer than ``acc_iters``), averaged over them.
 
         For the end of a run whose length is not a multiple of
         ``acc_iters``. In a multi-process run every process calls it.
+
+        Parameters
+        ----------
+        global_micro_batches : int, optional
+            The step's micro-batches over all processes, where processes
+            hold different numbers of them (a run's end on ``P`` processes
+            that falls inside a micro-iteration: some have one more). Every
+            process then takes the step, one with none of its own too (it
+            contributes nothing), and the gradients are averaged over these
+            micro-batches, as one process accumulating them all would
+            (:attr:`global_micro_batches`). Passed the same on every
+            process; 0: no step anywhere.
 
         Returns
         -------
@@ -607,6 +624,13 @@ class KFAC(optimizer.GradientMethod):
             no step taken).
         """
         pending = self._micro
+        if global_micro_batches is not None:
+            self.global_micro_batches = global_micro_batches
+            if global_micro_batches > 0:
+                if not pending:         # nothing of its own: no gradient
+                    self.target.cleargrads()
+                self.finish_step()
+            return pending
         if pending:
             self.finish_step()
         return pending
@@ -668,7 +692,17 @@ class KFAC(optimizer.GradientMethod):
             self._decide_rescale()
         self._warn_uncaptured(due, counts, present)
         self.reallocate_cleared_grads()
-        scale = 1.0 / (samples if self.loss_reduction == 'sum' else n_micro)
+        total, self.global_micro_batches = self.global_micro_batches, None
+        if total is None:
+            scale = 1.0 / (samples if self.loss_reduction == 'sum' else
+                           n_micro)
+        else:
+            # the processes' micro-batches differ: each one's gradient
+            # weighs by its share (the reduction below averages over them)
+            if self.loss_reduction == 'sum':
+                total = int(transport.all_sum(numpy.array([samples],
+                                                          numpy.int64))[0])
+            scale = transport.size / float(total)
         for block in blocks:
             for param, has in zip(block.params, present[block]):
                 if has and scale != 1.0:

@@ -22,8 +22,11 @@ from tests.harness import OneProcess
 class Batches(chainer.dataset.Iterator):
     """An iterator of fixed batches with the GlobalBatchIterator surface."""
 
+    batch_size = 4
+
     def __init__(self, batches, n_examples):
         self.batches, self.position, self.n = batches, 0, n_examples
+        self.n_examples = n_examples
 
     def next(self):
         batch = self.batches[self.position % len(self.batches)]

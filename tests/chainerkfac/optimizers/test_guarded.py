@@ -73,5 +73,8 @@ def test_attributes_reach_the_wrapped_optimizer_and_flush_steps():
     assert optimizer.flush_accumulation() == 1
     assert optimizer.actual_optimizer.t == 1
     assert optimizer.flush_accumulation() == 0
+    # told the micro-batches over all processes (here its own): the same
+    assert optimizer.flush_accumulation(global_micro_batches=0) == 0
+    assert optimizer.actual_optimizer.t == 1
     with pytest.raises(ValueError, match='GuardedOptimizer: acc_iters=0'):
         GuardedOptimizer(_sgd(), acc_iters=0)

@@ -144,6 +144,37 @@ def test_acc_iters_equals_one_big_batch_without_bn(stale):
     assert_same_weights(results[0], results[2], rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize('reduction', ['mean', 'sum'])
+def test_a_flush_told_the_global_micro_batches_steps_as_one_process(
+        reduction):
+    """``flush_accumulation(global_micro_batches=n)`` on one process, n
+    its own count: the step of ``flush_accumulation()``, to the bit (the
+    scale size/n is 1/n exactly); 0: no step. (Processes with different
+    counts: tests/scripts/test_resume.py, the run's end on 2.)"""
+    x, t = helpers.data(n=8)
+    base = helpers.ConvNet()
+    results = []
+    for told in (False, True):
+        model = clone(base)
+        optimizer = helpers.kfac(lr=0.05, momentum=0.9, acc_iters=4,
+                                 loss_reduction=reduction).setup(model)
+
+        def loss(x, t, model=model):
+            value = F.softmax_cross_entropy(model(x), t,
+                                            reduce='no' if reduction ==
+                                            'sum' else 'mean')
+            return F.sum(value) if reduction == 'sum' else value
+        for chunk in (slice(0, 3), slice(3, 5), slice(5, 8)):
+            optimizer.update(loss, x[chunk], t[chunk])
+        assert optimizer.flush_accumulation(
+            **({'global_micro_batches': 3} if told else {})) == 3
+        assert optimizer.t == 1 and optimizer.global_micro_batches is None
+        assert optimizer.flush_accumulation(global_micro_batches=0) == 0
+        assert optimizer.t == 1
+        results.append(weights(model))
+    assert_same_weights(results[0], results[1], rtol=0, atol=0)
+
+
 def test_acc_iters_with_bn_averages_per_chunk_statistics():
     x, t = helpers.data(n=8)
     base = helpers.ConvNet(bn=True)
