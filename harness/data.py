@@ -79,7 +79,7 @@ def read_lists(train_path, val_path, root, n_class, comm):
         missing = sorted(sum(comm.mpi_comm.allgather(mine), []))
         raise_together(comm, images.missing_files_error(missing)
                        if missing else None)
-    _say(comm, 'read {} ({} images) and {} ({} images), {} classes, in '
+    _say(comm, 'read {} ({} image(s)) and {} ({} image(s)), {} classes, in '
                '{:.1f} s'.format(train_path, len(lists[0]), val_path,
                                  len(lists[1]), n_class,
                                  time.perf_counter() - start))

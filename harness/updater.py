@@ -292,11 +292,14 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
         self._after_step(optimizer)
         chainer.reporter.report({'trailing_micro_batches': float(done)})
         if self.comm.rank == 0:
-            print('the run ends {} micro-batches into a step of {}{}: they '
-                  'make a final step of their own'.format(
-                      done, self.acc_iters, '' if total is None else
+            print('the run ends {} micro-batch{} into a step of {}{}: {} '
+                  'a final step of {} own'.format(
+                      done, '' if done == 1 else 'es', self.acc_iters,
+                      '' if total is None else
                       ' on this process ({} over all {})'.format(
-                          total, self.comm.size)), flush=True)
+                          total, self.comm.size),
+                      'it makes' if done == 1 else 'they make',
+                      'its' if done == 1 else 'their'), flush=True)
 
     def serialize(self, serializer):
         """Chainer's (iterator, optimizer, model, iteration), the number of

@@ -33,7 +33,9 @@ cd "${PBS_O_WORKDIR:-.}" || exit 1
 # What to run (the variables let a stand-in scheduler drive this script in
 # the tests: tests/scripts/test_job_scripts.py and test_preemption.py).
 OUT=${OUT:-result/bs32k}
-ARGS=${ARGS:-"train.txt val.txt --root /data/imagenet --config config/bs32k.json --gpu --snapshot-every 30min"}
+# --no-progress: plain lines in the job's log file, not a progress bar's
+# terminal escape codes.
+ARGS=${ARGS:-"train.txt val.txt --root /data/imagenet --config config/bs32k.json --gpu --snapshot-every 30min --no-progress"}
 LAUNCH=${LAUNCH:-"mpiexec --bind-to none python train_imagenet.py"}
 REQUEUE=${REQUEUE:-"qsub -V docs/jobs/pbs.sh"}
 WALLTIME_S=${WALLTIME_S:-86400}     # the walltime requested above

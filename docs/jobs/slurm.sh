@@ -27,7 +27,9 @@ set -u
 # What to run (the variables let a stand-in scheduler drive this script in
 # the tests: tests/scripts/test_job_scripts.py and test_preemption.py).
 OUT=${OUT:-result/bs32k}
-ARGS=${ARGS:-"train.txt val.txt --root /data/imagenet --config config/bs32k.json --gpu --snapshot-every 30min"}
+# --no-progress: plain lines in the job's log file, not a progress bar's
+# terminal escape codes.
+ARGS=${ARGS:-"train.txt val.txt --root /data/imagenet --config config/bs32k.json --gpu --snapshot-every 30min --no-progress"}
 LAUNCH=${LAUNCH:-"mpiexec --bind-to none python train_imagenet.py"}
 REQUEUE=${REQUEUE:-"scontrol requeue ${SLURM_JOB_ID:-}"}
 RESUME_STATUS=75

@@ -131,7 +131,8 @@ def test_last_partial_step_is_completed(capsys):
     assert updater.finished
     assert observation['trailing_micro_batches'] == 1
     assert updater.get_optimizer('main').t == 2
-    assert 'ends 1 micro-batches into a step of 3' in capsys.readouterr().out
+    assert 'ends 1 micro-batch into a step of 3: it makes a final step ' \
+        'of its own' in capsys.readouterr().out
 
 
 def test_converter_normalises_and_refuses_unreadable_images():

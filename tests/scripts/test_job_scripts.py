@@ -113,3 +113,23 @@ def test_pbs_sigterm_writes_the_snapshot_and_submits_nothing(tmp_path):
     assert status == 75, output
     assert not (tmp_path / 'requeued').exists()
     assert 'not resubmitted' in output
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+def test_the_default_run_writes_plain_lines_to_the_log(tmp_path, script):
+    """Without ARGS the script's own run has --no-progress: a batch job's
+    log file, not a terminal, gets the output (a progress bar's escape
+    codes filled it)."""
+    launcher = tmp_path / 'launcher.sh'
+    launcher.write_text(LAUNCHER)
+    environ = {k: v for k, v in os.environ.items() if k != 'ARGS'}
+    environ.update(OUT=str(tmp_path / 'run'), LAUNCH='bash ' + launcher.name,
+                   REQUEUE='touch requeued', PBS_O_WORKDIR=str(tmp_path),
+                   CODE='0')
+    output = subprocess.run(['bash', os.path.join(ROOT, script)],
+                            cwd=str(tmp_path), env=environ, timeout=60,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            universal_newlines=True).stdout
+    started = [line for line in output.splitlines()
+               if line.startswith('launcher started:')]
+    assert started and '--no-progress' in started[0].split(), output

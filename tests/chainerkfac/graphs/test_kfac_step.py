@@ -241,7 +241,8 @@ def test_nothing_is_read_on_the_host_while_capturing(monkeypatch):
     monkeypatch.setattr(DeviceStepGuard, 'check', check)
     _record_fakes(monkeypatch, ReplayCupy, fakes)
     for make, network, refresh_steps in [
-            (_kfac, helpers.ConvNet, False), (_bounded, helpers.ConvNet, False),
+            (_kfac, helpers.ConvNet, False),
+            (_bounded, helpers.ConvNet, False),
             (_guarded, helpers.ConvNet, False),
             (_kfac, _WithUnusedHead, False), (_every, _WithUnusedHead, True)]:
         fakes.clear()
