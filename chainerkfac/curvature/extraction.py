@@ -143,9 +143,11 @@ def extract(predictor, x, t, quantities=q.FIRST_ORDER,
     if conv_factors not in q.CONV_FACTORS:
         raise ValueError('conv_factors must be one of {}, got {!r}'.format(
             q.CONV_FACTORS, conv_factors))
-    if int(mc_samples) < 1:
-        raise ValueError('mc_samples must be at least 1, got {}'.format(
-            mc_samples))
+    if isinstance(mc_samples, bool) or \
+            not isinstance(mc_samples, (int, numpy.integer)) or \
+            mc_samples < 1:
+        raise ValueError('mc_samples must be an integer >= 1, got {!r}'
+                         .format(mc_samples))
     if column_chunk is not None and int(column_chunk) < 1:
         raise ValueError('column_chunk must be at least 1 (or None), got '
                          '{}'.format(column_chunk))

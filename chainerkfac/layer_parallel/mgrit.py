@@ -17,6 +17,7 @@ the owner of the last layer.
 import collections
 import contextlib
 import logging
+import math
 import time
 from typing import List, Optional, Tuple
 
@@ -74,6 +75,32 @@ class _AdjointPropagator:
 DEFAULT_TOL = {8: 1e-10, 4: 1e-5, 2: 1e-2}
 
 
+def _check_options(coarsening, tol, max_iter, rtol) -> None:
+    """MGRIT's numbers, refused before any work where they make no
+    solve (a coarsening of 0 divided by zero, a negative tolerance ran
+    every solve to its cap)."""
+    def integer(value):
+        return isinstance(value, (int, numpy.integer)) and \
+            not isinstance(value, bool)
+
+    def finite_at_least_0(value):
+        return isinstance(value, (int, float, numpy.number)) and \
+            not isinstance(value, bool) and math.isfinite(value) and \
+            value >= 0
+    if not integer(coarsening) or coarsening < 2:
+        raise ValueError('coarsening must be an integer >= 2, not {!r}'
+                         .format(coarsening))
+    if not integer(max_iter) or max_iter < 1:
+        raise ValueError('max_iter must be positive, not {!r}'.format(
+            max_iter))
+    if tol is not None and not finite_at_least_0(tol):
+        raise ValueError('tol must be a finite number >= 0 (or None: by '
+                         'the dtype), not {!r}'.format(tol))
+    if not finite_at_least_0(rtol):
+        raise ValueError('rtol must be a finite number >= 0, not {!r}'
+                         .format(rtol))
+
+
 class MGRIT:
     """Layer-parallel forward and backward propagation through a
     :class:`ResidualODE` by nonlinear multigrid over the layers.
@@ -123,6 +150,7 @@ class MGRIT:
                  tol: Optional[float] = None, max_iter: int = 50,
                  rtol: float = 0.0,
                  warm_start: bool = True):
+        _check_options(coarsening, tol, max_iter, rtol)
         self.net = net
         self.transport = transport_for(comm)
         self.rank = self.transport.rank

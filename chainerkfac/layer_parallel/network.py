@@ -76,6 +76,9 @@ class ResidualODE(chainer.Chain):
         if n_layers < 1:
             raise ValueError('n_layers must be positive, not {}'.format(
                 n_layers))
+        if not t_final > 0 or t_final == float('inf'):
+            raise ValueError('t_final must be a finite positive time, not '
+                             '{!r}'.format(t_final))
         if layer == 'conv':
             if image_size is None:
                 raise ValueError("layer='conv' needs image_size (H or (H, W))")

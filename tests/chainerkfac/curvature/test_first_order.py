@@ -118,6 +118,15 @@ def test_a_loss_summed_over_the_batch_is_refused():
     assert len(x) != 2
 
 
+@pytest.mark.parametrize('mc_samples', [0, 1.5, True, '2'])
+def test_mc_samples_must_be_a_positive_integer(mc_samples):
+    """1.5 was taken as 1, silently."""
+    model, x, t = nets.build('conv_pool_linear')
+    with pytest.raises(ValueError, match='mc_samples must be an integer'):
+        curvature.extract(model, x, t, quantities=('diag_ggn_mc',),
+                          mc_samples=mc_samples)
+
+
 def test_lazily_sized_layers_before_their_first_call():
     """Chainer's MNIST example as written, ``L.Linear(None, n)``, not run
     yet, and an auxiliary lazy head the forward never calls: the

@@ -144,6 +144,17 @@ def test_errors_name_the_problem():
         lp.MGRIT(net, relax='FF')
     with pytest.raises(ValueError, match='coarsening'):
         lp.MGRIT(net, coarsening=1)
+    # before any work: 0 divided by zero, a negative tolerance ran every
+    # solve to its cap
+    for options, message in [
+            (dict(coarsening=0), 'coarsening must be an integer >= 2'),
+            (dict(coarsening=2.5), 'coarsening must be an integer >= 2'),
+            (dict(tol=-1), 'tol must be a finite number >= 0'),
+            (dict(tol=float('nan')), 'tol must be a finite number >= 0'),
+            (dict(rtol=-0.1), 'rtol must be a finite number >= 0'),
+            (dict(max_iter=0), 'max_iter must be positive')]:
+        with pytest.raises(ValueError, match=message):
+            lp.MGRIT(net, **options)
     with pytest.raises(ValueError, match='3 levels with coarsening 4'):
         lp.MGRIT(net, levels=3)
     with pytest.raises(TypeError, match='comm'):

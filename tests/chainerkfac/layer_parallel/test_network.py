@@ -81,6 +81,9 @@ def test_bad_arguments():
         lp.ResidualODE(1, 4, 8, 3, layer='conv')
     with pytest.raises(ValueError, match='activation must be'):
         lp.ResidualODE(2, 4, 8, 3, activation='swish')
+    for t_final in (0, -1.0, float('inf'), float('nan')):
+        with pytest.raises(ValueError, match='t_final must be a finite'):
+            lp.ResidualODE(2, 4, 8, 3, t_final=t_final)
 
 
 class _Seen(chainer.FunctionHook):
