@@ -171,11 +171,6 @@ def check_options(**options) -> None:
     several arguments together (the damping warm-up's pair)."""
     for name, value in options.items():
         check_option(name, value)
-    if options.get('shard_update') and options.get('process_local'):
-        raise OptionError(
-            'shard_update', True, 'shards the update over the processes of '
-            'a communicator; process_local=True keeps each process on its '
-            'own (nothing to shard): give one or the other')
     if 'damping_target' in options or 'damping_warmup_steps' in options:
         target = options.get('damping_target')
         steps = options.get('damping_warmup_steps')

@@ -535,7 +535,6 @@ def test_shifted_and_unfolded_a_train_alike():
     (dict(process_local='no'), "process_local='no' must be True or False"),
     (dict(fisher_diff='yes'), 'fisher_diff'),
     (dict(seed='abc'), "seed='abc' must be an int"),
-    (dict(shard_update=True, process_local=True), 'nothing to shard'),
 ])
 def test_bad_arguments_name_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
