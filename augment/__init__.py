@@ -30,6 +30,7 @@ from augment.scan import share  # NOQA
 from augment.stream import EvalView  # NOQA
 from augment.stream import GlobalBatchIterator  # NOQA
 from augment.stream import TrainStream  # NOQA
+from augment.stream import end_chunk  # NOQA
 from augment.stream import stream_rng  # NOQA
 from augment.transforms import ImageTransform  # NOQA
 from augment.transforms import crop_flip  # NOQA

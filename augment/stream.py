@@ -241,6 +241,22 @@ def make_loader(dataset, batch_size, loaderjob, repeat=True):
                                             repeat=repeat, shuffle=False)
 
 
+def epochs_at(chunks: int, batch_size: int, n_examples: int) -> float:
+    """Epochs of the global stream after ``chunks`` chunks (all
+    processes' together) of ``batch_size`` samples."""
+    return chunks * batch_size / n_examples
+
+
+def end_chunk(n_examples: int, batch_size: int, stop_epoch: float) -> int:
+    """The global chunk count at which a run of ``stop_epoch`` epochs ends
+    on one process: the first ``c`` whose :func:`epochs_at` reaches it
+    (the epoch count :class:`GlobalBatchIterator` reports)."""
+    c = max(int(stop_epoch * n_examples / batch_size) - 2, 0)
+    while epochs_at(c, batch_size, n_examples) < stop_epoch:
+        c += 1
+    return c
+
+
 class GlobalBatchIterator(chainer.dataset.Iterator):
     """The training iterator of one process: its chunks of the global stream,
     epochs counted in samples of the whole stream.
@@ -311,7 +327,7 @@ class GlobalBatchIterator(chainer.dataset.Iterator):
 
     @property
     def epoch_detail(self):
-        return self._samples(self.position) / self.n_examples
+        return epochs_at(self.chunks, self.batch_size, self.n_examples)
 
     @property
     def previous_epoch_detail(self):

@@ -284,8 +284,9 @@ class StepBound:
         every = 10 if on_host else 50
         if self._told or step % every:
             return None
-        cuda = getattr(get_array_module(self.scale), 'cuda', None)
-        if cuda is not None and cuda.get_current_stream().is_capturing():
+        xp = get_array_module(self.scale)
+        if not on_host and xp is not numpy and \
+                xp.cuda.get_current_stream().is_capturing():
             return None     # inside a CUDA graph's capture: not read
         self._readings.append(float(self.scale))
         needed = self.HELD_STEPS // every + 1

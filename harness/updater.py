@@ -110,17 +110,6 @@ class BatchConverter(chainer.dataset.Converter):
         return x, (t if self.labels_on_host else device.send(t))
 
 
-def end_chunk(n_examples: int, batch_size: int, stop_epoch: float) -> int:
-    """The global chunk count at which a run of ``stop_epoch`` epochs ends
-    on one process: the first ``c`` whose ``c · batch_size`` samples reach
-    it (as :class:`augment.GlobalBatchIterator` counts epochs, in its
-    arithmetic)."""
-    c = max(int(stop_epoch * n_examples / batch_size) - 2, 0)
-    while c * batch_size / n_examples < stop_epoch:
-        c += 1
-    return c
-
-
 class AugmentedUpdater(training.updaters.StandardUpdater):
     """StandardUpdater with the paper's augmentation and a complete last
     step.
@@ -131,7 +120,11 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
     optimizer : chainerkfac.optimizers.KFAC or GuardedOptimizer
         Anything with ``update(lossfun, *args)``, ``acc_iters``,
         ``pending_micro_batches``, ``last_step_skipped`` and
-        ``flush_accumulation()``.
+        ``flush_accumulation()``; on several processes whose run ends
+        inside a micro-iteration, also ``flush_accumulation(n)`` and
+        ``global_micro_batches`` (the step's micro-batches over all of
+        them, as :meth:`KFAC.flush_accumulation
+        <chainerkfac.optimizers.KFAC.flush_accumulation>`).
     comm : ChainerMN communicator
     acc_iters : int
         Micro-batches per step and process, as the run derived them; must
@@ -163,8 +156,8 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
         self.acc_iters = acc_iters
         self.stop_epoch = stop_epoch
         main = self.get_iterator('main')
-        self._end_chunk = end_chunk(main.n_examples, main.batch_size,
-                                    stop_epoch)
+        self._end_chunk = augment.end_chunk(main.n_examples,
+                                            main.batch_size, stop_epoch)
         self._micro_batches = 0     # this process's, since the last log
         self.seed = seed
         #: K-FAC's Monte-Carlo label sampler (draws from the stream), if

@@ -7,7 +7,7 @@ that own the same layers in every replica, over which the gradients of
 those layers are averaged. Rank r is layer rank r mod ``layer_procs`` of
 replica r div ``layer_procs``.
 """
-from chainerkfac.layer_parallel.transport import agree_on_arrays
+from chainerkfac.layer_parallel.transport import agree_on_weights
 from chainerkfac.layer_parallel.transport import transport_for
 
 
@@ -56,9 +56,7 @@ class ProcessGrid:
         """Give every replica the weights of replica 0 wherever they
         differ (networks built with different seeds): data-parallel
         replicas must start equal. Returns whether they differed."""
-        arrays = [p.array for _, p in sorted(mgrit.net.namedparams())
-                  if p.array is not None]
-        return agree_on_arrays(self.data_comm, arrays)
+        return agree_on_weights(self.data_comm, mgrit.net)
 
     def allreduce_grads(self, mgrit) -> None:
         """Average the gradients of ``mgrit``'s owned parameters over the

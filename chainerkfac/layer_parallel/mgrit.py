@@ -30,7 +30,7 @@ from chainer import backend
 from chainerkfac.layer_parallel import cycle
 from chainerkfac.layer_parallel import partition
 from chainerkfac.layer_parallel.network import ResidualODE
-from chainerkfac.layer_parallel.transport import agree_on_arrays
+from chainerkfac.layer_parallel.transport import agree_on_weights
 from chainerkfac.layer_parallel.transport import transport_for
 
 logger = logging.getLogger(__name__)
@@ -202,9 +202,7 @@ class MGRIT:
         """Every process starts from rank 0's weights: each owns some
         layers, and one whose copy differs would run a network made of
         several processes' layers."""
-        arrays = [p.array for _, p in sorted(self.net.namedparams())
-                  if p.array is not None]
-        if agree_on_arrays(self.transport, arrays) and self.rank == 0:
+        if agree_on_weights(self.transport, self.net) and self.rank == 0:
             logger.warning(
                 "MGRIT: the network's weights differed between processes "
                 "(built with different seeds?); rank 0's were broadcast")

@@ -176,16 +176,18 @@ def transport_for(comm: Optional[Any]):
     return MPITransport(mpi_comm)
 
 
-def agree_on_arrays(transport, arrays) -> bool:
-    """Make ``arrays`` (the same list, in the same order, on every
-    process of ``transport``) rank 0's wherever they differ anywhere: one
-    digest each process, all gathered; rank 0's arrays broadcast only
-    where the digests differ. Returns whether they did."""
+def agree_on_weights(transport, link) -> bool:
+    """Make the parameters of ``link`` (the same network on every process
+    of ``transport``) rank 0's wherever they differ anywhere: one digest
+    each process, all gathered; rank 0's arrays broadcast only where the
+    digests differ. Returns whether they did."""
     if transport.size == 1:
         return False
     import hashlib
     import numpy
     from chainer import backend
+    arrays = [p.array for _, p in sorted(link.namedparams())
+              if p.array is not None]
     digest = hashlib.sha256()
     for array in arrays:
         digest.update(numpy.ascontiguousarray(

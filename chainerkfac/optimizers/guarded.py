@@ -171,8 +171,7 @@ class GuardedOptimizer:
         target = self.actual_optimizer.target
         self.timer.start()
         n_micro, self.pending_micro_batches = self.pending_micro_batches, 0
-        total = self.__dict__['global_micro_batches']
-        self.__dict__['global_micro_batches'] = None
+        total, self.global_micro_batches = self.global_micro_batches, None
         self.accumulator.collect(target)
         if total is not None:
             # the processes' micro-batches differ: each one's gradient
