@@ -95,6 +95,22 @@ def block_named(optimizer, name):
     raise KeyError(name)
 
 
+def replace_captured_a(monkeypatch, block, value_of):
+    """Patch ``block``'s capture: its A sum, where captured, replaced by
+    ``value_of(total)`` (a factor that cannot be inverted, say). Returns
+    the capture as it was."""
+    original = block.captured
+
+    def captured():
+        factors = original()
+        if 'A' in factors:
+            total, count = factors['A']
+            factors['A'] = (value_of(total), count)
+        return factors
+    monkeypatch.setattr(block, 'captured', captured)
+    return original
+
+
 def data(n=6, shape=(2, 5, 5), n_class=4, seed=0):
     rng = numpy.random.RandomState(seed)
     x = rng.randn(n, *shape)

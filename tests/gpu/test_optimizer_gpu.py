@@ -173,15 +173,7 @@ def test_fp16_factors_on_gpu_follow_the_numpy_twin():
 
 def _with_bad_factor(bad, model, optimizer, x, t, monkeypatch):
     block = helpers.block_named(optimizer, '/l1')
-    original = block.captured
-
-    def patched():
-        factors = original()
-        if 'A' in factors:
-            total, count = factors['A']
-            factors['A'] = (bad(total), count)
-        return factors
-    monkeypatch.setattr(block, 'captured', patched)
+    helpers.replace_captured_a(monkeypatch, block, bad)
     reporter, observation = chainer.Reporter(), {}
     with reporter.scope(observation):
         optimizer.update(helpers.loss_of(model), x, t)

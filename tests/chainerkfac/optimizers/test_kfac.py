@@ -329,21 +329,6 @@ def test_a_constant_damping_is_the_constructors_after_a_resume(caplog):
     assert scheduled.damping == 1e-2        # the schedule's state
 
 
-def _replace_captured_a(monkeypatch, block, value_of):
-    """Patch ``block``'s capture: its A sum, where captured, replaced by
-    ``value_of(total)``. Returns the capture as it was."""
-    original = block.captured
-
-    def captured():
-        factors = original()
-        if 'A' in factors:
-            total, count = factors['A']
-            factors['A'] = (value_of(total), count)
-        return factors
-    monkeypatch.setattr(block, 'captured', captured)
-    return original
-
-
 def test_non_pd_factor_raises_damping_and_is_reported(monkeypatch):
     model = helpers.MLP()
     x, t = numpy.random.RandomState(0).randn(4, 5), \
@@ -351,8 +336,8 @@ def test_non_pd_factor_raises_damping_and_is_reported(monkeypatch):
     optimizer = helpers.kfac(lr=0.1, damping=1e-4)
     optimizer.setup(model)
     block = helpers.block_named(optimizer, '/l1')
-    _replace_captured_a(monkeypatch, block,
-                        lambda total: -numpy.eye(len(total)))   # not PD
+    helpers.replace_captured_a(monkeypatch, block,
+                               lambda total: -numpy.eye(len(total)))  # not PD
     reporter, observation = chainer.Reporter(), {}
     with reporter.scope(observation):
         optimizer.update(helpers.loss_of(model), x, t)
@@ -372,7 +357,8 @@ def test_nan_factor_keeps_weights_finite(monkeypatch):
     block = helpers.block_named(optimizer, '/l1')
     healthy_inverse = block.inverses['A'].copy()
     healthy_factor = block.factors['A'].copy()
-    _replace_captured_a(monkeypatch, block, lambda total: total * numpy.nan)
+    helpers.replace_captured_a(monkeypatch, block,
+                               lambda total: total * numpy.nan)
     reporter, observation = chainer.Reporter(), {}
     with reporter.scope(observation):
         optimizer.update(helpers.loss_of(model), x, t)
@@ -396,8 +382,8 @@ def test_a_factor_not_inverted_at_its_first_refresh_is_due_again(
                              refresh_interval_g=20, refresh_interval_f=20)
     optimizer.setup(model)
     block = helpers.block_named(optimizer, '/l1')
-    original = _replace_captured_a(monkeypatch, block,
-                                   lambda total: total * numpy.nan)
+    original = helpers.replace_captured_a(
+        monkeypatch, block, lambda total: total * numpy.nan)
     observations = []
     for step in range(3):
         if step == 1:
