@@ -93,6 +93,16 @@ capture, factors, reduce_scatter, inverse, precondition, all_gather,
 update) are medians over the timed steps; for SGD, forward_backward and
 update.
 
+**Out of device memory.** Every variant's model, K-FAC state and graphs
+live in one process (a graph keeps its step's memory). A variant that
+runs out of device memory beside the others, or whose capture does and
+is never replayed, is timed again after the rounds, alone with SGD, once
+the others are let go (``timed_alone`` in the JSON, a ``TIMED ALONE``
+line): ResNet-50 at batch 128 on an 80 GB H100 lost two of seven
+variants so (2026-11-27). A variant that fails otherwise is reported
+(``failed``) and left out of the figures: what it timed before it failed
+may not be the step it names.
+
 **Capture.** K-FAC's capture is measured two ways: as the difference of
 forward_backward medians (K-FAC every step minus SGD, both in the rounds),
 and directly, in extra every-step K-FAC steps after the rounds in which the
@@ -495,6 +505,10 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
     steps = {}
     classifiers = {}
     failed = {}
+    out_of_memory = set()    # failed for lack of memory beside the others
+    timed_alone = {}         # variant -> why it was timed again alone
+    released = {}            # variant -> its graph's figures, let go of
+    n_kfac = []              # K-FAC layers of the model (once built)
 
     def attempt(variant, what, run):
         """``run()``'s value; a failure takes the variant out of the run
@@ -507,6 +521,8 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
         except Exception as error:   # a variant's bug must not lose the run
             failed[variant] = '{} ({}): {}: {}'.format(
                 variant, what, type(error).__name__, error)
+            if isinstance(error, MemoryError):
+                out_of_memory.add(variant)
             print('FAILED {}; the other variants go on'.format(
                 failed[variant]), file=sys.stderr, flush=True)
             traceback.print_exc()
@@ -536,6 +552,9 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             steps[variant] = KFACStep(
                 model, interval if variant == 'kfac_stale' else 1, gpu,
                 **dict(kfac_options or {}, **KFAC_VARIANTS[variant]))
+        blocks = getattr(steps[variant].optimizer, 'blocks', None)
+        if blocks is not None and not n_kfac:
+            n_kfac.append(sum(1 for b in blocks if b.factor_names))
 
     def warm(variant):
         for _ in range(warmup):
@@ -543,115 +562,158 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
                 steps[variant](x, t)
             drop_graph(classifiers[variant])
 
-    for variant in variants:
-        attempt(variant, 'set-up', functools.partial(build, variant))
-    for variant in variants:
-        attempt(variant, 'warm-up', functools.partial(warm, variant))
+    def release(variant):
+        """Let a variant's model, optimizer and graphs go, keeping what
+        the summary reads of its graphs."""
+        step = steps.pop(variant, None)
+        classifiers.pop(variant, None)
+        if step is not None and variant in GRAPH_VARIANTS:
+            released[variant] = graph_figures(step)
+            if step.graph is not None:
+                step.graph.close()
+        del step
+        free_device_memory(xp)
+
     keys = tuple(variants) + tuple(v + '_refresh' for v in variants
                                    if v in STALE_VARIANTS)
     samples = {v: [] for v in keys}
     stages = {v: [] for v in keys}
     ratios = collections.defaultdict(list)
     round_times = []
-    for r in range(rounds):
-        shift = r % len(variants)
-        times = {}
-        round_times.append(times)
-        for variant in variants[shift:] + variants[:shift]:
-            if variant in failed:
+
+    def run_rounds(names):
+        for r in range(rounds):
+            shift = r % len(names)
+            times = {}
+            round_times.append(times)
+            for variant in names[shift:] + names[:shift]:
+                if variant in failed:
+                    continue
+                gc.collect()
+                elapsed = attempt(variant, 'round {}'.format(r),
+                                  functools.partial(
+                                      _timed_step, steps[variant], x, t,
+                                      synchronize, steps))
+                if elapsed is None:
+                    continue
+                drop_graph(classifiers[variant])
+                key = variant
+                if variant in STALE_VARIANTS and steps[variant].refreshed:
+                    key = variant + '_refresh'
+                times[key] = elapsed
+                samples[key].append(elapsed)
+                stages[key].append(steps[variant].stage_times)
+            print('  round {}/{}: {}'.format(r + 1, rounds, ', '.join(
+                '{} {:.4g} s'.format(k, v)
+                for k, v in sorted(times.items()))),
+                file=sys.stderr, flush=True)
+            sgd = times.get('sgd')
+            if not sgd:
                 continue
-            gc.collect()
-            elapsed = attempt(variant, 'round {}'.format(r),
-                              functools.partial(_timed_step, steps[variant],
-                                                x, t, synchronize, steps))
-            if elapsed is None:
-                continue
-            drop_graph(classifiers[variant])
-            key = variant
-            if variant in STALE_VARIANTS and steps[variant].refreshed:
-                key = variant + '_refresh'
-            times[key] = elapsed
-            samples[key].append(elapsed)
-            stages[key].append(steps[variant].stage_times)
-        print('  round {}/{}: {}'.format(r + 1, rounds, ', '.join(
-            '{} {:.4g} s'.format(k, v) for k, v in sorted(times.items()))),
-            file=sys.stderr, flush=True)
-        sgd = times.get('sgd')
-        if not sgd:
-            continue
-        for key, elapsed in times.items():
-            if key != 'sgd' and not key.endswith('_refresh'):
-                ratios[key].append(elapsed / sgd)
+            for key, elapsed in times.items():
+                if key != 'sgd' and not key.endswith('_refresh'):
+                    ratios[key].append(elapsed / sgd)
+
     # A replayed variant's cycle: what its refresh drops and captures again
     cycles = {}
+
+    def time_cycle(variant):
+        try:
+            cycles[variant] = refresh_cycle(
+                steps[variant], x, t, interval, synchronize, steps)
+        except Exception as error:   # its amortised figure is left out
+            cycles[variant] = {'failed': '{}: {}'.format(
+                type(error).__name__, error)}
+            print('the refresh cycle of {} could not be timed ({}); '
+                  'its amortised figures are left out'.format(
+                      variant, cycles[variant]['failed']),
+                  file=sys.stderr, flush=True)
+        drop_graph(classifiers[variant])
+
+    capture = {}
+
+    def time_captures(names):
+        for variant in names:
+            if variant in CAPTURE_VARIANTS and variant in steps:
+                seconds = attempt(variant, 'capture timing',
+                                  functools.partial(
+                                      time_capture, steps[variant], x, t,
+                                      spec['capture_steps'], synchronize,
+                                      steps.get('sgd'), steps))
+                if seconds is not None:
+                    capture[variant] = seconds
+
+    for variant in variants:
+        attempt(variant, 'set-up', functools.partial(build, variant))
+    for variant in variants:
+        attempt(variant, 'warm-up', functools.partial(warm, variant))
+    run_rounds(list(variants))
     for variant in KFAC_GRAPH_VARIANTS:
         if variant in steps and variant not in failed:
-            try:
-                cycles[variant] = refresh_cycle(
-                    steps[variant], x, t, interval, synchronize, steps)
-            except Exception as error:   # its amortised figure is left out
-                cycles[variant] = {'failed': '{}: {}'.format(
-                    type(error).__name__, error)}
-                print('the refresh cycle of {} could not be timed ({}); '
-                      'its amortised figures are left out'.format(
-                          variant, cycles[variant]['failed']),
-                      file=sys.stderr, flush=True)
-            drop_graph(classifiers[variant])
-    extras = {v: recapture_seconds(c, _common.median(samples[v])
-                                   if samples.get(v) else None)
-              for v, c in cycles.items()}
-    for times in round_times:
-        sgd = times.get('sgd')
-        if not sgd:
-            continue
-        for stale in STALE_VARIANTS:
-            every = KFAC_GRAPH_VARIANTS.get(stale, ({}, 'kfac_every'))[1]
-            extra = extras.get(stale, 0.0)
-            if stale in times and every in times and extra is not None:
-                ratios[stale + '_amortised'].append(
-                    cycle_seconds(times[every], times[stale], interval,
-                                  extra) / interval / sgd)
-    capture = {}
+            time_cycle(variant)
 
     def summary(partial: bool) -> Dict:
         ran = [v for v in variants if v not in failed]
-        kfac_variant = _kfac_variant(ran)
-        n_kfac = None if kfac_variant is None else sum(
-            1 for b in steps[kfac_variant].optimizer.blocks
-            if b.factor_names)
+        medians = {k: _common.median(v) if v else None
+                   for k, v in samples.items()}
+        extras = {v: recapture_seconds(c, medians.get(v))
+                  for v, c in cycles.items()}
+        amortised = collections.defaultdict(list)
+        for times in round_times:
+            sgd = times.get('sgd')
+            if not sgd:
+                continue
+            for stale in STALE_VARIANTS:
+                every = KFAC_GRAPH_VARIANTS.get(stale, ({}, 'kfac_every'))[1]
+                extra = extras.get(stale, 0.0)
+                if stale in times and every in times and extra is not None:
+                    amortised[stale + '_amortised'].append(
+                        cycle_seconds(times[every], times[stale], interval,
+                                      extra) / interval / sgd)
+        # a variant that failed is left out of the figures: the steps it
+        # took before may not be the ones it names (a capture that ran out
+        # of memory times its step eagerly, then the eager step fails)
+        gone = set(failed)
         result = {
             'model': name, 'arch': spec['arch'],
             'model_kwargs': spec['kwargs'], 'batch': spec['batch'],
             'input': [3, spec['size'], spec['size']],
-            'n_kfac_layers': n_kfac, 'refresh_interval': interval,
+            'n_kfac_layers': n_kfac[0] if n_kfac and
+            _kfac_variant(ran) is not None else None,
+            'refresh_interval': interval,
             'rounds': rounds, 'warmup_steps': warmup,
-            'median_s': {k: _common.median(v) if v else None
-                         for k, v in samples.items()},
+            'median_s': {k: None if _variant_of(k) in gone else v
+                         for k, v in medians.items()},
             'ratio_to_sgd': {k: _common.median(v) if v else None
-                             for k, v in ratios.items()},
+                             for k, v in dict(ratios, **amortised).items()
+                             if _variant_of(k) not in gone},
             'stage_times_s': {k: _median_stages(v)
-                              for k, v in stages.items() if v},
+                              for k, v in stages.items()
+                              if v and _variant_of(k) not in gone},
             'samples_s': samples,
             'capture_steps': spec['capture_steps'],
             'capture_by_type_s': dict(capture),
             'failed': dict(failed),
         }
+        if timed_alone:
+            result['timed_alone'] = dict(timed_alone)
         if partial:
             result['partial'] = True
         result['extra_over_sgd'] = extra_over_sgd(result)
         if cycles:
             result['refresh_cycle'] = {
                 v: dict(c, recapture_s=extras[v]) for v, c in cycles.items()}
-        graphed = [v for v in GRAPH_VARIANTS if v in steps]
+        graphed = dict(released)
+        graphed.update((v, graph_figures(steps[v]))
+                       for v in GRAPH_VARIANTS if v in steps)
+        graphed = {v: graphed[v] for v in GRAPH_VARIANTS if v in graphed}
         if graphed:
-            result['graph_stats'] = {v: dict(steps[v].graph.stats)
-                                     for v in graphed}
+            result['graph_stats'] = {v: f['stats']
+                                     for v, f in graphed.items()}
             result['not_replayed'] = [
-                v for v in graphed if not replayed(steps[v].graph.stats)]
-            result['graph_capture_s'] = {
-                v: list(getattr(steps[v], 'capture_seconds',
-                                steps[v].graph.capture_seconds))
-                for v in graphed}
+                v for v, f in graphed.items() if not replayed(f['stats'])]
+            result['graph_capture_s'] = {v: f['capture_s']
+                                         for v, f in graphed.items()}
         if gpu:
             # the ways of forming A and of inverting the lone factors
             # that timing chose (autotune)
@@ -667,18 +729,79 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
             print('the rounds could not be saved; the run goes on',
                   file=sys.stderr, flush=True)
             traceback.print_exc()
-    for variant in CAPTURE_VARIANTS:
-        if variant in steps:
-            seconds = attempt(variant, 'capture timing', functools.partial(
-                time_capture, steps[variant], x, t, spec['capture_steps'],
-                synchronize, steps.get('sgd'), steps))
-            if seconds is not None:
-                capture[variant] = seconds
-    result = summary(partial=False)
+    time_captures(variants)
     kfac_variant = _kfac_variant([v for v in variants if v not in failed])
+    profile_text = None
     if profile and kfac_variant is not None:
-        result['profile'] = profile_step(steps[kfac_variant], x, t)
+        profile_text = profile_step(steps[kfac_variant], x, t)
+    # Variants crowded out: beside the others, out of device memory (every
+    # variant's model, K-FAC state and graphs live in one process, and a
+    # graph keeps its step's memory), or a capture that ran out of it and
+    # was never replayed. Each is timed again alone with SGD (an eager
+    # step keeps nothing between steps), the others let go first.
+    crowded = [v for v in variants
+               if v in out_of_memory or (v in steps and v in GRAPH_VARIANTS
+                                         and crowded_out(steps[v].graph
+                                                         .stats))]
+    if crowded:
+        for variant in list(steps):
+            if variant != 'sgd':
+                release(variant)
+    for variant in crowded:
+        timed_alone[variant] = failed.pop(
+            variant, '{}: its capture ran out of device memory and it was '
+            'never replayed'.format(variant))
+        out_of_memory.discard(variant)
+        released.pop(variant, None)
+        cycles.pop(variant, None)
+        for key in (variant, variant + '_refresh'):
+            if key in samples:
+                samples[key], stages[key] = [], []
+            ratios.pop(key, None)
+        for times in round_times:
+            times.pop(variant, None)
+            times.pop(variant + '_refresh', None)
+        print('{} ran out of device memory beside the other variants; '
+              'timed again alone{}'.format(
+                  variant, ' with sgd' if 'sgd' in steps else ''),
+              file=sys.stderr, flush=True)
+        attempt(variant, 'set-up, alone', functools.partial(build, variant))
+        attempt(variant, 'warm-up, alone', functools.partial(warm, variant))
+        run_rounds(['sgd', variant] if 'sgd' in steps else [variant])
+        if variant in KFAC_GRAPH_VARIANTS and variant in steps:
+            time_cycle(variant)
+        time_captures([variant])
+        release(variant)
+    result = summary(partial=False)
+    if profile_text is not None:
+        result['profile'] = profile_text
     return result
+
+
+def graph_figures(step) -> Dict[str, object]:
+    """A replayed variant's graph counts and capture seconds."""
+    graph = step.graph
+    stats = dict(graph.stats) if graph is not None else {}
+    seconds = getattr(step, 'capture_seconds', None)
+    if seconds is None:
+        seconds = graph.capture_seconds if graph is not None else []
+    return {'stats': stats, 'capture_s': list(seconds)}
+
+
+def crowded_out(stats) -> bool:
+    """Whether a graph's counts say its capture ran out of device memory
+    (once more after the cached blocks went back) and it was never
+    replayed: its step was timed eagerly for want of memory."""
+    return bool(stats.get('capture out of memory')) and \
+        bool(stats.get('capture failed')) and not replayed(stats)
+
+
+def _variant_of(key: str) -> str:
+    """The variant a ``median_s`` / ``ratio_to_sgd`` key belongs to."""
+    for suffix in ('_refresh', '_amortised'):
+        if key.endswith(suffix):
+            return key[:-len(suffix)]
+    return key
 
 
 def replayed(stats) -> int:
@@ -1082,6 +1205,11 @@ def tables(data: Dict) -> str:
     summary += ''.join('\nFAILED {}: {}'.format(r['model'], why)
                        for r in results
                        for why in r.get('failed', {}).values())
+    summary += ''.join(
+        '\nTIMED ALONE {} {}: out of device memory beside the other '
+        'variants ({}); timed again with SGD alone, the others let go'
+        .format(r['model'], variant, why)
+        for r in results for variant, why in r.get('timed_alone', {}).items())
     goal_rows = [[r['model'], key, g['value'], '<= {:g}'.format(g['goal'])
                   if key != 'fp16_over_fp32' else '< {:g}'.format(g['goal']),
                   'met' if g['met'] else 'NOT met']
