@@ -44,6 +44,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks import _common
+from harness import tuning
 
 #: (category, fragments of the lower-cased kernel name); the first rule
 #: with a fragment in the name decides. Checked against kernel names of
@@ -79,13 +80,14 @@ OTHER = 'other'
 ORDER = tuple(c for c, _ in CATEGORIES) + (MEMORY, OTHER)
 
 #: Our variants (:mod:`benchmarks.step_time`'s) and the peer's.
-VARIANTS = ('sgd', 'sgd_graph', 'kfac_every', 'kfac_tf32', 'kfac_fp16',
-            'kfac_low_rank', 'kfac_shifted', 'kfac_stale', 'kfac_stale_graph',
-            'kfac_stale_graph_tf32')
+VARIANTS = ('sgd', 'sgd_graph', 'kfac_every', 'kfac_every_graph',
+            'kfac_tf32', 'kfac_fp16', 'kfac_low_rank', 'kfac_shifted',
+            'kfac_stale', 'kfac_stale_graph', 'kfac_stale_graph_tf32')
 PEER_VARIANTS = ('sgd', 'kfac_inverse', 'kfac_inverse_stale')
 DEFAULT_VARIANTS = ('sgd', 'sgd_graph', 'kfac_every', 'kfac_stale_graph')
 #: Ours -> the peer's variant it is compared with.
 PAIRS = {'sgd': 'sgd', 'sgd_graph': 'sgd', 'kfac_every': 'kfac_inverse',
+         'kfac_every_graph': 'kfac_inverse',
          'kfac_tf32': 'kfac_inverse', 'kfac_fp16': 'kfac_inverse',
          'kfac_low_rank': 'kfac_inverse', 'kfac_shifted': 'kfac_inverse',
          'kfac_stale': 'kfac_inverse_stale',
@@ -364,9 +366,7 @@ def profile_ours(args, trace_dir: str) -> Dict[str, Dict]:
     import cupy
     from benchmarks import step_time
     spec = dict(step_time.GPU['resnet50'], batch=args.batch)
-    graphed = any(v in step_time.GRAPH_VARIANTS for v in args.variants)
-    [limit], timed, words = step_time.cudnn_choice(None, 'auto', True,
-                                                   graphed)
+    limit, timed, words = cudnn_for(args)
     print('cuDNN: {}'.format(words), flush=True)
     step_time.set_workspace_limit(limit)
     synchronize = cupy.cuda.Device().synchronize
@@ -394,11 +394,27 @@ def profile_ours(args, trace_dir: str) -> Dict[str, Dict]:
     return results
 
 
+def cudnn_for(args) -> Tuple[Optional[int], bool, str]:
+    """``(workspace limit, timed, start-up line)``: cuDNN as a default
+    ``train_imagenet.py --gpu`` run chooses it (CUDA graphs on: timed
+    algorithms within 1 GiB, for the eager refresh steps as well), or as
+    one with ``--cuda-graphs off`` (``--eager-run``). The profile of
+    2026-11-27 took the second for an eager variant, and its convolutions
+    came to 35 ms per step against the peer's 4 ms (PyTorch times them)."""
+    from benchmarks import step_time
+    [limit], timed, words = step_time.cudnn_choice(
+        None if args.cudnn_workspace == 'auto' else [args.cudnn_workspace],
+        args.cudnn_autotune, True, not args.eager_run)
+    return limit, timed, words
+
+
 def _our_step(step_time, variant, model, interval, synchronize):
     if variant == 'sgd':
         return step_time.SGDStep(model, synchronize)
     if variant == 'sgd_graph':
         return step_time.SGDGraphStep(model)
+    if variant == 'kfac_every_graph':
+        return step_time.KFACGraphStep(model, 1, refresh_steps=True)
     if variant in step_time.KFAC_GRAPH_VARIANTS:
         return step_time.KFACGraphStep(
             model, interval, **step_time.KFAC_GRAPH_VARIANTS[variant][0])
@@ -469,6 +485,18 @@ def parse_args(argv):
                         help="the peer's, from {} ('' for none; default: "
                         'those paired with ours)'.format(
                             ','.join(PEER_VARIANTS)))
+    parser.add_argument('--eager-run', action='store_true',
+                        help="cuDNN as a run with --cuda-graphs off "
+                        "chooses it (cuDNN's heuristics within Chainer's "
+                        '8MiB); default: as a default train_imagenet.py '
+                        '--gpu run (CUDA graphs on: timed algorithms '
+                        'within 1GiB, for its eager steps too)')
+    parser.add_argument('--cudnn-autotune', default='auto',
+                        choices=('auto', 'on', 'off'),
+                        help='as train_imagenet.py\'s (default auto)')
+    parser.add_argument('--cudnn-workspace', type=tuning.workspace_size,
+                        default='auto',
+                        help='as train_imagenet.py\'s (default auto)')
     parser.add_argument('--out', default='result/kernel_profile.json',
                         help='JSON output; the PNG beside it, the traces '
                         'in <out without .json>_traces/')

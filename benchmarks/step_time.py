@@ -771,7 +771,8 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
         if variant in KFAC_GRAPH_VARIANTS and variant in steps:
             time_cycle(variant)
         time_captures([variant])
-        release(variant)
+        if variant != 'sgd':    # the others' partner in their rounds
+            release(variant)
     result = summary(partial=False)
     if profile_text is not None:
         result['profile'] = profile_text

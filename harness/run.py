@@ -270,9 +270,14 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
         args.init_weights_from)
     if comm.rank == 0:
         print('cuDNN: {}'.format(chainerkfac.cudnn.describe()), flush=True)
-        if use_graphs and kfac and args.replay_refresh_steps:
-            graphs_why += ("; K-FAC's refresh steps replayed too but for "
-                           'their inverse stage (--replay-refresh-steps)')
+        if use_graphs and kfac:
+            graphs_why += (
+                "; K-FAC's refresh steps replayed too but for their "
+                'inverse stage (--replay-refresh-steps {})'.format(
+                    args.replay_refresh_steps)
+                if replay_refresh_steps(args) else
+                "; K-FAC's refresh steps eager (--replay-refresh-steps "
+                'off)')
         print('CUDA graphs: {}'.format(graphs_why), flush=True)
         if args.gpu:
             print('cuDNN convolutions: {}'.format(tuning_words), flush=True)
@@ -289,6 +294,13 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
     finally:
         if lock is not None:
             lock.release()
+
+
+def replay_refresh_steps(args) -> bool:
+    """Whether a K-FAC run that CUDA graphs replay replays its refresh
+    steps too but for their inverse stage (``--replay-refresh-steps auto``
+    or ``on``)."""
+    return args.replay_refresh_steps != 'off'
 
 
 def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
@@ -317,7 +329,7 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
         # Only the updater steps through the graphs; snapshots, schedules
         # and observers see the optimizer itself.
         stepper = graphs.graphed(
-            optimizer, refresh_steps=kfac and args.replay_refresh_steps)
+            optimizer, refresh_steps=kfac and replay_refresh_steps(args))
     updater = AugmentedUpdater(
         train_iter, stepper, comm, acc_iters, cfg.epochs, converter,
         args.seed, cfg.alpha_mixup if augmenting else 0.0, n_class,

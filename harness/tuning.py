@@ -5,6 +5,8 @@ convolution algorithms are timed, from ``--cudnn-workspace`` /
 ``train_imagenet.py`` and ``python -m benchmarks.step_time --gpu`` both
 take it from here, so that the benchmark times the steps as a run does.
 """
+import argparse
+
 from harness import sizes
 
 
@@ -44,3 +46,14 @@ def cudnn_tuning(workspace, autotune, use_graphs):
         sizes.words(workspace) if workspace is not None
         else "Chainer's 8MiB", limit_words)
     return workspace, timed, words
+
+
+def workspace_size(text):
+    """An ``argparse`` type: ``--cudnn-workspace`` (``auto``, or a size
+    such as ``8MiB``, ``1GiB``, bytes)."""
+    if text == 'auto':
+        return text
+    try:
+        return sizes.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

@@ -337,3 +337,24 @@ def test_our_steps_refresh_as_their_variants_say():
     made.clear()
     kp._our_step(fake, 'kfac_low_rank', None, 20, None)
     assert made == [(1, {'low_rank': True})]
+
+
+def test_cudnn_is_chosen_as_a_default_run_chooses_it():
+    """As ``train_imagenet.py --gpu`` (CUDA graphs on by default): timed
+    algorithms within 1 GiB for every variant, an eager one too (the
+    refresh steps of a graphed run are eager); ``--eager-run`` as a run
+    with the graphs off."""
+    limit, timed, words = kp.cudnn_for(kp.parse_args(['--variants',
+                                                      'kfac_every']))
+    assert (limit, timed) == (1 << 30, True)
+    assert 'with CUDA graphs' in words
+    limit, timed, words = kp.cudnn_for(kp.parse_args(['--eager-run']))
+    assert (limit, timed) == (None, False)
+    assert 'eager steps' in words
+    limit, timed, _ = kp.cudnn_for(kp.parse_args(
+        ['--cudnn-workspace', '8MiB', '--cudnn-autotune', 'off']))
+    assert (limit, timed) == (8 << 20, False)
+    with pytest.raises(SystemExit):
+        kp.parse_args(['--cudnn-workspace', 'lots'])
+    assert kp.parse_args(['--variants', 'kfac_every_graph']).peer_variants \
+        == ('kfac_inverse',)

@@ -514,15 +514,16 @@ def test_batched_retries_as_the_cpu(max_dim, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize('flag', [['--cuda-graphs'], ['--cuda-graphs',
                                                       'auto'],
-                                  ['--replay-refresh-steps']])
+                                  ['--replay-refresh-steps', 'off']])
 def test_train_imagenet_with_cuda_graphs(tmp_path, monkeypatch, flag):
     """``--demo --gpu --cuda-graphs`` (and ``--cuda-graphs auto``, which
     turns them on here) with a config of one process's batch and
     stale factors (refresh every 5 steps): both runs train, and their
-    summaries count replayed steps; with ``--replay-refresh-steps``
-    K-FAC's refresh steps are replayed too but for their inverses (about
-    18 refreshes in the two epochs: the passes' graph warms up on one and
-    captures the next, the end's graph a refresh later)."""
+    summaries count replayed steps; K-FAC's refresh steps are replayed
+    too but for their inverses (``--replay-refresh-steps auto``, the
+    default; about 18 refreshes in the two epochs: the passes' graph warms
+    up on one and captures the next, the end's graph a refresh later),
+    and eager with ``--replay-refresh-steps off``."""
     import json
     import os
     from tests import launch
@@ -549,8 +550,12 @@ def test_train_imagenet_with_cuda_graphs(tmp_path, monkeypatch, flag):
         stats = summary['cuda_graphs']
         assert stats.get('replayed', 0) > 0, (summary['optimizer'], stats)
         assert 0.0 < summary['final_top1'] <= 1.0, summary
-        if '--replay-refresh-steps' in flag and \
-                summary['optimizer'] == 'kfac':
+        if summary['optimizer'] != 'kfac':
+            continue
+        if 'off' in flag:
+            assert "refresh steps eager" in proc.stdout
+            assert not [k for k in stats if k.startswith('refresh')], stats
+        else:
             assert "refresh steps replayed too" in proc.stdout
             assert stats.get('refresh passes: replayed', 0) >= 5, stats
             assert stats.get('refresh update: replayed', 0) >= 3, stats
