@@ -15,8 +15,9 @@
 #
 # The steps: the step times at batch 32 against the peer (the goals; the
 # replayed refresh cycle and refresh passes), the GPU suite (single
-# process), a kernel profile of a refresh step at batch 32, batches 64 and
-# 128 against the peer, the inverse stage's routes, the GPU suite under
+# process), a kernel profile of a refresh step at batch 32 (replayed but
+# for its inverses, as a default run takes it), batches 64 and 128, then
+# 256, against the peer, the inverse stage's routes, the GPU suite under
 # mpiexec -n 1,2 and the host's work before a replay. DRY_RUN=1 prints
 # them instead; STEPS (names, comma-separated) runs only those, e.g. the
 # rest in a second call.
@@ -89,10 +90,13 @@ step step_time_b32 150 "$PY" -m benchmarks.step_time --gpu --peer \
 step gpu_suite 220 env LOG="$WORK/gpu_suite_full.log" PY="$PY" \
     bash tests/gpu/run.sh single
 step kernel_profile_b32 90 "$PY" -m benchmarks.kernel_profile --batch 32 \
-    --variants kfac_every --out "$WORK/kernel_profile_b32.json"
+    --variants kfac_every_graph --out "$WORK/kernel_profile_b32.json"
 step sweep_64_128 190 "$PY" -m benchmarks.step_time --gpu --peer \
     --models resnet50 --resnet50-rounds 5 --batches 64,128 \
     --out "$WORK/sweep.json"
+step sweep_256 170 "$PY" -m benchmarks.step_time --gpu --peer \
+    --models resnet50 --resnet50-rounds 3 --batches 256 \
+    --out "$WORK/sweep_256.json"
 step inverse_routes 50 "$PY" -m benchmarks.step_time --gpu --inverse-only \
     --cholesky-inverses potri,potrs,auto --out "$WORK/inverse_only.json"
 step gpu_suite_mpi 70 env LOG="$WORK/gpu_suite_mpi_full.log" PY="$PY" \

@@ -27,10 +27,12 @@ def test_dry_run_names_the_steps_in_order(tmp_path):
     assert proc.returncode == 0, proc.stderr
     names = [line.split(' ')[0] for line in proc.stdout.splitlines()]
     assert names == ['step_time_b32', 'gpu_suite', 'kernel_profile_b32',
-                     'sweep_64_128', 'inverse_routes', 'gpu_suite_mpi',
-                     'replay_host']
+                     'sweep_64_128', 'sweep_256', 'inverse_routes',
+                     'gpu_suite_mpi', 'replay_host']
     assert '--peer' in proc.stdout and '--batches 64,128' in proc.stdout
     assert 'kfac_every_graph' in proc.stdout
+    assert '--batches 256' in proc.stdout
+    assert '--variants kfac_every_graph --out' in proc.stdout
     # STEPS: only those (the rest of a session in a second call)
     proc, _ = _run(tmp_path, 600, 'python3', DRY_RUN='1',
                    STEPS='sweep_64_128,replay_host')
