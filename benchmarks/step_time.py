@@ -767,7 +767,8 @@ def measure(name: str, spec: Dict, variants: Sequence[str], interval: int,
               file=sys.stderr, flush=True)
         attempt(variant, 'set-up, alone', functools.partial(build, variant))
         attempt(variant, 'warm-up, alone', functools.partial(warm, variant))
-        run_rounds(['sgd', variant] if 'sgd' in steps else [variant])
+        run_rounds(['sgd', variant] if variant != 'sgd' and 'sgd' in steps
+                   else [variant])
         if variant in KFAC_GRAPH_VARIANTS and variant in steps:
             time_cycle(variant)
         time_captures([variant])

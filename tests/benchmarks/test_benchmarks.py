@@ -216,6 +216,9 @@ def test_a_variant_out_of_memory_beside_the_others_is_timed_alone(
     assert set(result['timed_alone']) == {'kfac_stale'} | (
         {'sgd'} if sgd_too else set())
     assert positive(result['median_s']['sgd'])
+    # once a round beside the others (or alone, crowded out itself: its
+    # samples beside the others dropped), then once beside kfac_stale
+    assert len(result['samples_s']['sgd']) == 6
     assert 'MemoryError' in result['timed_alone']['kfac_stale']
     assert set(result['failed']) == {'kfac_low_rank'}
     stale = result['samples_s']['kfac_stale'] + \
