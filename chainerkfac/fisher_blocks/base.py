@@ -539,7 +539,13 @@ class FisherBlock:
                 'inverse_count_' + factor, self.inverse_count[factor]))
             if not has:
                 continue
-            if factor in self._loaded:    # unsettled: as it was stored
+            if not saving:
+                # read as stored (a packed triangle, low-rank columns),
+                # not into the live factor of another shape: loading into
+                # an optimizer that holds factors (a roll-back, the same
+                # file twice) broadcast (66,) into (11, 11)
+                value = None
+            elif factor in self._loaded:    # unsettled: as it was stored
                 value = self._loaded[factor][0]
             else:
                 value = self.factors.get(factor)

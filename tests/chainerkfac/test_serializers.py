@@ -102,6 +102,49 @@ def test_optimizer_state_round_trip(tmp_path):
                                              theirs.factors[name])
 
 
+@pytest.mark.parametrize('how', ['roll back', 'load twice'])
+def test_loading_into_an_optimizer_that_holds_factors(tmp_path, how):
+    """A snapshot loaded into a K-FAC that already holds factors (rolled
+    back after later steps, or the same file loaded twice) trains on as
+    one loaded into a fresh optimizer, to the bit. The live factor was
+    the target of the file's packed triangle: ``could not broadcast
+    input array from shape (66,) into shape (11,11)``, the optimizer left
+    half-loaded."""
+    x, t = helpers.data(n=4, shape=(5,), n_class=3)
+
+    def run(optimizer, model, steps):
+        for _ in range(steps):
+            optimizer.update(helpers.loss_of(model), x, t)
+
+    numpy.random.seed(0)
+    model = helpers.MLP()
+    optimizer = helpers.kfac()
+    optimizer.setup(model)
+    run(optimizer, model, 5)
+    chainer.serializers.save_npz(str(tmp_path / 'o.npz'), optimizer)
+    chainer.serializers.save_npz(str(tmp_path / 'm.npz'), model)
+    if how == 'roll back':
+        run(optimizer, model, 3)
+    else:
+        chainer.serializers.load_npz(str(tmp_path / 'o.npz'), optimizer)
+    chainer.serializers.load_npz(str(tmp_path / 'o.npz'), optimizer)
+    chainer.serializers.load_npz(str(tmp_path / 'm.npz'), model)
+    assert optimizer.t == 5
+    run(optimizer, model, 4)
+
+    numpy.random.seed(1)
+    fresh_model = helpers.MLP()
+    fresh = helpers.kfac()
+    fresh.setup(fresh_model)
+    chainer.serializers.load_npz(str(tmp_path / 'o.npz'), fresh)
+    chainer.serializers.load_npz(str(tmp_path / 'm.npz'), fresh_model)
+    run(fresh, fresh_model, 4)
+    for (name, mine), (_, theirs) in zip(
+            sorted(model.namedparams()), sorted(fresh_model.namedparams())):
+        numpy.testing.assert_array_equal(mine.array, theirs.array,
+                                         err_msg=name)
+
+
 def test_none_values_left_out():
     target = {'a': numpy.zeros(2), 'b': numpy.asarray(None)}
     assert sorted(serializers.without_none(target)) == ['a']
