@@ -132,7 +132,9 @@ class GuardedOptimizer:
         on the arguments and backpropagate; without, take the gradients of
         the loop's own backward. Every ``acc_iters`` calls, one step."""
         target = self.actual_optimizer.target
-        if self._checkpoint_due and lossfun is not None:
+        if lossfun is not None and (self._checkpoint_due or
+                                    self.pending_micro_batches == 0):
+            # the running statistics as the step's forward finds them
             self.guard.checkpoint(target)
             self._checkpoint_due = False
         if lossfun is not None:
@@ -319,10 +321,12 @@ class GuardedOptimizer:
         self.actual_optimizer.serialize(serializer)
         if isinstance(serializer, chainer.serializer.Deserializer):
             # The model is loaded after its optimizer (Chainer's updaters):
-            # its running statistics are taken at the next update.
+            # its running statistics are taken at the next update(lossfun),
+            # and until then those of now (a loop that runs its own
+            # forward).
             self.pending_micro_batches = 0
             self.accumulator.reset()
-            self.guard.forget()
+            self.guard.checkpoint(self.actual_optimizer.target)
             self._checkpoint_due = True
             if self._shard is not None:
                 self._drop_unowned_state()

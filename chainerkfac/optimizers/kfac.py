@@ -534,7 +534,10 @@ class KFAC(optimizer.GradientMethod):
         changed = self._start() if first and not lazy else False
         if self._micro == 0:
             self.timer.start()
-            if self._checkpoint_due and lossfun is not None:
+            if lossfun is not None:
+                # the running statistics as the step's forward finds them
+                # (not as the last step left them: the model may have
+                # been loaded or copied into since)
                 self.guard.checkpoint(self.target)
                 self._checkpoint_due = False
         if lossfun is not None:
@@ -1228,9 +1231,12 @@ class KFAC(optimizer.GradientMethod):
                     self._drop_unowned_state()
             # What is due follows the restored step; the running statistics
             # to restore on a skipped step are those of the restored model,
-            # taken at the next update.
+            # taken at the next update(lossfun) (Chainer's updaters load
+            # the model after its optimizer), and until then those of now:
+            # a loop that runs its own forward restored nothing, and its
+            # skipped step left NaN in them.
             self._micro = 0
             self.accumulator.reset()
             self._begin_step()
-            self.guard.forget()
+            self.guard.checkpoint(self.target)
             self._checkpoint_due = True
