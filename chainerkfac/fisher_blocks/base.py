@@ -496,8 +496,12 @@ class FisherBlock:
 
     def regularized_grads(self, grads: Sequence, damping: float) -> List:
         """∇E = ∇L + γ(w − μ) of eq. (13) for each parameter, the vector
-        :meth:`precondition` preconditions."""
-        return [regularized_grad(g, p.array, damping, mean=mean)
+        :meth:`precondition` preconditions; zeros for a parameter without
+        a gradient (``None``: frozen, or no backward pass reached it),
+        which the step does not move: its γ(w − μ) would move the others
+        of its block (a frozen W its bias)."""
+        return [get_array_module(p.array).zeros_like(p.array) if g is None
+                else regularized_grad(g, p.array, damping, mean=mean)
                 for g, p, mean in zip(grads, self.params,
                                       self.regularization_means())]
 

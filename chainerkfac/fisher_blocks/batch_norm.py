@@ -131,7 +131,7 @@ class BatchNormalizationBlock(FisherBlock):
         return [1.0, 0.0]
 
     def precondition(self, grads, damping):
-        xp = get_array_module(grads[0])
+        xp = get_array_module(self.params[0].array)
         vector = xp.concatenate(self.regularized_grads(grads, damping))
         if self.has_inverses():
             vector = low_rank.left_multiply(self.inverses['F'],

@@ -1067,9 +1067,9 @@ class KFAC(optimizer.GradientMethod):
     def _precondition(self, block, grads):
         """Stage 5: ``(F + γI)⁻¹ ∇E`` of one owned block."""
         damping = self._block_damping(block)
-        filled = [g if g is not None else p.array * 0
-                  for g, p in zip(grads, block.params)]
-        out = block.precondition(filled, damping)
+        # a parameter without a gradient (frozen, or not reached) is a zero
+        # in ∇E, its γ(w − μ) too: else a frozen W moved its own bias
+        out = block.precondition(list(grads), damping)
         return [d if g is not None else None for d, g in zip(out, grads)]
 
     def _block_damping(self, block):
