@@ -117,17 +117,26 @@ def read_image_list(list_path, root='.', check_files=True, n_class=None):
         list file and the line; the message counts all missing images.
     """
     paths, labels, lines = [], [], []
-    with open(list_path) as f:
-        for lineno, line in enumerate(f, 1):
+    with open(list_path, 'rb') as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode('utf-8')
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    '{}, line {}: not UTF-8 ({}); save the list as UTF-8'
+                    .format(list_path, lineno, error)) from None
+            if lineno == 1:
+                line = line.lstrip('\ufeff')    # a byte-order mark
             if not line.strip():
                 continue
             fields = line.rsplit(maxsplit=1)
             try:
-                if len(fields) != 2:
+                # ASCII digits only: int() also takes '+3', '0_1' (as 1)
+                # and other scripts' digits
+                if len(fields) != 2 or not (fields[1].isascii() and
+                                            fields[1].isdigit()):
                     raise ValueError
                 label = int(fields[1])
-                if label < 0:
-                    raise ValueError
             except ValueError:
                 raise ValueError(
                     '{}, line {}: expected "relative/path label" with a '
@@ -193,9 +202,23 @@ def to_rgb(image):
     return image.convert('RGB')
 
 
+#: The EXIF tag of the orientation in which a camera stored the pixels.
+EXIF_ORIENTATION = 0x0112
+#: Orientation -> the transpose that shows the image upright (as viewers
+#: and ``PIL.ImageOps.exif_transpose`` do); 1 (upright) and none: nothing.
+EXIF_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT,
+                  3: Image.Transpose.ROTATE_180,
+                  4: Image.Transpose.FLIP_TOP_BOTTOM,
+                  5: Image.Transpose.TRANSPOSE,
+                  6: Image.Transpose.ROTATE_270,
+                  7: Image.Transpose.TRANSVERSE,
+                  8: Image.Transpose.ROTATE_90}
+
+
 def load_image(path, size=None):
-    """Read an image as RGB (:func:`to_rgb`), optionally resized to ``size x
-    size``.
+    """Read an image as RGB (:func:`to_rgb`), upright as its EXIF
+    orientation says (a phone's photo stored on its side), optionally
+    resized to ``size x size``.
 
     The aspect ratio is ignored (paper section 4.1); resampling is bilinear.
 
@@ -218,7 +241,10 @@ def load_image(path, size=None):
     """
     try:
         with Image.open(path) as image:
+            turn = EXIF_TRANSPOSE.get(image.getexif().get(EXIF_ORIENTATION))
             image = to_rgb(image)
+            if turn is not None:
+                image = image.transpose(turn)
             if size is not None:
                 image = image.resize((size, size), Image.BILINEAR)
             array = np.asarray(image, dtype=np.uint8)

@@ -113,3 +113,53 @@ def test_truncated_jpeg_is_an_error_naming_file_and_line(image_dir):
     with pytest.raises(OSError) as info:
         dataset[1]
     assert 'cut.JPEG' in str(info.value) and 'line 2' in str(info.value)
+
+
+def test_a_byte_order_mark_and_crlf_are_read_as_the_list(image_dir):
+    """A list saved by Windows' Notepad: a UTF-8 byte-order mark (which
+    became part of the first path, "image not found" on a file that is
+    there) and CRLF line ends."""
+    path = image_dir / 'bom.txt'
+    path.write_bytes(b'\xef\xbb\xbfcls a/0.png 0\r\ncls a/1.png 1\r\n')
+    images = read_image_list(str(path), str(image_dir), n_class=2)
+    assert images.path(0) == str(image_dir / 'cls a' / '0.png')
+    assert list(images.labels) == [0, 1]
+
+
+def test_a_list_not_in_utf8_names_file_and_line(image_dir):
+    path = image_dir / 'latin1.txt'
+    path.write_bytes('cls a/0.png 0\ncaf\xe9.png 1\n'.encode('latin-1'))
+    with pytest.raises(ValueError, match=r'latin1.txt, line 2: not UTF-8'):
+        read_image_list(str(path), str(image_dir))
+
+
+@pytest.mark.parametrize('label', ['0_1', '+3', '\u0662', '1.0', '²'])
+def test_a_label_of_anything_but_ascii_digits_is_refused(image_dir, label):
+    """``int()`` reads '0_1' as 1, '+3' as 3 and '٢' as 2."""
+    path = image_dir / 'odd.txt'
+    path.write_text('cls a/0.png 0\ncls a/1.png {}\n'.format(label),
+                    encoding='utf-8')
+    with pytest.raises(ValueError, match=r'odd.txt, line 2'):
+        read_image_list(str(path), str(image_dir), check_files=False)
+
+
+@pytest.mark.parametrize('orientation', [1, 3, 6, 8])
+def test_a_photo_is_read_upright_as_its_exif_orientation_says(
+        tmp_path, orientation):
+    """A camera's photo stored on its side with an EXIF orientation is read
+    as a viewer shows it (it trained rotated)."""
+    from augment.image_list import load_image
+    shown = np.zeros((40, 30, 3), np.uint8)
+    shown[:8] = 255                              # a white band on top
+    stored = Image.fromarray(shown)
+    undo = {1: None, 3: Image.Transpose.ROTATE_180,
+            6: Image.Transpose.ROTATE_90, 8: Image.Transpose.ROTATE_270}
+    if undo[orientation] is not None:
+        stored = stored.transpose(undo[orientation])
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    path = tmp_path / 'photo.jpg'
+    stored.save(path, quality=95, exif=exif)
+    image = load_image(str(path))
+    assert image.shape == (3, 40, 30)
+    assert image[:, :6].min() > 200 and image[:, 10:].max() < 55
