@@ -13,6 +13,11 @@ from chainer.dataset import convert
 from chainer.training import extensions
 
 
+class EmptyBatch(ValueError):
+    """A converter dropped every example of a batch (unreadable images
+    under ``--skip-bad-images``): the evaluator goes on to the next."""
+
+
 class GlobalMeanEvaluator(extensions.Evaluator):
     """:class:`chainer.training.extensions.Evaluator` over the validation
     shares of all processes: every reported value is the mean over all
@@ -45,8 +50,11 @@ class GlobalMeanEvaluator(extensions.Evaluator):
                 continue            # validation images)
             observation = {}
             with reporter_module.report_scope(observation):
-                in_arrays = convert._call_converter(self.converter, batch,
-                                                    self.device)
+                try:
+                    in_arrays = convert._call_converter(
+                        self.converter, batch, self.device)
+                except EmptyBatch:  # every image of it unreadable, dropped
+                    continue
                 with function.no_backprop_mode():
                     eval_func(*in_arrays)
             n = len(in_arrays[0])

@@ -41,6 +41,7 @@ from chainer import training
 
 import augment
 from augment.stream import ERASING, MC_LABELS, MIXUP, stream_rng
+from harness.evaluation import EmptyBatch
 
 #: One unreadable image in a sample's message (a training sample's message
 #: joins those of every image skipped for it with ``'; '``).
@@ -100,6 +101,11 @@ class BatchConverter(chainer.dataset.Converter):
             self.skipped += sum(m.count(' (listed in ') for m in messages)
             if self.drop_bad:
                 batch = [example for example in batch if not example[2]]
+                if not batch:
+                    # Chainer's concat_examples: "batch is empty", an
+                    # epoch's training lost to the last validation batch
+                    raise EmptyBatch('every image of the batch is '
+                                     'unreadable: ' + '; '.join(messages))
         x, t = chainer.dataset.concat_examples(
             [(image, label) for image, label, _ in batch])
         key = str(device)

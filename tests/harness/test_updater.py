@@ -5,9 +5,11 @@ mixup partners are not kept, K-FAC's Monte-Carlo labels come from the data
 stream; the batch converter normalises uint8 batches and refuses
 unreadable images."""
 import logging
+import types
 
 import chainer
 import chainer.links as L
+
 import numpy as np
 import pytest
 
@@ -15,6 +17,7 @@ import augment
 import chainerkfac
 import models
 from augment.stream import MC_LABELS, stream_rng
+from harness.evaluation import EmptyBatch
 from harness.updater import AugmentedUpdater, BatchConverter
 from tests.harness import OneProcess
 
@@ -150,6 +153,56 @@ def test_converter_normalises_and_refuses_unreadable_images():
     dropping = BatchConverter(mean, skip_bad=True, drop_bad=True)
     x, t = dropping(bad, chainer.get_device('@numpy'))
     assert len(x) == 3 and dropping.skipped == 1
+    # a batch of unreadable images only: the evaluator's to skip
+    with pytest.raises(EmptyBatch, match='x.JPEG .*line 3'):
+        dropping(bad[2:3], chainer.get_device('@numpy'))
+
+
+def test_the_evaluator_skips_a_batch_with_no_readable_image():
+    """``--skip-bad-images``, the last validation batch of a process
+    holding one unreadable image: the epoch's evaluation is the mean over
+    the readable ones (it crashed with "batch is empty" after an epoch's
+    training, its snapshot not written)."""
+    from harness.evaluation import GlobalMeanEvaluator
+    good = batch(4)
+    bad = [(good[0][0], good[0][1], 'cannot read x.JPEG (listed in '
+            'l.txt, line 9)')]
+    seen = []
+
+    class Model(chainer.Link):
+        def __call__(self, x, t):
+            seen.append(len(x))
+            chainer.report({'loss': float(len(x))}, self)
+
+    model = Model()
+    comm = types.SimpleNamespace(mpi_comm=types.SimpleNamespace(
+        allgather=lambda value: [value],
+        allreduce=lambda value: value))
+    iterator = chainer.iterators.SerialIterator(
+        [good[:3], good[3:], bad], 1, repeat=False, shuffle=False)
+    evaluator = GlobalMeanEvaluator(
+        {'main': _Unwrap(iterator)}, model, comm,
+        BatchConverter(None, skip_bad=True, drop_bad=True),
+        device=chainer.get_device('@numpy'))
+    reporter = chainer.Reporter()
+    reporter.add_observer('main', model)
+    with reporter:
+        result = evaluator.evaluate()
+    assert seen == [3, 1]
+    assert result['main/loss'] == pytest.approx((3 * 3 + 1 * 1) / 4)
+
+
+class _Unwrap:
+    """An iterator of batches made of the examples that one wraps."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+
+    def reset(self):
+        self.iterator.reset()
+
+    def __iter__(self):
+        return (examples[0] for examples in self.iterator)
 
 
 def test_converter_reports_each_skipped_image_once(capsys):
