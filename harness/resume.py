@@ -387,9 +387,11 @@ def starting_point(comm, out, model, optimizer, optimizer_name, resume=None,
 
 
 def load(comm, trainer, optimizer, updater, out, prefix, files,
-         sharded=False):
+         sharded=False, check=None):
     """Load the snapshot into the trainer (:func:`restore`) and make the
     run directory's line-per-step files those of the snapshot's point.
+    ``check(epoch_detail)`` may refuse the snapshot's position (raising)
+    before anything of the run directory is touched.
 
     Parameters
     ----------
@@ -413,6 +415,8 @@ def load(comm, trainer, optimizer, updater, out, prefix, files,
         error = e
     raise_together(comm, error)
     iterator = updater.get_iterator('main')
+    if check is not None:
+        check(iterator.epoch_detail)     # the same on every process
     error = None
     if comm.rank == 0:
         reached = next((entry.extension.reached

@@ -11,6 +11,8 @@ stopped by a scheduler's signal (:mod:`harness.preemption`) leaves the
 snapshot of the step where all processes stopped instead of
 ``model_final.npz``, and its summary says ``'preempted': True``.
 """
+import functools
+import math
 import os
 import sys
 import time
@@ -296,6 +298,29 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
             lock.release()
 
 
+def check_resumed_epochs(epoch_detail: float, epochs: int, source=None,
+                         from_option: bool = False) -> None:
+    """Refuse to resume a run past its end: a snapshot at epoch 1.52
+    resumed with ``--epochs 1`` "finished" at once, wrote the weights of
+    epoch 1.52 as the final model of a 1-epoch run and rewrote the run's
+    config. (At its end exactly, the resumed run only finishes.)
+
+    Raises
+    ------
+    config.ConfigError
+        ``epoch_detail > epochs``, with both numbers.
+    """
+    if epoch_detail > epochs + 1e-9:
+        raise config_module.ConfigError(
+            'epochs', 'the snapshot resumed is at epoch {:.4f}, past the '
+            "run's end at epoch {}{}: resume with at least {} epochs, or "
+            'start a new run in another --out'.format(
+                epoch_detail, epochs,
+                ' (--epochs on the command line)' if from_option else '',
+                math.ceil(epoch_detail)),
+            source or '<TrainConfig>')
+
+
 def replay_refresh_steps(args) -> bool:
     """Whether a K-FAC run that CUDA graphs replay replays its refresh
     steps too but for their inverse stage (``--replay-refresh-steps auto``
@@ -380,13 +405,20 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
             progress_bar=not args.no_progress))
         if not args.no_progress:
             trainer.extend(extensions.ProgressBar(update_interval=10))
+    if resumed:
+        # before config.json is rewritten: a refused resume leaves the
+        # run's record as it was
+        resume.load(comm, trainer, optimizer, updater, out, *resumed,
+                    sharded=args.shard_update,
+                    check=functools.partial(
+                        check_resumed_epochs, epochs=cfg.epochs,
+                        source=args.config,
+                        from_option=args.epochs is not None))
+    if comm.rank == 0:
         run_dir.write_run_config(cfg, out, run_dir.run_facts(
             optimizer_name, comm.size, acc_iters, batch, args.arch,
             args.depth, args.width, len(data.train), len(data.val), n_class,
             label))
-    if resumed:
-        resume.load(comm, trainer, optimizer, updater, out, *resumed,
-                    sharded=args.shard_update)
     start = time.time()
     try:
         trainer.run()
