@@ -95,14 +95,33 @@ def load_mean(path, crop_size=None):
     Raises
     ------
     ValueError
-        The file does not hold a 3-d mean image of the expected size; names
-        the file.
+        The file is not a NumPy array file (``save_mean``'s ``.npy``: an
+        ``.npz``, a truncated, empty or pickled file), or does not hold a
+        finite ``(3, H, W)`` mean image of the expected size; names the
+        file. (A NaN mean skipped every step of a run; a 1-channel one was
+        broadcast over RGB, a 4-channel one failed at the first step.)
     """
-    mean = np.load(path)
-    if mean.ndim != 3 or (crop_size is not None
-                          and mean.shape[1:] != (crop_size, crop_size)):
-        expected = ('(C, {0}, {0})'.format(crop_size) if crop_size
-                    else '(C, H, W)')
-        raise ValueError('mean image {} has shape {}, expected {}'.format(
-            path, mean.shape, expected))
+    try:
+        mean = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as error:
+        raise ValueError('mean image {} cannot be read as a .npy array '
+                         "file ({}: {}); it is written by the run's first "
+                         'pass (--mean names where)'.format(
+                             path, type(error).__name__, error)) from None
+    if not isinstance(mean, np.ndarray):       # an .npz archive
+        mean.close()
+        raise ValueError('mean image {} is an .npz archive, not the .npy '
+                         'array file of one mean image'.format(path))
+    channels = ('3', 'H', 'W') if crop_size is None else \
+        ('3', str(crop_size), str(crop_size))
+    if mean.ndim != 3 or mean.shape[0] != 3 or (
+            crop_size is not None
+            and mean.shape[1:] != (crop_size, crop_size)):
+        raise ValueError('mean image {} has shape {}, expected ({})'.format(
+            path, mean.shape, ', '.join(channels)))
+    if mean.dtype.kind not in 'fiu' or not np.isfinite(mean).all():
+        raise ValueError('mean image {} holds {}: a mean image is finite '
+                         'numbers'.format(
+                             path, 'non-finite values' if mean.dtype.kind
+                             in 'fiu' else 'dtype ' + str(mean.dtype)))
     return mean.astype(np.float32, copy=False)
