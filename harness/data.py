@@ -12,13 +12,15 @@ processes, every error raised once and before training.
   ImageNet mean: it is what the paper subtracts, and the parallel pass costs
   ``N × 5 ms / (processes × loaders)`` once (the file is reused by later
   runs and by ``--mean``).
-* ``--check-images`` decodes every training and validation image up front
-  the same way (the mean pass already decodes the training images) and
-  reports every unreadable file at once; with ``--skip-bad-images`` they
-  are left out of the lists instead. Without ``--check-images``, an
-  unreadable image met in training stops the run naming it, or with
-  ``--skip-bad-images`` is replaced by the next image of the epoch's order
-  (validation: dropped) and counted in the log.
+* The validation images are always decoded up front the same way (an
+  unreadable one would stop the run after its first epoch of training);
+  ``--check-images`` decodes every training image too (the mean pass
+  already does) and reports every unreadable file of both lists at once.
+  With ``--skip-bad-images`` those found are left out of the lists
+  instead. Without ``--check-images``, an unreadable training image met
+  in training stops the run naming it, or with ``--skip-bad-images`` is
+  replaced by the next image of the epoch's order and counted in the
+  log.
 """
 import os
 import sys
@@ -152,14 +154,17 @@ def _drop_bad(images, bad, out, comm):
     return images
 
 
-def mean_image(images, path, resize, crop, loaderjob, comm, skip_bad, out):
+def mean_image(images, path, resize, crop, loaderjob, comm, skip_bad, out,
+               raise_bad=True):
     """The mean image at ``path``, computed (and saved there) if missing.
 
     Returns
     -------
-    (numpy.ndarray, list)
-        The mean, and the unreadable images found by the pass (only with
-        ``skip_bad``; otherwise they raise).
+    (numpy.ndarray or None, list or None)
+        The mean, and the unreadable images found by the pass (None where
+        the mean was read). Without ``skip_bad`` they raise, or with
+        ``raise_bad=False`` come back with no mean (none saved): the
+        caller reports them with those of other lists.
     """
     if os.path.exists(path):
         error = None
@@ -179,6 +184,8 @@ def mean_image(images, path, resize, crop, loaderjob, comm, skip_bad, out):
     total, count, bad = _scan(images, 'mean image -> ' + path, resize, crop,
                               loaderjob, comm)
     if bad and not skip_bad:
+        if not raise_bad:
+            return None, bad
         raise_together(comm, _bad_images_error(images, bad, out, comm))
     if count == 0:
         raise_together(comm, ValueError('no readable image in {}'.format(
@@ -201,21 +208,25 @@ def prepare(args, comm, out, n_class, loaderjob):
     crop, resize = args.crop_size, args.resize
     mean_path = args.mean or os.path.join(out, MEAN_FILE)
     mean, train_bad = mean_image(train, mean_path, resize, crop, loaderjob,
-                                 comm, args.skip_bad_images, out)
+                                 comm, args.skip_bad_images, out,
+                                 raise_bad=not args.check_images)
+    if args.check_images and train_bad is None:
+        train_bad = _scan(train, 'checking ' + args.train, resize, crop,
+                          loaderjob, comm)[2]
+    # The validation images always (a few % of the training set's): an
+    # unreadable one stopped the run after its first epoch's training,
+    # before that epoch's snapshot.
+    val_bad = _scan(val, 'checking ' + args.val, resize, crop, loaderjob,
+                    comm)[2]
+    checked = ((train, train_bad),) if args.check_images else ()
+    if not args.skip_bad_images:
+        errors = [_bad_images_error(images, bad, out, comm)
+                  for images, bad in checked + ((val, val_bad),) if bad]
+        if errors:
+            raise_together(comm, OSError('\n'.join(map(str, errors))))
     if args.check_images:
-        if train_bad is None:
-            train_bad = _scan(train, 'checking ' + args.train, resize, crop,
-                              loaderjob, comm)[2]
-        val_bad = _scan(val, 'checking ' + args.val, resize, crop,
-                        loaderjob, comm)[2]
-        if not args.skip_bad_images:
-            errors = [_bad_images_error(images, bad, out, comm)
-                      for images, bad in ((train, train_bad), (val, val_bad))
-                      if bad]
-            if errors:
-                raise_together(comm, OSError('\n'.join(map(str, errors))))
         # Known now: left out, rather than replaced when met in training.
         train = _drop_bad(train, train_bad, out, comm)
-        val = _drop_bad(val, val_bad, out, comm)
+    val = _drop_bad(val, val_bad, out, comm)
     sys.stdout.flush()
     return Data(train, val, mean)

@@ -120,6 +120,52 @@ def test_check_images_reports_every_bad_file(dataset, tmp_path):
     assert (facts['n_train'], facts['n_val']) == (48, 16)
 
 
+def _val_with_a_corrupt_image(dataset):
+    with open(dataset['val']) as f:
+        lines = f.readlines()
+    val = os.path.join(dataset['root'], 'val_corrupt.txt')
+    with open(val, 'w') as f:
+        f.writelines(lines[:2] + ['train/n00000001/corrupt.JPEG 1\n'] +
+                     lines[2:])
+    return val
+
+
+def test_an_unreadable_validation_image_is_refused_at_start(dataset,
+                                                            tmp_path):
+    """Without --check-images: it stopped the run after the first epoch
+    of training, before that epoch's snapshot; now found at start-up,
+    and with --skip-bad-images left out."""
+    val = _val_with_a_corrupt_image(dataset)
+    result = run(command(dataset, tmp_path, val=val))
+    assert result.returncode != 0
+    assert 'val_corrupt.txt, line 3' in result.stdout
+    assert 'corrupt.JPEG' in result.stdout
+    assert no_training(tmp_path)
+    skipped = tmp_path / 'skipped'
+    result = run(command(dataset, skipped, '--skip-bad-images', '--epochs',
+                         '1', '--optimizer', 'sgd', val=val))
+    assert result.returncode == 0, result.stdout[-3000:]
+    with open(os.path.join(str(skipped), 'config.json')) as f:
+        assert json.load(f)['run']['n_val'] == 16
+
+
+def test_check_images_with_the_mean_pass_reports_both_lists(dataset,
+                                                            tmp_path):
+    """--check-images where the mean is computed: the training list's bad
+    files (found by the mean pass) and the validation list's at once (the
+    validation list was not scanned), and no mean saved."""
+    val = _val_with_a_corrupt_image(dataset)
+    result = run(command(dataset, tmp_path, '--check-images',
+                         train=dataset['train_corrupt'], val=val))
+    assert result.returncode != 0
+    assert 'train_corrupt.txt, line 6' in result.stdout
+    assert 'val_corrupt.txt, line 3' in result.stdout
+    with open(os.path.join(str(tmp_path), 'bad_images.txt')) as f:
+        assert len(f.readlines()) == 2
+    assert no_training(tmp_path)
+    assert not os.path.exists(os.path.join(str(tmp_path), 'mean.npy'))
+
+
 def test_epochs_past_the_end_of_the_learning_rate_refused(dataset, tmp_path):
     result = run(command(dataset, tmp_path, '--epochs', '6'))
     assert result.returncode != 0
