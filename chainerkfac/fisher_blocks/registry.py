@@ -17,6 +17,7 @@ and links matched by ``skip_layers`` get the plain gradient
 registration table.
 """
 import re
+import warnings
 from typing import Callable, Dict, Iterable, List, Tuple
 
 from chainerkfac.fisher_blocks.base import (BlockOptions, FisherBlock,
@@ -113,7 +114,11 @@ def build_blocks(target, options: BlockOptions = None, skip_layers=()
                  ) -> List[FisherBlock]:
     """One block per link of ``target`` that has parameters, in model order.
 
-    Every parameter belongs to exactly one block.
+    Every parameter belongs to exactly one block: a link placed twice in
+    the model has one block (which sees every call); a parameter of two
+    links (tied weights) belongs to the first link's block, and the
+    second link's other parameters get the plain gradient (with a
+    warning).
 
     Parameters
     ----------
@@ -131,15 +136,43 @@ def build_blocks(target, options: BlockOptions = None, skip_layers=()
     options = options or BlockOptions()
     matchers = skip_matchers(skip_layers)
     blocks = []
+    links = set()       # a link placed twice (Sequential(l, F.relu, l))
+    owners = {}         # id(parameter) -> the block that holds it
     for name, link in target.namedlinks():
         own = own_params(link)
-        if not own:
+        if not own or id(link) in links:
+            # once: its one block sees every call (two blocks updated its
+            # parameters twice, one of them with the plain gradient)
+            continue
+        links.add(id(link))
+        tied = [p for p in own if id(p) in owners]
+        if tied:
+            # a parameter of another link too (tied weights): one update,
+            # by its first block; this link's Kronecker factors would hold
+            # only its own use of it
+            free = [p for p in own if id(p) not in owners]
+            where = sorted({owners[id(p)] for p in tied})
+            warnings.warn(
+                'KFAC: {} shares {} with {} (tied weights): {} the plain '
+                'gradient; the shared parameter is updated once, as {}'
+                .format(name, ', '.join(p.name for p in tied),
+                        ', '.join(where),
+                        'its other parameters take' if free else
+                        'it takes', ' and '.join(where)))
+            if free:
+                block = PlainBlock(name, link, options, free,
+                                   'shares {} with {}'.format(
+                                       ', '.join(p.name for p in tied),
+                                       ', '.join(where)))
+                blocks.append(block)
+                owners.update((id(p), name) for p in free)
             continue
         skipped = [text for text, match in matchers if match(name, link)]
         if skipped:
             blocks.append(PlainBlock(name, link, options, own,
                                      'skipped (skip_layers: {})'.format(
                                          skipped[0])))
+            owners.update((id(p), name) for p in own)
             continue
         block = block_for(name, link, options)
         if sorted(map(id, block.params)) != sorted(map(id, own)):
@@ -149,6 +182,7 @@ def build_blocks(target, options: BlockOptions = None, skip_layers=()
                     type(block).__name__, name, type(link).__name__,
                     sorted(link._params)))
         blocks.append(block)
+        owners.update((id(p), name) for p in own)
     return blocks
 
 
