@@ -1142,34 +1142,45 @@ class KFAC(optimizer.GradientMethod):
 
     def _warn_uncaptured(self, due, counts, present) -> None:
         """A due factor that no process captured: the block keeps its old
-        curvature (or none yet); say which and why, once per block."""
+        curvature (or none yet); say which and why, once per block, in one
+        line for the blocks alike (a backbone run under no_backprop_mode
+        gave a line per layer). A frozen block (``disable_update()``) is
+        not said."""
+        groups = {}
         for block, names in due.items():
             missing = sorted(n for n in names if n not in counts[block])
             if not missing or block.name in self._warned_uncaptured:
                 continue
             self._warned_uncaptured.add(block.name)
-            if self.transport.rank != 0:
+            if self.transport.rank != 0 or \
+                    not any(hooks.updates(p) for p in block.params):
                 continue
             kept = block.has_inverses() or any(
                 block.last_refresh[n] >= 0 for n in missing)
             if not any(present[block]):
                 state_text = 'is not updated while it has no gradient' + (
                     ', and keeps its previous curvature' if kept else '')
+                why = ('no backward pass ran through it since the last '
+                       'update (not called, called in test mode or under '
+                       'no_backprop_mode, or its output reached no loss)')
             else:
                 state_text = ('keeps its previous curvature' if kept else
                               'gets the plain gradient until they are')
-            why = ('no backward pass ran through it since the last update '
-                   '(not called, called in test mode or under '
-                   'no_backprop_mode, or its output reached no loss)'
-                   if not any(present[block]) else
-                   'its parameters have gradients, but no backward pass '
-                   'through a call of {} reached the hook (used by another '
-                   'function, or run in another thread?)'.format(
-                       ', '.join(t.__name__ for t in block.function_types)))
-            logger.warning('K-FAC step %d: %s (%s): factor%s %s due but not '
-                           'captured: %s; it %s', self.t, block.name,
-                           block.kind, 's' if len(missing) > 1 else '',
-                           ', '.join(missing), why, state_text)
+                why = ('its parameters have gradients, but no backward pass '
+                       'through a call of {} reached the hook (used by '
+                       'another function, or run in another thread?)'.format(
+                           ', '.join(t.__name__
+                                     for t in block.function_types)))
+            groups.setdefault((why, state_text), []).append(
+                '{} ({}): factor{} {}'.format(
+                    block.name, block.kind, 's' if len(missing) > 1 else '',
+                    ', '.join(missing)))
+        for (why, state_text), names in groups.items():
+            shown = names if len(names) <= 6 else names[:5] + [
+                'and {} more blocks'.format(len(names) - 5)]
+            logger.warning('K-FAC step %d: %s due but not captured: %s; %s '
+                           '%s', self.t, '; '.join(shown), why,
+                           'each' if len(names) > 1 else 'it', state_text)
 
     def _report(self, refreshed, retries, step: int):
         """The step's observation; ``step`` numbers it as the warnings of

@@ -72,3 +72,49 @@ def test_a_frozen_beta_does_not_move_gamma():
     numpy.testing.assert_array_equal(link.beta.array, 2.0)
     numpy.testing.assert_allclose(link.gamma.array, 1.0, rtol=0,
                                   atol=1e-12)
+
+
+def test_a_backbone_without_gradients_is_said_once(caplog):
+    """Fine-tuning: a backbone run in ``no_backprop_mode``, a new head
+    trained. Its factors are never captured, which K-FAC said in a line
+    per layer (12 for a stranger's 12 layers): now one line naming them;
+    and nothing once the backbone is frozen (``disable_update()`` after
+    ``setup``, where Chainer's update rules exist)."""
+    class Net(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with helpers.float64_links(), self.init_scope():
+                self.backbone = chainer.ChainList(
+                    *[L.Linear(5, 5) for _ in range(3)])
+                self.head = L.Linear(5, 3)
+
+        def forward(self, x):
+            with chainer.no_backprop_mode():
+                for link in self.backbone:
+                    x = F.relu(link(x))
+            return self.head(x)
+
+    x = numpy.random.RandomState(1).randn(8, 5)
+    t = numpy.random.RandomState(2).randint(0, 3, 8).astype(numpy.int32)
+    for frozen in (False, True):
+        caplog.clear()
+        numpy.random.seed(0)
+        model = L.Classifier(Net())
+        optimizer = helpers.kfac()
+        optimizer.setup(model)
+        if frozen:
+            model.predictor.backbone.disable_update()
+        with caplog.at_level('WARNING', logger='chainerkfac'):
+            for _ in range(3):
+                optimizer.update(model, x, t)
+        warned = [r.getMessage() for r in caplog.records
+                  if 'not captured' in r.getMessage()]
+        if frozen:
+            assert not warned
+            continue
+        assert len(warned) == 1, warned
+        for i in range(3):
+            assert '/predictor/backbone/{} (Linear (K-FAC)): factors A, G'\
+                .format(i) in warned[0]
+        assert warned[0].endswith('each is not updated while it has no '
+                                  'gradient')
