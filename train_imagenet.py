@@ -327,6 +327,15 @@ def main(argv=None):
     """Returns the exit status: 0 (done), :data:`harness.preemption.
     RESUME_STATUS` (stopped by a signal, snapshotted)."""
     args = parse_args(argv)
+    if args.gpu:
+        missing = harness_mpi.gpu_missing()
+        if missing is not None:
+            # before MPI: the communicator's error named NCCL and advised
+            # 'naive', which then failed in Chainer's words; said once
+            if harness_mpi.launch_rank() == 0:
+                print('train_imagenet.py: --gpu needs CuPy and a CUDA GPU: '
+                      '{}'.format(missing), file=sys.stderr, flush=True)
+            return 2
     # The demo trains two runs it cannot resume: signals keep their
     # default action there.
     stop = None if args.demo else preemption.StopRequest(args.preempt_signals)

@@ -154,8 +154,7 @@ def _cell(value: Optional[float]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = _common.argument_parser('python -m benchmarks.gpu_table',
-                                     __doc__)
+    parser = _common.argument_parser('benchmarks.gpu_table', __doc__)
     parser.add_argument('results', nargs='+', metavar='RESULT.json')
     args = parser.parse_args(argv)
     print(table(merge(args.results)))

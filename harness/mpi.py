@@ -199,3 +199,26 @@ def raise_together(comm, error):
         raised = RuntimeError('rank {}: {}: {}'.format(
             rank, kind.__name__, message))
     raise raised
+
+
+def gpu_missing():
+    """Why this process cannot compute on a CUDA GPU (CuPy missing, no
+    device), or None."""
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return 'CUDA sees no GPU'
+    except Exception as error:      # ImportError, or CUDA's own errors
+        return '{}: {}'.format(type(error).__name__, error)
+    return None
+
+
+def launch_rank() -> int:
+    """This process's rank in its mpiexec launch, before MPI is
+    initialised (Open MPI's, MPICH's or Slurm's variable; 0 alone)."""
+    for name in ('OMPI_COMM_WORLD_RANK', 'PMI_RANK', 'PMIX_RANK',
+                 'SLURM_PROCID'):
+        value = os.environ.get(name)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 0

@@ -137,3 +137,22 @@ def test_readme_demo_sgd_has_no_warm_up_as_the_harness():
     demo = text[text.index('## The demo'):text.index('## The systems')]
     sentence = demo[demo.index('Momentum SGD here'):]
     assert 'no warm-up' in sentence and 'with warm-up' not in sentence
+
+
+def test_the_gpu_table_is_what_its_command_prints_of_the_results():
+    """The README's GPU table is ``python -m benchmarks.gpu_table`` of the
+    stored results it names (braces as bash expands them), cell for cell."""
+    from benchmarks import gpu_table
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, 'README.md')) as f:
+        text = f.read()
+    command = re.search(r'`python -m benchmarks\.gpu_table\s+([^`]+)`',
+                        text).group(1)
+    stem, names, suffix = re.fullmatch(r'(\S*)\{([^}]*)\}(\S*)',
+                                       command.strip()).groups()
+    paths = [os.path.join(root, stem + name + suffix)
+             for name in names.split(',')]
+    printed = gpu_table.table(gpu_table.merge(paths)).split('\n\n')[0]
+    start = text.index('| images/s | ours, b32')
+    shown = text[start:text.index('\n\n', start)]
+    assert shown == printed

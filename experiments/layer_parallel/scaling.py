@@ -346,6 +346,10 @@ def main(argv=None):
     if args.worker:
         worker(args)
         return
+    if args.gpu:
+        # one line before any launch (each worker failed with Chainer's
+        # traceback, then the launcher with its own)
+        _common.array_module(True)
     sizes = [int(p) for p in args.processes.split(',')]
     if 1 not in sizes:
         parser.error('--processes must include 1 (the one-process costs)')
