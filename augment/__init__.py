@@ -31,6 +31,7 @@ from augment.stream import EvalView  # NOQA
 from augment.stream import GlobalBatchIterator  # NOQA
 from augment.stream import TrainStream  # NOQA
 from augment.stream import end_chunk  # NOQA
+from augment.stream import epochs_at  # NOQA
 from augment.stream import stream_rng  # NOQA
 from augment.transforms import ImageTransform  # NOQA
 from augment.transforms import crop_flip  # NOQA

@@ -390,7 +390,7 @@ def load(comm, trainer, optimizer, updater, out, prefix, files,
          sharded=False, check=None):
     """Load the snapshot into the trainer (:func:`restore`) and make the
     run directory's line-per-step files those of the snapshot's point.
-    ``check(epoch_detail)`` may refuse the snapshot's position (raising)
+    ``check(iterator)`` may refuse the snapshot's position (raising)
     before anything of the run directory is touched.
 
     Parameters
@@ -416,7 +416,7 @@ def load(comm, trainer, optimizer, updater, out, prefix, files,
     raise_together(comm, error)
     iterator = updater.get_iterator('main')
     if check is not None:
-        check(iterator.epoch_detail)     # the same on every process
+        check(iterator)     # at the snapshot's position, on every process
     error = None
     if comm.rank == 0:
         reached = next((entry.extension.reached

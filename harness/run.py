@@ -298,26 +298,36 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
             lock.release()
 
 
-def check_resumed_epochs(epoch_detail: float, epochs: int, source=None,
+def check_resumed_epochs(iterator, epochs: int, source=None,
                          from_option: bool = False) -> None:
     """Refuse to resume a run past its end: a snapshot at epoch 1.52
     resumed with ``--epochs 1`` "finished" at once, wrote the weights of
     epoch 1.52 as the final model of a 1-epoch run and rewrote the run's
-    config. (At its end exactly, the resumed run only finishes.)
+    config. A run ends at the first step boundary at or past ``epochs``
+    (its last step may straddle it): refused where the step before the
+    snapshot's had reached ``epochs`` already.
+
+    Parameters
+    ----------
+    iterator : augment.GlobalBatchIterator
+        At the snapshot's position.
 
     Raises
     ------
     config.ConfigError
-        ``epoch_detail > epochs``, with both numbers.
+        With both numbers.
     """
-    if epoch_detail > epochs + 1e-9:
+    before = augment.epochs_at(
+        max(iterator.chunks - iterator.chunks_per_step, 0),
+        iterator.batch_size, iterator.n_examples)
+    if before >= epochs:
         raise config_module.ConfigError(
             'epochs', 'the snapshot resumed is at epoch {:.4f}, past the '
             "run's end at epoch {}{}: resume with at least {} epochs, or "
             'start a new run in another --out'.format(
-                epoch_detail, epochs,
+                iterator.epoch_detail, epochs,
                 ' (--epochs on the command line)' if from_option else '',
-                math.ceil(epoch_detail)),
+                math.floor(before) + 1),
             source or '<TrainConfig>')
 
 

@@ -109,3 +109,31 @@ def test_damage_error_survives_pickling():
     copy = pickle.loads(pickle.dumps(error))
     assert (copy.path, copy.cause, str(copy)) == (error.path, error.cause,
                                                   str(error))
+
+
+@pytest.mark.parametrize('chunks, epochs, refused', [
+    # 48 images, chunks of 16, 2 chunks a step: 0.667 epoch a step
+    (10, 3, False),     # 5 steps, 3.333: the run's own end past epoch 3
+    (10, 1, True),      # the run had ended at 1.333 (2 steps)
+    (8, 3, False),      # 4 steps, 2.667: mid-run
+    (8, 2, True),       # the step before (2.0) had reached 2
+    (6, 2, False),      # its end at 2.0 exactly
+])
+def test_a_resume_past_the_runs_end_is_refused(chunks, epochs, refused):
+    """A run ends at the first step boundary at or past its epochs (its
+    last step may straddle them: a snapshot there resumes and finishes);
+    one further on is refused naming both."""
+    import types
+    import augment
+    from config import ConfigError
+    from harness import run
+    iterator = types.SimpleNamespace(
+        chunks=chunks, chunks_per_step=2, batch_size=16, n_examples=48,
+        epoch_detail=augment.epochs_at(chunks, 16, 48))
+    if not refused:
+        run.check_resumed_epochs(iterator, epochs)
+        return
+    with pytest.raises(ConfigError, match=r"key 'epochs': the snapshot "
+                       r"resumed is at epoch {:.4f}, past the run's end at "
+                       r'epoch {}'.format(chunks / 3, epochs)):
+        run.check_resumed_epochs(iterator, epochs)

@@ -82,14 +82,18 @@ def test_corrupt_jpeg_skipped_and_counted(dataset, mean, tmp_path):
     assert 'corrupt.JPEG' in result.stdout
 
 
-def test_check_images_reports_every_bad_file(dataset, tmp_path):
-    root = dataset['root']
+def _val_with_a_corrupt_image(dataset):
     with open(dataset['val']) as f:
         lines = f.readlines()
-    val = os.path.join(root, 'val_corrupt.txt')
+    val = os.path.join(dataset['root'], 'val_corrupt.txt')
     with open(val, 'w') as f:
         f.writelines(lines[:2] + ['train/n00000001/corrupt.JPEG 1\n'] +
                      lines[2:])
+    return val
+
+
+def test_check_images_reports_every_bad_file(dataset, tmp_path):
+    val = _val_with_a_corrupt_image(dataset)
     mean = os.path.join(str(tmp_path), 'given_mean.npy')
     import numpy
     numpy.save(mean, numpy.zeros((3, 16, 16), numpy.float32))
@@ -118,16 +122,6 @@ def test_check_images_reports_every_bad_file(dataset, tmp_path):
     with open(os.path.join(str(skipped), 'config.json')) as f:
         facts = json.load(f)['run']
     assert (facts['n_train'], facts['n_val']) == (48, 16)
-
-
-def _val_with_a_corrupt_image(dataset):
-    with open(dataset['val']) as f:
-        lines = f.readlines()
-    val = os.path.join(dataset['root'], 'val_corrupt.txt')
-    with open(val, 'w') as f:
-        f.writelines(lines[:2] + ['train/n00000001/corrupt.JPEG 1\n'] +
-                     lines[2:])
-    return val
 
 
 def test_an_unreadable_validation_image_is_refused_at_start(dataset,
