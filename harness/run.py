@@ -247,6 +247,8 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
     use_graphs, graphs_why = cuda_graphs(
         args.cuda_graphs, args.gpu, comm.size, acc_iters,
         args.gpu and chainer.backends.cuda.cudnn_enabled)
+    check_replay_refresh_steps(args.replay_refresh_steps, kfac, use_graphs,
+                               graphs_why)
     workspace, timed, tuning_words = cudnn_tuning(
         args.cudnn_workspace, args.cudnn_autotune, use_graphs)
     if args.gpu:
@@ -329,6 +331,25 @@ def check_resumed_epochs(iterator, epochs: int, source=None,
                 ' (--epochs on the command line)' if from_option else '',
                 math.floor(before) + 1),
             source or '<TrainConfig>')
+
+
+def check_replay_refresh_steps(mode: str, kfac: bool, use_graphs: bool,
+                               graphs_why: str) -> None:
+    """Refuse ``--replay-refresh-steps on`` for a K-FAC run that CUDA
+    graphs do not replay (``--cuda-graphs auto`` turned them off: several
+    processes, accumulation, no cuDNN), as ``--cuda-graphs on`` refuses;
+    ``auto`` says nothing (the start-up line says why the graphs are
+    off).
+
+    Raises
+    ------
+    ValueError
+        Saying why the graphs are off.
+    """
+    if mode == 'on' and kfac and not use_graphs:
+        raise ValueError('--replay-refresh-steps on: CUDA graphs are {}; use '
+                         '--replay-refresh-steps auto or off'.format(
+                             graphs_why))
 
 
 def replay_refresh_steps(args) -> bool:

@@ -168,7 +168,8 @@ class KFACOptimizer:
             return 'the first step (it sets up the transport and eq. 20)'
         if opt.refresh_due():
             return 'a refresh step (factors due)'
-        if not isinstance(opt.guard, DeviceStepGuard) or not opt.guard.ready:
+        if opt._checkpoint_due or not isinstance(opt.guard, DeviceStepGuard) \
+                or not opt.guard.ready:
             return 'the guard takes its checkpoint (first step, or restored)'
         return None
 
@@ -249,12 +250,15 @@ class KFACOptimizer:
     def host_state(self) -> tuple:
         opt = self.optimizer
         return (opt.t, [p.update_rule.t for p in self._params()],
-                opt.damping, dict(opt.fisher_diffs), opt.estimator.due)
+                opt.damping, dict(opt.fisher_diffs), opt.estimator.due,
+                getattr(opt.guard, '_open', False))
 
     def restore_host_state(self, state) -> None:
         opt = self.optimizer
-        t, rule_ts, damping, diffs, due = state
+        t, rule_ts, damping, diffs, due, guard_open = state
         opt.t, opt.damping, opt.fisher_diffs = t, damping, diffs
+        if hasattr(opt.guard, '_open'):
+            opt.guard._open = guard_open
         for param, rule_t in zip(self._params(), rule_ts):
             param.update_rule.t = rule_t
         opt.estimator.start_step(due)
@@ -262,9 +266,10 @@ class KFACOptimizer:
     def after_capture(self, before) -> None:
         """Learn which update rules a stale step advances (those of the
         parameters with a direction)."""
-        self._advanced = [p.update_rule for p, t in
-                          zip(self._params(), before[1])
-                          if p.update_rule.t != t]
+        advanced = {id(p.update_rule): p.update_rule for p, t in
+                    zip(self._params(), before[1])
+                    if p.update_rule.t != t}
+        self._advanced = list(advanced.values())
 
     def after_replay(self) -> None:
         """The host side of the replayed stale step."""
@@ -522,9 +527,10 @@ class RefreshUpdate:
 
     def after_capture(self, before) -> None:
         """Learn which update rules the step advances."""
-        self._advanced = [p.update_rule for p, t in
-                          zip(self._params(), before[1])
-                          if p.update_rule.t != t]
+        advanced = {id(p.update_rule): p.update_rule for p, t in
+                    zip(self._params(), before[1])
+                    if p.update_rule.t != t}
+        self._advanced = list(advanced.values())
 
     def after_replay(self) -> None:
         """``t``, the rules' ``t``, and the guard's check made."""

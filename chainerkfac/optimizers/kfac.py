@@ -585,6 +585,9 @@ class KFAC(optimizer.GradientMethod):
                 'checkpoint due {}); call update()'.format(
                     self._started, self._micro, self.acc_iters,
                     self._checkpoint_due))
+        # the running statistics as the step's forward finds them, as
+        # update() takes them
+        self.guard.checkpoint(self.target)
         self.target.cleargrads()
         self._run_loss(lossfun, args, {})
         self.estimator.end_micro_batch()

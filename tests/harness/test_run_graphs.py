@@ -98,3 +98,18 @@ def test_cudnn_options():
                 ['--cudnn-autotune', 'on']):
         with pytest.raises(SystemExit):
             train_imagenet.parse_args(LISTS + bad)
+
+
+def test_replay_refresh_steps_on_refused_where_the_graphs_are_off():
+    """``on`` where ``--cuda-graphs auto`` turned the graphs off (here: 2
+    processes) was ignored silently; ``auto`` and ``off`` pass, and so
+    does a run of another optimizer."""
+    use, why = run.cuda_graphs('auto', True, 2, 1, True)
+    assert not use
+    with pytest.raises(ValueError, match=r'--replay-refresh-steps on: CUDA '
+                       r'graphs are off: the steps of 2 processes'):
+        run.check_replay_refresh_steps('on', True, use, why)
+    for mode in ('auto', 'off'):
+        run.check_replay_refresh_steps(mode, True, use, why)
+    run.check_replay_refresh_steps('on', False, use, why)
+    run.check_replay_refresh_steps('on', True, True, 'on')
