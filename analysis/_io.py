@@ -8,6 +8,7 @@ turns :class:`AnalysisError` into a one-line message and exit status 2.
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 from typing import Dict, List, Optional, Sequence
@@ -176,7 +177,20 @@ def load_run(path: str, require_log: bool = True) -> Run:
             'per-epoch entries with "epoch" and "iteration")'.format(log_path))
     if not log and require_log:
         raise AnalysisError('{}: the log has no entries yet'.format(log_path))
+    for number, entry in enumerate(log, 1):
+        for key, value in entry.items():
+            if not _is_number(value) and not (value is None and key not in (
+                    'epoch', 'iteration')):
+                raise AnalysisError(
+                    '{}: entry {} (epoch {!r}): {} is {!r}, not a number'
+                    .format(log_path, number, entry.get('epoch'), key, value))
     return Run(path=path, log=log, config=_run_config(path))
+
+
+def _is_number(value) -> bool:
+    """An int or float (a bool is neither here): what a LogReport
+    writes."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _run_config(path: str) -> Dict:
@@ -214,25 +228,55 @@ def load_fisher_diff(run: Run) -> List[Dict]:
             'train_imagenet.py --fisher-diff, i.e. KFAC(fisher_diff=True) '
             'and chainerkfac.training.FisherDiffLog)'.format(run.path))
     records = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if not isinstance(record, dict) or 'iteration' not in record or \
-                    not all(isinstance(record.get(k, {}), dict)
-                            for k in ('A', 'G', 'F')):
-                raise AnalysisError(
-                    '{}:{}: not a FisherDiffLog record (expected a JSON '
-                    'object with "iteration" and per-layer "A"/"G"/"F" '
-                    'maps)'.format(path, number))
-            records.append(record)
+    with open(path, 'rb') as f:
+        lines = f.read().split(b'\n')
+    last = max((i for i, line in enumerate(lines) if line.strip()),
+               default=-1)
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode('utf-8'))
+        except ValueError:      # also UnicodeDecodeError
+            record = None
+        if record is None and number - 1 == last and \
+                number == len(lines):
+            # no newline after it: a run killed while writing it (the
+            # trainer drops it on resuming)
+            print('{}:{}: an unfinished last line, left out (a run killed '
+                  'while writing it)'.format(path, number), file=sys.stderr)
+            continue
+        why = _fisher_diff_record_error(record)
+        if why is not None:
+            raise AnalysisError(
+                '{}:{}: not a FisherDiffLog record ({}; expected a JSON '
+                'object with integer "iteration", "step" and "epoch" and '
+                'per-layer "A"/"G"/"F" maps of numbers)'.format(
+                    path, number, why))
+        records.append(record)
     if not records:
         raise AnalysisError('{}: no records'.format(path))
     return records
+
+
+def _fisher_diff_record_error(record) -> Optional[str]:
+    """What is wrong with a line of ``fisher_diff.jsonl``, or None."""
+    if not isinstance(record, dict):
+        return 'not a JSON object'
+    if 'iteration' not in record:
+        return 'no "iteration"'
+    for key in ('iteration', 'step', 'epoch'):
+        if key in record and not (isinstance(record[key], int) and
+                                  not isinstance(record[key], bool)):
+            return '{} is {!r}'.format(key, record[key])
+    for kind in ('A', 'G', 'F'):
+        diffs = record.get(kind, {})
+        if not isinstance(diffs, dict):
+            return '{} is not a map'.format(kind)
+        for layer, value in diffs.items():
+            if not (_is_number(value) or value is None):
+                return '{} of {} is {!r}'.format(kind, layer, value)
+    return None
 
 
 def json_path_for(png_path: str) -> str:
@@ -277,14 +321,20 @@ def save_outputs(figure, png_path: str, data: Dict) -> str:
     """
     directory = os.path.dirname(os.path.abspath(png_path))
     json_path = json_path_for(png_path)
-    tmp_json = json_path + '.tmp'
-    tmp_png = png_path + '.tmp.png'
+    # hidden, and not *.png: a script killed while writing leaves nothing
+    # that a glob of the pictures picks up
+    tmp_json = os.path.join(directory, '.{}.tmp'.format(
+        os.path.basename(json_path)))
+    tmp_png = os.path.join(directory, '.{}.tmp'.format(
+        os.path.basename(png_path)))
     try:
         os.makedirs(directory, exist_ok=True)
         with open(tmp_json, 'w') as f:
-            json.dump(data, f, indent=1, allow_nan=True)
+            # a non-finite value as null: NaN is not JSON (jq takes it,
+            # JavaScript's JSON.parse does not)
+            json.dump(_finite_or_null(data), f, indent=1, allow_nan=False)
             f.write('\n')
-        figure.savefig(tmp_png, dpi=120)
+        figure.savefig(tmp_png, dpi=120, format='png')
         os.replace(tmp_png, png_path)
         os.replace(tmp_json, json_path)
     except OSError as error:
@@ -298,6 +348,17 @@ def save_outputs(figure, png_path: str, data: Dict) -> str:
                 except OSError:
                     pass
     return json_path
+
+
+def _finite_or_null(value):
+    """``value`` with every non-finite float as None (JSON's null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 def new_figure(**kwargs):

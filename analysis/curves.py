@@ -141,7 +141,10 @@ def plot(result: Dict):
             lr = run['lr']
             if lr['epoch']:
                 suffix = '' if lr['source'] == 'log' else ' (from config)'
+                # a marker where there are few points: a run killed in its
+                # second epoch has one, which a bare line does not show
                 lr_ax.plot(lr['epoch'], lr['lr'], color='C{}'.format(i % 10),
+                           marker='.' if len(lr['epoch']) < 30 else None,
                            label=run['label'] + suffix)
         lr_ax.set_xlabel('epoch')
         lr_ax.set_ylabel('learning rate')

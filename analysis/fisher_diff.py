@@ -114,13 +114,16 @@ def percentile_series(records: List[Dict], factor: str,
     [...]}``; steps where the factor was not refreshed are absent, and
     non-finite values (a zero previous factor) are left out.
     """
-    series = {'x': [], 'n_layers': []}
+    series = {'x': [], 'n_layers': [], 'steps_without_a_finite_value': 0}
     series.update({'p{}'.format(q): [] for q in PERCENTILES})
     for record in records:
-        values = [v for k, v in record.get(factor, {}).items()
-                  if (layers is None or k in layers)
-                  and isinstance(v, (int, float)) and math.isfinite(v)]
+        chosen = [v for k, v in record.get(factor, {}).items()
+                  if layers is None or k in layers]
+        values = [v for v in chosen
+                  if isinstance(v, (int, float)) and math.isfinite(v)]
         if not values:
+            # refreshed, but no finite Diff (a diverged run): counted, said
+            series['steps_without_a_finite_value'] += bool(chosen)
             continue
         series['x'].append(int(record.get('step', record['iteration'])))
         series['n_layers'].append(len(values))
@@ -186,6 +189,7 @@ def plot(result: Dict):
             ax.fill_between(s['x'], s['p25'], s['p75'], color=color,
                             alpha=0.3, linewidth=0)
             ax.plot(s['x'], s['p50'], color=color, linewidth=1.5,
+                    marker='.' if len(s['x']) < 30 else None,
                     label=run['label'])
         if result['mark_shown']:
             # black: red is the fourth run's colour (C3)
@@ -222,6 +226,11 @@ def format_table(result: Dict, max_rows: int = 12) -> str:
         for factor, _ in PANELS:
             s = run['series'][factor]
             if not s['x']:
+                if s.get('steps_without_a_finite_value'):
+                    lines.append('{} [{}]: Diff of {}: no finite value in '
+                                 'its {} refreshed steps'.format(
+                                     run['label'], run['path'], factor,
+                                     s['steps_without_a_finite_value']))
                 continue
             rows = list(range(len(s['x'])))
             if len(rows) > max_rows:
@@ -230,10 +239,13 @@ def format_table(result: Dict, max_rows: int = 12) -> str:
                 near = min(rows, key=lambda i: abs(s['x'][i] -
                                                    result['mark']))
                 rows = sorted(keep | {near})
-            lines.append('{} [{}]: Diff of {} over {} ({} steps)'.format(
+            lines.append('{} [{}]: Diff of {} over {} ({} steps{})'.format(
                 run['label'], run['path'], factor,
                 'BN layers' if factor == 'F' else run['kronecker_layers'],
-                len(s['x'])))
+                len(s['x']),
+                '; {} more without a finite value, left out'.format(
+                    s['steps_without_a_finite_value'])
+                if s.get('steps_without_a_finite_value') else ''))
             lines.append(head)
             for i in rows:
                 lines.append('{:>8} {:>7}'.format(s['x'][i],

@@ -176,3 +176,24 @@ def test_an_output_that_cannot_be_written_is_a_clear_error(
     assert 'cannot write: No space left on device' in \
         capsys.readouterr().err
     assert os.listdir(str(tmp_path / 'new')) == []
+
+
+@pytest.mark.parametrize('key, value', [
+    ('epoch', '2'), ('epoch', None), ('validation/main/accuracy', 'n/a'),
+    ('validation/main/accuracy', [0.8]), ('lr', True)])
+def test_a_log_value_that_is_not_a_number_is_refused(runs, tmp_path, capsys,
+                                                     key, value):
+    """A log edited by hand: a string epoch wrote the PNG and JSON, then
+    failed formatting the table with a traceback; the others failed in
+    float()'s words. Refused naming the log, the entry and the key."""
+    run = tmp_path / 'edited'
+    shutil.copytree(runs['kfac32'], str(run))
+    log = read_log(str(run))
+    log[1][key] = value
+    (run / 'log').write_text(json.dumps(log))
+    outdir = tmp_path / 'out'
+    assert curves.main([str(run), '--out', str(outdir / 'f.png')]) == 2
+    err = capsys.readouterr().err
+    assert '{}: entry 2'.format(run / 'log') in err
+    assert '{} is {!r}, not a number'.format(key, value) in err
+    assert not outdir.exists() or no_outputs(outdir)

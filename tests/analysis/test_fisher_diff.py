@@ -143,3 +143,54 @@ def test_help_states_the_output_default(capsys):
     text = ' '.join(capsys.readouterr().out.split())
     assert '(default: fig5_fisher_diff.png, in the current directory)' \
         in text
+
+
+@pytest.mark.parametrize('damage, message', [
+    (b'\xe9\x00\xff garbage\n', 'not a FisherDiffLog record (not a JSON '
+     'object'),
+    (b'{"iteration": 3, "step": "three", "A": {}}\n', "step is 'three'"),
+    (b'{"iteration": 3, "step": 3, "A": {"/c": true}}\n', 'A of /c is True'),
+])
+def test_a_damaged_record_is_refused_naming_its_line(runs, tmp_path, capsys,
+                                                     damage, message):
+    """Random bytes, a string step, booleans: a traceback (UnicodeDecode,
+    int(), NumPy's subtract) before."""
+    run = tmp_path / 'damaged'
+    shutil.copytree(runs['kfac32'], str(run))
+    path = run / 'fisher_diff.jsonl'
+    lines = path.read_bytes().count(b'\n')
+    with open(str(path), 'ab') as f:
+        f.write(damage)
+    outdir = tmp_path / 'out'
+    assert fisher_diff.main([str(run), '--out', str(outdir / 'f.png')]) == 2
+    err = capsys.readouterr().err
+    assert '{}:{}: '.format(path, lines + 1) in err and message in err
+    assert not outdir.exists() or no_outputs(outdir)
+
+
+def test_an_unfinished_last_line_is_left_out_as_on_resuming(runs, tmp_path,
+                                                            capsys):
+    """SIGKILL while a record is written leaves half a line with no
+    newline: the trainer drops it on resuming, the figure refused the
+    run; now it is left out, said on stderr."""
+    run = tmp_path / 'killed'
+    shutil.copytree(runs['kfac32'], str(run))
+    path = run / 'fisher_diff.jsonl'
+    whole = path.read_bytes()
+    path.write_bytes(whole + b'{"iteration": 99, "step": 99, "A": {"/pre')
+    out = tmp_path / 'f.png'
+    assert fisher_diff.main([str(run), '--out', str(out)]) == 0
+    assert 'an unfinished last line, left out' in capsys.readouterr().err
+    data = read_json(str(tmp_path / 'f.json'))
+    whole_data = fisher_diff.analyse([runs['kfac32']], fisher_diff.parse_args(
+        [runs['kfac32']]))
+    assert data['runs'][0]['series'] == whole_data['runs'][0]['series']
+
+
+def test_steps_without_a_finite_value_are_counted():
+    records = [{'iteration': 1, 'step': 1, 'A': {'/a': float('nan')}},
+               {'iteration': 2, 'step': 2, 'A': {'/a': 0.5}},
+               {'iteration': 3, 'step': 3, 'G': {'/a': 0.5}}]
+    series = fisher_diff.percentile_series(records, 'A', None)
+    assert series['x'] == [2]
+    assert series['steps_without_a_finite_value'] == 1

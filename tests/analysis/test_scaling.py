@@ -2,6 +2,7 @@
 1-process K-FAC run (stage times from the optimizer, byte counts from the
 communicators' packing layout)."""
 import json
+import os
 import math
 
 import chainerkfac  # NOQA  (before chainer)
@@ -289,3 +290,32 @@ def test_help_states_the_output_default(capsys):
     text = ' '.join(capsys.readouterr().out.split())
     assert '(default: fig2_scaling.png, in the current directory)' in text
     assert 'default 2048' in text
+
+
+def test_outputs_hold_null_for_nan_and_leave_no_png_named_temporary(
+        tmp_path, monkeypatch):
+    """``NaN`` is not JSON (JavaScript's parser refuses it): written as
+    null. A script killed while saving left ``f.png.tmp.png``, which a
+    glob of the pictures picks up: the temporaries are hidden and end in
+    ``.tmp``."""
+    from analysis import _io
+    figure = _io.new_figure()
+    png = tmp_path / 'f.png'
+    written = []
+    real = figure.savefig
+
+    def savefig(path, **kwargs):
+        written.append(str(path))
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(figure, 'savefig', savefig)
+    _io.save_outputs(figure, str(png), {'a': [1.0, float('nan')],
+                                        'b': {'c': float('inf')}})
+    with open(str(tmp_path / 'f.json')) as f:
+        text = f.read()
+    assert 'NaN' not in text and 'Infinity' not in text
+    assert json.loads(text) == {'a': [1.0, None], 'b': {'c': None}}
+    [temporary] = written
+    name = os.path.basename(temporary)
+    assert name.startswith('.') and not name.endswith('.png')
+    assert sorted(os.listdir(str(tmp_path))) == ['f.json', 'f.png']
