@@ -141,6 +141,10 @@ def _read_json(path, what):
 
 #: Files of a run directory the scripts read.
 RUN_FILES = ('log', 'config.json', 'fisher_diff.jsonl')
+#: Files a run or the demo writes besides (``--out`` there replaced the
+#: run's ``time_to_accuracy.json``, the demo's ``summary.json``).
+RUN_OUTPUTS = RUN_FILES + ('time_to_accuracy.json', 'summary.json',
+                           'bad_images.txt')
 
 
 def run_files(run_dirs: Sequence[str]) -> List[str]:
@@ -301,6 +305,11 @@ def check_outputs(png_path: str, inputs: Sequence[str]) -> None:
     if not os.path.isdir(folder):
         raise AnalysisError('--out {}: {} is a file, not a folder'.format(
             png_path, folder))
+    for path in (png_path, json_path_for(png_path)):
+        if os.path.basename(path) in RUN_OUTPUTS and os.path.exists(path):
+            raise AnalysisError(
+                '--out {} would overwrite {}, a file a run wrote; give '
+                'another name'.format(png_path, path))
     targets = {os.path.realpath(png_path),
                os.path.realpath(json_path_for(png_path))}
     for path in inputs:

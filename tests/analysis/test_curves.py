@@ -197,3 +197,19 @@ def test_a_log_value_that_is_not_a_number_is_refused(runs, tmp_path, capsys,
     assert '{}: entry 2'.format(run / 'log') in err
     assert '{} is {!r}, not a number'.format(key, value) in err
     assert not outdir.exists() or no_outputs(outdir)
+
+
+@pytest.mark.parametrize('name', ['time_to_accuracy', 'summary'])
+def test_an_output_never_replaces_a_file_a_run_wrote(runs, tmp_path, capsys,
+                                                    name):
+    """``--out run/time_to_accuracy.png`` replaced the run's
+    ``time_to_accuracy.json`` with the figure's data (the demo's
+    ``summary.json`` the same)."""
+    run = tmp_path / 'run'
+    shutil.copytree(runs['kfac32'], str(run))
+    kept = run / (name + '.json')
+    kept.write_text('{"written": "by the run"}\n')
+    assert curves.main([str(run), '--out', str(run / (name + '.png'))]) == 2
+    assert 'a file a run wrote' in capsys.readouterr().err
+    assert kept.read_text() == '{"written": "by the run"}\n'
+    assert not (run / (name + '.png')).exists()
