@@ -92,6 +92,17 @@ def _val_with_a_corrupt_image(dataset):
     return val
 
 
+def _both_lists_refused(result, out):
+    """The run refused the bad image of each list, naming its line, and
+    listed both in bad_images.txt, before training."""
+    assert result.returncode != 0
+    assert 'train_corrupt.txt, line 6' in result.stdout
+    assert 'val_corrupt.txt, line 3' in result.stdout
+    with open(os.path.join(str(out), 'bad_images.txt')) as f:
+        assert len(f.readlines()) == 2
+    assert no_training(out)
+
+
 def test_check_images_reports_every_bad_file(dataset, tmp_path):
     val = _val_with_a_corrupt_image(dataset)
     mean = os.path.join(str(tmp_path), 'given_mean.npy')
@@ -99,12 +110,7 @@ def test_check_images_reports_every_bad_file(dataset, tmp_path):
     numpy.save(mean, numpy.zeros((3, 16, 16), numpy.float32))
     result = run(command(dataset, tmp_path, '--check-images', '--mean', mean,
                          train=dataset['train_corrupt'], val=val))
-    assert result.returncode != 0
-    assert 'train_corrupt.txt, line 6' in result.stdout
-    assert 'val_corrupt.txt, line 3' in result.stdout
-    with open(os.path.join(str(tmp_path), 'bad_images.txt')) as f:
-        assert len(f.readlines()) == 2
-    assert no_training(tmp_path)
+    _both_lists_refused(result, tmp_path)
     # the advice works as given: the same --out, with --overwrite
     assert 'run again with --overwrite' in result.stdout
     fixed = run(command(dataset, tmp_path, '--check-images', '--mean', mean,
@@ -151,12 +157,7 @@ def test_check_images_with_the_mean_pass_reports_both_lists(dataset,
     val = _val_with_a_corrupt_image(dataset)
     result = run(command(dataset, tmp_path, '--check-images',
                          train=dataset['train_corrupt'], val=val))
-    assert result.returncode != 0
-    assert 'train_corrupt.txt, line 6' in result.stdout
-    assert 'val_corrupt.txt, line 3' in result.stdout
-    with open(os.path.join(str(tmp_path), 'bad_images.txt')) as f:
-        assert len(f.readlines()) == 2
-    assert no_training(tmp_path)
+    _both_lists_refused(result, tmp_path)
     assert not os.path.exists(os.path.join(str(tmp_path), 'mean.npy'))
 
 
