@@ -22,6 +22,7 @@ runs that would share a label get their directory's name added.
 """
 import argparse
 import math
+import os
 from typing import Dict, List, Optional, Sequence
 
 from analysis import _io
@@ -99,6 +100,20 @@ def analyse(run_dirs: Sequence[str], target: float, figure: int,
                 'Evaluator)'.format(run.path, ACCURACY_KEY))
         epochs = [e['epoch'] for e in entries]
         accuracy = [100.0 * float(e[ACCURACY_KEY]) for e in entries]
+        log_path = os.path.join(run.path, 'log')
+        if any(b <= a for a, b in zip(epochs, epochs[1:])):
+            raise _io.AnalysisError(
+                '{}: the epochs are not increasing ({}): a log edited or '
+                'joined by hand?'.format(log_path, ', '.join(
+                    '{:g}'.format(e) for e in epochs[:8])))
+        outside = [(e, a) for e, a in zip(epochs, accuracy)
+                   if math.isfinite(a) and not 0.0 <= a <= 100.0]
+        if outside:
+            raise _io.AnalysisError(
+                '{}: "{}" at epoch {:g} is {:g}, not a fraction in [0, 1] '
+                '(a percentage?)'.format(log_path, ACCURACY_KEY,
+                                         outside[0][0],
+                                         outside[0][1] / 100.0))
         finite = [a for a in accuracy if math.isfinite(a)]
         if not finite:
             raise _io.AnalysisError(

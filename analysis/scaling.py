@@ -149,9 +149,11 @@ def load_benchmark(path: str) -> Dict:
         if not isinstance(p, int) or isinstance(p, bool) or p < 1:
             raise _io.AnalysisError('{}: "processes" must be an integer '
                                     '>= 1, got {!r}'.format(where, p))
-        if not _number(result.get('step_time')):
+        if not _number(result.get('step_time')) or \
+                not result['step_time'] > 0:
             raise _io.AnalysisError('{}: "step_time" must be a number of '
-                                    'seconds'.format(where))
+                                    'seconds > 0, got {!r}'.format(
+                                        where, result.get('step_time')))
         stages = result.get('stage_times')
         if not isinstance(stages, dict):
             raise _io.AnalysisError('{}: no "stage_times" object'.format(
@@ -172,6 +174,13 @@ def load_benchmark(path: str) -> Dict:
         raise _io.AnalysisError(
             '{}: no 1-process result; the model starts from the 1-process '
             'stage times'.format(path))
+    counts = [r['processes'] for r in results]
+    twice = sorted({p for p in counts if counts.count(p) > 1})
+    if twice:
+        raise _io.AnalysisError(
+            '{}: more than one result for {} process(es): one per count '
+            '(merge the runs first)'.format(
+                path, ', '.join(map(str, twice))))
     data['path'] = path
     return data
 
@@ -552,9 +561,11 @@ def parse_args(argv):
                         help='PNG path; numbers go to the same name .json '
                         '(default: %(default)s, in the current directory)')
     args = parser.parse_args(argv)
-    if args.alpha < 0 or args.beta <= 0 or args.inverse_overhead < 0:
-        parser.error('--alpha and --inverse-overhead must be >= 0 and '
-                     '--beta > 0')
+    if not (0 <= args.alpha < math.inf and 0 < args.beta < math.inf and
+            0 <= args.inverse_overhead < math.inf):
+        # (a NaN passed every comparison: --alpha nan gave NaN rows)
+        parser.error('--alpha and --inverse-overhead must be finite and >= '
+                     '0, --beta finite and > 0')
     if args.max_processes < 2048:
         parser.error('--max-processes must be at least 2048 (the paper\'s '
                      'range)')

@@ -213,3 +213,28 @@ def test_an_output_never_replaces_a_file_a_run_wrote(runs, tmp_path, capsys,
     assert 'a file a run wrote' in capsys.readouterr().err
     assert kept.read_text() == '{"written": "by the run"}\n'
     assert not (run / (name + '.png')).exists()
+
+
+@pytest.mark.parametrize('edit, message', [
+    ('percent', 'is 91.2, not a fraction in [0, 1] (a percentage?)'),
+    ('order', 'the epochs are not increasing (3, 1, 2)'),
+    ('repeated', 'the epochs are not increasing (1, 1, 2'),
+])
+def test_a_log_that_cannot_be_a_run_is_refused(runs, tmp_path, capsys, edit,
+                                               message):
+    """Accuracy in percent (plotted as 9120 %), epochs out of order or
+    repeated (a line doubling back): drawn before, without a word."""
+    run = tmp_path / 'edited'
+    shutil.copytree(runs['kfac32'], str(run))
+    log = read_log(str(run))[:3]
+    if edit == 'percent':
+        log[1]['validation/main/accuracy'] = 91.2
+    elif edit == 'order':
+        log = [log[2], log[0], log[1]]
+    else:
+        log = [log[0]] + log
+    (run / 'log').write_text(json.dumps(log))
+    out = tmp_path / 'out' / 'f.png'
+    assert curves.main([str(run), '--out', str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()

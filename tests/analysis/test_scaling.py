@@ -234,6 +234,10 @@ def test_bad_inputs_are_clear_errors(benchmark, tmp_path, capsys):
     no_bytes = json.loads(json.dumps(data))
     no_bytes['results'][0]['bytes'] = {'reduce_scatter_v': 0,
                                        'all_gather_v': 0}
+    negative = json.loads(json.dumps(data))
+    negative['results'][0]['step_time'] = -1
+    twice = json.loads(json.dumps(data))
+    twice['results'].append(dict(twice['results'][-1]))
     cases = [
         (write('a.json', 'not json'), 'not JSON'),
         (write('b.json', {'benchmark': 'kfac_step', 'results': []}),
@@ -242,6 +246,11 @@ def test_bad_inputs_are_clear_errors(benchmark, tmp_path, capsys):
         (write('d.json', two_only), 'no 1-process result'),
         (write('e.json', no_bytes), 'no result has byte counts'),
         (str(tmp_path / 'missing.json'), 'cannot read'),
+        # plotted as "measured -1.0000 s"; duplicates drawn both
+        (write('g.json', negative), '"step_time" must be a number of '
+         'seconds > 0, got -1'),
+        (write('h.json', twice), 'more than one result for {} '
+         'process(es)'.format(twice['results'][-1]['processes'])),
     ]
     for path, message in cases:
         assert scaling.main([path, '--out', str(outdir / 'f.png')]) == 2
@@ -249,6 +258,13 @@ def test_bad_inputs_are_clear_errors(benchmark, tmp_path, capsys):
     assert scaling.main([write('f.json', data), '--layer-model', 'vgg',
                          '--out', str(outdir / 'f.png')]) == 2
     assert "unknown model 'vgg'" in capsys.readouterr().err
+    # a NaN passed every comparison: --alpha nan drew NaN rows
+    for option in ('--alpha', '--beta', '--inverse-overhead'):
+        for value in ('nan', 'inf'):
+            with pytest.raises(SystemExit):
+                scaling.main([write('f.json', data), option, value,
+                              '--out', str(outdir / 'f.png')])
+            assert 'must be finite' in capsys.readouterr().err
     assert no_outputs(outdir)
 
 
