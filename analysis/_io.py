@@ -183,7 +183,7 @@ def load_run(path: str, require_log: bool = True) -> Run:
         raise AnalysisError('{}: the log has no entries yet'.format(log_path))
     for number, entry in enumerate(log, 1):
         for key, value in entry.items():
-            if not _is_number(value) and not (value is None and key not in (
+            if not is_number(value) and not (value is None and key not in (
                     'epoch', 'iteration')):
                 raise AnalysisError(
                     '{}: entry {} (epoch {!r}): {} is {!r}, not a number'
@@ -191,10 +191,15 @@ def load_run(path: str, require_log: bool = True) -> Run:
     return Run(path=path, log=log, config=_run_config(path))
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
     """An int or float (a bool is neither here): what a LogReport
     writes."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_finite_number(value) -> bool:
+    """:func:`is_number`, and finite."""
+    return is_number(value) and math.isfinite(value)
 
 
 def _run_config(path: str) -> Dict:
@@ -278,7 +283,7 @@ def _fisher_diff_record_error(record) -> Optional[str]:
         if not isinstance(diffs, dict):
             return '{} is not a map'.format(kind)
         for layer, value in diffs.items():
-            if not (_is_number(value) or value is None):
+            if not (is_number(value) or value is None):
                 return '{} of {} is {!r}'.format(kind, layer, value)
     return None
 

@@ -119,8 +119,7 @@ def percentile_series(records: List[Dict], factor: str,
     for record in records:
         chosen = [v for k, v in record.get(factor, {}).items()
                   if layers is None or k in layers]
-        values = [v for v in chosen
-                  if isinstance(v, (int, float)) and math.isfinite(v)]
+        values = [v for v in chosen if _io.is_finite_number(v)]
         if not values:
             # refreshed, but no finite Diff (a diverged run): counted, said
             series['steps_without_a_finite_value'] += bool(chosen)

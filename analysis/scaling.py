@@ -115,11 +115,6 @@ _RATIO_OF = {SUPERLINEAR: ('T(1)/T(64)', 'speedup_1_to_64'),
 
 
 # -- input -------------------------------------------------------------------
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value)
-
-
 def load_benchmark(path: str) -> Dict:
     """Read and check a ``dist_scaling`` benchmark file (schema above)."""
     try:
@@ -149,7 +144,7 @@ def load_benchmark(path: str) -> Dict:
         if not isinstance(p, int) or isinstance(p, bool) or p < 1:
             raise _io.AnalysisError('{}: "processes" must be an integer '
                                     '>= 1, got {!r}'.format(where, p))
-        if not _number(result.get('step_time')) or \
+        if not _io.is_finite_number(result.get('step_time')) or \
                 not result['step_time'] > 0:
             raise _io.AnalysisError('{}: "step_time" must be a number of '
                                     'seconds > 0, got {!r}'.format(
@@ -159,7 +154,8 @@ def load_benchmark(path: str) -> Dict:
             raise _io.AnalysisError('{}: no "stage_times" object'.format(
                 where))
         for stage in STAGES:
-            if not _number(stages.get(stage)) or stages[stage] < 0:
+            if not _io.is_finite_number(stages.get(stage)) or \
+                    stages[stage] < 0:
                 raise _io.AnalysisError(
                     '{}: stage_times["{}"] must be a number of seconds '
                     '>= 0, got {!r}'.format(where, stage, stages.get(stage)))

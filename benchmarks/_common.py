@@ -158,11 +158,12 @@ def array_module(gpu: bool):
     import numpy
     if not gpu:
         return numpy
-    try:
-        import cupy
-        cupy.cuda.Device(0).use()
-    except Exception as error:  # ImportError, or CUDA's own errors
-        raise SystemExit('--gpu needs CuPy and a CUDA GPU: {}'.format(error))
+    from harness.mpi import gpu_missing
+    missing = gpu_missing()
+    if missing is not None:
+        raise SystemExit('--gpu needs CuPy and a CUDA GPU: ' + missing)
+    import cupy
+    cupy.cuda.Device(0).use()
     return cupy
 
 

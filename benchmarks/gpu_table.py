@@ -66,16 +66,9 @@ def images(row: Dict, interval: int) -> Tuple[Dict[str, float], List[str]]:
     """Our images/s of a result row (as :func:`step_time.sweep` computes
     them, from :func:`usable_medians`) and what was left out."""
     medians, dropped = usable_medians(row)
-    batch = row['batch']
-    cycles = row.get('refresh_cycle') or {}
-    extras = {v: cycles[v].get('recapture_s') for v in cycles
-              if v in medians}
-    out = step_time.images_per_second(medians, batch, interval,
-                                      'kfac_every', 'kfac_stale',
-                                      'kfac_stale_graph', extras=extras)
-    out.update(step_time.replayed_refresh_cycle(medians, batch, interval,
-                                                extras))
-    return out, dropped
+    if not medians:             # a point whose process failed
+        return {}, dropped
+    return step_time.throughput(row, medians, medians, interval), dropped
 
 
 def peer_images(peer: Optional[Dict], batch: int, interval: int

@@ -1429,6 +1429,23 @@ def replayed_refresh_cycle(median_s: Dict[str, float], batch: int,
     return {} if value is None else {REPLAYED_REFRESH: value}
 
 
+def throughput(result: Dict, median_s: Dict[str, float],
+               replayed: Dict[str, float], interval: int
+               ) -> Dict[str, float]:
+    """Images/s of a result's steps (``median_s``), of its stale cycles
+    amortised with what each refresh cycle recaptures, and of the stale
+    cycle whose refresh step is replayed too (from ``replayed``: the
+    medians of the steps that did replay, :func:`replayed_medians`)."""
+    extras = recaptures(result)
+    batch = result['batch']
+    out = images_per_second(median_s, batch, interval, 'kfac_every',
+                            'kfac_stale', 'kfac_stale_graph', extras=extras)
+    out.update(images_per_second(median_s, batch, interval, 'kfac_tf32',
+                                 'kfac_stale_graph_tf32', extras=extras))
+    out.update(replayed_refresh_cycle(replayed, batch, interval, extras))
+    return out
+
+
 def recaptures(result: Dict) -> Dict[str, Optional[float]]:
     """A result's :func:`recapture_seconds` by variant (None: not timed;
     a variant whose cycle was not measured at all: None too)."""
@@ -1487,15 +1504,9 @@ def sweep(args, specs: Dict[str, Dict], xp, target: str,
                                  spec['rounds'], spec['warmup'], xp,
                                  target=target, kfac_options=kfac_options)
                 result['workspace_bytes'] = limit
-                extras = recaptures(result)
-                result['images_per_s'] = images_per_second(
-                    result['median_s'], batch, args.interval, 'kfac_every',
-                    'kfac_stale', 'kfac_stale_graph', extras=extras)
-                result['images_per_s'].update(images_per_second(
-                    result['median_s'], batch, args.interval, 'kfac_tf32',
-                    'kfac_stale_graph_tf32', extras=extras))
-                result['images_per_s'].update(replayed_refresh_cycle(
-                    replayed_medians(result), batch, args.interval, extras))
+                result['images_per_s'] = throughput(
+                    result, result['median_s'], replayed_medians(result),
+                    args.interval)
                 free_device_memory(xp)
                 result['device_bytes_in_use_after'] = device_bytes_in_use(xp)
                 if args.peer and limit == limits[0]:

@@ -266,10 +266,7 @@ class KFACOptimizer:
     def after_capture(self, before) -> None:
         """Learn which update rules a stale step advances (those of the
         parameters with a direction)."""
-        advanced = {id(p.update_rule): p.update_rule for p, t in
-                    zip(self._params(), before[1])
-                    if p.update_rule.t != t}
-        self._advanced = list(advanced.values())
+        self._advanced = _advanced_rules(self._params(), before[1])
 
     def after_replay(self) -> None:
         """The host side of the replayed stale step."""
@@ -527,10 +524,7 @@ class RefreshUpdate:
 
     def after_capture(self, before) -> None:
         """Learn which update rules the step advances."""
-        advanced = {id(p.update_rule): p.update_rule for p, t in
-                    zip(self._params(), before[1])
-                    if p.update_rule.t != t}
-        self._advanced = list(advanced.values())
+        self._advanced = _advanced_rules(self._params(), before[1])
 
     def after_replay(self) -> None:
         """``t``, the rules' ``t``, and the guard's check made."""
@@ -543,6 +537,15 @@ class RefreshUpdate:
 
 #: The attributes of a block and of the estimator that the passes of one
 #: micro-batch change.
+def _advanced_rules(params, rule_ts) -> list:
+    """The update rules whose ``t`` moved from ``rule_ts`` (taken before
+    the captured step), each once: a parameter of two links is walked
+    twice, and its rule was advanced twice a replay."""
+    advanced = {id(p.update_rule): p.update_rule
+                for p, t in zip(params, rule_ts) if p.update_rule.t != t}
+    return list(advanced.values())
+
+
 _BLOCK_CAPTURE = ('_open', '_calls', '_step_sums', '_step_counts',
                   '_scales', '_collect')
 _ESTIMATOR_CAPTURE = ('batch_size', 'samples', '_passes', '_touched',

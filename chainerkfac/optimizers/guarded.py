@@ -95,7 +95,6 @@ class GuardedOptimizer:
         state['timer'] = StageTimer()
         state['owners'] = None
         state['pending_micro_batches'] = 0
-        state['_checkpoint_due'] = False
         state['_shard'] = None
 
     def __getattr__(self, name):
@@ -132,11 +131,10 @@ class GuardedOptimizer:
         on the arguments and backpropagate; without, take the gradients of
         the loop's own backward. Every ``acc_iters`` calls, one step."""
         target = self.actual_optimizer.target
-        if lossfun is not None and (self._checkpoint_due or
-                                    self.pending_micro_batches == 0):
-            # the running statistics as the step's forward finds them
+        if lossfun is not None and self.pending_micro_batches == 0:
+            # the running statistics as the step's forward finds them (a
+            # load resets the micro-batches: its model's, too)
             self.guard.checkpoint(target)
-            self._checkpoint_due = False
         if lossfun is not None:
             target.cleargrads()
             loss = lossfun(*args, **kwds)
@@ -327,7 +325,6 @@ class GuardedOptimizer:
             self.pending_micro_batches = 0
             self.accumulator.reset()
             self.guard.checkpoint(self.actual_optimizer.target)
-            self._checkpoint_due = True
             if self._shard is not None:
                 self._drop_unowned_state()
 
