@@ -9,6 +9,7 @@ images as ``(3, size, size)`` **uint8** arrays and int32 labels; crop, flip
 and normalisation come on top (:class:`augment.ImageTransform`, or on the
 training device in ``train_imagenet.py``).
 """
+import hashlib
 import os
 
 import chainer
@@ -71,6 +72,20 @@ class ImageList:
         out.labels = self.labels[keep]
         out.lines = self.lines[keep]
         return out
+
+    def digests(self):
+        """SHA-256 of the paths (in list order) and of the labels: the
+        contents a training stream's position refers to (a resume compares
+        them with the snapshot's).
+
+        Returns
+        -------
+        (str, str)
+            Hex digests of the paths and of the labels.
+        """
+        paths = hashlib.sha256(b'\n'.join(self._paths.tolist()))
+        labels = hashlib.sha256(self.labels.astype('<i4').tobytes())
+        return paths.hexdigest(), labels.hexdigest()
 
     def missing_files(self, indices=None):
         """Indices (among ``indices``, default all) whose file is missing."""

@@ -291,6 +291,7 @@ class GlobalBatchIterator(chainer.dataset.Iterator):
         self.position = 0
         #: Chunks skipped by the rounding of a resumed position (reported).
         self.skipped_chunks = 0
+        self._digests = None
         self._loader = None
         self._restart(0)
 
@@ -350,6 +351,13 @@ class GlobalBatchIterator(chainer.dataset.Iterator):
         batch = int(serializer('batch_size', self.batch_size))
         per_step = int(serializer('chunks_per_step', self.chunks_per_step))
         n_examples = int(serializer('n_examples', self.n_examples))
+        # Absent from snapshots of earlier versions (then this run's own).
+        if self._digests is None:
+            self._digests = self.stream.images.digests()
+        digests = self._digests
+        stored = tuple(str(serializer(key, value)) for key, value in
+                       zip(('list_paths_sha256', 'list_labels_sha256'),
+                           digests))
         if isinstance(serializer, chainer.serializer.Serializer):
             return
         if (batch, per_step, n_examples) != (
@@ -360,6 +368,17 @@ class GlobalBatchIterator(chainer.dataset.Iterator):
                 'run has {}, {} and {}: resume with the same config and list'
                 .format(batch, per_step, n_examples, self.batch_size,
                         self.chunks_per_step, self.n_examples))
+        if stored != digests:
+            changed = ' and '.join(what for what, old, new in zip(
+                ('the paths or their order', 'the labels'), stored, digests)
+                if old != new)
+            raise ValueError(
+                'the training list {} has the snapshot\'s {} images, but {} '
+                'differ from the list the snapshot was trained on: the '
+                'position resumed would not be the same images; resume with '
+                'the same list, or start a new run from these weights with '
+                '--init-weights-from'.format(self.stream.images.list_path,
+                                             n_examples, changed))
         # A run that ended with a flushed partial step stopped between step
         # boundaries: continue at the next one (the chunks of the rest of
         # that step are skipped).

@@ -89,6 +89,43 @@ def test_position_resumes_on_another_number_of_processes(images):
         resumed.serialize(chainer.serializers.NpzDeserializer(state.target))
 
 
+@pytest.mark.parametrize('change, named', [
+    ('relabel', 'the labels'),
+    ('reorder', 'the paths or their order'),
+    ('both', 'the paths or their order and the labels'),
+])
+def test_a_changed_list_of_the_same_length_is_refused(images, change,
+                                                      named):
+    """A resumed position is a place in the list's permutation: a list
+    relabelled or reordered (same length) would resume on other images."""
+    _, it = global_steps(images, 1, 4, 2)
+    state = chainer.serializers.DictionarySerializer()
+    it.serialize(state)
+    order = np.arange(len(images))
+    if change in ('reorder', 'both'):
+        order[[0, 1]] = [1, 0]
+    changed = images.without([])
+    changed._paths = images._paths[order]
+    changed.labels = images.labels.copy()
+    if change in ('relabel', 'both'):
+        changed.labels[5] = (changed.labels[5] + 1) % 3
+    resumed = GlobalBatchIterator(TrainStream(changed, None, 10, 5, 1, 0, 3),
+                                  4)
+    with pytest.raises(ValueError, match='has the snapshot\'s 22 images, '
+                       'but {} differ'.format(named)):
+        resumed.serialize(chainer.serializers.NpzDeserializer(state.target))
+    # The same list resumes, and so does a snapshot of an earlier version
+    # (no digests: strict=False leaves this run's own).
+    same = GlobalBatchIterator(TrainStream(images, None, 10, 5, 1, 0, 3), 4)
+    same.serialize(chainer.serializers.NpzDeserializer(state.target))
+    assert same.position == 8
+    for key in ('list_paths_sha256', 'list_labels_sha256'):
+        del state.target[key]
+    resumed.serialize(chainer.serializers.NpzDeserializer(state.target,
+                                                          strict=False))
+    assert resumed.position == 8
+
+
 def test_crop_and_flip_of_a_sample_come_from_its_stream_position(images):
     """uint8 crops normalised as a batch (on the training device) equal the
     float path (crop a float32 image and normalise it on the host, as

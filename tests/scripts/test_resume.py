@@ -12,7 +12,8 @@ import pytest
 from tests.harness.damage import flip
 from tests.scripts import imagenet_like
 from tests.scripts.conftest import (command, kill, read_log,
-                                    reference_command, run, start, weights)
+                                    reference_command, reference_config, run,
+                                    start, weights)
 
 #: Values of the log that depend on the machine's speed.
 TIMING = ('elapsed_time', 'images_per_sec')
@@ -273,6 +274,32 @@ def test_snapshot_of_another_model_or_optimizer_refused_untouched(
         assert 'snapshot_step_5.rank0' in result.stdout
     for text in named:
         assert text in result.stdout
+    after = {name: open(os.path.join(str(tmp_path), name), 'rb').read()
+             for name in sorted(os.listdir(str(tmp_path)))}
+    assert after == before
+
+
+@pytest.mark.slow
+def test_a_relabelled_list_is_refused_untouched(dataset, references,
+                                               tmp_path):
+    """A list of the same length with one label changed would resume the
+    stream's position on other data: refused, the run directory as it
+    was."""
+    before = copy_run(references[1], tmp_path)
+    lines = open(dataset['train']).read().splitlines()
+    path, label = lines[3].split()
+    lines[3] = '{} {}'.format(path,
+                              (int(label) + 1) % imagenet_like.N_CLASS)
+    relabelled = os.path.join(dataset['root'], 'train_relabelled.txt')
+    with open(relabelled, 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+    result = run(command(dataset, tmp_path, '--keep-snapshots', '0',
+                         '--fisher-diff', '--resume', 'latest',
+                         train=relabelled, config=reference_config(dataset)))
+    assert result.returncode != 0
+    assert "has the snapshot's {} images, but the labels differ".format(
+        len(lines)) in result.stdout, result.stdout[-3000:]
+    assert 'train_relabelled.txt' in result.stdout
     after = {name: open(os.path.join(str(tmp_path), name), 'rb').read()
              for name in sorted(os.listdir(str(tmp_path)))}
     assert after == before
