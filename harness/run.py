@@ -300,6 +300,23 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
             lock.release()
 
 
+def _say_config_changes(cfg, out, facts, optimizer_name):
+    """Print what a resume changes of the run's settings (``config.json``
+    is then rewritten with this run's): a resume with ``--epochs 120`` of a
+    90-epoch SGD run moves its learning-rate decay's end."""
+    changed = run_dir.config_changes(cfg, out, facts)
+    if not changed:
+        return
+    print('resuming with settings other than those of {}:\n  {}'.format(
+        os.path.join(out, run_dir.CONFIG_FILE), '\n  '.join(changed)),
+        flush=True)
+    if optimizer_name != 'kfac' and any(
+            line.startswith('epochs:') for line in changed):
+        print('  (the learning rate decays to 0 at the run\'s last epoch: '
+              'from here on it follows the decay to epoch {})'.format(
+                  cfg.epochs), flush=True)
+
+
 def check_resumed_epochs(iterator, epochs: int, source=None,
                          from_option: bool = False) -> None:
     """Refuse to resume a run past its end: a snapshot at epoch 1.52
@@ -446,10 +463,13 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
                         source=args.config,
                         from_option=args.epochs is not None))
     if comm.rank == 0:
-        run_dir.write_run_config(cfg, out, run_dir.run_facts(
+        facts = run_dir.run_facts(
             optimizer_name, comm.size, acc_iters, batch, args.arch,
             args.depth, args.width, len(data.train), len(data.val), n_class,
-            label))
+            label)
+        if resumed:
+            _say_config_changes(cfg, out, facts, optimizer_name)
+        run_dir.write_run_config(cfg, out, facts)
     start = time.time()
     try:
         trainer.run()

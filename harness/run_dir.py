@@ -84,6 +84,36 @@ def write_run_config(cfg, out, facts):
                   json.dumps(data, indent=1, sort_keys=True))
 
 
+def config_changes(cfg, out, facts):
+    """What a resumed run changes of the run's ``out/config.json``: a line
+    ``'key: old → new'`` per value that differs (``'run.key'`` for the
+    facts), [] where the file is missing or unreadable (nothing to
+    compare)."""
+    try:
+        with open(os.path.join(out, CONFIG_FILE)) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, dict):
+        return []
+    new = config_module.to_dict(cfg)
+    new['run'] = facts
+
+    def flat(data, prefix=''):
+        out = {}
+        for key, value in data.items():
+            if isinstance(value, dict):
+                out.update(flat(value, prefix + key + '.'))
+            else:
+                out[prefix + key] = value
+        return out
+    old, new = flat(old), flat(json.loads(json.dumps(new)))
+    return ['{}: {} → {}'.format(key, json.dumps(old.get(key)),
+                                 json.dumps(new.get(key)))
+            for key in sorted(set(old) | set(new))
+            if old.get(key) != new.get(key)]
+
+
 def load_log(out):
     """The entries of ``out/log`` ([] if there is none yet)."""
     path = os.path.join(out, LOG_FILE)

@@ -143,3 +143,24 @@ def test_continuing_names_a_damaged_diff_line(tmp_path):
                        'fisher_diff record'):
         run_dir.continue_run_files(str(tmp_path), str(tmp_path), 3, None)
     assert path.read_text() == ''.join(text)       # left as it was
+
+
+def test_config_changes_name_each_value_a_resume_changes(tmp_path):
+    """A resume prints what it changes of the run's config.json (it is
+    rewritten with the resumed run's settings)."""
+    import config as config_module
+    cfg = config_module.load(os.path.join(
+        os.path.dirname(__file__), '..', '..', 'config', 'demo.json'))
+    facts = {'n_processes': 2, 'acc_iters': 4, 'label': 'K-FAC bs256'}
+    out = str(tmp_path)
+    assert run_dir.config_changes(cfg, out, facts) == []     # no file
+    run_dir.write_run_config(cfg, out, facts)
+    assert run_dir.config_changes(cfg, out, facts) == []
+    longer = config_module.from_dict(
+        dict(config_module.to_dict(cfg), epochs=cfg.epochs + 5))
+    assert run_dir.config_changes(longer, out, dict(
+        facts, n_processes=1, acc_iters=8)) == [
+        'epochs: {} → {}'.format(cfg.epochs, cfg.epochs + 5),
+        'run.acc_iters: 4 → 8', 'run.n_processes: 2 → 1']
+    (tmp_path / 'config.json').write_text('{not json')
+    assert run_dir.config_changes(longer, out, facts) == []

@@ -2,6 +2,7 @@
 uninterrupted one bit for bit (1 and 2 processes, augmentation on, epochs
 ending inside optimizer steps); resume on another number of processes and
 it continues to the tolerance of the distributed-equivalence tests."""
+import json
 import os
 import shutil
 import time
@@ -303,6 +304,21 @@ def test_a_relabelled_list_is_refused_untouched(dataset, references,
     after = {name: open(os.path.join(str(tmp_path), name), 'rb').read()
              for name in sorted(os.listdir(str(tmp_path)))}
     assert after == before
+
+
+@pytest.mark.slow
+def test_a_resume_says_what_it_changes(dataset, references, tmp_path):
+    """A longer run resumed from a snapshot: the change printed, then
+    recorded in config.json."""
+    copy_run(references[1], tmp_path)
+    result = run(reference_command(dataset, tmp_path, '--resume', 'latest',
+                                   '--epochs', '4'))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert 'resuming with settings other than those of {}:\n  epochs: 3 → 4'\
+        .format(tmp_path / 'config.json') in result.stdout
+    with open(str(tmp_path / 'config.json')) as f:
+        assert json.load(f)['epochs'] == 4
+    assert [e['epoch'] for e in read_log(tmp_path)] == [1, 2, 3, 4]
 
 
 @pytest.mark.slow
