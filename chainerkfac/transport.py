@@ -171,8 +171,9 @@ class MultiNodeTransport:
         """
         target = optimizer.target
         items = optimizer.config_fingerprint()
-        items['wire_dtype'] = str(numpy.dtype(
-            getattr(self.collectives, 'wire_dtype', 'float32')))
+        wire = getattr(self.collectives, 'wire_dtype', None)
+        items['wire_dtype'] = 'the data\'s' if wire is None else \
+            str(numpy.dtype(wire))
         self._check_same_everywhere(items)
         before = [p.array.copy() for _, p in sorted(target.namedparams())
                   if p.array is not None]

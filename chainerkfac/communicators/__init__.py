@@ -21,7 +21,7 @@ COMMUNICATOR_NAMES = ('naive', 'pure_nccl', 'host_staged')
 
 
 def create_communicator(name: str = 'naive', mpi_comm=None,
-                        wire_dtype='float32'):
+                        wire_dtype=None):
     """Create a ChainerMN communicator with K-FAC's collectives.
 
     Also installs ChainerMN's global except hook, so that an uncaught
@@ -36,9 +36,12 @@ def create_communicator(name: str = 'naive', mpi_comm=None,
         through host memory: several ranks on one GPU, or no NCCL).
     mpi_comm : mpi4py.MPI.Comm, optional
         Defaults to ``MPI.COMM_WORLD``.
-    wire_dtype : str or numpy.dtype
+    wire_dtype : str, numpy.dtype or None
         Element type of ``reduce_scatter_v`` / ``all_gather_v`` on the wire:
-        'float32' (default), 'float16' or 'float64'. ChainerMN's own
+        None (default) sends each call's arrays at their common type, at
+        least float32 (a float64 model's factors and gradients unrounded,
+        float16 factors summed in float32); 'float16', 'float32' or
+        'float64' fix it (``'float16'`` halves a float32 model's bytes). ChainerMN's own
         collectives are unaffected (``pure_nccl`` has its own
         ``allreduce_grad_dtype`` config for gradients).
 

@@ -26,12 +26,12 @@ class KfacCollectives(KfacCommunicatorMixin):
     Parameters
     ----------
     comm : chainermn.communicators.CommunicatorBase
-    wire_dtype : str or numpy.dtype
-        Element type on the wire: 'float32' (default), 'float16' or
-        'float64'.
+    wire_dtype : str, numpy.dtype or None
+        Element type on the wire: None (default) the arrays' common type,
+        at least float32; or 'float16', 'float32', 'float64'.
     """
 
-    def __init__(self, comm, wire_dtype='float32'):
+    def __init__(self, comm, wire_dtype=None):
         self.comm = comm
         self.mpi_comm = comm.mpi_comm
         self.rank = comm.rank

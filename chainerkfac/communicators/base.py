@@ -20,13 +20,24 @@ from chainerkfac import packing
 WIRE_DTYPES = ('float16', 'float32', 'float64')
 
 
-def check_wire_dtype(wire_dtype) -> numpy.dtype:
-    """The wire dtype as a NumPy dtype; ValueError if it is not supported."""
+def check_wire_dtype(wire_dtype) -> Optional[numpy.dtype]:
+    """The wire dtype as a NumPy dtype (None: the arrays' own, see
+    :func:`wire_dtype_for`); ValueError if it is not supported."""
+    if wire_dtype is None:
+        return None
     dtype = numpy.dtype(wire_dtype)
     if dtype.name not in WIRE_DTYPES:
         raise ValueError('wire_dtype must be one of {}, got {!r}'.format(
             ', '.join(WIRE_DTYPES), wire_dtype))
     return dtype
+
+
+def wire_dtype_for(arrays: Sequence) -> numpy.dtype:
+    """The default wire dtype of a call: the arrays' common type, at least
+    float32 — a float64 model's factors and gradients travel unrounded (N
+    processes then take one process's step to float64 precision), float16
+    ones are summed in float32."""
+    return numpy.result_type(numpy.float32, *[a.dtype for a in arrays])
 
 
 class KfacCommunicatorMixin(object):
@@ -90,7 +101,8 @@ class KfacCommunicatorMixin(object):
             upper triangle. Default: none is.
         wire_dtype : dtype-like, optional
             Element type on the wire for this call (default: the
-            communicator's :attr:`wire_dtype`).
+            communicator's :attr:`wire_dtype`; where that is None, the
+            arrays' common type, at least float32).
 
         Returns
         -------
@@ -141,8 +153,11 @@ class KfacCommunicatorMixin(object):
 
     def _layout(self, arrays, owners, symmetric,
                 wire_dtype=None) -> packing.Layout:
-        wire_dtype = self.wire_dtype if wire_dtype is None else \
-            check_wire_dtype(wire_dtype)
+        wire_dtype = check_wire_dtype(wire_dtype)
+        if wire_dtype is None:
+            wire_dtype = self.wire_dtype
+        if wire_dtype is None:
+            wire_dtype = check_wire_dtype(wire_dtype_for(arrays))
         if symmetric is None:
             symmetric = (False,) * len(arrays)
         if not len(arrays) == len(owners) == len(symmetric):

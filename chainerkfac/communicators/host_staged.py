@@ -59,9 +59,10 @@ class KfacHostStagedCommunicator(KfacNaiveCommunicator):
     Parameters
     ----------
     mpi_comm : mpi4py.MPI.Comm
-    wire_dtype : str or numpy.dtype
+    wire_dtype : str, numpy.dtype or None
         Element type of ``reduce_scatter_v`` / ``all_gather_v`` on the wire:
-        'float32' (default), 'float16' or 'float64'.
+        None (default) the arrays' common type, at least float32; or
+        'float16', 'float32', 'float64'.
     pad_segments : bool
         Pad every rank's segment to the longest one, as ``pure_nccl`` must
         (its collectives take one count for all ranks). Only worth it to
@@ -69,7 +70,7 @@ class KfacHostStagedCommunicator(KfacNaiveCommunicator):
         padding is sent too.
     """
 
-    def __init__(self, mpi_comm, wire_dtype='float32',
+    def __init__(self, mpi_comm, wire_dtype=None,
                  pad_segments: bool = False):
         super(KfacHostStagedCommunicator, self).__init__(
             mpi_comm, wire_dtype=wire_dtype)

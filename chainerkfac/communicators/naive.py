@@ -80,7 +80,7 @@ class KfacNaiveCommunicator(KfacCommunicatorMixin, NaiveCommunicator):
         'float64'.
     """
 
-    def __init__(self, mpi_comm, wire_dtype='float32'):
+    def __init__(self, mpi_comm, wire_dtype=None):
         super(KfacNaiveCommunicator, self).__init__(mpi_comm)
         self._init_kfac(wire_dtype)
 

@@ -45,14 +45,14 @@ class KfacPureNcclCommunicator(KfacCommunicatorMixin, PureNcclCommunicator):
     Parameters
     ----------
     mpi_comm : mpi4py.MPI.Comm
-    wire_dtype : str or numpy.dtype
-        Element type on the wire: 'float32' (default), 'float16' or
-        'float64'.
+    wire_dtype : str, numpy.dtype or None
+        Element type on the wire: None (default) the arrays' common type,
+        at least float32; or 'float16', 'float32', 'float64'.
     """
 
     _pad_segments = True
 
-    def __init__(self, mpi_comm, wire_dtype='float32'):
+    def __init__(self, mpi_comm, wire_dtype=None):
         super(KfacPureNcclCommunicator, self).__init__(mpi_comm)
         self._init_kfac(wire_dtype)
 

@@ -191,3 +191,33 @@ def test_mismatched_calls_are_detected_in_debug_mode():
 def test_unsupported_wire_dtype_is_rejected():
     with pytest.raises(ValueError, match='wire_dtype'):
         create_communicator('naive', wire_dtype='int8')
+
+
+@pytest.mark.parametrize('flavour', ['chainerkfac', 'chainermn'])
+def test_the_default_wire_follows_the_data(flavour):
+    """No wire_dtype given: float64 arrays travel unrounded (a float64
+    model's N processes take one process's step), float16 ones are summed
+    in float32, on our communicator and beside ChainerMN's own."""
+    import chainermn
+    from chainerkfac.communicators import kfac_collectives
+    if flavour == 'chainerkfac':
+        comm = create_communicator('naive')
+    else:
+        comm = kfac_collectives(chainermn.create_communicator('naive'))
+    assert comm.wire_dtype is None
+    tiny = 2.0 ** -40           # lost in float32: 1 + tiny == 1
+    # One buffer per call, at the call's common type (at least float32).
+    reduced = comm.reduce_scatter_v([numpy.full(3, 1.0 + tiny)], [0])
+    sent64 = comm.bytes_sent['reduce_scatter_v']
+    reduced += comm.reduce_scatter_v([numpy.full(2, 0.5, numpy.float16)],
+                                     [0])
+    sent16 = comm.bytes_sent['reduce_scatter_v'] - sent64
+    gathered = comm.all_gather_v([numpy.full(3, 1.0 + tiny * comm.rank)],
+                                 [comm.size - 1])
+    ok = (gathered[0][0] == 1.0 + tiny * (comm.size - 1)
+          and (sent64, sent16) == (3 * 8, 2 * 4))
+    if comm.rank == 0:
+        ok = ok and (reduced[0][0] == comm.size * (1.0 + tiny)
+                     and reduced[1].dtype == numpy.float16
+                     and reduced[1][0] == comm.size * 0.5)
+    _assert_everywhere([] if ok else [(comm.rank, reduced, gathered)])

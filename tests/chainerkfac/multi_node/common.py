@@ -145,5 +145,6 @@ def assert_everywhere(ok, what=''):
         what, [r for r, f in enumerate(flags) if not f])
 
 
-def naive(wire_dtype='float64'):
+def naive(wire_dtype=None):
+    """The default wire sends float64 arrays unrounded."""
     return create_communicator('naive', wire_dtype=wire_dtype)

@@ -48,7 +48,9 @@ def _train_wrapped(model, optimizer, comm, manual, steps, first_step):
 @pytest.mark.parametrize('acc_iters', [1, 2])
 def test_chainermn_wrapper_equals_chainerkfac_and_one_process(net, manual,
                                                               acc_iters):
-    comm = common.naive()
+    # ChainerMN's own communicator, as a user's script has it (its K-FAC
+    # collectives' default wire: float64 for these float64 nets).
+    comm = chainermn.create_communicator('naive')
     model, optimizer = _wrapped(comm, net, acc_iters)
     # The first call only broadcasts rank 0's parameters (ChainerMN), then
     # STEPS K-FAC steps on the batches of steps 1..STEPS.
