@@ -154,9 +154,11 @@ def attach_hooks(name, optimizer, args):
 
 def observers(optimizer, name, images_per_iteration):
     """Values logged per epoch besides loss and accuracy, with their
-    triggers: the optimizer's values after each step (so an epoch's entry is
-    their mean over the steps that ended in it, the same for any number of
-    processes), the throughput every iteration."""
+    triggers: the optimizer's values after each step (an epoch's entry,
+    written at the end of the step in which the epoch ended
+    (:class:`harness.triggers.EpochEnd`), is their mean over the steps
+    since the last entry, the same for any number of processes), the
+    throughput every iteration."""
     at_steps = triggers.StepBoundary()
     out = [(extensions.observe_lr(), at_steps),
            (extensions.observe_value('momentum',
@@ -410,17 +412,21 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
     trainer = training.Trainer(updater, triggers.StopTrigger(cfg.epochs, stop),
                                out=out)
     trainer.extend(schedule, trigger=triggers.StepBoundary())
+    # An epoch's evaluation and log entry come at the end of the step in
+    # which it ended (the same weights on any number of processes).
+    epoch_end = triggers.EpochEnd()
     # BN running statistics are per process; average them before evaluating.
     trainer.extend(chainermn.extensions.AllreducePersistent(model, comm),
-                   trigger=(1, 'epoch'),
+                   trigger=epoch_end,
                    priority=training.extension.PRIORITY_WRITER + 1)
     trainer.extend(evaluation.GlobalMeanEvaluator(
         val_iter, model, comm, BatchConverter(
             data.mean, args.skip_bad_images, drop_bad=True), device),
-        trigger=(1, 'epoch'))
+        trigger=epoch_end)
     target = None
     if args.target_acc is not None:
-        target = TimeToAccuracy(args.target_acc, write=comm.rank == 0)
+        target = TimeToAccuracy(args.target_acc, write=comm.rank == 0,
+                                trigger=epoch_end)
         trainer.extend(target)
     if kfac and args.fisher_diff:
         trainer.extend(FisherDiffLog(optimizer, comm=comm))
@@ -443,14 +449,15 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
                                        batch * comm.size):
         trainer.extend(observer, trigger=trigger)
     trainer.extend(evaluation.log_report(
-        comm, totals=lambda: {'bad_images_skipped': converter.skipped},
+        comm, trigger=epoch_end,
+        totals=lambda: {'bad_images_skipped': converter.skipped},
         micro_batches=updater.take_micro_batches))
     label = args.label or run_dir.label_of(optimizer_name, cfg)
     if comm.rank == 0:
         trainer.extend(evaluation.print_report(
             ['epoch', 'iteration', 'main/loss', 'main/accuracy',
              'validation/main/accuracy', 'lr', 'elapsed_time'],
-            progress_bar=not args.no_progress))
+            progress_bar=not args.no_progress), trigger=epoch_end)
         if not args.no_progress:
             trainer.extend(extensions.ProgressBar(update_interval=10))
     if resumed:

@@ -31,12 +31,16 @@ class EpochLimit:
 
 
 class StepBoundary:
-    """Fire after every optimizer step (and only then): e.g. the learning
-    rate schedule, so that a step's rate is the one of the epoch at which
-    the step starts, whatever the number of processes."""
+    """Fire after every optimizer step (and only then), the run's final
+    partial step included: e.g. the learning rate schedule, so that a
+    step's rate is the one of the epoch at which the step starts, and the
+    observers of the log, whatever the number of processes (on one process
+    the final step of a run ending inside a step is flushed at an iteration
+    that is no step boundary, on three it may end at one)."""
 
     def __call__(self, trainer):
-        return trainer.updater.at_step_boundary
+        updater = trainer.updater
+        return updater.at_step_boundary or updater.finished
 
 
 def every_iteration(trainer):
@@ -115,6 +119,30 @@ class SnapshotPeriod:
         (``time.monotonic()``)."""
         return self.unit == 'minute' and \
             time.monotonic() - since >= self.count * 60.0
+
+
+class EpochEnd:
+    """Fire at the end of the optimizer step in which an epoch ended, and
+    at the run's end: when the epoch's log entry is written and the model
+    evaluated.
+
+    Chainer's ``(1, 'epoch')`` fires at the micro-iteration that reaches
+    the epoch's last sample, which on P processes holds P chunks: on 3
+    processes it could complete the step that straddles the epoch (its
+    update evaluated, its learning rate and loss logged in the epoch), on
+    one process not. At step boundaries the log and the evaluation are
+    those of the same weights and steps on any number of processes.
+    Stateless (a function of the updater's position).
+    """
+
+    _period = SnapshotPeriod(1, 'epoch')
+
+    def __call__(self, trainer):
+        updater = trainer.updater
+        if updater.finished:
+            return True
+        return updater.at_step_boundary and updater.iteration > 0 and \
+            self._period.counted_due(updater)
 
 
 class SnapshotTrigger:

@@ -85,6 +85,15 @@ def test_epochs_wait_for_the_end_of_the_step():
     assert fired(trigger) == [12, 20, 22]
 
 
+def test_epoch_entries_and_step_observers_at_the_end_of_steps():
+    """The log and the evaluation: at the end of the step in which an
+    epoch ended (epochs end at 5, 10, 15, 20; steps at multiples of 4),
+    and at the run's end; the step observers after every step, the run's
+    final partial one (22) included."""
+    assert fired(triggers.EpochEnd()) == [8, 12, 16, 20, 22]
+    assert fired(triggers.StepBoundary()) == [4, 8, 12, 16, 20, 22]
+
+
 def test_iterations_wait_for_the_end_of_the_step():
     trigger = triggers.SnapshotTrigger(SnapshotPeriod(6, 'iteration'),
                                        OneProcess, no_signals())

@@ -131,6 +131,37 @@ def test_a_run_ending_inside_a_micro_iteration_ends_as_on_one_process(
 
 
 @pytest.mark.slow
+def test_an_epoch_ending_inside_a_micro_iteration_is_logged_as_on_one_process(
+        dataset, tmp_path):
+    """44 images in chunks of 4, 6 chunks a step: epoch 1 ends at chunk
+    11, inside step 2. On 3 processes the micro-iteration holding chunk 11
+    also takes chunk 12 and ends step 2; on one it does not. The epoch's
+    entry (and evaluation) came at that micro-iteration: step 2's learning
+    rate, damping and the loss of chunk 12 were in epoch 1's entry on 3
+    processes and in epoch 2's on one (lr 0.0192 against 0.02). Both now
+    log at the end of the step in which the epoch ended."""
+    with open(dataset['train']) as f:
+        lines = f.readlines()[:44]
+    train = os.path.join(dataset['root'], 'train44.txt')
+    with open(train, 'w') as f:
+        f.writelines(lines)
+    config = imagenet_like.write_config(
+        dataset['root'], 'bs24.json', global_batch_size=24,
+        batch_size_per_process=4, epochs=2)
+    logs = {}
+    for nproc in (1, 3):
+        out = tmp_path / str(nproc)
+        result = run(command(dataset, out, train=train, config=config),
+                     nproc)
+        assert result.returncode == 0, result.stdout[-3000:]
+        logs[nproc] = read_log(out)
+    assert [e['epoch'] for e in logs[1]] == [1, 2]
+    for want, have in zip(logs[1], logs[3]):
+        for key in GLOBAL_KEYS:
+            assert have[key] == pytest.approx(want[key], rel=TOLERANCE), key
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('before, after', [(2, 1), (1, 2)])
 def test_resume_on_another_number_of_processes(dataset, references,
                                                tmp_path, before, after):
