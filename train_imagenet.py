@@ -43,6 +43,7 @@ import argparse
 import json
 import math
 import sys
+import time
 
 import chainerkfac  # before chainer: applies the NumPy-2 compatibility shims
 
@@ -335,6 +336,10 @@ def main(argv=None):
             if harness_mpi.launch_rank() == 0:
                 print('train_imagenet.py: --gpu needs CuPy and a CUDA GPU: '
                       '{}'.format(missing), file=sys.stderr, flush=True)
+            else:
+                # rank 0 exits first: mpiexec ends the job at the first
+                # failed process, which could kill rank 0 before its line
+                time.sleep(5.0)
             return 2
     # The demo trains two runs it cannot resume: signals keep their
     # default action there.

@@ -5,8 +5,11 @@ test can evaluate it at listed points. The optimizer (damping, refresh
 intervals) and the training extensions (learning rate, momentum) call these;
 nothing else re-implements them.
 """
+import inspect
 import math
 from typing import Callable, Union
+
+import numpy
 
 #: A refresh interval: a constant number of K-FAC steps, or a callable of
 #: ``(iteration, epoch)`` returning one.
@@ -76,10 +79,17 @@ REFRESH_PRESETS = {
 }
 
 
-def resolve_interval(interval: Union[RefreshInterval, str]
+def resolve_interval(interval: Union[RefreshInterval, str],
+                     name: str = 'refresh interval'
                      ) -> Callable[[int, int], int]:
     """Turn an int, a preset name or a callable into a callable of
-    ``(iteration, epoch)``."""
+    ``(iteration, epoch)``.
+
+    A callable must take ``(iteration, epoch)``; each value it returns is
+    checked when used (:class:`CheckedInterval`), so that one returning
+    ``'x'``, NaN, 0 or 2.5 fails naming ``name``, not in a comparison deep
+    in the step (NaN silently meant "never refresh again").
+    """
     if isinstance(interval, str):
         try:
             return REFRESH_PRESETS[interval]
@@ -87,13 +97,63 @@ def resolve_interval(interval: Union[RefreshInterval, str]
             raise ValueError('unknown refresh schedule {!r}; presets are {}'
                              .format(interval, sorted(REFRESH_PRESETS)))
     if callable(interval):
-        return interval
-    if isinstance(interval, bool) or not isinstance(interval, int) \
-            or interval < 1:
+        try:
+            inspect.signature(interval).bind(0, 0)
+        except TypeError as e:
+            raise ValueError('{}: a callable must take (iteration, epoch): '
+                             '{}'.format(name, e)) from None
+        except ValueError:      # no signature to inspect (a builtin)
+            pass
+        return CheckedInterval(interval, name)
+    if not _is_int(interval) or interval < 1:
         raise ValueError('a refresh interval must be a positive int, a '
                          'preset name or a callable, got {!r}'
                          .format(interval))
     return FixedInterval(int(interval))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, numpy.integer)) and \
+        not isinstance(value, (bool, numpy.bool_))
+
+
+def _interval_value(value):
+    """``value`` as an int >= 1, or None: ints and integral floats (a
+    schedule written with float epochs, ``5 * (e // 5) + 1``)."""
+    if _is_int(value):
+        return int(value) if value >= 1 else None
+    if isinstance(value, (float, numpy.floating)) and math.isfinite(value) \
+            and value >= 1 and float(value).is_integer():
+        return int(value)
+    return None
+
+
+class CheckedInterval:
+    """A user's refresh schedule, each value it returns checked.
+
+    Parameters
+    ----------
+    schedule : callable of (iteration, epoch)
+    name : str
+        The option it was given as, for the error.
+    """
+
+    def __init__(self, schedule: Callable, name: str):
+        self.schedule = schedule
+        self.name = name
+
+    def __call__(self, iteration: int, epoch: int) -> int:
+        value = self.schedule(iteration, epoch)
+        checked = _interval_value(value)
+        if checked is None:
+            raise ValueError(
+                '{}: the schedule returned {!r} at iteration {}, epoch {}; '
+                'a refresh interval is an int >= 1'.format(
+                    self.name, value, iteration, epoch))
+        return checked
+
+    def __repr__(self) -> str:
+        return 'CheckedInterval({!r})'.format(self.schedule)
 
 
 class FixedInterval:

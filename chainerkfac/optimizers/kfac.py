@@ -345,34 +345,39 @@ class KFAC(optimizer.GradientMethod):
         self.mc_samples = mc_samples
         self.acc_iters = acc_iters
         self.refresh_intervals = {
-            'A': equations.resolve_interval(refresh_interval_a),
-            'G': equations.resolve_interval(refresh_interval_g),
-            'F': equations.resolve_interval(refresh_interval_f)}
+            'A': equations.resolve_interval(refresh_interval_a,
+                                            'refresh_interval_a'),
+            'G': equations.resolve_interval(refresh_interval_g,
+                                            'refresh_interval_g'),
+            'F': equations.resolve_interval(refresh_interval_f,
+                                            'refresh_interval_f')}
         self.factor_dtype = (dtypes.TF32 if dtypes.is_tf32(factor_dtype)
                              else numpy.dtype(factor_dtype))
         self.precondition_dtype = precondition_dtype
         self.factor_decay = float(factor_decay)
+        if isinstance(weight_rescale, numpy.bool_):
+            weight_rescale = bool(weight_rescale)
         self.weight_rescale = weight_rescale
         self.skip_layers = skip_layers
         fisher_blocks.registry.skip_matchers(skip_layers)  # check the types
         self.loss_reduction = loss_reduction
         self.max_factor_dim = max_factor_dim
         self.inverse_method = inverse_method
-        self.low_rank = low_rank
+        self.low_rank = bool(low_rank)
         self.kl_clip = kl_clip
         #: ν of the bounded step (None without ``kl_clip``).
         self.step_bound = None if kl_clip is None else StepBound(kl_clip)
         self.conv_a_strategy = conv_a_strategy
-        self.fisher_diff = fisher_diff
-        self.verbose = verbose
+        self.fisher_diff = bool(fisher_diff)
+        self.verbose = bool(verbose)
         self.process_local = bool(process_local)
-        self.shard_update = shard_update
+        self.shard_update = bool(shard_update)
         self.blocks: List = []
         #: Stages 1-2: capture and factor estimation.
         self.estimator = CurvatureEstimator(fisher, mc_samples,
                                             loss_reduction, seed)
         #: Eq. (20): which weights are rescaled.
-        self.rescale = WeightRescale(weight_rescale)
+        self.rescale = WeightRescale(self.weight_rescale)
         #: The skipped-step guard (:attr:`StepGuard.skipped` after a step).
         self.guard = StepGuard()
         #: γ as a device scalar for stage 5, or None (the host float):

@@ -75,6 +75,10 @@ def _refresh_interval(value) -> bool:
     return True
 
 
+def _is_bool(value) -> bool:
+    return isinstance(value, (bool, numpy.bool_))
+
+
 def _dtype_name(value) -> str:
     try:
         return str(numpy.dtype(value))
@@ -110,7 +114,7 @@ _RULES = {
                            'must be one of {}'.format(PRECONDITION_DTYPES)),
     'factor_decay': (lambda v: _is_number(v) and 0 <= v < 1,
                      'must lie in [0, 1)'),
-    'weight_rescale': (lambda v: isinstance(v, bool) or
+    'weight_rescale': (lambda v: _is_bool(v) or
                        v in WEIGHT_RESCALE_CHOICES,
                        "must be 'auto', True or False"),
     'loss_reduction': (lambda v: v in LOSS_REDUCTIONS,
@@ -119,14 +123,14 @@ _RULES = {
                        'must be an int >= 1 (or None: no limit)'),
     'inverse_method': (lambda v: v in INVERSE_METHODS,
                        'must be one of {}'.format(INVERSE_METHODS)),
-    'low_rank': (lambda v: isinstance(v, bool), 'must be True or False'),
+    'low_rank': (_is_bool, 'must be True or False'),
     'kl_clip': (lambda v: v is None or _positive(v),
                 'must be a finite positive number (or None: no bound)'),
-    'shard_update': (lambda v: isinstance(v, bool), 'must be True or False'),
-    'process_local': (lambda v: isinstance(v, bool),
+    'shard_update': (_is_bool, 'must be True or False'),
+    'process_local': (_is_bool,
                       'must be True or False'),
-    'verbose': (lambda v: isinstance(v, bool), 'must be True or False'),
-    'fisher_diff': (lambda v: isinstance(v, bool), 'must be True or False'),
+    'verbose': (_is_bool, 'must be True or False'),
+    'fisher_diff': (_is_bool, 'must be True or False'),
     'seed': (lambda v: v is None or (
         isinstance(v, (int, numpy.integer)) and not isinstance(v, bool) and
         0 <= v < 2 ** 32), 'must be an int in [0, 2**32) (or None)'),
@@ -162,6 +166,12 @@ def check_option(name: str, value, owner: str = 'KFAC') -> None:
         if ``name`` is not an argument this module checks.
     """
     ok, why = _RULES[name]
+    if name.startswith('refresh_interval_') and callable(value):
+        try:
+            equations.resolve_interval(value, name)
+        except ValueError as e:
+            raise OptionError(name, value, 'is not a schedule: {}'.format(e),
+                              owner) from None
     if not ok(value):
         raise OptionError(name, value, why, owner)
 

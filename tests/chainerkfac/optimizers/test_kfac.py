@@ -4,6 +4,7 @@ state round-trip and failure paths, each against an independent computation
 import io
 import logging
 import math
+import re
 
 import numpy
 import pytest
@@ -521,10 +522,45 @@ def test_shifted_and_unfolded_a_train_alike():
     (dict(process_local='no'), "process_local='no' must be True or False"),
     (dict(fisher_diff='yes'), 'fisher_diff'),
     (dict(seed='abc'), "seed='abc' must be an int"),
+    (dict(refresh_interval_f=lambda i: 3),
+     r'refresh_interval_f: a callable must take \(iteration, epoch\)'),
 ])
 def test_bad_arguments_name_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
         chainerkfac.optimizers.KFAC(**kwargs)
+
+
+@pytest.mark.parametrize('value', ['x', float('nan'), 0, 2.5, None, True])
+def test_a_schedules_bad_interval_names_the_argument(value):
+    """A callable's values are checked when used: 'x' failed in a
+    comparison inside the step, NaN meant "never refresh again" and 0
+    "every step", silently."""
+    model = helpers.MLP()
+    optimizer = helpers.kfac(
+        refresh_interval_g=lambda i, e: value).setup(model)
+    x, t = helpers.data(n=4, shape=(5,), n_class=3)
+    with pytest.raises(ValueError, match=r"refresh_interval_g: the schedule "
+                       r"returned {} at iteration 1, epoch 0; a refresh "
+                       r"interval is an int >= 1".format(
+                           re.escape(repr(value)))):
+        optimizer.update(helpers.loss_of(model), x, t)
+    # (after step 0, whose factors are due anyway, deciding step 1's)
+    assert optimizer.t == 1
+
+
+def test_numpy_ints_floats_and_bools_are_arguments_like_python_ones():
+    """Values read from a NumPy array or a config parsed by NumPy."""
+    model = helpers.MLP()
+    optimizer = helpers.kfac(
+        refresh_interval_a=numpy.int64(2), low_rank=numpy.bool_(True),
+        verbose=numpy.bool_(False), weight_rescale=numpy.bool_(False),
+        refresh_interval_g=lambda i, e: numpy.float64(2.0)).setup(model)
+    assert optimizer.low_rank is True and optimizer.weight_rescale is False
+    x, t = helpers.data(n=4, shape=(5,), n_class=3)
+    for _ in range(3):
+        optimizer.update(helpers.loss_of(model), x, t)
+    assert optimizer.refresh_intervals['A'](5, 0) == 2
+    assert optimizer.refresh_intervals['G'](5, 0) == 2
 
 
 @pytest.mark.parametrize('fisher', ['mc', 'exact'])
