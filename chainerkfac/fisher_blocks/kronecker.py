@@ -15,6 +15,9 @@ flattened to (d_out, C·kh·kw)) and the bias appended as the last column,
 The damped inverse ``(G ⊗ A + γI)⁻¹`` is approximated by
 ``(G + γ_G I)⁻¹ ⊗ (A + γ_A I)⁻¹`` with the trace-norm split
 ``γ_A = π√γ``, ``γ_G = √γ/π``, ``π² = (tr A / dim A) / (tr G / dim G)``.
+A step that refreshes one factor only inverts that one, with π of the
+factors as they are (the other as stored); the other keeps the inverse,
+and the share, of its own refresh (docs/kfac.md, "Unequal intervals").
 
 A factor larger than ``BlockOptions.max_factor_dim`` (VGG16's fc6 has
 d_in = 25089: A would take 2.5 GB and an n³ inverse) is kept as its

@@ -719,3 +719,27 @@ def test_never_updated_float16_parameters_save_an_fp32_velocity():
     loaded.use_fp32_update()
     serializers.load_npz(saved, loaded)
     assert loaded.t == 2
+
+
+def test_unequal_intervals_split_the_damping_of_the_refreshed_factor():
+    """A refreshed every 2 steps, G every 3: a step that refreshes A only
+    inverts A, with π of A now and G as stored; G keeps its own share
+    (docs/kfac.md, "Unequal intervals")."""
+    model = helpers.MLP()
+    optimizer = helpers.kfac(refresh_interval_a=2, refresh_interval_g=3,
+                             damping=1e-2).setup(model)
+    shares = []
+    for step in range(5):
+        x, t = helpers.data(n=4, shape=(5,), n_class=3, seed=step)
+        optimizer.update(helpers.loss_of(model), x, t)
+        block = helpers.block_named(optimizer, '/l1')
+        shares.append(dict(block.inverse_damping))
+        if step == 2:       # A refreshed (0, 2, 4), G not (0, 3)
+            a, g = (helpers.dense(block.factors[k]) for k in 'AG')
+            pi = math.sqrt((numpy.trace(a) / len(a)) /
+                           (numpy.trace(g) / len(g)))
+            assert block.inverse_damping['A'] == pytest.approx(
+                pi * math.sqrt(1e-2), rel=1e-12)
+    assert shares[2]['G'] == shares[1]['G'] == shares[0]['G']
+    assert shares[2]['A'] != shares[0]['A']
+    assert shares[0]['A'] * shares[0]['G'] == pytest.approx(1e-2, rel=1e-12)
