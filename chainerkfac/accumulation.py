@@ -41,7 +41,11 @@ class GradientAccumulator:
             if held is None:
                 continue
             grad = param.grad
-            param.grad = held if grad is None else held + grad
+            if grad is not None:
+                # in place: NumPy's ``held + grad`` of two 0-d arrays is a
+                # scalar, which Chainer refuses as a gradient
+                held += grad
+            param.grad = held
         self._sums = {}
 
     def reset(self) -> None:

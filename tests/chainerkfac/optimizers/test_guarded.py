@@ -78,3 +78,42 @@ def test_attributes_reach_the_wrapped_optimizer_and_flush_steps():
     assert optimizer.actual_optimizer.t == 1
     with pytest.raises(ValueError, match='GuardedOptimizer: acc_iters=0'):
         GuardedOptimizer(_sgd(), acc_iters=0)
+
+
+class _ScaledMLP(helpers.MLP):
+    """An MLP with a 0-d parameter (a learned scalar gain)."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.gain = chainer.Parameter(numpy.array(1.5))
+
+    def forward(self, x):
+        return super().forward(x) * self.gain
+
+
+@pytest.mark.parametrize('kfac', [False, True])
+@pytest.mark.parametrize('manual', [False, True])
+def test_a_scalar_parameter_accumulates(kfac, manual):
+    """NumPy's sum of two 0-d gradients is a scalar, not an array: the
+    accumulated step failed (``Type of grad is invalid``)."""
+    x, t = helpers.data(n=8, shape=(5,), n_class=3)
+    model = _ScaledMLP()
+    reference = model.copy('copy')
+    optimizer = helpers.kfac(lr=0.1, acc_iters=2) if kfac else \
+        GuardedOptimizer(_sgd(), acc_iters=2)
+    optimizer.setup(model)
+    lossfun = helpers.loss_of(model)
+    for chunk in (slice(0, 4), slice(4, 8)):
+        helpers.update(optimizer, model, lossfun, x[chunk], t[chunk], manual)
+    assert isinstance(model.gain.array, numpy.ndarray)
+    assert model.gain.array.shape == ()
+    reference.cleargrads()
+    ((helpers.loss_of(reference)(x[:4], t[:4]) +
+      helpers.loss_of(reference)(x[4:], t[4:])) / 2).backward()
+    if not kfac:
+        _sgd().setup(reference).update()
+        numpy.testing.assert_allclose(model.gain.array, reference.gain.array,
+                                      rtol=1e-12)
+    else:
+        assert model.gain.array != 1.5
