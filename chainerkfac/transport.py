@@ -195,27 +195,8 @@ class MultiNodeTransport:
         return changed
 
     def _check_same_everywhere(self, items: Dict[str, str]) -> None:
-        digest = hashlib.sha256(repr(sorted(items.items())).encode())
-        digests = self.comm.mpi_comm.allgather(digest.hexdigest())
-        if len(set(digests)) == 1:
-            return
-        # Every rank gets the same lists, so every rank raises the same.
-        everyone = self.comm.mpi_comm.allgather(items)
-        keys = sorted(set().union(*everyone))
-        lines = []
-        for key in keys:
-            values = [d.get(key, '<absent>') for d in everyone]
-            if len(set(values)) > 1:
-                lines.append('  {}: {}'.format(key, '; '.join(
-                    '{} on {}'.format(value, _ranks_text(
-                        [r for r, v in enumerate(values) if v == value]))
-                    for value in sorted(set(values), key=values.index))))
-        shown = lines[:20] + (['  ... {} more'.format(len(lines) - 20)]
-                              if len(lines) > 20 else [])
-        raise ValueError(
-            'K-FAC multi-node: the processes disagree on the model or the '
-            'optimizer ({} differences):\n'.format(len(lines)) +
-            '\n'.join(shown))
+        check_same_everywhere(self.comm.mpi_comm, items,
+                              'K-FAC multi-node')
 
     # -- stages 3 and 6 -------------------------------------------------------
     def owns(self, block) -> bool:
@@ -322,6 +303,40 @@ class MultiNodeTransport:
 
 def _same(a, b) -> bool:
     return bool(get_array_module(a).array_equal(a, b))
+
+
+def check_same_everywhere(mpi_comm, items: Dict[str, str],
+                          who: str) -> None:
+    """Raise on every process where the processes' ``items`` differ,
+    naming each differing key and the ranks of each value (a digest is
+    compared first: one small collective when they agree).
+
+    Raises
+    ------
+    ValueError
+        ``'<who>: the processes disagree on the model or the optimizer'``,
+        the same on every process.
+    """
+    digest = hashlib.sha256(repr(sorted(items.items())).encode())
+    digests = mpi_comm.allgather(digest.hexdigest())
+    if len(set(digests)) == 1:
+        return
+    # Every rank gets the same lists, so every rank raises the same.
+    everyone = mpi_comm.allgather(items)
+    keys = sorted(set().union(*everyone))
+    lines = []
+    for key in keys:
+        values = [d.get(key, '<absent>') for d in everyone]
+        if len(set(values)) > 1:
+            lines.append('  {}: {}'.format(key, '; '.join(
+                '{} on {}'.format(value, _ranks_text(
+                    [r for r, v in enumerate(values) if v == value]))
+                for value in sorted(set(values), key=values.index))))
+    shown = lines[:20] + (['  ... {} more'.format(len(lines) - 20)]
+                          if len(lines) > 20 else [])
+    raise ValueError(
+        '{}: the processes disagree on the model or the optimizer ({} '
+        'differences):\n'.format(who, len(lines)) + '\n'.join(shown))
 
 
 def _ranks_text(ranks: List[int]) -> str:

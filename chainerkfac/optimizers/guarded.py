@@ -96,6 +96,7 @@ class GuardedOptimizer:
         state['owners'] = None
         state['pending_micro_batches'] = 0
         state['_shard'] = None
+        state['_agreed'] = False
 
     def __getattr__(self, name):
         return getattr(self.__dict__['actual_optimizer'], name)
@@ -187,6 +188,9 @@ class GuardedOptimizer:
             for param in target.params():
                 if param.grad is not None:
                     param.grad /= n_micro
+        if not self._agreed and self.comm is not None and \
+                self.comm.size > 1:
+            self._check_agreement()
         if self.sharded:
             taken = self._sharded_update()
         else:
@@ -198,6 +202,22 @@ class GuardedOptimizer:
                            self.actual_optimizer.t + 1)
         chainer.reporter.report({'skipped_step': self.guard.observation()})
         self.guard.checkpoint(target)
+
+    def _check_agreement(self) -> None:
+        """At the first step, before any collective of it: the processes
+        must agree on ``shard_update`` (one that does not would wait in the
+        all-reduce while the others gather: a hang) and on the parameters'
+        names, shapes and dtypes (a 4×6 weight on one, 6×4 on another
+        averaged as the same array, silently)."""
+        from chainerkfac.transport import check_same_everywhere
+        items = {'shard_update': repr(self.shard_update),
+                 'optimizer': type(self.actual_optimizer).__name__}
+        for name, param in sorted(self.actual_optimizer.target.namedparams()):
+            items['param ' + name] = (
+                'uninitialised' if param.array is None else
+                '{} {}'.format(tuple(param.shape), param.dtype))
+        check_same_everywhere(self.comm.mpi_comm, items, 'GuardedOptimizer')
+        self._agreed = True
 
     def _agree(self, ok: bool) -> bool:
         return all(self.comm.mpi_comm.allgather(bool(ok)))
@@ -274,12 +294,6 @@ class GuardedOptimizer:
         parameters (a restore that merged every process's file)."""
         from chainerkfac.communicators.adapter import kfac_collectives
         optimizer = self.actual_optimizer
-        flags = self.comm.mpi_comm.allgather(self.shard_update)
-        if not all(flags):
-            raise ValueError(
-                'GuardedOptimizer: shard_update is on for ranks {} only: '
-                'all processes must agree'.format(
-                    [r for r, f in enumerate(flags) if f]))
         if type(optimizer).update is not chainer.GradientMethod.update \
                 and not getattr(optimizer, 'gradient_method_update', False):
             # (FusedMomentumSGD's update is GradientMethod.update's, fused)

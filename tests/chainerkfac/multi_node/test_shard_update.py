@@ -10,6 +10,7 @@ against a reduce-scatter) — 1e-12 relative after a few steps. Against
 one process accumulating the N chunks: 1e-9 as in test_equivalence.
 """
 import os
+import re
 
 import numpy
 import pytest
@@ -227,6 +228,48 @@ def test_a_whole_model_hook_is_refused_with_sharding():
         return
     with pytest.raises(ValueError, match='GradientClipping'):
         optimizer.update(helpers.loss_of(model), x, t)
+
+
+class _Transposable(chainer.Chain):
+    """A 4×6 weight on rank 0, 6×4 elsewhere: the same element count."""
+
+    def __init__(self, rank):
+        super().__init__()
+        shape = (4, 6) if rank == 0 else (6, 4)
+        with helpers.float64_links(), self.init_scope():
+            self.w = chainer.Parameter(numpy.ones(shape))
+
+    def forward(self, x):
+        return chainer.functions.sum(self.w * self.w) * x
+
+
+@pytest.mark.parametrize('disagree', ['shard_update', 'shapes'])
+def test_processes_that_disagree_are_refused_at_the_first_step(disagree):
+    """A rank without shard_update waited in ChainerMN's all-reduce while
+    the others gathered (a hang); weights of transposed shapes were
+    averaged as the same array (silently). Both are refused on every
+    rank, naming what differs, before any collective of the step."""
+    comm = common.naive('float64')
+    if comm.size == 1:
+        return
+    if disagree == 'shard_update':
+        model, optimizer = _guarded(comm, _sgd, 1, comm.rank == 0)
+        x, t = common.chunks(0, comm.size)[comm.rank]
+        args = helpers.loss_of(model), x, t
+        named = r"shard_update: True on rank 0; False on rank"
+    else:
+        model = _Transposable(comm.rank)
+        optimizer = GuardedOptimizer(_sgd(), 1, comm,
+                                     shard_update=True).setup(model)
+        args = model, numpy.ones(())
+        named = r"param /w: \(4, 6\) float64 on rank 0; \(6, 4\) float64"
+    before = {n: p.array.copy() for n, p in model.namedparams()}
+    with pytest.raises(ValueError, match='GuardedOptimizer: the processes '
+                       'disagree on the model or the optimizer') as raised:
+        optimizer.update(*args)
+    assert re.search(named, str(raised.value)), str(raised.value)
+    for name, param in model.namedparams():
+        numpy.testing.assert_array_equal(param.array, before[name])
 
 
 # -- snapshots ---------------------------------------------------------------
