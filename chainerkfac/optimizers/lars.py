@@ -25,6 +25,13 @@ current λ scales, Figure 6's holds steps already scaled.
 Excluded parameters (the MLPerf reference's ``skip_list``: batch
 normalisation and biases) are updated with ``λ = η`` and no weight decay,
 in the same momentum form.
+
+A parameter whose gradient is zero throughout is left as it is, weights
+and velocity: TensorFlow's ``LARSOptimizer`` never touches a variable
+without a gradient, and Chainer fills a missing gradient (a branch no loss
+reached) with zeros before the update, which would give it the trust
+ratio 1 and decay it at the full learning rate η (29 at Table 1's) with
+momentum.
 """
 from typing import Callable, List, Optional
 
@@ -131,7 +138,7 @@ class LARSRule(optimizer.UpdateRule):
 
     def update_core_cpu(self, param):
         grad = param.grad
-        if grad is None:
+        if grad is None or not grad.any():
             return
         lam, decay = self._lambda_and_decay(param)
         w, v = param.array, self.state['v']
@@ -153,15 +160,20 @@ class LARSRule(optimizer.UpdateRule):
         kernel = LARSRule._kernels.get(form)
         if kernel is None:
             kernel = LARSRule._kernels[form] = cuda.elementwise(
-                'T grad, T lam, T decay, T momentum', 'T param, T v',
-                _KERNEL_BODIES[form], 'chainerkfac_lars_' + form)
+                'T grad, T lam, T decay, T momentum, bool active',
+                'T param, T v',
+                'if (active) {{ {} }}'.format(_KERNEL_BODIES[form]),
+                'chainerkfac_lars_' + form)
         dtype = param.array.dtype
+        # on the device, no host synchronisation (a CUDA graph replays it)
+        active = grad.any()
         kernel(grad, cuda.cupy.asarray(lam, dtype), dtype.type(decay),
-               dtype.type(self.hyperparam.momentum), param.array,
+               dtype.type(self.hyperparam.momentum), active, param.array,
                self.state['v'])
 
 
-#: The GPU kernels: the CPU path's expressions in the same order.
+#: The GPU kernels: the CPU path's expressions in the same order, run
+#: where the gradient is not zero throughout (``active``).
 _KERNEL_BODIES = {
     'scaled': 'v = momentum * v + (grad + decay * param); '
               'param -= lam * v;',

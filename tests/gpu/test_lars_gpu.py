@@ -31,6 +31,10 @@ def _train(model, optimizer, device):
 def test_lars_on_the_gpu_equals_the_cpu(form):
     numpy.random.seed(0)
     cpu_model = helpers.ConvNet(bn=True)
+    with helpers.float64_links(), cpu_model.init_scope():
+        # no loss reaches it: no step (the kernel's `active` false)
+        cpu_model.unused = chainer.links.Linear(3, 2)
+    unused = cpu_model.unused.W.array.copy()
     gpu_model = cpu_model.copy('copy')
     device = support.device()
     device.use()
@@ -48,3 +52,5 @@ def test_lars_on_the_gpu_equals_the_cpu(form):
                                       rtol=CPU_GPU_TOLERANCE,
                                       atol=CPU_GPU_TOLERANCE, err_msg=name)
     assert sorted(gpu.excluded_params()) == sorted(cpu.excluded_params())
+    numpy.testing.assert_array_equal(
+        chainer.backend.CpuDevice().send(gpu_model.unused.W.array), unused)
