@@ -81,7 +81,8 @@ def run_demo(args, comm):
     args.mean = os.path.join(args.root, 'mean{}.npy'.format(args.crop_size))
     args.fisher_diff = True
     args.target_acc = args.target_acc or 0.9
-    args.warmup_epochs = min(args.warmup_epochs, 1.0)
+    args.warmup_epochs = 1.0 if args.warmup_epochs is None else \
+        min(args.warmup_epochs, 1.0)
     cfg = resolve_config(args, comm)
     summaries = []
     for name in ('kfac', 'sgd'):

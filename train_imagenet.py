@@ -274,8 +274,10 @@ def parse_args(argv=None):
                              'optimizer state), the new weights are '
                              'all-gathered')
     parser.add_argument('--warmup-epochs', type=number(
-                            'a number >= 0', lambda v: v >= 0), default=5.0,
-                        help='LR warm-up of sgd/lars')
+                            'a number >= 0', lambda v: v >= 0), default=None,
+                        help='LR warm-up of sgd/lars (default: 5 for sgd, '
+                             "Goyal et al.; Table 1's for lars: 25 scaled, "
+                             '18 unscaled)')
     parser.add_argument('--weight-decay', type=number(
                             'a number >= 0', lambda v: v >= 0), default=1e-4,
                         help='weight decay of sgd/lars')

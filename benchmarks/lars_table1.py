@@ -141,9 +141,11 @@ def tables(data: Dict) -> str:
         summary = data['summary'][name]
         best = summary['best']
         seed_epochs, seed_time = SEED_TABLE1.get(name, (None,) * 5)[3:]
+        warmup = SETTINGS[name].get('warmup_epochs')
         rows.append([
             SETTINGS[name]['label'], best['lr'],
-            SETTINGS[name].get('warmup_epochs'),
+            # as job() passes it: at most the run's epochs
+            None if warmup is None else min(warmup, data['epochs']),
             ' / '.join('-' if e is None else '{:.2f}'.format(e)
                        for e in best['epochs_to_target']),
             best['median_epochs_to_target'],

@@ -235,7 +235,8 @@ def find(comm, resume, out):
     return prefix, files
 
 
-def check_fit(comm, files, model, optimizer, optimizer_name):
+def check_fit(comm, files, model, optimizer, optimizer_name,
+              lars_momentum=None):
     """Refuse (once, on rank 0) a snapshot that does not fit the run's
     model or optimizer (:func:`harness.snapshot_fit.check`); each process
     reads the headers of its share of the files.
@@ -247,11 +248,13 @@ def check_fit(comm, files, model, optimizer, optimizer_name):
     model, optimizer
         The run's, freshly built and set up.
     optimizer_name : str
+    lars_momentum : str, optional
     """
     error = None
     try:
         for path in files[comm.rank::comm.size]:
-            snapshot_fit.check(path, model, optimizer, optimizer_name)
+            snapshot_fit.check(path, model, optimizer, optimizer_name,
+                               lars_momentum)
     except (OSError, ValueError) as e:
         error = e
     raise_together(comm, error)
@@ -350,7 +353,7 @@ def written_sharded(path):
 
 
 def starting_point(comm, out, model, optimizer, optimizer_name, resume=None,
-                   init_weights_from=None):
+                   init_weights_from=None, lars_momentum=None):
     """Where a run starts, settled before anything in ``out`` is written.
 
     ``--resume``: the snapshot's files, found (:func:`find`), read whole
@@ -367,6 +370,8 @@ def starting_point(comm, out, model, optimizer, optimizer_name, resume=None,
     optimizer_name : str
     resume, init_weights_from : str or None
         The options.
+    lars_momentum : str, optional
+        The run's LARS momentum form (``--optimizer lars``).
 
     Returns
     -------
@@ -382,7 +387,7 @@ def starting_point(comm, out, model, optimizer, optimizer_name, resume=None,
     if not resume:
         return None
     prefix, files = find(comm, resume, out)
-    check_fit(comm, files, model, optimizer, optimizer_name)
+    check_fit(comm, files, model, optimizer, optimizer_name, lars_momentum)
     return prefix, files
 
 

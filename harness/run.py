@@ -41,6 +41,10 @@ OPTIMIZERS = ('kfac', 'sgd', 'lars')
 #: LARS's base learning rate and momentum at a batch of 32K per momentum
 #: form (seed 002, Table 1: 72.8 epochs scaled, 64 unscaled).
 LARS_TABLE1 = {'scaled': (31.2, 0.9), 'unscaled': (29.0, 0.929)}
+#: Their warm-up epochs (Table 1: 25 with m = 0.9, 18 in the record row).
+LARS_TABLE1_WARMUP = {'scaled': 25.0, 'unscaled': 18.0}
+#: Goyal et al.'s warm-up of momentum SGD, in epochs.
+SGD_WARMUP = 5.0
 
 
 def build_optimizer(name, cfg, comm, acc_iters, args, use_graphs=False):
@@ -62,19 +66,49 @@ def build_optimizer(name, cfg, comm, acc_iters, args, use_graphs=False):
             cfg.lr, cfg.p_decay, cfg.e_start, cfg.e_end,
             momentum_init=cfg.momentum)
         return optimizer, schedule
-    # First-order baselines (Goyal et al.; LARS as in seed 002), with a
-    # linear warm-up then polynomial (power 2) decay to the last epoch.
-    scale = cfg.global_batch_size / 256.0
+    settings = baseline_settings(name, cfg, args)
+    lr, momentum = settings['lr'], settings['momentum']
     if name == 'sgd':
-        lr = _given(args.baseline_lr, 0.1 * scale)
-        momentum = _given(args.baseline_momentum, 0.9)
-        # Goyal et al.: from the learning rate of a batch of 256 (0.1 for
-        # the default) up to the scaled one; never down.
-        warmup_start = lr / max(scale, 1.0)
         # Chainer's MomentumSGD, its update in multi-tensor kernels on the
         # GPU (the same steps; on the CPU bit for bit)
         actual = chainerkfac.optimizers.FusedMomentumSGD(lr=lr,
                                                          momentum=momentum)
+    else:
+        actual = chainerkfac.optimizers.LARS(
+            lr=lr, momentum=momentum, weight_decay=settings['weight_decay'],
+            eta=settings['eta'], momentum_form=settings['momentum_form'])
+    # Driven like K-FAC: accumulation, averaging over processes (or the
+    # sharded update) and the skipped-step guard are the optimizer's.
+    optimizer = chainerkfac.optimizers.GuardedOptimizer(
+        actual, acc_iters, comm if distributed else None,
+        shard_update=args.shard_update)
+    schedule = kfac_training.LinearWarmupLR(
+        lr, settings['warmup_start_lr'],
+        warmup_epochs=settings['warmup_epochs'],
+        decay=kfac_training.polynomial_decay(
+            lr, 2.0, settings['warmup_epochs'], cfg.epochs + 1e-6))
+    return optimizer, schedule
+
+
+def baseline_settings(name, cfg, args):
+    """The settings of a first-order baseline as the run resolves them
+    from the config and the options (recorded under ``"run"`` in
+    ``config.json``, where a resume compares them): Goyal et al.'s SGD, or
+    LARS as in seed 002, with a linear warm-up then polynomial (power 2)
+    decay to the last epoch. None for K-FAC (its settings are the
+    config's)."""
+    if name == 'kfac':
+        return None
+    scale = cfg.global_batch_size / 256.0
+    if name == 'sgd':
+        lr = _given(args.baseline_lr, 0.1 * scale)
+        settings = {
+            'lr': lr, 'momentum': _given(args.baseline_momentum, 0.9),
+            # Goyal et al.: from the learning rate of a batch of 256 (0.1
+            # for the default) up to the scaled one; never down.
+            'warmup_start_lr': lr / max(scale, 1.0),
+            # a WeightDecay hook (attach_hooks)
+            'weight_decay': args.weight_decay}
     else:
         # MLPerf-0.6 LARS at 32K (seed 002, Table 1), trust coefficient
         # 1e-3: scaled momentum with base LR 31.2 and momentum 0.9, unscaled
@@ -83,21 +117,16 @@ def build_optimizer(name, cfg, comm, acc_iters, args, use_graphs=False):
         base_lr, base_momentum = LARS_TABLE1[form]
         lr = _given(args.baseline_lr,
                     base_lr * cfg.global_batch_size / 32768)
-        momentum = _given(args.baseline_momentum, base_momentum)
-        warmup_start = lr / 100.0
-        actual = chainerkfac.optimizers.LARS(
-            lr=lr, momentum=momentum, weight_decay=args.weight_decay,
-            eta=1e-3, momentum_form=form)
-    # Driven like K-FAC: accumulation, averaging over processes (or the
-    # sharded update) and the skipped-step guard are the optimizer's.
-    optimizer = chainerkfac.optimizers.GuardedOptimizer(
-        actual, acc_iters, comm if distributed else None,
-        shard_update=args.shard_update)
-    schedule = kfac_training.LinearWarmupLR(
-        lr, warmup_start, warmup_epochs=args.warmup_epochs,
-        decay=kfac_training.polynomial_decay(
-            lr, 2.0, args.warmup_epochs, cfg.epochs + 1e-6))
-    return optimizer, schedule
+        settings = {
+            'lr': lr, 'momentum': _given(args.baseline_momentum,
+                                         base_momentum),
+            'warmup_start_lr': lr / 100.0,
+            'weight_decay': args.weight_decay, 'eta': 1e-3,
+            'momentum_form': form}
+    settings['warmup_epochs'] = _given(
+        args.warmup_epochs,
+        SGD_WARMUP if name == 'sgd' else LARS_TABLE1_WARMUP[form])
+    return settings
 
 
 def _given(value, default):
@@ -273,7 +302,8 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
     attach_hooks(optimizer_name, optimizer, args)
     resumed = resume.starting_point(
         comm, out, model, optimizer, optimizer_name, args.resume,
-        args.init_weights_from)
+        args.init_weights_from, lars_momentum=cfg.lars_momentum
+        if optimizer_name == 'lars' else None)
     if comm.rank == 0:
         print('cuDNN: {}'.format(chainerkfac.cudnn.describe()), flush=True)
         if use_graphs and kfac:
@@ -436,9 +466,11 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
               '--optimizer {} run writes no fisher_diff.jsonl'.format(
                   optimizer_name), flush=True)
     writer = snapshots.AtomicThreadWriter(
-        args.compress_snapshots, facts={
+        args.compress_snapshots, facts=dict({
             'optimizer': optimizer_name,
-            'shard_update': int(args.shard_update)})
+            'shard_update': int(args.shard_update)}, **(
+                {'lars_momentum': cfg.lars_momentum}
+                if optimizer_name == 'lars' else {})))
     snapshots.extend_trainer(
         trainer, comm, writer, comm.rank, args.keep_snapshots,
         trigger=triggers.SnapshotTrigger(args.snapshot_every, comm, stop),
@@ -474,6 +506,10 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
             optimizer_name, comm.size, acc_iters, batch, args.arch,
             args.depth, args.width, len(data.train), len(data.val), n_class,
             label)
+        settings = baseline_settings(optimizer_name, cfg, args)
+        if settings is not None:
+            # the baseline's own (the config's lr and momentum are K-FAC's)
+            facts['baseline'] = settings
         if resumed:
             _say_config_changes(cfg, out, facts, optimizer_name)
         run_dir.write_run_config(cfg, out, facts)

@@ -30,6 +30,8 @@ OPTIMIZER_PREFIX = 'updater/optimizer:main/'
 #: Key of the ``--optimizer`` that wrote a snapshot
 #: (:class:`harness.snapshots.AtomicThreadWriter`'s facts).
 OPTIMIZER_KEY = 'run/optimizer'
+#: LARS's momentum form (Figure 5 or 6): its velocity means another thing.
+LARS_FORM_KEY = 'run/lars_momentum'
 #: Where K-FAC keeps its per-block state within the optimizer's
 #: (:meth:`chainerkfac.optimizers.KFAC.serialize`).
 KFAC_STATE = OPTIMIZER_PREFIX + 'kfac/'
@@ -120,7 +122,7 @@ def _written_by(path, stored):
     return None
 
 
-def check(path, model, optimizer, optimizer_name):
+def check(path, model, optimizer, optimizer_name, lars_momentum=None):
     """Refuse a snapshot file that does not fit the run.
 
     Parameters
@@ -133,13 +135,15 @@ def check(path, model, optimizer, optimizer_name):
         The run's optimizer, set up with ``model``, before any update.
     optimizer_name : str
         Its ``--optimizer`` (``'kfac'``, ``'sgd'``, ``'lars'``).
+    lars_momentum : str, optional
+        The run's LARS momentum form (``--optimizer lars``).
 
     Raises
     ------
     SnapshotMismatchError
-        Written by another optimizer (both named), or keys and shapes of
-        the model or the optimizer state that differ (named with both
-        shapes).
+        Written by another optimizer (both named), by LARS with the other
+        momentum form, or keys and shapes of the model or the optimizer
+        state that differ (named with both shapes).
     """
     stored = stored_shapes(path)
     written = _written_by(path, stored)
@@ -153,6 +157,18 @@ def check(path, model, optimizer, optimizer_name):
             'resume it with the optimizer that wrote it, or start a new {} '
             'run from its weights with --init-weights-from {}'.format(
                 path, what, optimizer_name, optimizer_name, path))
+    if lars_momentum is not None and LARS_FORM_KEY in stored:
+        with serializers.open_npz(path) as data:
+            written_form = str(data[LARS_FORM_KEY])
+        if written_form != lars_momentum:
+            raise SnapshotMismatchError(
+                'snapshot {} holds the velocity of LARS with {} momentum; '
+                'this run has --lars-momentum {}: the velocity means '
+                'another thing there (raw gradients against steps already '
+                'scaled by the trust ratio), resume with --lars-momentum {} '
+                'or start a new run from its weights with '
+                '--init-weights-from {}'.format(
+                    path, written_form, lars_momentum, written_form, path))
     expected = expected_shapes(model, optimizer)
     differences = _model_differences(
         stored, {k: v for k, v in expected.items()

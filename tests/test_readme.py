@@ -126,7 +126,7 @@ def test_readme_demo_sgd_has_no_warm_up_as_the_harness():
     of harness/run.py starts at the rate it warms up to, so the README
     says there is none."""
     args = train_imagenet.parse_args(['--demo'])
-    args.warmup_epochs = min(args.warmup_epochs, 1.0)     # as demo.py sets
+    args.warmup_epochs = 1.0                              # as demo.py sets
     cfg = config.load(os.path.join(REPO, 'config', 'demo.json'))
     _, schedule = run.build_optimizer(
         'sgd', cfg, types.SimpleNamespace(rank=0, size=1), 1, args,

@@ -403,6 +403,9 @@ def test_lars_table1_smoke(tmp_path):
         if setting['optimizer'] == 'lars':
             assert config['lars_momentum'] == setting['form']
             assert log[-1]['momentum'] == setting['momentum']
+            # the run's own record of what it used (the table prints it)
+            assert config['run']['baseline']['warmup_epochs'] == min(
+                setting['warmup_epochs'], data['epochs'])
         assert positive(run['best_top1'])
     for name in settings:
         assert data['summary'][name]['best']['lr'] in data['lr_grid'][name]

@@ -162,5 +162,9 @@ def test_config_changes_name_each_value_a_resume_changes(tmp_path):
         facts, n_processes=1, acc_iters=8)) == [
         'epochs: {} → {}'.format(cfg.epochs, cfg.epochs + 5),
         'run.acc_iters: 4 → 8', 'run.n_processes: 2 → 1']
+    # a baseline's own settings (config.json's lr is K-FAC's)
+    run_dir.write_run_config(cfg, out, dict(facts, baseline={'lr': 0.1}))
+    assert run_dir.config_changes(cfg, out, dict(
+        facts, baseline={'lr': 5.0})) == ['run.baseline.lr: 0.1 → 5.0']
     (tmp_path / 'config.json').write_text('{not json')
     assert run_dir.config_changes(longer, out, facts) == []

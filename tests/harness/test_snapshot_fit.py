@@ -41,7 +41,7 @@ def step(model, optimizer):
         optimizer.update()
 
 
-def write_snapshot(path, optimizer_name, **kwargs):
+def write_snapshot(path, optimizer_name, lars_momentum=None, **kwargs):
     """A snapshot with the trainer's key layout after one step."""
     model, optimizer = build(optimizer_name, **kwargs)
     step(model, optimizer)
@@ -50,6 +50,8 @@ def write_snapshot(path, optimizer_name, **kwargs):
     model.serialize(serializer['updater']['model:main'])
     optimizer.serialize(serializer['updater']['optimizer:main'])
     target[snapshot_fit.OPTIMIZER_KEY] = np.asarray(optimizer_name)
+    if lars_momentum is not None:
+        target[snapshot_fit.LARS_FORM_KEY] = np.asarray(lars_momentum)
     with open(path, 'wb') as f:
         np.savez(f, **target)
     return path
@@ -104,6 +106,21 @@ def test_another_optimizer_refused_naming_both(kfac_snapshot, sgd_snapshot,
     assert '--optimizer {}'.format(written) in message
     assert '--optimizer {}'.format(resumed) in message
     assert '--init-weights-from' in message
+
+
+def test_lars_of_the_other_momentum_form_refused(tmp_path):
+    """Figure 5's velocity holds raw gradients, Figure 6's steps scaled by
+    the trust ratio: resuming one as the other jumped the loss (1.28 to
+    2.64 at the next epoch), with only the config's form said to change."""
+    path = write_snapshot(str(tmp_path / 's.rank0'), 'lars',
+                          lars_momentum='scaled')
+    model, optimizer = build('lars')
+    snapshot_fit.check(path, model, optimizer, 'lars', 'scaled')
+    with pytest.raises(snapshot_fit.SnapshotMismatchError,
+                       match=r'LARS with scaled momentum; this run has '
+                             r'--lars-momentum unscaled.*--lars-momentum '
+                             r'scaled'):
+        snapshot_fit.check(path, model, optimizer, 'lars', 'unscaled')
 
 
 def test_snapshot_without_the_optimizer_name_told_apart_by_its_keys(
