@@ -34,6 +34,7 @@ data stream's position is global (:class:`augment.GlobalBatchIterator`), so
 the run continues at the same sample with ``acc_iters`` re-derived for the
 new number of processes.
 """
+import datetime
 import os
 import re
 import sys
@@ -432,6 +433,16 @@ def load(comm, trainer, optimizer, updater, out, prefix, files,
             run_dir.continue_run_files(
                 os.path.dirname(os.path.abspath(files[0])), out,
                 getattr(updater.get_optimizer('main'), 't', 0), reached)
+            moved = run_dir.set_aside_later(
+                out, updater.steps,
+                datetime.datetime.now().strftime('%Y%m%d-%H%M%S'))
+            if moved is not None:
+                print('{} held files of a run that went past the snapshot '
+                      'resumed (step {}): {} moved to {} (the run continues '
+                      'from step {}; --resume latest would have returned '
+                      'to them)'.format(
+                          out, updater.steps, ', '.join(moved[1]), moved[0],
+                          updater.steps), flush=True)
         except (OSError, ValueError) as e:   # a damaged fisher_diff.jsonl
             error = e
     raise_together(comm, error)

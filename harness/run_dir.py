@@ -15,6 +15,7 @@ import json
 import os
 import re
 import logging
+import shutil
 import zipfile
 
 import config as config_module
@@ -123,6 +124,39 @@ def load_log(out):
         return json.load(f)
 
 
+#: Where a resume moves what a run left past the snapshot it resumes.
+SUPERSEDED_DIR = 'superseded_{}'
+_SUPERSEDED_RE = re.compile(r'superseded_[\w.-]+')
+
+
+def set_aside_later(out, step, when):
+    """Move what ``out`` holds past the resumed snapshot's ``step`` into
+    ``out/superseded_<when>/``: snapshots of later steps and
+    ``model_final.npz``, left by a run that went further than the point
+    resumed (a resume of an older snapshot on purpose). Left there,
+    ``--resume latest`` would return to that run's newest snapshot after
+    the next stop (and Chainer's snapshot retention keeps the newest
+    files), discarding the continued run's steps.
+
+    Returns
+    -------
+    (str, list of str) or None
+        The directory and the names moved, if any.
+    """
+    later = sorted(
+        name for name in os.listdir(out)
+        if (SNAPSHOT_RE.fullmatch(name) and
+            int(SNAPSHOT_RE.fullmatch(name).group(1)) > step) or
+        name == MODEL_FINAL_FILE)
+    if not later:
+        return None
+    aside = os.path.join(out, SUPERSEDED_DIR.format(when))
+    os.makedirs(aside, exist_ok=True)
+    for name in later:
+        os.replace(os.path.join(out, name), os.path.join(aside, name))
+    return aside, later
+
+
 def continue_run_files(snapshot_dir, out, step, reached):
     """Make the line-per-step files of ``out`` those of the snapshot's point
     (a resumed run appends to them): ``fisher_diff.jsonl`` keeps the steps
@@ -182,7 +216,8 @@ def earlier_run_files(out, mean_is_output=True):
     files, temporary = [], []
     for name in sorted(os.listdir(out)):
         if name in RUN_FILES or SNAPSHOT_RE.fullmatch(name) or (
-                mean_is_output and name == MEAN_FILE):
+                mean_is_output and name == MEAN_FILE) or \
+                _SUPERSEDED_RE.fullmatch(name):
             files.append(name)
         elif _TEMPORARY.fullmatch(name):
             temporary.append(name)
@@ -190,10 +225,15 @@ def earlier_run_files(out, mean_is_output=True):
 
 
 def clear(out, names):
-    """Remove the files ``names`` of ``out``."""
+    """Remove the files ``names`` of ``out`` (a superseded directory with
+    what it holds)."""
     for name in names:
+        path = os.path.join(out, name)
         try:
-            os.remove(os.path.join(out, name))
+            if _SUPERSEDED_RE.fullmatch(name) and os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
         except FileNotFoundError:
             pass
 

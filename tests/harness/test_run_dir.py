@@ -14,14 +14,19 @@ from tests.harness.test_resume import write_snapshot
 
 EARLIER = ['bad_images.txt', 'config.json', 'fisher_diff.jsonl', 'log',
            'mean.npy', 'model_final.npz', 'snapshot_step_1.rank0',
-           'snapshot_step_2.rank0', 'time_to_accuracy.json']
+           'snapshot_step_2.rank0', 'superseded_20261127-120000',
+           'time_to_accuracy.json']
 
 
 @pytest.fixture
 def out(tmp_path):
     for name in EARLIER + ['notes.txt', '.snapshot_step_3.rank0.tmp',
                            '.model_final.npz.tmp']:
-        (tmp_path / name).write_text('x')
+        if name.startswith('superseded_'):     # set aside by a resume
+            (tmp_path / name).mkdir()
+            (tmp_path / name / 'model_final.npz').write_text('x')
+        else:
+            (tmp_path / name).write_text('x')
     write_snapshot(str(tmp_path / 'snapshot_step_2.rank0'), 1)
     return str(tmp_path)
 
@@ -168,3 +173,29 @@ def test_config_changes_name_each_value_a_resume_changes(tmp_path):
         facts, baseline={'lr': 5.0})) == ['run.baseline.lr: 0.1 → 5.0']
     (tmp_path / 'config.json').write_text('{not json')
     assert run_dir.config_changes(longer, out, facts) == []
+
+
+def test_a_resume_sets_aside_what_a_run_left_past_its_snapshot(tmp_path):
+    """Resuming step 2 of a run that reached step 8: its snapshots of
+    steps 3-8 and model_final.npz go aside, so that --resume latest after
+    the next stop finds the continued run's snapshot, not step 8."""
+    from harness import resume
+    out = str(tmp_path)
+    for step in (2, 5, 8):
+        for rank in (0, 1):
+            write_snapshot(str(tmp_path / 'snapshot_step_{}.rank{}'.format(
+                step, rank)), 2)
+    (tmp_path / 'model_final.npz').write_bytes(b'x')
+    (tmp_path / 'notes.txt').write_text('mine')
+    aside, moved = run_dir.set_aside_later(out, 2, '20261127-120000')
+    assert aside == os.path.join(out, 'superseded_20261127-120000')
+    assert moved == ['model_final.npz', 'snapshot_step_5.rank0',
+                     'snapshot_step_5.rank1', 'snapshot_step_8.rank0',
+                     'snapshot_step_8.rank1']
+    assert sorted(os.listdir(aside)) == moved
+    assert sorted(os.listdir(out)) == [
+        'notes.txt', 'snapshot_step_2.rank0', 'snapshot_step_2.rank1',
+        'superseded_20261127-120000']
+    assert resume.latest_snapshot(out, say=None)[0].endswith(
+        'snapshot_step_2')
+    assert run_dir.set_aside_later(out, 2, 'again') is None

@@ -338,6 +338,31 @@ def test_a_relabelled_list_is_refused_untouched(dataset, references,
 
 
 @pytest.mark.slow
+def test_resuming_an_older_snapshot_sets_the_later_run_aside(
+        dataset, references, tmp_path):
+    """A finished run (snapshots of steps 2, 3 and 5, model_final.npz)
+    resumed on purpose from step 3: what it left past step 3 is moved
+    aside, so that the next --resume latest continues this run (it went
+    back to step 5 of the old one, and a requeued job ended at once)."""
+    for name in os.listdir(references[1]):
+        shutil.copy(os.path.join(references[1], name), str(tmp_path))
+    result = run(reference_command(dataset, tmp_path, '--resume',
+                                   str(tmp_path / 'snapshot_step_3')))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert 'held files of a run that went past the snapshot resumed (step ' \
+        '3): model_final.npz, snapshot_step_5.rank0 moved to {}'.format(
+            tmp_path / 'superseded_') in result.stdout
+    [aside] = [n for n in os.listdir(str(tmp_path))
+               if n.startswith('superseded_')]
+    assert sorted(os.listdir(str(tmp_path / aside))) == [
+        'model_final.npz', 'snapshot_step_5.rank0']
+    # the continued run wrote its own, the same run (seeded) as the first
+    assert max_relative_diff(
+        weights(os.path.join(str(tmp_path), 'model_final.npz')),
+        weights(os.path.join(references[1], 'model_final.npz'))) == 0
+
+
+@pytest.mark.slow
 def test_a_resume_says_what_it_changes(dataset, references, tmp_path):
     """A longer run resumed from a snapshot: the change printed, then
     recorded in config.json."""
