@@ -9,7 +9,10 @@ A later run then finds a *stale* lock: its holder on this host is gone
 the lock is taken over with a message. A lock of a process that is alive,
 or of another host (whose processes cannot be checked from here), refuses
 the run naming the holder; remove the file if that run is known to be
-dead.
+dead — except the lock of an earlier run of this very Slurm job: a job
+requeued (``--requeue``, after a node failure or ``scontrol requeue``)
+keeps its ``SLURM_JOB_ID`` and counts ``SLURM_RESTART_COUNT`` up, and its
+earlier run ended with its allocation, on whatever host it ran.
 """
 import datetime
 import json
@@ -50,6 +53,28 @@ def _alive(holder):
     started = holder.get('process_start')
     # The same id, reused by a process started since.
     return started is None or _process_start(pid) in (None, started)
+
+
+def _job():
+    """This process's batch job, as the lock records it: Slurm's job id
+    and restart count, or None outside Slurm."""
+    job = os.environ.get('SLURM_JOB_ID')
+    if not job:
+        return None
+    restart = os.environ.get('SLURM_RESTART_COUNT', '0')
+    return {'scheduler': 'slurm', 'id': job,
+            'restart': int(restart) if restart.isdigit() else 0}
+
+
+def _earlier_run_of_this_job(holder, job):
+    """Whether ``holder`` ran in an earlier allocation of this Slurm job
+    (``job``, :func:`_job`): the same id, a lower restart count."""
+    theirs = holder.get('job')
+    return (job is not None and isinstance(theirs, dict) and
+            theirs.get('scheduler') == job['scheduler'] and
+            theirs.get('id') == job['id'] and
+            isinstance(theirs.get('restart'), int) and
+            theirs['restart'] < job['restart'])
 
 
 def _read(path):
@@ -96,7 +121,7 @@ class RunLock:
               'process_start': _process_start(os.getpid()),
               'started': datetime.datetime.now().isoformat(
                   timespec='seconds'),
-              'command': ' '.join(sys.argv)}
+              'command': ' '.join(sys.argv), 'job': _job()}
         while True:
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
@@ -106,7 +131,8 @@ class RunLock:
                 if holder is None:      # released meanwhile
                     continue
                 try:
-                    _take_over_if_stale(path, holder, me['host'], say)
+                    _take_over_if_stale(path, holder, me['host'], say,
+                                        me['job'])
                 except RunDirectoryInUse as error:
                     # Shown alone, not after the FileExistsError it handles.
                     raise error from None
@@ -124,15 +150,19 @@ class RunLock:
             pass
 
 
-def _take_over_if_stale(path, holder, host, say):
+def _take_over_if_stale(path, holder, host, say, job=None):
     """Remove the lock at ``path`` if its holder is a dead process of this
-    host, else raise :class:`RunDirectoryInUse`."""
+    host or ran in an earlier allocation of this Slurm job (``job``), else
+    raise :class:`RunDirectoryInUse`."""
     who = 'process {} on host {}'.format(holder.get('pid', '?'),
                                          holder.get('host', '?'))
-    if holder.get('host') == host and not _alive(holder):
-        say('{}: taking over the stale lock of {} (started {}; that process '
-            'no longer runs)'.format(os.path.dirname(path), who,
-                                     holder.get('started', '?')))
+    earlier = _earlier_run_of_this_job(holder, job)
+    if earlier or (holder.get('host') == host and not _alive(holder)):
+        say('{}: taking over the stale lock of {} (started {}; {})'.format(
+            os.path.dirname(path), who, holder.get('started', '?'),
+            'it ran in restart {} of this Slurm job {}, this is restart {}'
+            .format(holder['job']['restart'], job['id'], job['restart'])
+            if earlier else 'that process no longer runs'))
         try:
             os.remove(path)
         except FileNotFoundError:

@@ -77,6 +77,40 @@ def test_lock_of_another_host_refused(tmp_path):
     assert 'remove {}'.format(tmp_path / run_lock.LOCK_FILE) in message
 
 
+@pytest.mark.parametrize('theirs, mine, taken', [
+    ({'id': '4242', 'restart': 0}, ('4242', '1'), True),   # requeued
+    ({'id': '4242', 'restart': 1}, ('4242', '1'), False),  # the same run
+    ({'id': '4242', 'restart': 0}, ('999', '1'), False),   # another job
+    ({'id': '4242', 'restart': 0}, (None, None), False),   # not in Slurm
+    (None, ('4242', '1'), False),                          # no job recorded
+])
+def test_lock_of_an_earlier_run_of_this_slurm_job_taken_over(
+        tmp_path, monkeypatch, theirs, mine, taken):
+    """A Slurm job requeued after a node failure runs on other nodes with
+    the same SLURM_JOB_ID and a higher SLURM_RESTART_COUNT: the lock its
+    killed run left (another host's) stopped the requeue chain."""
+    for name, value in zip(('SLURM_JOB_ID', 'SLURM_RESTART_COUNT'), mine):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    write(tmp_path, host='node-b.example', pid=123, started='then',
+          job=None if theirs is None else dict(theirs, scheduler='slurm'))
+    said = []
+    if not taken:
+        with pytest.raises(run_lock.RunDirectoryInUse, match='another host'):
+            run_lock.RunLock.acquire(str(tmp_path), say=said.append)
+        return
+    lock = run_lock.RunLock.acquire(str(tmp_path), say=said.append)
+    [message] = said
+    assert 'taking over the stale lock of process 123 on host ' \
+        'node-b.example' in message
+    assert 'restart 0 of this Slurm job 4242, this is restart 1' in message
+    assert holder_file(tmp_path)['job'] == {'scheduler': 'slurm',
+                                            'id': '4242', 'restart': 1}
+    lock.release()
+
+
 def test_refusal_shown_alone(tmp_path):
     """The traceback of a refusal is the RunDirectoryInUse, not a
     FileExistsError of run.lock followed by "During handling of the above
