@@ -23,10 +23,10 @@ fresh run refuses an earlier run's files there unless ``--overwrite``
 removes them first. A snapshot that cannot be written stops the run at
 once; ``model_final.npz`` is written anyway.
 
-A ``--preempt-signals`` signal (a batch scheduler's SIGTERM or SIGUSR1,
-received by any process or forwarded by ``mpiexec``) stops every process
-at the end of the optimizer step in progress; the snapshot is written and
-the job exits with status 75 (EX_TEMPFAIL): resume it with ``--resume
+A ``--preempt-signals`` signal (a batch scheduler's SIGTERM, SIGUSR1 or
+SIGUSR2, received by any process or forwarded by ``mpiexec``) stops every
+process at the end of the optimizer step in progress; the snapshot is
+written and the job exits with status 75 (EX_TEMPFAIL): resume it with ``--resume
 latest`` (docs/imagenet.md, "Running under a batch scheduler").
 
 ``--demo`` runs the embedded default: an ImageNet-format dataset built from
@@ -104,7 +104,7 @@ def snapshot_period(text):
 
 
 def signals(text):
-    """An ``argparse`` type: ``--preempt-signals`` (``TERM,USR1``)."""
+    """An ``argparse`` type: ``--preempt-signals`` (``TERM,USR1,USR2``)."""
     try:
         return preemption.parse_signals(text)
     except ValueError as error:

@@ -58,7 +58,12 @@ def test_snapshot_periods_and_signals():
     args = train_imagenet.parse_args(LISTS)
     assert (args.snapshot_every.count, args.snapshot_every.unit) == \
         (1, 'epoch')
-    assert [s.name for s in args.preempt_signals] == ['SIGTERM', 'SIGUSR1']
+    assert [s.name for s in args.preempt_signals] == ['SIGTERM', 'SIGUSR1',
+                                                      'SIGUSR2']
+    # every signal held back at start-up is handled once the run starts:
+    # SIGUSR2 was held, then killed every process with its default action
+    from harness import preemption
+    assert set(preemption.HELD_AT_START) <= set(args.preempt_signals)
     args = train_imagenet.parse_args(LISTS + [
         '--snapshot-every', '2000it', '--preempt-signals', 'USR2'])
     assert (args.snapshot_every.count, args.snapshot_every.unit) == \
