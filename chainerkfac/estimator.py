@@ -237,12 +237,26 @@ class CurvatureEstimator:
         self._summed_blocks, self._summed_passes = {}, {}
         if summed:
             raise ValueError(_SUMMED_LOSS.format(batch))
+        if self.fisher == 'emp':
+            self._unscale_gradient_factors()
         for block in self._due:
             block.end_micro_batch(self._passes)
         self.samples += self.batch_size or 0
         self.batch_size = None
         self._passes = 1
         self._touched = {}
+
+    def _unscale_gradient_factors(self) -> None:
+        """A backward pass started from a loss scale ``S``
+        (``loss.backward(loss_scale=S)``, Chainer's loss scaling: Chainer
+        records it on the parameters) captured output gradients ``S`` times
+        too large: its gradient factors are divided by ``S²``."""
+        for block, names in self._gradient_due.items():
+            scale = getattr(block.params[0], '_loss_scale', None)
+            if scale is None or scale == 1:
+                continue
+            block.scale_open({n: 1.0 / float(scale) ** 2 for n in names
+                              if not block.factor_kinds[n].forward})
 
     def discard_micro_batch(self) -> None:
         """Forget the open micro-batch (it is computed again)."""
@@ -306,7 +320,7 @@ class CurvatureEstimator:
                                      if not block.factor_kinds[n].forward})
 
     # -- update(lossfun, ...) --------------------------------------------------
-    def run_loss(self, lossfun, args, kwds, params) -> None:
+    def run_loss(self, lossfun, args, kwds, params, loss_scale=None) -> None:
         """The micro-batch of ``update(lossfun, *args, **kwds)``: the loss,
         its backward pass (gradients into ``param.grad``), then the Fisher
         passes of ``fisher='mc'`` / ``'exact'``.
@@ -316,6 +330,9 @@ class CurvatureEstimator:
         params : list of chainer.Parameter
             The optimizer's parameters (the Fisher passes differentiate
             w.r.t. them only, leaving every ``grad`` as it is).
+        loss_scale : float, optional
+            The optimizer's loss scale (Chainer's loss scaling): the
+            backward pass starts from it.
         """
         fisher_passes = self.fisher != 'emp' and bool(self._gradient_due)
         if fisher_passes:
@@ -325,7 +342,7 @@ class CurvatureEstimator:
             loss = lossfun(*args, **kwds)
         finally:
             self._capture.record_logits = False
-        loss.backward()
+        loss.backward(loss_scale=loss_scale)
         # after the backward pass, which tells the batch's size
         if self.loss_reduction == 'mean' and _is_summed_loss(
                 loss.creator, self.batch_size):

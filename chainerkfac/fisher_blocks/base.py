@@ -336,6 +336,15 @@ class FisherBlock:
         self._open = {}
         self._calls = {}
 
+    def scale_open(self, scales: Dict[str, float]) -> None:
+        """Multiply what the open micro-batch captured of each named factor
+        (a backward pass scaled by a loss scale ``S``: its gradient
+        factors are ``S²`` too large)."""
+        for factor, scale in scales.items():
+            if factor in self._open:
+                self._open[factor] = low_rank.scaled(self._open[factor],
+                                                     scale)
+
     def end_micro_batch(self, passes: int = 1) -> None:
         """Close a micro-batch: its factors join the step's sums.
 

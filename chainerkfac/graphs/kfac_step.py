@@ -159,6 +159,9 @@ class KFACOptimizer:
             return "loss_reduction='{}'".format(opt.loss_reduction)
         if opt.synchronize_stage_timers:
             return 'the stage timers synchronise the device'
+        why = step.loss_scaling_refusal(opt)
+        if why is not None:
+            return why
         hooks = [name for name, _ in step.update_hooks(
             opt, [p.update_rule for p in self._params()])]
         if hooks:

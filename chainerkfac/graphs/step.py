@@ -135,6 +135,9 @@ class ChainerOptimizer:
     def refusal(self) -> Optional[str]:
         """Why its step cannot be replayed, or None."""
         from chainer import optimizers
+        why = loss_scaling_refusal(self.optimizer)
+        if why is not None:
+            return why
         replayable = (optimizers.momentum_sgd.MomentumSGDRule,
                       optimizers.sgd.SGDRule)
         rules = self._rules()
@@ -610,6 +613,15 @@ class StepGraph:
         self._buffers = None
         self._outputs = []
         self._rebind = False
+
+
+def loss_scaling_refusal(optimizer) -> Optional[str]:
+    """Why a step with Chainer's loss scaling is not replayed, or None: the
+    backward starts from the scale, a host number a graph would keep (and
+    the dynamic scale is decided from a host check of the gradients)."""
+    if getattr(optimizer, '_loss_scale', None) is not None:
+        return 'loss scaling (the backward starts from a host number)'
+    return None
 
 
 def _attributes(objects) -> List[tuple]:

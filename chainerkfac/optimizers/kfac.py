@@ -648,7 +648,8 @@ class KFAC(optimizer.GradientMethod):
 
     def _run_loss(self, lossfun, args, kwds) -> None:
         self.estimator.run_loss(lossfun, args, kwds,
-                                list(self.target.params()))
+                                list(self.target.params()),
+                                loss_scale=self._loss_scale)
 
     def _redo(self, lossfun, args, kwds) -> None:
         self.guard.restore()
@@ -716,7 +717,15 @@ class KFAC(optimizer.GradientMethod):
             scale = transport.size / float(total)
         for block in blocks:
             for param, has in zip(block.params, present[block]):
-                if has and scale != 1.0:
+                # Chainer's loss scaling: the gradient of a backward pass
+                # from loss_scale S is S times the loss's (undone here, as
+                # Chainer's update rules undo it; the gradient factors
+                # were undone when captured)
+                loss_scale = param._loss_scale
+                param._loss_scale = None
+                if has and loss_scale is not None:
+                    param.grad *= param.grad.dtype.type(scale / loss_scale)
+                elif has and scale != 1.0:
                     param.grad *= param.grad.dtype.type(scale)
         hooks.call_gradient_hooks(self)
         grads = {b: [p.grad if has else None
@@ -737,6 +746,13 @@ class KFAC(optimizer.GradientMethod):
 
         step = self.t
         (update or self.update_step)(grads, present)
+        if self._loss_scaling_is_dynamic:
+            # Chainer's dynamic loss scaling, from the step's own verdict:
+            # a skipped step (non-finite, agreed over processes) halves the
+            # scale, as Chainer's check of the gradients does
+            self._loss_scaling_isnan = self.guard.skipped
+            self._loss_scaling_isnan_ever |= self.guard.skipped
+            self.update_loss_scale()
         refreshed = set()
         for block in blocks:
             for name in counts[block]:

@@ -316,6 +316,7 @@ class _Transport:
     (lambda o: o.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4)),
      'WeightDecay'),
     (lambda o: setattr(o, 'guard', StepGuard()), 'checkpoint'),
+    (lambda o: o.loss_scaling(), 'loss scaling'),
 ])
 def test_kfac_refusals(change, reason):
     numpy.random.seed(0)

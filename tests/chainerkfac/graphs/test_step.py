@@ -251,6 +251,8 @@ def test_adapter_refuses_what_it_cannot_replay():
     assert adapter.baked() != before
     sgd.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
     assert 'WeightDecay' in adapter.refusal()
+    sgd.loss_scaling()          # a host number the backward starts from
+    assert 'loss scaling' in adapter.refusal()
     fake, graph, *_ = _setup(optimizer=chainer.optimizers.Adam())
     assert graph(_x(fake, 1)) == 'eager'
     assert any('AdamRule' in k for k in graph.stats)

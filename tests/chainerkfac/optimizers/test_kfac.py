@@ -743,3 +743,66 @@ def test_unequal_intervals_split_the_damping_of_the_refreshed_factor():
     assert shares[2]['G'] == shares[1]['G'] == shares[0]['G']
     assert shares[2]['A'] != shares[0]['A']
     assert shares[0]['A'] * shares[0]['G'] == pytest.approx(1e-2, rel=1e-12)
+
+
+@pytest.mark.parametrize('fisher', ['emp', 'mc', 'exact'])
+@pytest.mark.parametrize('manual', [False, True])
+def test_loss_scaling_takes_the_unscaled_step(fisher, manual, monkeypatch):
+    """Chainer's loss scaling (``loss_scaling(scale=S)``, or a backward
+    from ``loss_scale=S`` by hand): the backward starts from S and the step
+    is the unscaled one. K-FAC ignored the scale with ``update(lossfun)``
+    (float16 lost its protection) and, by hand, preconditioned S-times
+    gradients with S²-times G factors (a step of about 1/S)."""
+    if manual and fisher != 'emp':
+        return              # their passes need update(lossfun)
+    started = []
+    backward = chainer.Variable.backward
+
+    def recording(self, *args, **kwargs):
+        started.append(kwargs.get('loss_scale'))
+        return backward(self, *args, **kwargs)
+    monkeypatch.setattr(chainer.Variable, 'backward', recording)
+    x, t = helpers.data(n=6)
+    weights = {}
+    for scale in (None, 8.0):
+        numpy.random.seed(0)
+        model = helpers.ConvNet(bn=True)
+        optimizer = helpers.kfac(lr=0.1, fisher=fisher, seed=1,
+                                 refresh_interval_a=2).setup(model)
+        if scale is not None:
+            optimizer.loss_scaling(scale=scale)
+        for _ in range(3):
+            if manual:
+                model.cleargrads()
+                helpers.loss_of(model)(x, t).backward(
+                    loss_scale=optimizer._loss_scale)
+                optimizer.update()
+            else:
+                optimizer.update(helpers.loss_of(model), x, t)
+        weights[scale] = {n: p.array.copy() for n, p in model.namedparams()}
+    assert started == [None] * 3 + [8.0] * 3
+    for name, value in weights[None].items():
+        numpy.testing.assert_allclose(weights[8.0][name], value, rtol=1e-12,
+                                      atol=1e-14, err_msg=name)
+
+
+def test_dynamic_loss_scaling_adapts_to_the_steps():
+    """The scale grows while steps are finite and halves at a skipped
+    (overflowing) one, as with Chainer's optimizers; it stayed at 1."""
+    numpy.random.seed(0)
+    model = helpers.ConvNet(bn=True)
+    optimizer = helpers.kfac(lr=0.01).setup(model)
+    optimizer.loss_scaling(interval=1000)
+    x, t = helpers.data(n=6)
+    scales = []
+    for step in range(4):
+        optimizer.update(helpers.loss_of(model), x, t)
+        scales.append(optimizer._loss_scale)
+    assert scales == [2.0, 4.0, 8.0, 16.0]
+    before = {n: p.array.copy() for n, p in model.namedparams()}
+    optimizer._loss_scale = float('inf')           # the backward overflows
+    optimizer.update(helpers.loss_of(model), x, t)
+    assert optimizer.last_step_skipped
+    assert optimizer._loss_scale == 65504       # halved, Chainer's cap
+    for name, param in model.namedparams():
+        numpy.testing.assert_array_equal(param.array, before[name])
