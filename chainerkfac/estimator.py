@@ -125,6 +125,9 @@ class CurvatureEstimator:
         self._gradient_due: Dict = {}
         self._touched: Dict = {}
         self._passes = 1
+        #: The pass and the block :attr:`batch_size` was learned from.
+        self._batch_pass: Optional[int] = None
+        self._batch_block = None
         # pass index / block -> the first axis's length of what the pass's
         # F.sum summed (None: not known)
         self._summed_passes: Dict[int, Optional[int]] = {}
@@ -283,8 +286,15 @@ class CurvatureEstimator:
             if names and block in self._gradient_due:
                 block.capture_gradients(function, in_data, out_grad)
             return
-        if self.batch_size is None:
+        if self.batch_size is None or (
+                pass_info.index != self._batch_pass and
+                self._batch_block.params[0].grad_var is None):
+            # the first pass of the micro-batch; or a later one after the
+            # gradients of the pass learned from were cleared (a diagnostic
+            # pass on other samples, another model's loss): it is no part
+            # of the update
             self._learn_batch(int(in_data[0].shape[0]))
+            self._batch_pass, self._batch_block = pass_info.index, block
         if not names:
             return
         if self._touched.get(block) != pass_info.index:

@@ -806,3 +806,29 @@ def test_dynamic_loss_scaling_adapts_to_the_steps():
     assert optimizer._loss_scale == 65504       # halved, Chainer's cap
     for name, param in model.namedparams():
         numpy.testing.assert_array_equal(param.array, before[name])
+
+
+def test_a_summed_loss_takes_its_batch_from_the_pass_that_counts():
+    """loss_reduction='sum' learns the batch from the first backward pass
+    of the micro-batch: a pass on 4 other samples, then cleargrads and the
+    real pass on 8, scaled the step by 1/4 (0.04 off in 3 steps)."""
+    x, t = helpers.data(n=12, shape=(5,), n_class=3)
+
+    def run(extra):
+        numpy.random.seed(0)
+        model = helpers.MLP()
+        optimizer = helpers.kfac(lr=0.05, loss_reduction='sum',
+                                 refresh_interval_a=2).setup(model)
+        for _ in range(3):
+            if extra:
+                model.cleargrads()
+                F.sum(F.softmax_cross_entropy(model(x[8:]), t[8:],
+                                              reduce='no')).backward()
+            model.cleargrads()
+            F.sum(F.softmax_cross_entropy(model(x[:8]), t[:8],
+                                          reduce='no')).backward()
+            optimizer.update()
+        return {n: p.array.copy() for n, p in model.namedparams()}
+    plain, extra = run(False), run(True)
+    for name, value in plain.items():
+        numpy.testing.assert_array_equal(extra[name], value, err_msg=name)
