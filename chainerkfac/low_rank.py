@@ -136,6 +136,27 @@ def columns_of(vectors, scale: float, append_ones: bool = False) -> LowRank:
     return LowRank(out)
 
 
+def with_zero_row(factor):
+    """``factor`` (a matrix, a diagonal or low rank) of ``d`` rows as one of
+    ``d + 1`` whose last row and column are 0: the input factor of a call
+    of a layer with a bias that passed no bias (``F.linear(x, link.W)``),
+    whose bias gradient it does not touch."""
+    xp = get_array_module(factor.columns if isinstance(factor, LowRank)
+                          else factor)
+    if isinstance(factor, LowRank):
+        columns = factor.columns
+        out = xp.zeros((columns.shape[0] + 1,) + columns.shape[1:],
+                       dtype=columns.dtype)
+        out[:-1] = columns
+        return LowRank(out)
+    if factor.ndim == 1:
+        return xp.concatenate([factor, xp.zeros(1, dtype=factor.dtype)])
+    out = xp.zeros((factor.shape[0] + 1, factor.shape[1] + 1),
+                   dtype=factor.dtype)
+    out[:-1, :-1] = factor
+    return out
+
+
 def worth_keeping(factor, width: int):
     """``factor``, or its dense form if it is low rank but no longer pays
     (an average of low-rank factors whose ranks add up: ``factor_decay``);

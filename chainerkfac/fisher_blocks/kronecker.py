@@ -117,6 +117,19 @@ class KroneckerBlock(FisherBlock):
             pi = 1.0
         return pi * root, root / pi
 
+    def _call_has_bias(self, function) -> bool:
+        """Whether this call of the layer's function passed the link's
+        bias: ``F.linear(x, link.W)`` on a link with one does not, and its
+        input contributes 0, not 1, to the bias's row of A."""
+        return self.has_bias and len(function.inputs) > 2
+
+    def _bias_row(self, value, ones: bool):
+        """``value`` with the bias's row: the 1s it holds, or (a call
+        without the bias) zeros."""
+        if self.has_bias and not ones:
+            return low_rank.with_zero_row(value)
+        return value
+
     def traced_factors(self, candidates):
         a, g = self._pair(candidates)
         return [] if a is None or g is None else [a, g]
@@ -192,19 +205,17 @@ class LinearBlock(KroneckerBlock):
     def capture_inputs(self, function, in_data):
         x = in_data[0]
         rows = x.reshape(x.shape[0], -1)
+        ones = self._call_has_bias(function)
         if self._columns_fit('A', x.shape[0]):
             # A = U Uᵀ, U the inputs (and the bias's 1) over √N.
-            self._accumulate('A', low_rank.columns_of(
-                rows.T, 1.0 / x.shape[0], self.has_bias))
-            return
-        if 'A' in self.diagonal:
+            value = low_rank.columns_of(rows.T, 1.0 / x.shape[0], ones)
+        elif 'A' in self.diagonal:
             value = linalg.diagonal_gram(rows, 1.0 / x.shape[0],
-                                         append_ones=self.has_bias)
+                                         append_ones=ones)
         else:
             value = linalg.gram(rows, 1.0 / x.shape[0], self.factor_dtype,
-                                append_ones=self.has_bias,
-                                tf32=self.factor_tf32)
-        self._accumulate('A', value)
+                                append_ones=ones, tf32=self.factor_tf32)
+        self._accumulate('A', self._bias_row(value, ones))
 
     def capture_gradients(self, function, in_data, out_grad):
         gy = out_grad[0]
@@ -245,16 +256,17 @@ class Convolution2DBlock(KroneckerBlock):
         x = in_data[0]
         geometry = patches.ConvGeometry.of(function, self.link.W.shape[2:])
         oh, ow = geometry.out_size(*x.shape[2:])
+        ones = self._call_has_bias(function)
         if self._columns_fit('A', x.shape[0] * oh * ow):
             # A = U Uᵀ, U the patches (and the bias's 1) over √N.
-            self._accumulate('A', low_rank.columns_of(
-                patches.unfolded(x, geometry), 1.0 / x.shape[0],
-                self.has_bias))
+            self._accumulate('A', self._bias_row(low_rank.columns_of(
+                patches.unfolded(x, geometry), 1.0 / x.shape[0], ones),
+                ones))
             return
         # Summed over locations, averaged over the batch.
         if 'A' in self.diagonal:
             value = patches.patch_square_sums(x, geometry, 1.0 / x.shape[0],
-                                              append_ones=self.has_bias)
+                                              append_ones=ones)
         else:
             strategy = self._options.conv_a_strategy
             if strategy is not None and strategy not in \
@@ -263,9 +275,9 @@ class Convolution2DBlock(KroneckerBlock):
                 strategy = None           # it does not apply to this call
             value = patches.patch_gram(
                 x, geometry, 1.0 / x.shape[0], self.factor_dtype,
-                append_ones=self.has_bias, strategy=strategy,
+                append_ones=ones, strategy=strategy,
                 tf32=self.factor_tf32)
-        self._accumulate('A', value)
+        self._accumulate('A', self._bias_row(value, ones))
 
     def capture_gradients(self, function, in_data, out_grad):
         gy = out_grad[0]

@@ -199,6 +199,53 @@ def test_bptt_factors_follow_the_multi_call_convention(manual):
 
 
 # -- a GAN ------------------------------------------------------------------------
+class _BiaslessSecondCall(chainer.Chain):
+    def __init__(self, conv):
+        super().__init__()
+        with helpers.float64_links(), self.init_scope():
+            self.layer = L.Convolution2D(2, 2, 1) if conv else \
+                L.Linear(4, 4)
+        self.conv = conv
+
+    def forward(self, x):
+        h = F.tanh(self.layer(x))
+        # the link's W again, without its bias (a tied second use)
+        return F.convolution_2d(h, self.layer.W) if self.conv else \
+            F.linear(h, self.layer.W)
+
+
+@pytest.mark.parametrize('conv', [False, True])
+@pytest.mark.parametrize('low_rank', [False, True])
+def test_a_call_without_the_bias_adds_zeros_to_its_row(conv, low_rank):
+    """``F.linear(h, link.W)`` on a link with a bias: that call's input
+    has a 0 where the link's call has the bias's 1 (it adds nothing to the
+    bias's gradient); it had a 1."""
+    model = _BiaslessSecondCall(conv)
+    rng = numpy.random.RandomState(0)
+    x = rng.randn(6, 2, 1, 2) if conv else rng.randn(6, 4)
+    t = rng.randint(0, 2, size=(6, 2) if conv else 6).astype(numpy.int32)
+    optimizer = helpers.kfac(lr=0.0, momentum=0.0,
+                             low_rank=low_rank).setup(model)
+
+    def lossfun(x, t):
+        y = model(x)
+        if conv:
+            y = F.reshape(F.transpose(y, (0, 2, 3, 1)), (-1, 2))
+            t = t.ravel()
+        return F.softmax_cross_entropy(y, t)
+    optimizer.update(lossfun, x, t)
+    layer = model.layer
+    rows_x = x.transpose(0, 2, 3, 1).reshape(-1, 2) if conv else x
+    h = numpy.tanh(layer(x).array)
+    rows_h = h.transpose(0, 2, 3, 1).reshape(-1, 2) if conv else h
+    first = numpy.hstack([rows_x, numpy.ones((len(rows_x), 1))])
+    second = numpy.hstack([rows_h, numpy.zeros((len(rows_h), 1))])
+    expected = (first.T.dot(first) + second.T.dot(second)) / len(x)
+    block = helpers.block_named(optimizer, '/layer')
+    numpy.testing.assert_allclose(helpers.dense(block.factors['A']),
+                                  expected, rtol=1e-12, atol=1e-14)
+
+
 class Generator(chainer.Chain):
     def __init__(self):
         super().__init__()
