@@ -31,7 +31,8 @@ rows by a rule of its type (:func:`transpose_jacobian`):
 The samples must be independent (no BatchNormalization in training mode):
 :func:`chainerkfac.curvature.extract` runs the per-sample passes there, as
 before. Memory is bounded by propagating at most :data:`MAX_ELEMENTS`
-elements per stacked array (:func:`passes_per_chunk`).
+elements per stacked array, :data:`MAX_ELEMENTS_CPU` on the CPU
+(:func:`passes_per_chunk`).
 """
 import copy
 import itertools
@@ -75,6 +76,13 @@ logger = logging.getLogger(__name__)
 #: Elements of the largest stacked gradient propagated at once (2**26:
 #: 256 MiB in float32); the passes are split into chunks below it.
 MAX_ELEMENTS = 2 ** 26
+#: The bound on the CPU (2**22: 16 MiB in float32). Each fresh array of
+#: hundreds of MiB is new memory from the system, its pages faulted in:
+#: on 3C3D (batch 64) KFLR took 7.0 gradients' time at 2**26, 3.1 at 2**22
+#: (diag_ggn 6.1 and 4.4; 2**21 and 2**23 were slower; one thread, AMD
+#: EPYC, 2026-11-27). CuPy's memory pool reuses its blocks: the GPU keeps
+#: :data:`MAX_ELEMENTS` (fewer, larger products).
+MAX_ELEMENTS_CPU = 2 ** 22
 
 #: Functions linear in their inputs with the identity (+1) or its negative
 #: (-1) as the Jacobian w.r.t. each input of the output's shape.
@@ -101,12 +109,21 @@ class UnsupportedColumns(ValueError):
     is not the sample axis: the passes cannot be stacked."""
 
 
+def element_limit(xp=numpy) -> int:
+    """Elements of the largest stacked array on the device of the array
+    module ``xp``: :data:`MAX_ELEMENTS`, and on the CPU at most
+    :data:`MAX_ELEMENTS_CPU`."""
+    return MAX_ELEMENTS if xp is not numpy else \
+        min(MAX_ELEMENTS, MAX_ELEMENTS_CPU)
+
+
 def passes_per_chunk(passes: int, rows: int, features: int,
-                     limit: Optional[int] = None) -> int:
+                     limit: Optional[int] = None, xp=numpy) -> int:
     """How many of ``passes`` propagate together so that a stacked array of
     ``features`` elements per row and ``rows`` rows per pass stays below
-    :data:`MAX_ELEMENTS` (``limit`` caps it further; at least 1)."""
-    fit = max(1, MAX_ELEMENTS // max(1, rows * features))
+    :func:`element_limit` of ``xp`` (``limit`` caps it further; at least
+    1)."""
+    fit = max(1, element_limit(xp) // max(1, rows * features))
     if limit is not None:
         fit = min(fit, int(limit))
     return max(1, min(passes, fit))
@@ -167,9 +184,11 @@ class ColumnPropagator:
                               for use in slot.uses)]
         self._kept_values: Dict[int, object] = {}
 
-    def chunk(self, passes: int, limit: Optional[int] = None) -> int:
+    def chunk(self, passes: int, limit: Optional[int] = None,
+              xp=numpy) -> int:
         """Passes per chunk (:func:`passes_per_chunk`)."""
-        return passes_per_chunk(passes, self.batch, self.features, limit)
+        return passes_per_chunk(passes, self.batch, self.features, limit,
+                                xp)
 
     def pull_back(self, stacked) -> Iterator[Tuple[object, Dict]]:
         """Propagate ``stacked`` (K·N, *start.shape[1:]), the gradients of
@@ -469,8 +488,8 @@ class Passes:
             rows (k·N,) or None.
         """
         propagator = self._propagator(start)
-        size = 1 if propagator is None else propagator.chunk(count,
-                                                             self.limit)
+        size = 1 if propagator is None else propagator.chunk(
+            count, self.limit, get_array_module(start.array))
         for part in chunks(count, size):
             columns, weights = make(part)
             stacked = stack_columns(columns)

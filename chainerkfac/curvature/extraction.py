@@ -99,7 +99,8 @@ def extract(predictor, x, t, quantities=q.FIRST_ORDER,
         rows through the recorded graph (:mod:`chainerkfac.curvature.
         columns`), at most ``column_chunk`` of them at a time; by default
         as many as keep a stacked array below
-        :data:`chainerkfac.curvature.columns.MAX_ELEMENTS` elements. ``1``:
+        :func:`chainerkfac.curvature.columns.element_limit` elements
+        (2**26 on a GPU, 2**22 on the CPU). ``1``:
         one backward pass of Chainer's autodiff per column (the least
         memory; the reference the stacked passes are tested against).
 

@@ -164,7 +164,7 @@ def _propagate(function, index, curvature, batch, chunk):
     else:
         size = columns_module.passes_per_chunk(
             len(columns), n, max(features, int(numpy.prod(shape[1:]))),
-            chunk)
+            chunk, xp)
         for part in columns_module.chunks(len(columns), size):
             k = part.stop - part.start
             stacked = xp.ascontiguousarray(xp.broadcast_to(
