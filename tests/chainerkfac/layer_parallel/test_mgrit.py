@@ -136,6 +136,27 @@ def test_stopping_rules():
     assert history[-1] <= 1e-6 < min(history[:-1])
 
 
+def test_a_solve_stopped_by_its_cap_says_so_once(caplog):
+    """A cap reached above the tolerance: the logits are MGRIT's iterate
+    (18 % off serial after one iteration), which was said nowhere but in
+    the history."""
+    net = common.dense_net(n_layers=64)
+    x, t = common.batch(net)
+    mgrit = lp.MGRIT(net, coarsening=2, max_iter=1, warm_start=False)
+    caplog.set_level('WARNING', logger='chainerkfac')
+    for _ in range(2):
+        mgrit.forward(x)
+        mgrit.backward(t)
+    assert mgrit.converged == {'forward': False, 'adjoint': False}
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2
+    assert 'the forward solve stopped after 1 iteration(s)' in warned[0]
+    assert 'the adjoint solve stopped after 1 iteration(s)' in warned[1]
+    caplog.clear()
+    mgrit.forward(x, max_iter=50)
+    assert mgrit.converged['forward'] and not caplog.records
+
+
 def test_errors_name_the_problem():
     net = common.dense_net(n_layers=8)
     with pytest.raises(RuntimeError, match='forward first'):
