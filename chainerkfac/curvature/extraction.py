@@ -206,6 +206,11 @@ class _Extraction:
 
     # -- 1-2: gradient pass and graph ------------------------------------
     def gradient_pass(self, x, t, lossfun) -> None:
+        if not chainer.config.enable_backprop:
+            raise RuntimeError(
+                'extract: backpropagation is off (chainer.no_backprop_mode() '
+                "or using_config('enable_backprop', False) around the "
+                'call): the quantities need the graph of the forward pass')
         self.logits = logits = self.predictor(x)
         if not isinstance(logits, chainer.Variable):
             raise TypeError('predictor(x) must return the logits (N, C) as '
@@ -220,6 +225,23 @@ class _Extraction:
         self.params = params
         self.predictor.cleargrads()
         loss = lossfun(logits, t)
+        if not isinstance(loss, chainer.Variable) or loss.size != 1:
+            raise ValueError(
+                'extract: lossfun must return the scalar mean loss of the '
+                'batch, got {}'.format(
+                    'shape {}'.format(loss.shape)
+                    if isinstance(loss, chainer.Variable) else
+                    'a {}'.format(type(loss).__name__)))
+        labels = getattr(t, 'array', t)
+        if estimator.sums_over_batch(loss, len(logits)) and getattr(
+                labels, 'dtype', None) is not None and \
+                labels.dtype.kind in 'iu' and (labels == -1).any():
+            # a mean over the labels kept, written as a sum (softmax
+            # cross-entropy with enable_double_backprop=True)
+            raise ValueError(
+                'extract: the labels contain -1 (Chainer\'s ignore_label): '
+                'the loss is then a mean over fewer than the N samples '
+                'that the conventions assume')
         if estimator.sums_over_batch(loss, len(logits)):
             raise ValueError(
                 'extract: the loss sums over the batch (its last operation '

@@ -175,6 +175,32 @@ def test_ignored_labels_are_refused_for_every_quantity():
     for quantities in (('batch_grad',), ('variance',), ('diag_ggn',)):
         with pytest.raises(ValueError, match='ignore_label=-1'):
             curvature.extract(model, x, t, quantities=quantities)
+    # the mean a gradient penalty's loss writes as a sum: refused with the
+    # same reason (it was "the loss sums over the batch ... use a mean")
+
+    def double_backprop(logits, t):
+        return F.softmax_cross_entropy(logits, t,
+                                       enable_double_backprop=True)
+    with pytest.raises(ValueError, match="contain -1 .Chainer's "
+                       "ignore_label.: the loss is then a mean over fewer"):
+        curvature.extract(model, x, t, lossfun=double_backprop)
+
+
+def test_no_graph_and_a_loss_that_is_no_scalar_are_named():
+    """Under no_backprop_mode extract returned {} silently; a loss with
+    reduce='no' failed inside Chainer's backward ('NoneType' object is
+    not subscriptable)."""
+    model, x, t = nets.build('conv_pool_linear')
+    with chainer.no_backprop_mode():
+        with pytest.raises(RuntimeError, match='backpropagation is off'):
+            curvature.extract(model, x, t)
+
+    def per_sample(logits, t):
+        return F.softmax_cross_entropy(logits, t, reduce='no')
+    with pytest.raises(ValueError, match=r'lossfun must return the scalar '
+                       r'mean loss of the batch, got shape \({},\)'.format(
+                           len(x))):
+        curvature.extract(model, x, t, lossfun=per_sample)
 
 
 def test_a_classifier_or_several_outputs_are_named():
