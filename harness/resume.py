@@ -178,6 +178,15 @@ def latest_snapshot(out, verify=verify_files, say=warn, found=None):
     return None
 
 
+def snapshot_directory(resume, out):
+    """The directory of the snapshot ``--resume`` names: ``out`` for
+    ``latest``, else the prefix's or file's directory (where the run that
+    wrote it keeps its ``config.json``)."""
+    if resume == 'latest':
+        return out
+    return os.path.dirname(os.path.abspath(resume))
+
+
 def find(comm, resume, out):
     """The files of the snapshot ``--resume`` names (``'latest'``: the
     newest whole one in ``out``), checked by all processes together.
@@ -430,19 +439,20 @@ def load(comm, trainer, optimizer, updater, out, prefix, files,
                         if isinstance(entry.extension, TimeToAccuracy)),
                        None)
         try:
-            run_dir.continue_run_files(
-                os.path.dirname(os.path.abspath(files[0])), out,
-                getattr(updater.get_optimizer('main'), 't', 0), reached)
+            # (the replaced run's record is copied aside before the trim)
             moved = run_dir.set_aside_later(
                 out, updater.steps,
                 datetime.datetime.now().strftime('%Y%m%d-%H%M%S'))
             if moved is not None:
                 print('{} held files of a run that went past the snapshot '
-                      'resumed (step {}): {} moved to {} (the run continues '
-                      'from step {}; --resume latest would have returned '
-                      'to them)'.format(
+                      'resumed (step {}): {} moved to {}, with a copy of its '
+                      'log (the run continues from step {}; --resume latest '
+                      'would have returned to them)'.format(
                           out, updater.steps, ', '.join(moved[1]), moved[0],
                           updater.steps), flush=True)
+            run_dir.continue_run_files(
+                os.path.dirname(os.path.abspath(files[0])), out,
+                getattr(updater.get_optimizer('main'), 't', 0), reached)
         except (OSError, ValueError) as e:   # a damaged fisher_diff.jsonl
             error = e
     raise_together(comm, error)

@@ -47,11 +47,14 @@ LARS_TABLE1_WARMUP = {'scaled': 25.0, 'unscaled': 18.0}
 SGD_WARMUP = 5.0
 
 
-def build_optimizer(name, cfg, comm, acc_iters, args, use_graphs=False):
+def build_optimizer(name, cfg, comm, acc_iters, args, use_graphs=False,
+                    previous=None):
     """The optimizer and its learning-rate schedule extension. With CUDA
     graphs (``use_graphs``: one process, :func:`cuda_graphs`) K-FAC keeps its
     local transport and the baselines get no communicator, so that their
-    steps can be replayed (:mod:`chainerkfac.graphs`)."""
+    steps can be replayed (:mod:`chainerkfac.graphs`). ``previous``: the
+    ``config.json`` of the run a resume continues (:func:`baseline_settings`).
+    """
     distributed = not use_graphs
     if name == 'kfac':
         optimizer = chainerkfac.optimizers.KFAC(
@@ -66,7 +69,7 @@ def build_optimizer(name, cfg, comm, acc_iters, args, use_graphs=False):
             cfg.lr, cfg.p_decay, cfg.e_start, cfg.e_end,
             momentum_init=cfg.momentum)
         return optimizer, schedule
-    settings = baseline_settings(name, cfg, args)
+    settings = baseline_settings(name, cfg, args, previous)
     lr, momentum = settings['lr'], settings['momentum']
     if name == 'sgd':
         # Chainer's MomentumSGD, its update in multi-tensor kernels on the
@@ -90,20 +93,32 @@ def build_optimizer(name, cfg, comm, acc_iters, args, use_graphs=False):
     return optimizer, schedule
 
 
-def baseline_settings(name, cfg, args):
+def baseline_settings(name, cfg, args, previous=None):
     """The settings of a first-order baseline as the run resolves them
     from the config and the options (recorded under ``"run"`` in
     ``config.json``, where a resume compares them): Goyal et al.'s SGD, or
     LARS as in seed 002, with a linear warm-up then polynomial (power 2)
     decay to the last epoch. None for K-FAC (its settings are the
-    config's)."""
+    config's).
+
+    A resumed run continues with its own: ``previous`` (the run's
+    ``config.json``) gives ``--baseline-lr``, ``--baseline-momentum`` and
+    ``--warmup-epochs`` where they are not given again; a run of an earlier
+    version, which recorded none, kept the defaults of its time (LARS warmed
+    up over 5 epochs then, not Table 1's 25 or 18)."""
     if name == 'kfac':
         return None
+    recorded = _recorded_baseline(previous)
     scale = cfg.global_batch_size / 256.0
+    given = {'lr': args.baseline_lr, 'momentum': args.baseline_momentum,
+             'warmup_epochs': args.warmup_epochs}
+    if recorded:
+        numbers = _numbers_only(recorded)
+        given = {k: _given(v, numbers.get(k)) for k, v in given.items()}
     if name == 'sgd':
-        lr = _given(args.baseline_lr, 0.1 * scale)
+        lr = _given(given['lr'], 0.1 * scale)
         settings = {
-            'lr': lr, 'momentum': _given(args.baseline_momentum, 0.9),
+            'lr': lr, 'momentum': _given(given['momentum'], 0.9),
             # Goyal et al.: from the learning rate of a batch of 256 (0.1
             # for the default) up to the scaled one; never down.
             'warmup_start_lr': lr / max(scale, 1.0),
@@ -115,18 +130,31 @@ def baseline_settings(name, cfg, args):
         # with 29.0 and 0.929; scaled linearly to other batch sizes.
         form = cfg.lars_momentum     # --lars-momentum applied already
         base_lr, base_momentum = LARS_TABLE1[form]
-        lr = _given(args.baseline_lr,
-                    base_lr * cfg.global_batch_size / 32768)
+        lr = _given(given['lr'], base_lr * cfg.global_batch_size / 32768)
         settings = {
-            'lr': lr, 'momentum': _given(args.baseline_momentum,
-                                         base_momentum),
+            'lr': lr, 'momentum': _given(given['momentum'], base_momentum),
             'warmup_start_lr': lr / 100.0,
             'weight_decay': args.weight_decay, 'eta': 1e-3,
             'momentum_form': form}
+    old_version = previous is not None and recorded is None
     settings['warmup_epochs'] = _given(
-        args.warmup_epochs,
-        SGD_WARMUP if name == 'sgd' else LARS_TABLE1_WARMUP[form])
+        given['warmup_epochs'],
+        SGD_WARMUP if name == 'sgd' or old_version else
+        LARS_TABLE1_WARMUP[form])
     return settings
+
+
+def _recorded_baseline(previous):
+    """The ``"run"`` → ``"baseline"`` settings of a ``config.json`` (a
+    dict), or None."""
+    facts = previous.get('run') if isinstance(previous, dict) else None
+    recorded = facts.get('baseline') if isinstance(facts, dict) else None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def _numbers_only(recorded):
+    return {k: v for k, v in recorded.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _given(value, default):
@@ -296,8 +324,13 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
         '@cupy:{}'.format(comm.intra_rank) if args.gpu else '@numpy')
     device.use()
     model.to_device(device)
+    # the run a resume continues: its settings where not given again, and
+    # what the resume changes of them (said later)
+    previous = run_dir.read_config(
+        resume.snapshot_directory(args.resume, out)) if args.resume else None
     optimizer, schedule = build_optimizer(optimizer_name, cfg, comm,
-                                          acc_iters, args, use_graphs)
+                                          acc_iters, args, use_graphs,
+                                          previous)
     optimizer.setup(model)
     attach_hooks(optimizer_name, optimizer, args)
     resumed = resume.starting_point(
@@ -326,21 +359,24 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
     try:
         return _train(args, comm, optimizer_name, out, cfg, acc_iters, model,
                       device, optimizer, schedule, resumed,
-                      stop or preemption.StopRequest(()), use_graphs)
+                      stop or preemption.StopRequest(()), use_graphs,
+                      previous)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _say_config_changes(cfg, out, facts, optimizer_name):
-    """Print what a resume changes of the run's settings (``config.json``
-    is then rewritten with this run's): a resume with ``--epochs 120`` of a
-    90-epoch SGD run moves its learning-rate decay's end."""
-    changed = run_dir.config_changes(cfg, out, facts)
+def _say_config_changes(cfg, previous, prefix, facts, optimizer_name):
+    """Print what a resume changes of the settings of the run it continues
+    (``previous``: the ``config.json`` beside the snapshot ``prefix``;
+    this run's is then written into ``--out``): a resume with ``--epochs
+    120`` of a 90-epoch SGD run moves its learning-rate decay's end."""
+    changed = run_dir.config_changes(cfg, previous, facts)
     if not changed:
         return
     print('resuming with settings other than those of {}:\n  {}'.format(
-        os.path.join(out, run_dir.CONFIG_FILE), '\n  '.join(changed)),
+        os.path.join(os.path.dirname(os.path.abspath(prefix)),
+                     run_dir.CONFIG_FILE), '\n  '.join(changed)),
         flush=True)
     if optimizer_name != 'kfac' and any(
             line.startswith('epochs:') for line in changed):
@@ -409,8 +445,9 @@ def replay_refresh_steps(args) -> bool:
 
 
 def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
-           optimizer, schedule, resumed, stop, use_graphs):
-    """The rest of :func:`train`, in the claimed run directory."""
+           optimizer, schedule, resumed, stop, use_graphs, previous=None):
+    """The rest of :func:`train`, in the claimed run directory
+    (``previous``: the ``config.json`` of the run resumed)."""
     batch = cfg.batch_size_per_process
     n_class = args.n_class or cfg.n_class
     kfac = optimizer_name == 'kfac'
@@ -506,12 +543,13 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
             optimizer_name, comm.size, acc_iters, batch, args.arch,
             args.depth, args.width, len(data.train), len(data.val), n_class,
             label)
-        settings = baseline_settings(optimizer_name, cfg, args)
+        settings = baseline_settings(optimizer_name, cfg, args, previous)
         if settings is not None:
             # the baseline's own (the config's lr and momentum are K-FAC's)
             facts['baseline'] = settings
         if resumed:
-            _say_config_changes(cfg, out, facts, optimizer_name)
+            _say_config_changes(cfg, previous, resumed[0], facts,
+                                optimizer_name)
         run_dir.write_run_config(cfg, out, facts)
     start = time.time()
     try:

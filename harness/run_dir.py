@@ -85,16 +85,23 @@ def write_run_config(cfg, out, facts):
                   json.dumps(data, indent=1, sort_keys=True))
 
 
-def config_changes(cfg, out, facts):
-    """What a resumed run changes of the run's ``out/config.json``: a line
-    ``'key: old → new'`` per value that differs (``'run.key'`` for the
-    facts), [] where the file is missing or unreadable (nothing to
-    compare)."""
+def read_config(directory):
+    """``directory/config.json`` (a run's record) as a dict, or None where
+    it is missing or unreadable."""
     try:
-        with open(os.path.join(out, CONFIG_FILE)) as f:
-            old = json.load(f)
+        with open(os.path.join(directory, CONFIG_FILE)) as f:
+            data = json.load(f)
     except (OSError, ValueError):
-        return []
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def config_changes(cfg, old, facts):
+    """What a resumed run changes of the run's record ``old`` (its
+    ``config.json``, :func:`read_config`): a line ``'key: old → new'`` per
+    value that differs (``'run.key'`` for the facts), [] where there is no
+    record. A key the record lacks (written by an earlier version) is no
+    change."""
     if not isinstance(old, dict):
         return []
     new = config_module.to_dict(cfg)
@@ -111,8 +118,7 @@ def config_changes(cfg, out, facts):
     old, new = flat(old), flat(json.loads(json.dumps(new)))
     return ['{}: {} → {}'.format(key, json.dumps(old.get(key)),
                                  json.dumps(new.get(key)))
-            for key in sorted(set(old) | set(new))
-            if old.get(key) != new.get(key)]
+            for key in sorted(old) if old.get(key) != new.get(key)]
 
 
 def load_log(out):
@@ -124,19 +130,29 @@ def load_log(out):
         return json.load(f)
 
 
-#: Where a resume moves what a run left past the snapshot it resumes.
+#: Where a resume moves what a run left past the snapshot it resumes
+#: (``superseded_<YYYYmmdd-HHMMSS>``, ``-2``... if that is taken); only
+#: names of this form are a run's (``--overwrite`` removes them).
 SUPERSEDED_DIR = 'superseded_{}'
-_SUPERSEDED_RE = re.compile(r'superseded_[\w.-]+')
+_SUPERSEDED_RE = re.compile(r'superseded_\d{8}-\d{6}(-\d+)?')
+#: The record of the replaced run, copied beside its files as it was
+#: before the resumed run trims it (:func:`continue_run_files`).
+_RECORD = (CONFIG_FILE, LOG_FILE, FISHER_DIFF_FILE, TIME_TO_ACCURACY_FILE)
 
 
 def set_aside_later(out, step, when):
     """Move what ``out`` holds past the resumed snapshot's ``step`` into
-    ``out/superseded_<when>/``: snapshots of later steps and
-    ``model_final.npz``, left by a run that went further than the point
-    resumed (a resume of an older snapshot on purpose). Left there,
-    ``--resume latest`` would return to that run's newest snapshot after
-    the next stop (and Chainer's snapshot retention keeps the newest
-    files), discarding the continued run's steps.
+    ``out/superseded_<when>/``: snapshots of later steps, and with them the
+    replaced run's ``model_final.npz`` (and a copy of its log, config and
+    Diff record), left by a run that went further than the point resumed
+    (a resume of an older snapshot on purpose). Left there, ``--resume
+    latest`` would return to that run's newest snapshot after the next
+    stop (and Chainer's snapshot retention keeps the newest files),
+    discarding the continued run's steps. A resume of the newest snapshot
+    (a finished run extended) moves nothing: its ``model_final.npz`` is
+    of the same point, and is rewritten at the run's new end.
+
+    Call it before :func:`continue_run_files`.
 
     Returns
     -------
@@ -145,13 +161,21 @@ def set_aside_later(out, step, when):
     """
     later = sorted(
         name for name in os.listdir(out)
-        if (SNAPSHOT_RE.fullmatch(name) and
-            int(SNAPSHOT_RE.fullmatch(name).group(1)) > step) or
-        name == MODEL_FINAL_FILE)
+        if SNAPSHOT_RE.fullmatch(name) and
+        int(SNAPSHOT_RE.fullmatch(name).group(1)) > step)
     if not later:
         return None
-    aside = os.path.join(out, SUPERSEDED_DIR.format(when))
-    os.makedirs(aside, exist_ok=True)
+    if os.path.exists(os.path.join(out, MODEL_FINAL_FILE)):
+        later.insert(0, MODEL_FINAL_FILE)
+    base = aside = os.path.join(out, SUPERSEDED_DIR.format(when))
+    suffix = 1
+    while os.path.exists(aside):        # two in one second
+        suffix += 1
+        aside = '{}-{}'.format(base, suffix)
+    os.makedirs(aside)
+    for name in _RECORD:
+        if os.path.exists(os.path.join(out, name)):
+            shutil.copy2(os.path.join(out, name), os.path.join(aside, name))
     for name in later:
         os.replace(os.path.join(out, name), os.path.join(aside, name))
     return aside, later

@@ -17,6 +17,7 @@ earlier run ended with its allocation, on whatever host it ran.
 import datetime
 import json
 import os
+import re
 import socket
 import sys
 
@@ -61,9 +62,10 @@ def _job():
     job = os.environ.get('SLURM_JOB_ID')
     if not job:
         return None
-    restart = os.environ.get('SLURM_RESTART_COUNT', '0')
-    return {'scheduler': 'slurm', 'id': job,
-            'restart': int(restart) if restart.isdigit() else 0}
+    restart = os.environ.get('SLURM_RESTART_COUNT', '0').strip()
+    return {'scheduler': 'slurm', 'id': job.strip(),
+            'restart': int(restart) if re.fullmatch('[0-9]+', restart)
+            else 0}
 
 
 def _earlier_run_of_this_job(holder, job):
@@ -80,11 +82,12 @@ def _earlier_run_of_this_job(holder, job):
 def _read(path):
     try:
         with open(path) as f:
-            return json.load(f)
+            holder = json.load(f)
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
         return {}                   # unreadable: a holder we cannot name
+    return holder if isinstance(holder, dict) else {}
 
 
 class RunLock:

@@ -152,28 +152,34 @@ def test_continuing_names_a_damaged_diff_line(tmp_path):
 
 def test_config_changes_name_each_value_a_resume_changes(tmp_path):
     """A resume prints what it changes of the run's config.json (it is
-    rewritten with the resumed run's settings)."""
+    rewritten with the resumed run's settings); keys an earlier version
+    did not record are no change."""
     import config as config_module
     cfg = config_module.load(os.path.join(
         os.path.dirname(__file__), '..', '..', 'config', 'demo.json'))
     facts = {'n_processes': 2, 'acc_iters': 4, 'label': 'K-FAC bs256'}
     out = str(tmp_path)
-    assert run_dir.config_changes(cfg, out, facts) == []     # no file
+    assert run_dir.read_config(out) is None                  # no file
+    assert run_dir.config_changes(cfg, None, facts) == []
     run_dir.write_run_config(cfg, out, facts)
-    assert run_dir.config_changes(cfg, out, facts) == []
+    old = run_dir.read_config(out)
+    assert run_dir.config_changes(cfg, old, facts) == []
     longer = config_module.from_dict(
         dict(config_module.to_dict(cfg), epochs=cfg.epochs + 5))
-    assert run_dir.config_changes(longer, out, dict(
+    assert run_dir.config_changes(longer, old, dict(
         facts, n_processes=1, acc_iters=8)) == [
         'epochs: {} → {}'.format(cfg.epochs, cfg.epochs + 5),
         'run.acc_iters: 4 → 8', 'run.n_processes: 2 → 1']
-    # a baseline's own settings (config.json's lr is K-FAC's)
+    # a baseline's own settings (config.json's lr is K-FAC's); a record
+    # of an earlier version without them says nothing about them
+    assert run_dir.config_changes(cfg, old, dict(
+        facts, baseline={'lr': 5.0})) == []
     run_dir.write_run_config(cfg, out, dict(facts, baseline={'lr': 0.1}))
-    assert run_dir.config_changes(cfg, out, dict(
+    assert run_dir.config_changes(cfg, run_dir.read_config(out), dict(
         facts, baseline={'lr': 5.0})) == ['run.baseline.lr: 0.1 → 5.0']
-    (tmp_path / 'config.json').write_text('{not json')
-    assert run_dir.config_changes(longer, out, facts) == []
-
+    for damaged in ('{not json', '[1, 2]'):
+        (tmp_path / 'config.json').write_text(damaged)
+        assert run_dir.read_config(out) is None
 
 def test_a_resume_sets_aside_what_a_run_left_past_its_snapshot(tmp_path):
     """Resuming step 2 of a run that reached step 8: its snapshots of
@@ -187,15 +193,27 @@ def test_a_resume_sets_aside_what_a_run_left_past_its_snapshot(tmp_path):
                 step, rank)), 2)
     (tmp_path / 'model_final.npz').write_bytes(b'x')
     (tmp_path / 'notes.txt').write_text('mine')
+    (tmp_path / 'log').write_text('[the replaced run]')
+    # resuming the newest snapshot (a finished run extended) moves nothing
+    assert run_dir.set_aside_later(out, 8, '20261127-120000') is None
     aside, moved = run_dir.set_aside_later(out, 2, '20261127-120000')
     assert aside == os.path.join(out, 'superseded_20261127-120000')
     assert moved == ['model_final.npz', 'snapshot_step_5.rank0',
                      'snapshot_step_5.rank1', 'snapshot_step_8.rank0',
                      'snapshot_step_8.rank1']
-    assert sorted(os.listdir(aside)) == moved
+    assert sorted(os.listdir(aside)) == sorted(moved + ['log'])
     assert sorted(os.listdir(out)) == [
-        'notes.txt', 'snapshot_step_2.rank0', 'snapshot_step_2.rank1',
+        'log', 'notes.txt', 'snapshot_step_2.rank0', 'snapshot_step_2.rank1',
         'superseded_20261127-120000']
     assert resume.latest_snapshot(out, say=None)[0].endswith(
         'snapshot_step_2')
     assert run_dir.set_aside_later(out, 2, 'again') is None
+    # twice in one second: a directory of its own
+    write_snapshot(str(tmp_path / 'snapshot_step_3.rank0'), 2)
+    again, _ = run_dir.set_aside_later(out, 2, '20261127-120000')
+    assert again == aside + '-2'
+    # a user's file that merely starts so is not a run's
+    (tmp_path / 'superseded_plan.txt').write_text('mine')
+    files, _ = run_dir.earlier_run_files(out)
+    assert 'superseded_plan.txt' not in files
+    assert 'superseded_20261127-120000-2' in files

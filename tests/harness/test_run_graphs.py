@@ -113,3 +113,29 @@ def test_replay_refresh_steps_on_refused_where_the_graphs_are_off():
         run.check_replay_refresh_steps(mode, True, use, why)
     run.check_replay_refresh_steps('on', False, use, why)
     run.check_replay_refresh_steps('on', True, True, 'on')
+
+
+def test_a_resumed_baseline_keeps_its_own_settings():
+    """A resume continues the run's settings where options are not given
+    again; a run of an earlier version (no "baseline" in its config.json)
+    kept the warm-up of its time: a LARS run started before Table 1's
+    warm-up became the default went from 5 to 18 epochs when resumed."""
+    cfg = config_module.load(config_module.preset_path('demo'))
+    fresh = train_imagenet.parse_args(LISTS + ['--optimizer', 'lars'])
+    assert run.baseline_settings('lars', cfg, fresh)['warmup_epochs'] == \
+        run.LARS_TABLE1_WARMUP[cfg.lars_momentum]
+    old_record = {'epochs': 3, 'run': {'optimizer': 'lars'}}
+    assert run.baseline_settings('lars', cfg, fresh, old_record)[
+        'warmup_epochs'] == run.SGD_WARMUP
+    started = train_imagenet.parse_args(
+        LISTS + ['--optimizer', 'lars', '--baseline-lr', '3',
+                 '--warmup-epochs', '2'])
+    record = {'run': {'baseline': run.baseline_settings('lars', cfg,
+                                                        started)}}
+    resumed = run.baseline_settings('lars', cfg, fresh, record)
+    assert (resumed['lr'], resumed['warmup_epochs']) == (3.0, 2.0)
+    again = train_imagenet.parse_args(
+        LISTS + ['--optimizer', 'lars', '--warmup-epochs', '1'])
+    assert run.baseline_settings('lars', cfg, again, record)[
+        'warmup_epochs'] == 1.0              # given again: a change
+    assert run.baseline_settings('kfac', cfg, fresh, record) is None

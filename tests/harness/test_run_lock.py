@@ -79,6 +79,8 @@ def test_lock_of_another_host_refused(tmp_path):
 
 @pytest.mark.parametrize('theirs, mine, taken', [
     ({'id': '4242', 'restart': 0}, ('4242', '1'), True),   # requeued
+    ({'id': '4242', 'restart': 0}, ('4242', ' 1 '), True),  # spaced
+    ({'id': '4242', 'restart': 0}, ('4242', '\u00b2'), False),  # not ASCII
     ({'id': '4242', 'restart': 1}, ('4242', '1'), False),  # the same run
     ({'id': '4242', 'restart': 0}, ('999', '1'), False),   # another job
     ({'id': '4242', 'restart': 0}, (None, None), False),   # not in Slurm

@@ -355,7 +355,10 @@ def test_resuming_an_older_snapshot_sets_the_later_run_aside(
     [aside] = [n for n in os.listdir(str(tmp_path))
                if n.startswith('superseded_')]
     assert sorted(os.listdir(str(tmp_path / aside))) == [
-        'model_final.npz', 'snapshot_step_5.rank0']
+        'config.json', 'fisher_diff.jsonl', 'log', 'model_final.npz',
+        'snapshot_step_5.rank0']
+    # the replaced run's record, whole (the continued run trimmed its own)
+    assert read_log(str(tmp_path / aside)) == read_log(references[1])
     # the continued run wrote its own, the same run (seeded) as the first
     assert max_relative_diff(
         weights(os.path.join(str(tmp_path), 'model_final.npz')),
@@ -375,6 +378,15 @@ def test_a_resume_says_what_it_changes(dataset, references, tmp_path):
     with open(str(tmp_path / 'config.json')) as f:
         assert json.load(f)['epochs'] == 4
     assert [e['epoch'] for e in read_log(tmp_path)] == [1, 2, 3, 4]
+    # into another --out: against the run's own record, beside its snapshot
+    other = tmp_path / 'other'
+    result = run(reference_command(
+        dataset, other, '--resume',
+        os.path.join(references[1], 'snapshot_step_3'), '--epochs', '4'))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert 'resuming with settings other than those of {}:\n  epochs: ' \
+        '3 → 4'.format(os.path.join(references[1], 'config.json')) in \
+        result.stdout
 
 
 @pytest.mark.slow
