@@ -94,6 +94,27 @@ def test_one_and_two_processes_train_alike(references):
         skip_statistics=True) < TOLERANCE
 
 
+def runs_on_44_images(dataset, tmp_path, processes, *extra, **config):
+    """``{nproc: out}``: the run of the first 44 images of the data set
+    (chunks of 4) with ``config``, on each number of ``processes``."""
+    with open(dataset['train']) as f:
+        lines = f.readlines()[:44]
+    train = os.path.join(dataset['root'], 'train44.txt')
+    with open(train, 'w') as f:
+        f.writelines(lines)
+    config = imagenet_like.write_config(
+        dataset['root'], 'bs{global_batch_size}.json'.format(**config),
+        batch_size_per_process=4, **config)
+    runs = {}
+    for nproc in processes:
+        out = tmp_path / str(nproc)
+        result = run(command(dataset, out, *extra, train=train,
+                             config=config), nproc)
+        assert result.returncode == 0, result.stdout[-3000:]
+        runs[nproc] = out
+    return runs
+
+
 @pytest.mark.parametrize('optimizer', ['kfac', 'sgd'])
 def test_a_run_ending_inside_a_micro_iteration_ends_as_on_one_process(
         dataset, tmp_path, optimizer):
@@ -103,26 +124,15 @@ def test_a_run_ending_inside_a_micro_iteration_ends_as_on_one_process(
     K-FAC run's final weights differed from one process's by up to 0.57
     of an array's largest value): the last step averages rank 0's alone,
     as one process does (its step of 1 micro-batch of 2)."""
-    with open(dataset['train']) as f:
-        lines = f.readlines()[:44]
-    train = os.path.join(dataset['root'], 'train44.txt')
-    with open(train, 'w') as f:
-        f.writelines(lines)
-    config = imagenet_like.write_config(
-        dataset['root'], 'bs8.json', global_batch_size=8,
-        batch_size_per_process=4, epochs=1)
-    runs = {}
-    for nproc in (1, 2):
-        out = tmp_path / str(nproc)
-        result = run(command(dataset, out, '--optimizer', optimizer,
-                             train=train, config=config), nproc)
-        assert result.returncode == 0, result.stdout[-3000:]
-        runs[nproc] = out
+    runs = runs_on_44_images(dataset, tmp_path, (1, 2), '--optimizer',
+                             optimizer, global_batch_size=8, epochs=1)
     # the training loss and accuracy over the same 11 micro-batches (each
-    # process's mean weighed by its micro-batches); lr, momentum and
-    # damping are means over iterations, 11 here and 6 there
+    # process's mean weighed by its micro-batches), and the optimizer's
+    # values of the same steps (the final partial one included)
+    keys = GLOBAL_KEYS if optimizer == 'kfac' else ('epoch', 'main/loss',
+                                                    'main/accuracy', 'lr')
     for want, have in zip(read_log(runs[1]), read_log(runs[2])):
-        for key in ('epoch', 'main/loss', 'main/accuracy'):
+        for key in keys:
             assert have[key] == pytest.approx(want[key], rel=TOLERANCE), key
     assert max_relative_diff(
         weights(str(runs[2] / 'model_final.npz')),
@@ -140,21 +150,9 @@ def test_an_epoch_ending_inside_a_micro_iteration_is_logged_as_on_one_process(
     rate, damping and the loss of chunk 12 were in epoch 1's entry on 3
     processes and in epoch 2's on one (lr 0.0192 against 0.02). Both now
     log at the end of the step in which the epoch ended."""
-    with open(dataset['train']) as f:
-        lines = f.readlines()[:44]
-    train = os.path.join(dataset['root'], 'train44.txt')
-    with open(train, 'w') as f:
-        f.writelines(lines)
-    config = imagenet_like.write_config(
-        dataset['root'], 'bs24.json', global_batch_size=24,
-        batch_size_per_process=4, epochs=2)
-    logs = {}
-    for nproc in (1, 3):
-        out = tmp_path / str(nproc)
-        result = run(command(dataset, out, train=train, config=config),
-                     nproc)
-        assert result.returncode == 0, result.stdout[-3000:]
-        logs[nproc] = read_log(out)
+    runs = runs_on_44_images(dataset, tmp_path, (1, 3),
+                             global_batch_size=24, epochs=2)
+    logs = {nproc: read_log(out) for nproc, out in runs.items()}
     assert [e['epoch'] for e in logs[1]] == [1, 2]
     for want, have in zip(logs[1], logs[3]):
         for key in GLOBAL_KEYS:
