@@ -23,7 +23,7 @@ import chainer
 
 from chainerkfac import sharding
 from chainerkfac.accumulation import GradientAccumulator
-from chainerkfac.optimizers import options
+from chainerkfac.optimizers import loss_scaling, options
 from chainerkfac.stage_timer import StageTimer
 from chainerkfac.step_guard import StepGuard
 
@@ -197,6 +197,9 @@ class GuardedOptimizer:
             taken = self._update_everywhere()
         if not taken:
             self.guard.restore()
+            # (a step taken runs the optimizer's update, which follows a
+            # dynamic scale itself)
+            loss_scaling.follow_step(self.actual_optimizer, skipped=True)
             logger.warning('step %d: non-finite gradient, update skipped '
                            '(weights and running statistics unchanged)',
                            self.actual_optimizer.t + 1)
@@ -206,13 +209,23 @@ class GuardedOptimizer:
     def _check_agreement(self) -> None:
         """At the first step, before any collective of it: the processes
         must agree on ``shard_update`` (one that does not would wait in the
-        all-reduce while the others gather: a hang) and on the parameters'
+        all-reduce while the others gather: a hang), ``acc_iters``, the
+        optimizer, its hyperparameters, hooks and loss scaling (a refusal
+        of one rank's hook hung the others; a scale on one rank only
+        averaged scaled and unscaled gradients), and on the parameters'
         names, shapes and dtypes (a 4×6 weight on one, 6×4 on another
         averaged as the same array, silently)."""
         from chainerkfac.transport import check_same_everywhere
+        optimizer = self.actual_optimizer
+        pre, post = _hooks(optimizer)
         items = {'shard_update': repr(self.shard_update),
-                 'optimizer': type(self.actual_optimizer).__name__}
-        for name, param in sorted(self.actual_optimizer.target.namedparams()):
+                 'acc_iters': repr(self.acc_iters),
+                 'optimizer': type(optimizer).__name__,
+                 'hyperparameters': repr(sorted(
+                     optimizer.hyperparam.get_dict().items())),
+                 'hooks': repr((sorted(pre), sorted(post))),
+                 'loss scaling': loss_scaling.loss_scaling_of(optimizer)}
+        for name, param in sorted(optimizer.target.namedparams()):
             items['param ' + name] = (
                 'uninitialised' if param.array is None else
                 '{} {}'.format(tuple(param.shape), param.dtype))
@@ -227,6 +240,10 @@ class GuardedOptimizer:
         parameter. Returns whether the step was taken."""
         target = self.actual_optimizer.target
         if self.comm is not None:
+            # every process the same list: a parameter no loss reached on
+            # one process (a branch it did not take) is a zero there (left
+            # out, the processes reduced different lists: a hang)
+            self.actual_optimizer.reallocate_cleared_grads()
             self.comm.multi_node_mean_grad(target)
         self.timer.mark('mean')
         grads = [p.grad for p in target.params()]

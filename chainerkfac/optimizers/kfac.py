@@ -44,6 +44,7 @@ from chainerkfac.fisher_blocks import batch_norm
 from chainerkfac.fisher_blocks import kronecker
 from chainerkfac.optimizers import hooks
 from chainerkfac.optimizers import options
+from chainerkfac.optimizers import loss_scaling
 from chainerkfac.optimizers import registration
 from chainerkfac.optimizers import state
 from chainerkfac.optimizers.rescale import WeightRescale
@@ -746,13 +747,8 @@ class KFAC(optimizer.GradientMethod):
 
         step = self.t
         (update or self.update_step)(grads, present)
-        if self._loss_scaling_is_dynamic:
-            # Chainer's dynamic loss scaling, from the step's own verdict:
-            # a skipped step (non-finite, agreed over processes) halves the
-            # scale, as Chainer's check of the gradients does
-            self._loss_scaling_isnan = self.guard.skipped
-            self._loss_scaling_isnan_ever |= self.guard.skipped
-            self.update_loss_scale()
+        # Chainer's dynamic loss scaling, from the step's own verdict
+        loss_scaling.follow_step(self, self.guard.skipped)
         refreshed = set()
         for block in blocks:
             for name in counts[block]:

@@ -3,6 +3,8 @@ link got which block, eq. 20, why plain) and the configuration fingerprint
 that every process must share."""
 from typing import Dict
 
+from chainerkfac.optimizers import loss_scaling
+
 #: Epochs at which refresh-interval callables are compared across ranks.
 SCHEDULE_PROBE_EPOCHS = (0, 1, 2, 5, 10, 20, 30, 40, 50, 60, 80, 100)
 
@@ -61,6 +63,9 @@ def config_fingerprint(optimizer) -> Dict[str, str]:
         items[name] = repr(getattr(optimizer.hyperparam, name))
     for name in FINGERPRINTED:
         items[name] = repr(getattr(optimizer, name))
+    # a scale on one process only averaged scaled and unscaled gradients
+    # under ChainerMN's wrapper (which reduces before K-FAC unscales)
+    items['loss scaling'] = loss_scaling.loss_scaling_of(optimizer)
     for kind, interval in sorted(optimizer.refresh_intervals.items()):
         items['refresh_interval_' + kind] = repr(
             [int(interval(optimizer.t, e)) for e in sorted(

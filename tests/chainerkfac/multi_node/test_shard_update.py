@@ -16,6 +16,7 @@ import numpy
 import pytest
 
 import chainer
+import chainer.functions as F
 
 from chainerkfac import sharding
 from chainerkfac.optimizers import FusedMomentumSGD, GuardedOptimizer, LARS
@@ -230,6 +231,39 @@ def test_a_whole_model_hook_is_refused_with_sharding():
         optimizer.update(helpers.loss_of(model), x, t)
 
 
+class _Branched(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with helpers.float64_links(), self.init_scope():
+            self.trunk = chainer.links.Linear(3, 2, initialW=0.5)
+            self.branch = chainer.links.Linear(3, 2, initialW=0.5)
+
+    def forward(self, x, use_branch):
+        y = self.trunk(x)
+        return F.sum(y * y) + (F.sum(self.branch(x)) if use_branch else 0)
+
+
+@pytest.mark.parametrize('shard_update', [False, True])
+def test_a_branch_some_processes_do_not_take_is_averaged(shard_update):
+    """A parameter no loss reached on some processes: a zero there, in the
+    mean. Without sharding the processes all-reduced different lists of
+    gradients (ChainerMN leaves out missing ones): a hang."""
+    comm = common.naive('float64')
+    model = _Branched()
+    optimizer = GuardedOptimizer(chainer.optimizers.SGD(lr=0.5), 1, comm,
+                                 shard_update=shard_update).setup(model)
+    x = numpy.ones((1, 3))
+    optimizer.update(model, x, comm.rank == 0)
+    # the branch's gradient is ones on rank 0 only: its mean 1 / size
+    numpy.testing.assert_allclose(
+        model.branch.W.array, 0.5 - 0.5 / comm.size, rtol=1e-14)
+    flat = numpy.concatenate([p.array.ravel() for _, p in
+                              sorted(model.namedparams())])
+    everyone = common.gathered(flat)
+    common.assert_everywhere(all(numpy.array_equal(everyone[0], f)
+                                 for f in everyone), 'identical weights')
+
+
 class _Transposable(chainer.Chain):
     """A 4×6 weight on rank 0, 6×4 elsewhere: the same element count."""
 
@@ -243,20 +277,34 @@ class _Transposable(chainer.Chain):
         return chainer.functions.sum(self.w * self.w) * x
 
 
-@pytest.mark.parametrize('disagree', ['shard_update', 'shapes'])
+@pytest.mark.parametrize('disagree', ['shard_update', 'shapes', 'acc_iters',
+                                      'hooks', 'loss_scaling'])
 def test_processes_that_disagree_are_refused_at_the_first_step(disagree):
     """A rank without shard_update waited in ChainerMN's all-reduce while
     the others gathered (a hang); weights of transposed shapes were
-    averaged as the same array (silently). Both are refused on every
-    rank, naming what differs, before any collective of the step."""
+    averaged as the same array (silently); so were a scaled and an
+    unscaled loss's gradients; one rank's acc_iters or its hook that the
+    sharded step refuses hung the others. All are refused on every rank,
+    naming what differs, before any collective of the step."""
     comm = common.naive('float64')
     if comm.size == 1:
         return
-    if disagree == 'shard_update':
-        model, optimizer = _guarded(comm, _sgd, 1, comm.rank == 0)
+    if disagree in ('shard_update', 'acc_iters', 'hooks', 'loss_scaling'):
+        odd = comm.rank == comm.size - 1
+        model, optimizer = _guarded(
+            comm, _sgd, 2 if disagree == 'acc_iters' and odd else 1,
+            comm.rank == 0 if disagree == 'shard_update' else True)
+        if disagree == 'hooks' and odd:
+            optimizer.add_hook(chainer.optimizer_hooks.GradientClipping(1.0))
+        if disagree == 'loss_scaling' and odd:
+            optimizer.actual_optimizer.loss_scaling(scale=4.0)
         x, t = common.chunks(0, comm.size)[comm.rank]
         args = helpers.loss_of(model), x, t
-        named = r"shard_update: True on rank 0; False on rank"
+        named = {'shard_update': r"shard_update: True on rank 0; False on "
+                                 r"rank",
+                 'acc_iters': r"acc_iters: 1 on rank",
+                 'hooks': r"hooks: .*GradientClipping",
+                 'loss_scaling': r"loss scaling: none on rank"}[disagree]
     else:
         model = _Transposable(comm.rank)
         optimizer = GuardedOptimizer(_sgd(), 1, comm,
@@ -266,7 +314,8 @@ def test_processes_that_disagree_are_refused_at_the_first_step(disagree):
     before = {n: p.array.copy() for n, p in model.namedparams()}
     with pytest.raises(ValueError, match='GuardedOptimizer: the processes '
                        'disagree on the model or the optimizer') as raised:
-        optimizer.update(*args)
+        for _ in range(optimizer.acc_iters):
+            optimizer.update(*args)
     assert re.search(named, str(raised.value)), str(raised.value)
     for name, param in model.namedparams():
         numpy.testing.assert_array_equal(param.array, before[name])

@@ -48,6 +48,22 @@ def test_different_hyperparameters_fail_on_every_rank():
 
 
 @several_ranks
+def test_loss_scaling_on_some_ranks_fails_on_every_rank():
+    """Under ChainerMN's wrapper the gradients are averaged before K-FAC
+    undoes each process's scale: a scale on one process only gave a step
+    0.32 off, silently."""
+    comm = common.naive()
+    model, optimizer = common.distributed(comm)
+    if _odd_one_out(comm):
+        optimizer.loss_scaling(scale=8.0)
+    messages = _first_update_error(model, optimizer, comm)
+    common.assert_everywhere(all(
+        'loss scaling: none on rank' in m and
+        '8.0 on rank {}'.format(comm.size - 1) in m for m in messages),
+        'loss scaling named: {}'.format(messages[0]))
+
+
+@several_ranks
 def test_different_model_fails_on_every_rank():
     comm = common.naive()
     model = common.ConvBNNet(n_out=4 if _odd_one_out(comm) else 3)

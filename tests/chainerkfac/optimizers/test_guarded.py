@@ -117,3 +117,24 @@ def test_a_scalar_parameter_accumulates(kfac, manual):
                                       rtol=1e-12)
     else:
         assert model.gain.array != 1.5
+
+
+def test_a_skipped_step_halves_a_dynamic_loss_scale():
+    """The step GuardedOptimizer skips never reaches the optimizer's
+    update, which follows a dynamic scale: the scale stayed where it
+    overflowed, and every later step was skipped."""
+    x, t = helpers.data(n=8)
+    numpy.random.seed(0)
+    model = helpers.ConvNet(bn=True)
+    inner = _sgd()
+    optimizer = GuardedOptimizer(inner).setup(model)
+    inner.loss_scaling(interval=1000)
+    for _ in range(3):
+        optimizer.update(helpers.loss_of(model), x, t)
+    assert inner._loss_scale == 8.0 and not optimizer.last_step_skipped
+    inner._loss_scale = float('inf')            # the backward overflows
+    optimizer.update(helpers.loss_of(model), x, t)
+    assert optimizer.last_step_skipped
+    assert inner._loss_scale == 65504           # halved, Chainer's cap
+    optimizer.update(helpers.loss_of(model), x, t)
+    assert not optimizer.last_step_skipped
