@@ -747,8 +747,11 @@ class KFAC(optimizer.GradientMethod):
 
         step = self.t
         (update or self.update_step)(grads, present)
-        # Chainer's dynamic loss scaling, from the step's own verdict
-        loss_scaling.follow_step(self, self.guard.skipped)
+        # Chainer's dynamic loss scaling, from the step's own verdict (read
+        # on the host only then: a CUDA graph's capture reads nothing; the
+        # graphs refuse loss scaling)
+        if self._loss_scaling_is_dynamic:
+            loss_scaling.follow_step(self, self.guard.skipped)
         refreshed = set()
         for block in blocks:
             for name in counts[block]:
