@@ -174,7 +174,7 @@ class MultiNodeTransport:
         wire = getattr(self.collectives, 'wire_dtype', None)
         items['wire_dtype'] = 'the data\'s' if wire is None else \
             str(numpy.dtype(wire))
-        self._check_same_everywhere(items)
+        check_same_everywhere(self.comm.mpi_comm, items, 'K-FAC multi-node')
         before = [p.array.copy() for _, p in sorted(target.namedparams())
                   if p.array is not None]
         self.comm.bcast_data(target)
@@ -193,10 +193,6 @@ class MultiNodeTransport:
         if optimizer.verbose and self.rank == 0:
             logger.info('%s', self.assignment.describe())
         return changed
-
-    def _check_same_everywhere(self, items: Dict[str, str]) -> None:
-        check_same_everywhere(self.comm.mpi_comm, items,
-                              'K-FAC multi-node')
 
     # -- stages 3 and 6 -------------------------------------------------------
     def owns(self, block) -> bool:

@@ -44,6 +44,16 @@ def registration_table(blocks, rescale) -> str:
     return '\n'.join(lines)
 
 
+def parameter_fingerprint(link) -> Dict[str, str]:
+    """``{'param /conv/W': '(4, 2, 3, 3) float32', ...}``: the name, shape
+    and dtype of each parameter of ``link`` (``'uninitialised'`` for a
+    lazy one), comparable across processes."""
+    return {'param ' + name: (
+        'uninitialised' if param.array is None else
+        '{} {}'.format(tuple(param.shape), param.dtype))
+        for name, param in sorted(link.namedparams())}
+
+
 def config_fingerprint(optimizer) -> Dict[str, str]:
     """What must be equal on every process: parameter names, shapes and
     dtypes, hyperparameters, step counters, blocks.
@@ -54,11 +64,7 @@ def config_fingerprint(optimizer) -> Dict[str, str]:
         ``{'param /conv/W': '(4, 2, 3, 3) float32', 'damping': '0.001',
         ...}`` — string values, comparable across processes.
     """
-    items = {}
-    for name, param in sorted(optimizer.target.namedparams()):
-        items['param ' + name] = (
-            'uninitialised' if param.array is None else
-            '{} {}'.format(tuple(param.shape), param.dtype))
+    items = parameter_fingerprint(optimizer.target)
     for name in ('lr', 'momentum'):
         items[name] = repr(getattr(optimizer.hyperparam, name))
     for name in FINGERPRINTED:
