@@ -23,7 +23,7 @@ import chainer
 
 from chainerkfac import sharding
 from chainerkfac.accumulation import GradientAccumulator
-from chainerkfac.optimizers import loss_scaling, options
+from chainerkfac.optimizers import loss_scaling, options, registration
 from chainerkfac.stage_timer import StageTimer
 from chainerkfac.step_guard import StepGuard
 
@@ -174,11 +174,17 @@ class GuardedOptimizer:
         n_micro, self.pending_micro_batches = self.pending_micro_batches, 0
         total, self.global_micro_batches = self.global_micro_batches, None
         self.accumulator.collect(target)
+        if self.comm is not None or total is not None:
+            # every process the same list of gradients: a parameter no loss
+            # reached on one process (a branch it did not take, a flush
+            # with no micro-batch of its own) is a zero there, in the mean
+            # (left out, ChainerMN's all-reduce reduced different lists on
+            # different processes: a hang)
+            self.actual_optimizer.reallocate_cleared_grads()
         if total is not None:
             # the processes' micro-batches differ: each one's gradient
             # weighs by its share (the mean over processes follows); one
             # with none sends zeros
-            self.actual_optimizer.reallocate_cleared_grads()
             size = 1 if self.comm is None else self.comm.size
             scale = size / float(total)
             for param in target.params():
@@ -225,10 +231,7 @@ class GuardedOptimizer:
                      optimizer.hyperparam.get_dict().items())),
                  'hooks': repr((sorted(pre), sorted(post))),
                  'loss scaling': loss_scaling.loss_scaling_of(optimizer)}
-        for name, param in sorted(optimizer.target.namedparams()):
-            items['param ' + name] = (
-                'uninitialised' if param.array is None else
-                '{} {}'.format(tuple(param.shape), param.dtype))
+        items.update(registration.parameter_fingerprint(optimizer.target))
         check_same_everywhere(self.comm.mpi_comm, items, 'GuardedOptimizer')
         self._agreed = True
 
@@ -240,10 +243,6 @@ class GuardedOptimizer:
         parameter. Returns whether the step was taken."""
         target = self.actual_optimizer.target
         if self.comm is not None:
-            # every process the same list: a parameter no loss reached on
-            # one process (a branch it did not take) is a zero there (left
-            # out, the processes reduced different lists: a hang)
-            self.actual_optimizer.reallocate_cleared_grads()
             self.comm.multi_node_mean_grad(target)
         self.timer.mark('mean')
         grads = [p.grad for p in target.params()]
@@ -261,9 +260,7 @@ class GuardedOptimizer:
         if self._shard is None:
             self._start_sharding()
         params, collectives = self._shard
-        optimizer = self.actual_optimizer
         owners, rank = self.owners, self.comm.rank
-        optimizer.reallocate_cleared_grads()
         reduced = sharding.reduce_scatter_mean(
             collectives, [p.grad for p in params], owners.owners,
             self.comm.size)
