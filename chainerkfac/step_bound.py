@@ -33,6 +33,11 @@ block, ``skip_layers``, a block without curvature yet) are neither
 counted nor scaled: their step is SGD's, ``η ∇L``, with no metric to
 measure it in.
 
+A parameter whose update rule has an lr of its own
+(``param.update_rule.hyperparam.lr = ...``, which its update uses) counts
+with that lr: ``m = η² Σ_plain ⟨d_p, ∇E_p⟩ + Σ_own η_p² ⟨d_p, ∇E_p⟩``;
+one held at lr 0 adds nothing.
+
 Multi-process: each block's term is computed by its first owner from the
 reduced gradient and its own direction, the partial sums are summed over
 processes in rank order (the same total, bit for bit, on every process),
@@ -64,24 +69,45 @@ def metric_term(block, grads: Sequence, directions: Sequence,
     return float(_device_term(block, grads, directions, damping))
 
 
-def _device_term(block, grads, directions, damping):
+def own_lr(param) -> Optional[float]:
+    """The lr of ``param``'s update rule where it has one of its own
+    (a number set on the rule's hyperparameters, not inherited from the
+    optimizer's), else None. A 0-d array there is the optimizer's lr in
+    device memory (:func:`chainerkfac.graphs.hyper.
+    bind_rule_hyperparameters`), not a value of the parameter's own."""
+    rule = getattr(param, 'update_rule', None)
+    value = None if rule is None else vars(rule.hyperparam).get('lr')
+    if isinstance(value, (int, float, numpy.integer, numpy.floating)):
+        return float(value)
+    return None
+
+
+def _device_term(block, grads, directions, damping, own=None):
     """:func:`metric_term` left on the device (a 0-d float64 array, or 0.0
-    for a block with no gradient)."""
+    for a block with no gradient). With a list ``own``, the parameters with
+    an lr of their own (:func:`own_lr`) are left out of the sum and their
+    terms appended to ``own``, each times its lr²."""
     total = 0.0
     for param, grad, direction, mean in zip(
             block.params, grads, directions, block.regularization_means()):
         if direction is None or grad is None:
             continue
-        total = total + _param_term(get_array_module(direction), param,
-                                    grad, direction, damping, mean)
+        term = _param_term(get_array_module(direction), param, grad,
+                           direction, damping, mean)
+        lr = None if own is None else own_lr(param)
+        if lr is None:
+            total = total + term
+        else:
+            own.append(lr * lr * term)
     return total
 
 
-def _multi_tensor_partial(xp, terms):
-    """:func:`_device_term`'s sum over ``terms`` on the GPU: the
-    parameters' terms in multi-tensor kernels
+def _multi_tensor_partial(xp, terms, own):
+    """:func:`_device_term`'s sum over ``terms`` on the GPU (``own`` as
+    there): the parameters' terms in multi-tensor kernels
     (:func:`chainerkfac.multi_tensor.bound_terms`), one by one where the
-    kernels do not take their arrays."""
+    kernels do not take their arrays or the parameter has an lr of its
+    own."""
     groups = {}          # dtype -> (directions, grads, weights, γ, μ)
     partial = 0.0
     for block, grads, directions, damping in terms:
@@ -89,6 +115,11 @@ def _multi_tensor_partial(xp, terms):
                 block.params, grads, directions,
                 block.regularization_means()):
             if direction is None or grad is None:
+                continue
+            lr = own_lr(param)
+            if lr is not None:
+                own.append(lr * lr * _param_term(
+                    xp, param, grad, direction, damping, mean))
                 continue
             if not _fits(direction, grad, param.array, damping):
                 partial = partial + _param_term(
@@ -208,16 +239,23 @@ class StepBound:
         float
             ν.
         """
-        partial = 0.0
-        for term in terms:
+        partial, own = 0.0, []
+        for block, grads, directions, damping in terms:
             # left to right, as apply_on_device adds (Python 3.12's sum()
             # of floats is compensated, and would differ in the last bits)
-            partial += metric_term(*term)
-        total = float(sum_over_processes(
-            numpy.array([partial], numpy.float64))[0])
+            if isinstance(damping, float):
+                damping = numpy.float64(damping)    # as metric_term
+            partial += float(_device_term(block, grads, directions, damping,
+                                          own))
+        own_total = 0.0
+        for term in own:
+            own_total += float(term)
+        total, own_total = (float(v) for v in sum_over_processes(
+            numpy.array([partial, own_total], numpy.float64)))
         if self.sum_across is not None:
             total = float(self.sum_across(total))
-        self.metric = lr * lr * total
+            own_total = float(self.sum_across(own_total))
+        self.metric = lr * lr * total + own_total
         self.scale = scale_of(self.metric, self.kl_clip)
         if self.scale != 1.0:
             for directions in scaled:
@@ -242,14 +280,17 @@ class StepBound:
         dtype: ν then agrees with :meth:`apply`'s to the rounding of those
         sums (float32's for a float32 model), not to the bit."""
         xp = get_array_module(lr)
+        own = []
         if xp is numpy:
             partial = 0.0
             for block, grads, directions, damping in terms:
                 partial = partial + _device_term(block, grads, directions,
-                                                 damping)
+                                                 damping, own)
         else:
-            partial = _multi_tensor_partial(xp, terms)
+            partial = _multi_tensor_partial(xp, terms, own)
         metric = lr * lr * partial
+        for term in own:
+            metric = metric + term
         magnitude = xp.abs(metric)
         # ν = min(1, √(c / |m|)); 1 for m = 0 (c / tiny is huge, as c / 0
         # is infinite), NaN for a non-finite m (scale_of's rule)

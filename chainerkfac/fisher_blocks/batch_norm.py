@@ -32,8 +32,9 @@ class BatchNormalizationBlock(FisherBlock):
 
     factor_kinds = {'F': FactorKind.PARAM_GRADS}
     function_types = (bn_module.BatchNormalization,)
-    normalizing_function_types = (bn_module.BatchNormalization,
-                                  bn_module.FixedBatchNormalization)
+    # Batch statistics remove a scale of the input; the running ones of
+    # test mode (FixedBatchNormalization: a frozen-BN fine-tuning) do not.
+    normalizing_function_types = (bn_module.BatchNormalization,)
 
     def __init__(self, name, link, options=None):
         options = options or BlockOptions()

@@ -178,7 +178,8 @@ def check_option(name: str, value, owner: str = 'KFAC') -> None:
 
 def check_options(**options) -> None:
     """:func:`check_option` for each keyword, then the rules that tie
-    several arguments together (the damping warm-up's pair)."""
+    several arguments together (the damping warm-up's pair, and its
+    direction)."""
     for name, value in options.items():
         check_option(name, value)
     if 'damping_target' in options or 'damping_warmup_steps' in options:
@@ -190,3 +191,15 @@ def check_options(**options) -> None:
                 'damping_warmup_steps', target if target is None else steps,
                 'goes with the other of damping_target / '
                 'damping_warmup_steps (eqs. 15-16): give both or neither')
+        damping = options.get('damping')
+        if target is not None and damping is not None and target > damping:
+            # α of eq. (15) is then negative and eq. (16) runs away from
+            # the target: γ crosses 0 within the warm-up
+            raise OptionError(
+                'damping_target', target,
+                'is larger than damping={!r}: the warm-up of eqs. (15-16) '
+                'only lowers γ from γ(0) = damping to the target (with '
+                'γ_target > γ(0), α of eq. 15 is negative and γ runs away, '
+                'below 0; the paper\'s "γtarget > γ(0)" is a typo for its '
+                '"start with a large damping and gradually decrease it")'
+                .format(damping))

@@ -53,6 +53,44 @@ def test_lr_zero_leaves_a_bn_free_model_bit_identical():
                                  start['/predictor/l1/W'])
 
 
+class ConvBN(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.conv = L.Convolution2D(2, 4, 3, pad=1)
+            self.bn = L.BatchNormalization(4)
+            self.fc = L.Linear(4 * 5 * 5, 3)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.bn(self.conv(x))))
+
+
+@pytest.mark.parametrize('train', [True, False])
+def test_eq20_auto_rescales_only_behind_batch_statistics(train):
+    """'auto' rescales a convolution followed by BatchNormalization in
+    train mode (batch statistics remove W's scale). In test mode (running
+    statistics: a frozen-BN fine-tuning) they do not, and a step at lr = 0
+    must leave the network's function as it was: the conv's W was
+    rescaled to √8 and the output moved by 0.62."""
+    rng = numpy.random.RandomState(0)
+    x = rng.randn(8, 2, 5, 5).astype(numpy.float32)
+    t = rng.randint(0, 3, 8).astype(numpy.int32)
+    model = L.Classifier(ConvBN())
+    for _ in range(5):                # running statistics of a trained net
+        model.predictor(x)
+    before = weights(model)
+    optimizer = chainerkfac.optimizers.KFAC(lr=0, momentum=0, verbose=False)
+    optimizer.setup(model)
+    with chainer.using_config('train', train):
+        optimizer.update(model, x, t)
+    if train:
+        assert optimizer.rescaled_params() == ['/predictor/conv/W']
+        return
+    assert optimizer.rescaled_params() == []
+    for name, value in weights(model).items():
+        numpy.testing.assert_array_equal(value, before[name], name)
+
+
 class EveryLink(chainer.Chain):
     """One of each kind of link a stock Chainer model may contain."""
 

@@ -122,6 +122,55 @@ def test_step_metric_and_scale_equal_the_by_hand_computation(lr, kl_clip):
     numpy.testing.assert_allclose(length, min(metric, kl_clip), rtol=1e-9)
 
 
+@pytest.mark.parametrize('own', [{'l2': 0.5}, {'l1': 0.0},
+                                 {'l1': 0.02, 'l2': 0.3}],
+                         ids=['l2-10x', 'l1-held', 'both'])
+@pytest.mark.parametrize('device', [False, True], ids=['host', 'device'])
+def test_a_parameter_with_its_own_lr_counts_with_it(own, device):
+    """A layer whose update rules have an lr of their own steps by it, so
+    the bound measures it with it: m = Σ_l η_l² ⟨d_l, ∇E_l⟩ (η_l the
+    layer's lr), and the step taken has squared length min(m, kl_clip).
+    With the optimizer's η for every layer, a layer at 10× lr took a step
+    100× the bound, and one held at lr 0 used up the bound's budget (ν the
+    same in all three cases). Host floats and the device path's 0-d η, γ
+    (a CUDA graph's, on NumPy) alike."""
+    lr, kl_clip = 0.05, 1e-4
+    model = helpers.MLP()
+    x, t = _batch(0)
+    reference = helpers.MLP()
+    reference.copyparams(model)
+    layers, _ = _oracle(reference, x, t, lr)
+    rates = {name: own.get(name, lr) for name in layers}
+    metric = sum(rates[n] ** 2 * vector.dot(direction.reshape(-1))
+                 for n, (vector, _, direction) in layers.items())
+    optimizer = helpers.kfac(lr=lr, momentum=0.0, damping=DAMPING,
+                             kl_clip=kl_clip).setup(model)
+    if device:
+        optimizer.device_lr = numpy.array(lr)
+        optimizer.device_damping = numpy.array(DAMPING)
+    for name, rate in own.items():
+        for param in getattr(model, name).params():
+            param.update_rule.hyperparam.lr = rate
+    before = {n: numpy.concatenate([l.W.array, l.b.array[:, None]], axis=1)
+              for n, l in ((n, getattr(model, n)) for n in layers)}
+    optimizer.update(helpers.loss_of(model), x, t)
+    scale = min(1.0, math.sqrt(kl_clip / metric))
+    assert scale < 1
+    numpy.testing.assert_allclose(float(optimizer.step_bound.metric),
+                                  metric, rtol=1e-9)
+    length = 0.0
+    for name, (_, fisher, direction) in layers.items():
+        link = getattr(model, name)
+        after = numpy.concatenate([link.W.array, link.b.array[:, None]],
+                                  axis=1)
+        numpy.testing.assert_allclose(
+            after, before[name] - rates[name] * scale * direction,
+            rtol=1e-9, atol=1e-12)
+        step = (after - before[name]).reshape(-1)
+        length += step.dot(fisher.dot(step))
+    numpy.testing.assert_allclose(length, kl_clip, rtol=1e-9)
+
+
 def test_no_bound_takes_the_whole_step_and_reports_nothing():
     layers, metric, before, after, observation = _one_step(0.5, None)
     assert 'kfac/step_scale' not in observation

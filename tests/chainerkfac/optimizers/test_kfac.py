@@ -257,6 +257,25 @@ def test_damping_warmup_follows_eq16():
     numpy.testing.assert_allclose(seen, expected, rtol=1e-12)
 
 
+def test_a_warmup_upwards_is_refused_when_built():
+    """γ_target > γ(0) (the paper's text says so, its eqs. 15-16 and its
+    runs go down): α < 0 and γ ran away, −8e-4 after one step, −0.070
+    after 11 (eq. 13 then pushed weights from 0), until the first refresh
+    of a stale run raised a math domain error at step 20."""
+    with pytest.raises(chainerkfac.optimizers.options.OptionError,
+                       match=r"damping_target.*larger than damping=0.001"):
+        helpers.kfac(damping=1e-3, damping_target=1e-2,
+                     damping_warmup_steps=10)
+    # equal: α = 0, γ stays
+    optimizer = helpers.kfac(damping=1e-3, damping_target=1e-3,
+                             damping_warmup_steps=10)
+    model = helpers.MLP()
+    optimizer.setup(model)
+    x, t = helpers.data(n=4, shape=(5,), n_class=3)
+    optimizer.update(helpers.loss_of(model), x, t)
+    assert optimizer.damping == 1e-3
+
+
 def train(model, optimizer, x, t, steps):
     for step in range(steps):
         rows = slice((2 * step) % 8, (2 * step) % 8 + 4)
