@@ -136,6 +136,7 @@ class CurvatureEstimator:
         #: call's input), and of the step so far.
         self.batch_size: Optional[int] = None
         self.samples = 0
+        self.empty_blocks: set = set()
 
     # -- copies (copy.deepcopy, pickle) ---------------------------------------
     def __getstate__(self):
@@ -196,6 +197,9 @@ class CurvatureEstimator:
         self._passes = 1
         self.batch_size = None
         self.samples = 0
+        #: The blocks whose backward passes this step came with no sample
+        #: (an empty micro-batch: nothing captured, no warning for it).
+        self.empty_blocks = set()
         self._capture.record_graph = record_graph
         if not record_graph:
             self._capture.clear_graph()
@@ -281,6 +285,11 @@ class CurvatureEstimator:
             self._summed_passes[pass_info.index] = _summed_length(function)
 
     def on_backward(self, block, function, in_data, out_grad, pass_info):
+        if in_data[0] is not None and in_data[0].shape[:1] == (0,):
+            # an empty micro-batch (a rank's share at an epoch's end): no
+            # sample to capture (a factor of 0/0); the factors stay due
+            self.empty_blocks.add(block)
+            return
         names = self._due.get(block)
         if pass_info.explicit:
             if names and block in self._gradient_due:

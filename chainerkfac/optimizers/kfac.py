@@ -1172,7 +1172,8 @@ class KFAC(optimizer.GradientMethod):
         groups = {}
         for block, names in due.items():
             missing = sorted(n for n in names if n not in counts[block])
-            if not missing or block.name in self._warned_uncaptured:
+            if not missing or block.name in self._warned_uncaptured or \
+                    block in self.estimator.empty_blocks:
                 continue
             self._warned_uncaptured.add(block.name)
             if self.transport.rank != 0 or \

@@ -532,3 +532,45 @@ def test_the_fisher_passes_take_the_logits_the_loss_comes_from(fisher,
         trained.append(model)
     for a, b in zip(trained[0].params(), trained[1].params()):
         numpy.testing.assert_array_equal(a.array, b.array)
+
+
+def test_an_empty_micro_batch_captures_nothing_and_warns_nothing(caplog):
+    """A refresh step on an empty micro-batch (a process's share of an
+    epoch's end) raised ``cannot reshape array of size 0 into shape
+    (0,newaxis)`` in the capture; a stale step took it. Now it captures
+    nothing: the factors keep their values and stay due (refreshed at the
+    next step with samples), no 'due but not captured' warning, weights
+    finite; as the same run with the empty step left out but for eq. 13's
+    term (lr 0 there; momentum 0)."""
+    x, t = helpers.data(n=4, shape=(5,), n_class=3)
+
+    def run(empty):
+        numpy.random.seed(0)
+        model = helpers.MLP()
+        optimizer = helpers.kfac(momentum=0.0)
+        optimizer.setup(model)
+
+        def lossfun(x, t):
+            y = model(x)
+            return F.mean(F.sum(y * y, axis=1)) if len(x) else F.sum(y) * 0
+        optimizer.update(lossfun, x, t)
+        if empty:
+            optimizer.lr = 0.0
+            optimizer.update(lossfun, x[:0], t[:0])
+            assert {b.name: b.inverse_count['A'] for b in optimizer.blocks} \
+                == {'/l1': 1, '/l2': 1}
+            optimizer.lr = 0.01
+        optimizer.update(lossfun, x, t)
+        return model, optimizer
+
+    with caplog.at_level(logging.WARNING, logger='chainerkfac'):
+        model, optimizer = run(empty=True)
+    assert 'not captured' not in caplog.text
+    assert {b.name: b.inverse_count['A'] for b in optimizer.blocks} == {
+        '/l1': 2, '/l2': 2}
+    reference, _ = run(empty=False)
+    for (name, got), (_, expected) in zip(sorted(model.namedparams()),
+                                          sorted(reference.namedparams())):
+        assert numpy.isfinite(got.array).all()
+        numpy.testing.assert_allclose(got.array, expected.array, rtol=1e-12,
+                                      atol=1e-14, err_msg=name)
