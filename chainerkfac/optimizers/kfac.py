@@ -1136,6 +1136,11 @@ class KFAC(optimizer.GradientMethod):
     def _factors_due(self):
         due = {}
         for block in self.blocks:
+            if block.params and not any(hooks.updates(p)
+                                        for p in block.params):
+                # frozen (disable_update()): no capture, exchange or
+                # inverse for it; due again once it is not
+                continue
             names = frozenset(
                 name for name, kind in block.factor_kinds.items()
                 if self._is_due(block.last_refresh[name], kind.interval))

@@ -39,3 +39,27 @@ def test_a_frozen_layer_does_not_shrink_the_others_steps():
                                   rtol=0, atol=1e-12)
     numpy.testing.assert_allclose(model.l2.b.array, head.b.array,
                                   rtol=0, atol=1e-12)
+
+
+def test_a_frozen_layer_costs_no_curvature_until_it_is_unfrozen():
+    """A frozen link's factors were captured, exchanged and inverted at
+    every refresh as a trainable one's (a frozen backbone's fine-tuning
+    paid full K-FAC). Now it has none of that while frozen; unfrozen, its
+    factors are due at the next step that starts and it is
+    preconditioned from then on."""
+    x, t = helpers.data(n=16, shape=(5,), n_class=3)
+    numpy.random.seed(0)
+    model = helpers.MLP((5, 4, 3))
+    classifier = L.Classifier(model)
+    optimizer = helpers.kfac().setup(classifier)   # refreshed every step
+    model.l1.disable_update()
+    for _ in range(3):
+        optimizer.update(classifier, x, t)
+    l1, l2 = (helpers.block_named(optimizer, n)
+              for n in ('/predictor/l1', '/predictor/l2'))
+    assert dict(l1.inverse_count) == {'A': 0, 'G': 0} and not l1.factors
+    assert dict(l2.inverse_count) == {'A': 3, 'G': 3}
+    model.l1.enable_update()
+    optimizer.update(classifier, x, t)      # its due set was decided
+    optimizer.update(classifier, x, t)
+    assert l1.inverse_count['A'] >= 1 and l1.has_inverses()
