@@ -185,15 +185,13 @@ class BackwardCapture(chainer.FunctionHook):
             self._explicit = False
             self._last_rank = -1
 
-    def logits_of(self, loss):
-        """The logits variable of the last recorded logits-function call
-        that ``loss`` comes from, or None (not the call of another forward
-        pass in the loss function: a validation pass, a second head)."""
+    def logits_calls_of(self, loss) -> list:
+        """The recorded logits-function calls that ``loss`` comes from, in
+        call order (not those of another forward pass in the loss
+        function: a validation pass, an accuracy's softmax)."""
         ancestors = {id(n.function) for n in graph_of(loss)}
-        for function in reversed(self._logit_functions):
-            if id(function) in ancestors and function.inputs is not None:
-                return function.inputs[0].get_variable()
-        return None
+        return [f for f in self._logit_functions
+                if id(f) in ancestors and f.inputs is not None]
 
     def forget_logits(self) -> None:
         self._logit_functions = []
@@ -294,6 +292,29 @@ def graph_of(variable) -> List[GraphNode]:
         out.append(_node(function))
         stack.extend(node.creator_node for node in function.inputs)
     return out
+
+
+def functions_between(loss, function) -> list:
+    """The function nodes on a path from ``function``'s output to ``loss``
+    (``loss`` comes from ``function``), ``function`` excluded."""
+    reaches = {id(function): True}
+    order, stack = [], [(loss.creator_node, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if node is None or (id(node) in reaches and not expanded):
+            continue
+        if expanded:
+            reaches[id(node)] = any(
+                reaches.get(id(i.creator_node), False) for i in node.inputs)
+            if reaches[id(node)]:
+                order.append(node)
+            continue
+        reaches.setdefault(id(node), False)
+        stack.append((node, True))
+        stack.extend((i.creator_node, False) for i in node.inputs
+                     if i.creator_node is not None and
+                     id(i.creator_node) not in reaches)
+    return order
 
 
 def _shape_of(nodes) -> tuple:

@@ -32,6 +32,8 @@ import numpy
 
 import chainer
 import chainer.functions as F
+from chainer.functions.activation import log_softmax as log_softmax_module
+from chainer.functions.activation import softmax as softmax_module
 from chainer.functions.math import basic_math
 from chainer.functions.math import sum as sum_module
 
@@ -372,16 +374,61 @@ class CurvatureEstimator:
                 'first modelled layer (Linear, Convolution2D, '
                 'BatchNormalization); the loss called none')
         if fisher_passes:
-            logits = self._capture.logits_of(loss)
-            self._capture.forget_logits()
-            if logits is None:
-                raise RuntimeError(
-                    "fisher='{}' needs the logits: the loss must apply one "
-                    'of {} to the model\'s output (register others with '
-                    'chainerkfac.fisher_blocks.register_logits_function)'
-                    .format(self.fisher, ', '.join(
-                        t.__name__ for t in fisher_blocks.logits_functions())))
+            try:
+                logits = self._logits_of(loss)
+            finally:
+                self._capture.forget_logits()
             self._fisher_passes(logits, params)
+
+    def _logits_of(self, loss):
+        """The logits the Fisher passes sample from: the input of the one
+        logits-function call the loss comes from, which must be the
+        loss's (no modelled layer between it and the loss)."""
+        calls = self._capture.logits_calls_of(loss)
+        if not calls:
+            raise RuntimeError(
+                "fisher='{}' needs the logits: the loss must apply one "
+                'of {} to the model\'s output (register others with '
+                'chainerkfac.fisher_blocks.register_logits_function)'
+                .format(self.fisher, ', '.join(
+                    t.__name__ for t in fisher_blocks.logits_functions())))
+        if len(calls) > 1:
+            raise RuntimeError(
+                "fisher='{}' samples the model's output distribution from "
+                'its logits, but the loss comes from {} calls of logits '
+                'functions ({}): a loss of several heads (a weighted sum '
+                'of their losses), or a softmax inside the model. Sampled '
+                'from one of them, the layers of the others would get no '
+                "curvature. Use fisher='emp' (the gradients of the loss "
+                'itself), or one head\'s loss'.format(
+                    self.fisher, len(calls),
+                    ', '.join(type(c).__name__ for c in calls)))
+        call = calls[0]
+        inside = [f for f in capture_module.functions_between(loss, call)
+                  if len(f.inputs) >= 2 and
+                  id(f.inputs[1].get_variable_or_none()) in self.routes]
+        if inside:
+            raise RuntimeError(
+                "fisher='{}': the loss's {} call is inside the model, not "
+                'on its output: its output goes through {} before the '
+                "loss (a softmax gate, or attention). Use fisher='emp', "
+                'or apply the loss to the model\'s logits'.format(
+                    self.fisher, type(call).__name__, ', '.join(
+                        type(f).__name__ for f in inside[:3])))
+        logits = call.inputs[0].get_variable()
+        if logits.array is None:
+            # F.log_softmax and F.softmax keep their output, not their input
+            # (whose variable the loss function let go): logits up to a
+            # constant per sample, which neither the sampled distribution
+            # nor the gradients of eq. (9)'s passes see
+            logits.array = _logits_from_output(call)
+        if logits.array is None:
+            raise RuntimeError(
+                "fisher='{}': the {} call of the loss did not keep its input "
+                '(the logits the Fisher passes sample from): apply '
+                'F.softmax_cross_entropy or F.log_softmax to the logits'
+                .format(self.fisher, type(call).__name__))
+        return logits
 
     def _fisher_passes(self, logits, params) -> None:
         inputs = [p for p in params
@@ -412,6 +459,21 @@ class CurvatureEstimator:
         for block, names in self._gradient_due.items():
             block.scale_capture({n: scale for n in names
                                  if not block.factor_kinds[n].forward})
+
+
+def _logits_from_output(call):
+    """Logits (up to a constant per sample) from the kept output of a
+    LogSoftmax (itself) or Softmax call (its log), or None."""
+    kept = getattr(call, 'output_data', None)
+    if not kept or kept[0] is None:
+        return None
+    if isinstance(call, log_softmax_module.LogSoftmax):
+        return kept[0]
+    if isinstance(call, softmax_module.Softmax):
+        xp = chainer.backend.get_array_module(kept[0])
+        with numpy.errstate(divide='ignore'):
+            return xp.log(kept[0])
+    return None
 
 
 _SUMMED_LOSS = (
