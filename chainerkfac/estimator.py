@@ -133,6 +133,9 @@ class CurvatureEstimator:
         # pass index / block -> the first axis's length of what the pass's
         # F.sum summed (None: not known)
         self._summed_passes: Dict[int, Optional[int]] = {}
+        #: loss_reduction='sum': the passes from a batch-mean loss (the
+        #: function's name), refused if the step's batch comes from one.
+        self._mean_passes: Dict[int, object] = {}
         self._summed_blocks: Dict[object, Optional[int]] = {}
         #: Samples of the open micro-batch (first axis of the first routed
         #: call's input), and of the step so far.
@@ -243,9 +246,13 @@ class CurvatureEstimator:
         batch = self.batch_size
         summed = [n for n in self._summed_blocks.values()
                   if n is None or batch is None or n == batch]
+        mean = self._mean_passes.get(self._batch_pass)
         self._summed_blocks, self._summed_passes = {}, {}
+        self._mean_passes = {}
         if summed:
             raise ValueError(_SUMMED_LOSS.format(batch))
+        if mean is not None and _is_mean_loss(mean, batch):
+            raise ValueError(_MEAN_LOSS.format(type(mean).__name__))
         if self.fisher == 'emp':
             self._unscale_gradient_factors()
         for block in self._due:
@@ -285,6 +292,8 @@ class CurvatureEstimator:
             # Refused if what it captures is still part of the update
             # (other passes, e.g. for input gradients, may sum).
             self._summed_passes[pass_info.index] = _summed_length(function)
+        if self.loss_reduction == 'sum' and _is_mean_loss(function):
+            self._mean_passes[pass_info.index] = function
 
     def on_backward(self, block, function, in_data, out_grad, pass_info):
         if in_data[0] is not None and in_data[0].shape[:1] == (0,):
@@ -368,6 +377,9 @@ class CurvatureEstimator:
         if self.loss_reduction == 'mean' and _is_summed_loss(
                 loss.creator, self.batch_size):
             raise ValueError(_SUMMED_LOSS.format(self.batch_size))
+        if self.loss_reduction == 'sum' and _is_mean_loss(
+                loss.creator, self.batch_size):
+            raise ValueError(_MEAN_LOSS.format(type(loss.creator).__name__))
         if self.loss_reduction == 'sum' and self.batch_size is None:
             raise RuntimeError(
                 "KFAC(loss_reduction='sum') takes the batch size from the "
@@ -484,6 +496,35 @@ _SUMMED_LOSS = (
     "KFAC(loss_reduction='sum'). If it sums something else (the losses "
     'of as many time steps, say), write that sum as a Python sum() or '
     'F.add of the terms.')
+
+
+_MEAN_LOSS = (
+    "K-FAC(loss_reduction='sum') scales the factors for a loss summed over "
+    'the mini-batch, but the loss looks like a batch mean (its last '
+    "operation is {}): use loss_reduction='mean' (the default), or a sum "
+    "(reduce='no' and F.sum, or F.sum in place of F.mean).")
+
+
+def _is_mean_loss(function, batch: Optional[int] = None) -> bool:
+    """Whether ``function`` (a loss's creator) is a batch mean Chainer
+    writes so: ``softmax_cross_entropy`` / ``sigmoid_cross_entropy`` with
+    ``reduce='mean'``, ``mean_squared_error``, or ``F.mean`` of an array
+    whose first axis has the batch's length (where known; a mean over
+    time steps passes)."""
+    from chainer.functions.loss import mean_squared_error
+    from chainer.functions.loss import sigmoid_cross_entropy
+    from chainer.functions.loss import softmax_cross_entropy
+    from chainer.functions.math import average
+    if isinstance(function, (softmax_cross_entropy.SoftmaxCrossEntropy,
+                             sigmoid_cross_entropy.SigmoidCrossEntropy)):
+        return getattr(function, 'reduce', None) == 'mean'
+    if isinstance(function, mean_squared_error.MeanSquaredError):
+        return True
+    if isinstance(function, average.Mean) and function.inputs:
+        shape = function.inputs[0].shape
+        return bool(shape) and (batch is None or shape[0] == batch) and \
+            function.axis in (None, (0,), 0)
+    return False
 
 
 def sums_over_batch(loss, batch: Optional[int]) -> bool:

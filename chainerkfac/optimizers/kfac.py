@@ -285,8 +285,10 @@ class KFAC(optimizer.GradientMethod):
         in the all-gather instead of the preconditioned gradients (same
         bytes for a float32 model on the default wire: weights travel at
         the parameters' dtype). The steps equal those without it; each
-        process's snapshot holds the velocities it owns. One process: no
-        effect.
+        process's snapshot holds the velocities it owns. One process: the
+        same steps, and the same refusals (a gradient hook that needs the
+        whole gradient, such as ``GradientClipping``, is refused at the
+        first update as it would be on many processes).
     """
 
     lr = optimizer.HyperparameterProxy('lr')

@@ -496,6 +496,36 @@ def test_sum_reduction_steps_as_the_mean_loss(acc_iters):
     assert_moved(results[0], weights(base))
 
 
+@pytest.mark.parametrize('manual', [False, True], ids=['lossfun', 'manual'])
+@pytest.mark.parametrize('loss', ['sce', 'f.mean', 'mse'])
+def test_sum_reduction_refuses_a_batch_mean(loss, manual):
+    """loss_reduction='sum' with a mean loss was taken silently (a step
+    1.12x the sum loss's in a stranger's run); the reverse was refused.
+    A mean over something else than the batch (time steps) passes."""
+    x, t = helpers.data(n=8)
+    model = helpers.ConvNet(bn=True)
+    optimizer = helpers.kfac(loss_reduction='sum').setup(model)
+
+    def lossfun(x, t):
+        y = model(x)
+        if loss == 'sce':
+            return F.softmax_cross_entropy(y, t)
+        if loss == 'f.mean':
+            return F.mean(F.softmax_cross_entropy(y, t, reduce='no'))
+        return F.mean_squared_error(y, numpy.zeros_like(y.array))
+    name = {'sce': 'SoftmaxCrossEntropy', 'f.mean': 'Mean',
+            'mse': 'MeanSquaredError'}[loss]
+    with pytest.raises(ValueError, match=r"loss_reduction='sum'.*batch "
+                       r"mean \(its last operation is {}\)".format(name)):
+        helpers.update(optimizer, model, lossfun, x, t, manual)
+
+    def over_time(x, t):
+        steps = [F.sum(F.softmax_cross_entropy(model(x), t, reduce='no'))
+                 for _ in range(3)]
+        return F.mean(F.stack(steps))
+    helpers.update(optimizer, model, over_time, x, t, manual)
+
+
 # -- a stock training script ------------------------------------------------------
 def _train_stock_mlp(make_optimizer, epochs=10):
     """Chainer's MNIST example script on the digits; only the optimizer line
