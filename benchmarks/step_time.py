@@ -37,6 +37,9 @@ same fixed batch:
 * ``kfac_low_rank``: every step at ``KFAC()``'s own default, a factor of
   few per-sample vectors kept low rank and inverted by Woodbury, exactly
   (``low_rank=True``);
+* ``kfac_cholesky_solve`` (the CPU only): every step, the damped
+  factors' Cholesky factors kept and stage 5 solving with them, no
+  inverse formed (``inverse_method='cholesky_solve'``);
 * ``kfac_shifted``: every step, each stride-1 convolution's A formed by
   shifted products (``conv_a_strategy='shifted'``; ``kfac_every`` takes
   the library's choice: on the GPU the unfolded product, or under
@@ -220,6 +223,8 @@ KFAC_VARIANTS = {
     # A of the stride-1 convolutions from shifted products (the CPU's
     # choice where its cost model says so, the GPU's to be timed)
     'kfac_shifted': {'conv_a_strategy': 'shifted'},
+    # the CPU only: Cholesky factors kept, stage 5 by triangular solves
+    'kfac_cholesky_solve': {'inverse_method': 'cholesky_solve'},
 }
 #: The opt-in CUDA-graph variants (``--gpu``).
 GRAPH_VARIANTS = ('sgd_graph', 'kfac_stale_graph', 'kfac_stale_graph_tf32',
@@ -232,10 +237,13 @@ KFAC_GRAPH_VARIANTS = {
 }
 VARIANTS = ('sgd',) + tuple(KFAC_VARIANTS) + GRAPH_VARIANTS
 CPU_VARIANTS = ('sgd', 'kfac_every', 'kfac_stale')
+#: ``inverse_method='cholesky_solve'`` refuses GPU arrays.
+CPU_ONLY_VARIANT = 'kfac_cholesky_solve'
 #: --gpu's default: every variant, the replayed ones with them
 #: (``train_imagenet.py --gpu`` replays the steps that refresh nothing),
 #: but the shifted A, which runs apart until a GPU has timed it.
-GPU_VARIANTS = tuple(v for v in VARIANTS if v != 'kfac_shifted')
+GPU_VARIANTS = tuple(v for v in VARIANTS
+                     if v not in ('kfac_shifted', CPU_ONLY_VARIANT))
 #: --gpu --batches' default: what the throughput table and the goals
 #: against the peer read (SGD, K-FAC every step dense and low-rank, the
 #: stale step, the replayed SGD and stale steps): half the default run's
@@ -1787,6 +1795,9 @@ def parse_args(argv):
     if graphed and not args.gpu:
         parser.error('the {} variant (CUDA graphs) needs --gpu'.format(
             graphed[0]))
+    if args.gpu and CPU_ONLY_VARIANT in args.variants:
+        parser.error('the {} variant runs on the CPU only'.format(
+            CPU_ONLY_VARIANT))
     args.workspace_limits, args.timed, args.cudnn = cudnn_choice(
         args.workspace_sizes, args.autotune, args.gpu, bool(graphed))
     return args

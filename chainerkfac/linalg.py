@@ -33,7 +33,7 @@ MAX_INVERSE_TRIES = 6
 #: How :func:`damped_inverses` inverts: LAPACK / cuSOLVER Cholesky, or the
 #: Newton–Schulz iteration batched over factors of equal size (with
 #: Cholesky for what it does not settle).
-INVERSE_METHODS = ('cholesky', 'newton_schulz')
+INVERSE_METHODS = ('cholesky', 'newton_schulz', 'cholesky_solve')
 
 
 def gram(rows, scale: float, factor_dtype=numpy.float32,
@@ -246,12 +246,86 @@ class InverseResult(NamedTuple):
     retries: int                # failed tries before success (or all)
 
 
-def _cholesky_inverse_cpu(matrix):
+class CholeskyInverse:
+    """``(M + d·I)⁻¹`` kept as the upper Cholesky factor ``U`` of
+    ``M + d·I = Uᵀ U`` and applied by two triangular solves, never formed
+    (``inverse_method='cholesky_solve'``, the CPU).
+
+    A refresh then costs Cholesky's n³/3 flops alone, where forming the
+    inverse (``potri``) adds 2n³/3 more; each use costs two triangular
+    solves, the same flops as the product with a formed inverse (2n²k for
+    an (n, k) matrix).
+
+    Parameters
+    ----------
+    upper : numpy.ndarray (n, n)
+        ``U`` in its upper triangle (what LAPACK ``potrf`` returns; the
+        strict lower triangle is not read).
+    """
+
+    def __init__(self, upper):
+        self.upper = upper
+
+    @property
+    def dim(self) -> int:
+        return int(self.upper.shape[0])
+
+    @property
+    def dtype(self):
+        return self.upper.dtype
+
+    def left(self, matrix):
+        """``F⁻¹ · matrix`` for an (n, k) matrix (or an (n,) vector),
+        solved in the factor's dtype and returned in the matrix's."""
+        from scipy.linalg import solve_triangular
+        rhs = matrix.astype(self.upper.dtype, copy=False)
+        # Uᵀ y = matrix, then U x = y
+        y = solve_triangular(self.upper, rhs, trans='T', lower=False,
+                             check_finite=False)
+        x = solve_triangular(self.upper, y, lower=False, overwrite_b=True,
+                             check_finite=False)
+        return x.astype(matrix.dtype, copy=False)
+
+    def right(self, matrix):
+        """``matrix · F⁻¹`` for a (k, n) matrix (F is symmetric)."""
+        return self.left(matrix.T).T
+
+    def refill(self, other: 'CholeskyInverse') -> bool:
+        """Take ``other``'s factor into this object's array, in place, where
+        shape, dtype and layout match (as
+        :meth:`chainerkfac.low_rank.WoodburyInverse.refill`)."""
+        mine, theirs = self.upper, other.upper
+        if not (type(mine) is type(theirs) and mine.shape == theirs.shape
+                and mine.dtype == theirs.dtype and
+                mine.strides == theirs.strides and mine.flags.writeable):
+            return False
+        if theirs is not mine:
+            mine[...] = theirs
+        return True
+
+    def arrays(self) -> list:
+        return [self.upper]
+
+    def dense(self):
+        """The inverse as an (n, n) array (tests)."""
+        return self.left(numpy.eye(self.dim, dtype=self.upper.dtype))
+
+
+def _potrf_cpu(matrix):
+    """The upper Cholesky factor of a CPU matrix (LAPACK ``potrf``; the
+    strict lower triangle keeps the input's values), or None where it is
+    not positive definite."""
     from scipy.linalg import lapack
     potrf = lapack.dpotrf if matrix.dtype == numpy.float64 else lapack.spotrf
-    potri = lapack.dpotri if matrix.dtype == numpy.float64 else lapack.spotri
     chol, info = potrf(matrix, lower=False, clean=False)
-    if info != 0:
+    return chol if info == 0 else None
+
+
+def _cholesky_inverse_cpu(matrix):
+    from scipy.linalg import lapack
+    potri = lapack.dpotri if matrix.dtype == numpy.float64 else lapack.spotri
+    chol = _potrf_cpu(matrix)
+    if chol is None:
         return None
     inv, info = potri(chol, lower=False)
     if info != 0:
@@ -273,8 +347,10 @@ def mirror_upper(matrix, block: int = 64):
     return matrix
 
 
-def _attempt_cpu(matrices, dampings, check_input):
-    """One try for each factor on the CPU (LAPACK potrf + potri).
+def _attempt_cpu(matrices, dampings, check_input, factor_only=False):
+    """One try for each factor on the CPU (LAPACK potrf + potri; with
+    ``factor_only``, potrf alone, the inverse kept as a
+    :class:`CholeskyInverse`).
 
     Returns, per factor, ``(input_finite, inverse or None)``; the input is
     checked only with ``check_input``.
@@ -292,8 +368,14 @@ def _attempt_cpu(matrices, dampings, check_input):
             damped = matrix.astype(dtype)
             diag = numpy.arange(matrix.shape[0])
             damped[diag, diag] += dtype(damping)
-            inverse = _cholesky_inverse_cpu(damped)
-        if inverse is not None and not numpy.isfinite(inverse).all():
+            if factor_only:
+                upper = _potrf_cpu(damped)
+                inverse = None if upper is None or not numpy.isfinite(
+                    numpy.diagonal(upper)).all() else CholeskyInverse(upper)
+            else:
+                inverse = _cholesky_inverse_cpu(damped)
+        if inverse is not None and not isinstance(inverse, CholeskyInverse) \
+                and not numpy.isfinite(inverse).all():
             inverse = None
         outcomes.append((True, inverse))
     return outcomes
@@ -321,8 +403,10 @@ def damped_inverses(matrices: Sequence, dampings: Sequence[float],
         Tries per factor: the k-th (from 0) uses ``d · boost ** k``.
     boost : float
         Damping multiplier between tries.
-    method : {'cholesky', 'newton_schulz'}
-        ``'newton_schulz'``: each try first runs the square factors of size
+    method : {'cholesky', 'newton_schulz', 'cholesky_solve'}
+        ``'cholesky_solve'`` (CPU arrays only): a square factor's inverse
+        is its :class:`CholeskyInverse`, applied by triangular solves and
+        never formed. ``'newton_schulz'``: each try first runs the square factors of size
         up to ``newton_schulz_max_dim`` (default
         :data:`chainerkfac.newton_schulz.MAX_DIM`) through the Newton–Schulz
         iteration, stacked by size (:mod:`chainerkfac.newton_schulz`); the
@@ -365,7 +449,12 @@ def damped_inverses(matrices: Sequence, dampings: Sequence[float],
     if not len(matrices):
         return []
     if get_array_module(*matrices) is numpy:
-        attempt = _attempt_cpu
+        attempt = functools.partial(
+            _attempt_cpu, factor_only=method == 'cholesky_solve')
+    elif method == 'cholesky_solve':
+        raise ValueError(
+            "damped_inverses: method='cholesky_solve' runs on the CPU only; "
+            "on a GPU use 'cholesky' (or 'newton_schulz')")
     else:
         from chainerkfac import linalg_cuda
         attempt = linalg_cuda.attempt

@@ -282,7 +282,8 @@ class WoodburyInverse:
 
     def __init__(self, columns, core_inverse, damping: float):
         self.columns = columns
-        self.weighted = linalg.matmul(columns, core_inverse)    # W = U C⁻¹
+        # W = U C⁻¹ (C⁻¹ dense, or a linalg.CholeskyInverse)
+        self.weighted = right_multiply(columns, core_inverse)
         self.damping = float(damping)
         # 1/γ by the dtype of the matrices multiplied, as 0-d arrays beside
         # the columns: a captured CUDA graph reads them where they are, so
@@ -385,19 +386,20 @@ def refilled(old, new):
     captured CUDA graph reads (:mod:`chainerkfac.graphs.kfac_step`)."""
     if old is None or new is None or old is new:
         return new
-    if isinstance(old, WoodburyInverse):
-        if isinstance(new, WoodburyInverse) and old.refill(new):
-            return old
-        return new
-    if isinstance(new, WoodburyInverse) or not _same_layout(old, new):
+    for kind in (WoodburyInverse, linalg.CholeskyInverse):
+        if isinstance(old, kind):
+            return old if isinstance(new, kind) and old.refill(new) else new
+    if isinstance(new, (WoodburyInverse, linalg.CholeskyInverse)) or \
+            not _same_layout(old, new):
         return new
     old[...] = new
     return old
 
 
 def inverse_arrays(inverse) -> list:
-    """The arrays an inverse (dense, diagonal or Woodbury) applies."""
-    if isinstance(inverse, WoodburyInverse):
+    """The arrays an inverse (dense, diagonal, Woodbury or Cholesky)
+    applies."""
+    if isinstance(inverse, (WoodburyInverse, linalg.CholeskyInverse)):
         return inverse.arrays()
     return [] if inverse is None else [inverse]
 
@@ -422,11 +424,12 @@ def inverse_of(factor, inverse, damping: float):
 
 def left_multiply(inverse, matrix, overwrite: bool = False,
                   tf32: bool = False):
-    """``inverse · matrix``: a Woodbury inverse, a dense one or a diagonal
-    (1-D); with ``overwrite``, a diagonal scales ``matrix`` in place;
-    ``tf32``: a dense float32 product on TF32 Tensor Cores
+    """``inverse · matrix``: a Woodbury inverse, a Cholesky one
+    (:class:`chainerkfac.linalg.CholeskyInverse`), a dense one or a
+    diagonal (1-D); with ``overwrite``, a diagonal scales ``matrix`` in
+    place; ``tf32``: a dense float32 product on TF32 Tensor Cores
     (:func:`chainerkfac.linalg.matmul`)."""
-    if isinstance(inverse, WoodburyInverse):
+    if isinstance(inverse, (WoodburyInverse, linalg.CholeskyInverse)):
         return inverse.left(matrix)
     inverse = inverse.astype(matrix.dtype, copy=False)
     if inverse.ndim == 2:
@@ -440,7 +443,7 @@ def left_multiply(inverse, matrix, overwrite: bool = False,
 def right_multiply(matrix, inverse, overwrite: bool = False,
                    tf32: bool = False):
     """``matrix · inverse``, as :func:`left_multiply`."""
-    if isinstance(inverse, WoodburyInverse):
+    if isinstance(inverse, (WoodburyInverse, linalg.CholeskyInverse)):
         return inverse.right(matrix)
     inverse = inverse.astype(matrix.dtype, copy=False)
     if inverse.ndim == 2:

@@ -601,10 +601,11 @@ class FisherBlock:
             self.factors[factor] = value
         self._loaded = {}
 
-    def restore_inverses(self) -> List[str]:
+    def restore_inverses(self, method: str = 'cholesky') -> List[str]:
         """Recompute the inverses of held factors that lack one (after
-        loading), with the damping each was computed with. Returns the
-        factors whose inverse could not be restored."""
+        loading), with the damping each was computed with, by ``method``
+        (:func:`chainerkfac.linalg.damped_inverses`). Returns the factors
+        whose inverse could not be restored."""
         self.settle_loaded()
         missing = [f for f in self.factor_names
                    if f in self.factors and f not in self.inverses]
@@ -612,7 +613,8 @@ class FisherBlock:
             return []
         results = linalg.damped_inverses(
             [low_rank.inversion_matrix(self.factors[f]) for f in missing],
-            [self.inverse_damping[f] for f in missing], max_tries=1)
+            [self.inverse_damping[f] for f in missing], max_tries=1,
+            method=method)
         failed = []
         for factor, result in zip(missing, results):
             if result.inverse is None:

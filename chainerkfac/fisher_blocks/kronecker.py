@@ -306,9 +306,9 @@ def batch_key(block):
     if not isinstance(block, KroneckerBlock) or not block.has_inverses():
         return None
     a_inv, g_inv = block.inverses['A'], block.inverses['G']
-    if isinstance(a_inv, low_rank.WoodburyInverse) or \
-            isinstance(g_inv, low_rank.WoodburyInverse):
-        return None
+    if not all(getattr(inverse, 'ndim', 0) in (1, 2)
+               for inverse in (a_inv, g_inv)):
+        return None             # a Woodbury or Cholesky inverse
     return (tuple(block.link.W.shape), block.has_bias, a_inv.shape,
             g_inv.shape, numpy.dtype(block.link.W.dtype),
             numpy.dtype(a_inv.dtype), type(a_inv))

@@ -40,6 +40,13 @@ def serialize(optimizer, serializer) -> None:
         block.serialize(state[block.name.strip('/') or '_root'])
 
 
+def restore_method(optimizer) -> str:
+    """How a restored factor's inverse is recomputed: as the refresh would
+    (a Cholesky factor with ``'cholesky_solve'``), else by Cholesky."""
+    return ('cholesky_solve' if optimizer.inverse_method == 'cholesky_solve'
+            else 'cholesky')
+
+
 def reconcile(optimizer) -> None:
     """After a restore, at the first update (the owners are known): keep
     the factors of the blocks this process owns and recompute their
@@ -51,7 +58,7 @@ def reconcile(optimizer) -> None:
     for block in optimizer.blocks:
         owned = transport.owns(block)
         if owned:
-            block.restore_inverses()
+            block.restore_inverses(restore_method(optimizer))
         else:
             block.drop_factors()
         flags += [int(owned and name not in block.factors and

@@ -224,7 +224,7 @@ def test_unknown_method_is_refused():
 
 def test_kfac_steps_equal_either_way():
     """Three float64 K-FAC steps of a conv + BN model give the same weights
-    with either inverse method."""
+    with every inverse method."""
     x, t = helpers.data(n=8)
     weights = []
     for method in linalg.INVERSE_METHODS:
@@ -237,6 +237,7 @@ def test_kfac_steps_equal_either_way():
         for _ in range(3):
             optimizer.update(helpers.loss_of(model), x, t)
         weights.append({n: p.array.copy() for n, p in model.namedparams()})
-    for name in weights[0]:
-        numpy.testing.assert_allclose(weights[1][name], weights[0][name],
-                                      rtol=1e-9, atol=1e-12)
+    for other in weights[1:]:
+        for name in weights[0]:
+            numpy.testing.assert_allclose(other[name], weights[0][name],
+                                          rtol=1e-9, atol=1e-12)
