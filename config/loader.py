@@ -109,8 +109,9 @@ class TrainConfig:
         4608²).
     inverse_method : str
         One of :data:`chainerkfac.linalg.INVERSE_METHODS`: ``'cholesky'``
-        (the default) or ``'newton_schulz'`` (batched GEMMs for the factors
-        up to n = 1024; for GPUs).
+        (the default), ``'newton_schulz'`` (batched GEMMs for the factors
+        up to n = 1024; for GPUs) or ``'cholesky_solve'`` (the CPU only:
+        Cholesky factors kept, stage 5 by triangular solves).
     kl_clip : float or null
         The optimizer's bounded step (kfac-pytorch's ``kl_clip``).
         ``null`` (the default here, unlike the library's): no bound, the

@@ -603,6 +603,11 @@ def resolve_config(args, comm):
                 dict(config_module.to_dict(cfg), **overrides),
                 source=args.config)
         cfg.acc_iters(comm.size)   # raises with the numbers if impossible
+        if args.gpu and cfg.inverse_method == 'cholesky_solve':
+            raise ValueError(
+                "{}: inverse_method 'cholesky_solve' runs on the CPU only; "
+                "with --gpu use 'cholesky' or 'newton_schulz'".format(
+                    args.config))
     except (OSError, ValueError) as e:
         error = e
     raise_together(comm, error)

@@ -150,3 +150,28 @@ def test_gpu_without_a_gpu_stack_is_said_once_before_mpi(nproc, tmp_path):
     assert said.count('--gpu needs CuPy and a CUDA GPU: ImportError: no '
                       'CuPy here') == 1, said
     assert not (tmp_path / 'out').exists()
+
+
+def test_a_cpu_only_inverse_method_is_refused_with_gpu(tmp_path):
+    """``inverse_method: "cholesky_solve"`` runs on the CPU only: with
+    ``--gpu`` the config is refused before any data is read, naming the
+    file (the optimizer would refuse it only at its first step)."""
+    import json
+    import pathlib
+    import types
+    from harness import run
+    demo = pathlib.Path(__file__).parents[2] / 'config' / 'demo.json'
+    data = json.loads(demo.read_text())
+    data['inverse_method'] = 'cholesky_solve'
+    path = tmp_path / 'run.json'
+    path.write_text(json.dumps(data))
+    comm = types.SimpleNamespace(
+        rank=0, size=1, mpi_comm=types.SimpleNamespace(
+            allgather=lambda value: [value]))
+    args = types.SimpleNamespace(config=str(path), epochs=None,
+                                 lars_momentum=None, gpu=True)
+    with pytest.raises(ValueError, match=r"run.json: inverse_method "
+                       r"'cholesky_solve' runs on the CPU only"):
+        run.resolve_config(args, comm)
+    args.gpu = False
+    assert run.resolve_config(args, comm).inverse_method == 'cholesky_solve'
