@@ -119,7 +119,22 @@ def print_report(entries, progress_bar):
     before each row, bar or not, which would land in a log file.
     """
     out = sys.stdout if progress_bar else PlainText(sys.stdout)
-    return extensions.PrintReport(entries, out=out)
+    return ResumedPrintReport(entries, out=out)
+
+
+class ResumedPrintReport(extensions.PrintReport):
+    """``PrintReport`` that keeps, in the snapshot, how many of the log's
+    entries it printed: a resumed run prints the entries after those only
+    (Chainer's printed the whole log again at each resume, so a requeued
+    job's output grew as resumes × epochs). A snapshot without the count
+    (an earlier version's) prints the whole log, as before."""
+
+    def serialize(self, serializer):
+        super().serialize(serializer)
+        try:
+            self._log_len = int(serializer('_log_len', self._log_len))
+        except KeyError:
+            pass
 
 
 class PlainText:

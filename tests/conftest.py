@@ -32,6 +32,11 @@ def left_in_checkout(before, after, args=()):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    from harness import mpi
+    if not mpi.launched():
+        # this process's Open MPI singleton segment (tests that import
+        # mpi4py): Open MPI leaves it in /dev/shm at exit
+        mpi.remove_own_segments()
     left = left_in_checkout(_before, os.listdir(ROOT),
                             session.config.invocation_params.args)
     if left:

@@ -50,3 +50,63 @@ def test_socket_temp_dir_keeps_a_short_tmpdir_and_names_a_hopeless_one(
         mpi.socket_temp_dir(long)
     assert 'TMPDIR=' + long in str(info.value)
     assert '--loaderjob 0' in str(info.value)
+
+
+_SEGMENT_PROBE = textwrap.dedent('''
+    import os, sys
+    from harness import mpi
+    if sys.argv[1] == 'harness':
+        mpi.alone_without_shared_memory()
+    from mpi4py import MPI
+    assert MPI.COMM_WORLD.size == 1
+    def mapped():
+        with open('/proc/self/maps') as maps:
+            return sorted({l.split(None, 5)[-1].strip() for l in maps
+                           if '/dev/shm/sm_segment.' in l})
+    segments = mapped()
+    removed = mpi.remove_own_segments() if sys.argv[1] == 'remove' else []
+    print(len(segments), len(removed),
+          sum(os.path.exists(s) for s in segments))
+''')
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/maps'),
+                    reason='reads /proc/self/maps (Linux)')
+@pytest.mark.parametrize('how', ['harness', 'remove'])
+def test_a_process_alone_leaves_no_shared_memory_segment(how):
+    """Open MPI without mpiexec made a 16 MiB segment in /dev/shm and left
+    it at exit (thousands accumulated on a test machine). The harness's
+    processes alone use the 'self' transport only, which makes none; a
+    process that made one (the test session's own) unlinks it before it
+    exits ('remove': without the harness's setting, one is made, and
+    unlinked)."""
+    env = launch.mpi_env()
+    for name in ('OMPI_MCA_btl', 'OMPI_COMM_WORLD_SIZE', 'PMIX_RANK',
+                 'PMI_RANK', 'PMI_SIZE'):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, '-c', _SEGMENT_PROBE, how],
+                          cwd=launch.REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    made, removed, left = map(int, proc.stdout.split())
+    if how == 'harness':
+        assert (made, removed, left) == (0, 0, 0)
+    else:
+        assert (made, removed, left) == (1, 1, 0)
+
+
+def test_alone_without_shared_memory_keeps_launched_and_chosen(
+        monkeypatch):
+    for name in ('OMPI_MCA_btl', 'OMPI_COMM_WORLD_SIZE', 'PMIX_RANK',
+                 'PMI_RANK', 'PMI_SIZE', 'MV2_COMM_WORLD_SIZE'):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv('PMIX_RANK', '0')
+    assert not mpi.alone_without_shared_memory()
+    assert 'OMPI_MCA_btl' not in os.environ
+    monkeypatch.delenv('PMIX_RANK')
+    monkeypatch.setenv('OMPI_MCA_btl', 'self,vader')
+    assert not mpi.alone_without_shared_memory()
+    assert os.environ['OMPI_MCA_btl'] == 'self,vader'
+    monkeypatch.delenv('OMPI_MCA_btl')
+    assert mpi.alone_without_shared_memory()
+    assert os.environ['OMPI_MCA_btl'] == 'self'
