@@ -47,6 +47,7 @@ venv: $(VENV)/.installed
 # directory import it; the harness folders are used from the checkout.
 $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	@if [ -z '$(PYTHON)' ]; then echo 'make: no Python 3.11 found (python3.11 on PATH, or one of pyenv'"'"'s versions): install it, or name it: make $(or $(MAKECMDGOALS),test) PYTHON=/path/to/python3.11' >&2; exit 1; fi
+	@if ! '$(PYTHON)' -c 'import sys' >/dev/null 2>&1; then echo 'make: PYTHON=$(PYTHON) does not run: name a Python 3.11 interpreter: make $(or $(MAKECMDGOALS),test) PYTHON=/path/to/python3.11' >&2; exit 1; fi
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --no-cache-dir -r requirements.txt
 	$(VENV)/bin/pip install -q --no-cache-dir --no-deps -e .

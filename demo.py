@@ -84,6 +84,10 @@ def run_demo(args, comm):
     args.warmup_epochs = 1.0 if args.warmup_epochs is None else \
         min(args.warmup_epochs, 1.0)
     cfg = resolve_config(args, comm)
+    if args.overwrite and comm.rank == 0:
+        # an earlier demo's table and figures would otherwise stand beside
+        # the runs of one interrupted now
+        remove_outputs(out)
     summaries = []
     for name in ('kfac', 'sgd'):
         args.label = None
@@ -99,6 +103,20 @@ def run_demo(args, comm):
         f.write(table + '\n')
     write_figures(out, args.target_acc)
     return 0
+
+
+#: What the demo writes beside its two runs.
+OUTPUTS = ('summary.json', 'summary.txt', 'figure3_curves.png',
+           'figure4_fim_size.png', 'figure5_fisher_diff.png')
+
+
+def remove_outputs(out):
+    """Remove an earlier demo's :data:`OUTPUTS` from ``out``."""
+    for name in OUTPUTS:
+        try:
+            os.remove(os.path.join(out, name))
+        except FileNotFoundError:
+            pass
 
 
 def summary_table(summaries, target):

@@ -48,6 +48,7 @@ This module never imports Chainer, ChainerMN or CuPy itself.
 """
 import sys
 import types
+import warnings
 
 import numpy
 
@@ -62,10 +63,16 @@ def needs_numpy_sctypes():
 
 
 def needs_numpy_distutils():
-    try:
-        import numpy.distutils.system_info  # NOQA
-    except ImportError:
-        return True
+    """True where ``numpy.distutils.system_info`` (which Chainer imports)
+    cannot be imported: absent (NumPy 2 on Python 3.12), or failing as it
+    imports (its DeprecationWarning under ``-W error``, NumPy 2's removed
+    names)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        try:
+            import numpy.distutils.system_info  # NOQA
+        except Exception:
+            return True
     return False
 
 

@@ -33,12 +33,14 @@ differ from both in the last bit. Needs ``g++`` (C++17); :func:`compiler`
 says whether it is there, :func:`unavailable` whether a probe kernel
 builds and runs.
 """
+import atexit
 import ctypes
 import functools
 import hashlib
 import os
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 
@@ -230,11 +232,26 @@ def unavailable():
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def _cache_dir():
+    """The compiled kernels' cache, shared by this user's test processes:
+    ``$TMPDIR/chainerkfac-cuda-cpu-<uid>``, made private (0700). Where that
+    name is someone else's, a link, or writable by others (a library
+    planted there would be loaded), a directory of this process's own
+    instead (removed at exit): the tests run, compiled again."""
     path = os.path.join(tempfile.gettempdir(),
                         'chainerkfac-cuda-cpu-{}'.format(os.getuid()))
-    os.makedirs(path, exist_ok=True)
-    return path
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and \
+                not info.st_mode & 0o022:
+            return path
+    except OSError:
+        pass
+    private = tempfile.mkdtemp(prefix='chainerkfac-cuda-cpu-')
+    atexit.register(shutil.rmtree, private, True)
+    return private
 
 
 @functools.lru_cache(maxsize=None)

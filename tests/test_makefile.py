@@ -75,3 +75,14 @@ def test_no_python_311_stops_before_anything_is_made(tmp_path):
     assert 'no Python 3.11 found' in done.stderr
     assert 'make test PYTHON=/path/to/python3.11' in done.stderr
     assert not (tmp_path / 'venv').exists()
+
+
+def test_a_python_named_that_does_not_run_is_said(tmp_path):
+    """``make test PYTHON=/nonexistent`` gave the shell's ``make:
+    /nonexistent: No such file or directory`` / ``Error 127``."""
+    missing = str(tmp_path / 'nowhere' / 'python3.11')
+    done = make(tmp_path, 'test', 'PYTHON=' + missing)
+    assert done.returncode != 0
+    assert 'make: PYTHON={} does not run'.format(missing) in done.stderr
+    assert 'make test PYTHON=/path/to/python3.11' in done.stderr
+    assert not (tmp_path / 'venv').exists()

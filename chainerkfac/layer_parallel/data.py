@@ -58,8 +58,19 @@ def digits_dataset(n_val: int = 297, seed: int = 0, dtype=numpy.float64):
     Returns
     -------
     (x_train, t_train), (x_val, t_val)
+
+    Raises
+    ------
+    ImportError
+        Without scikit-learn (not a dependency of the library: the
+        ``digits`` extra, or the harness's ``requirements.txt``).
     """
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as error:
+        raise ImportError(
+            'digits_dataset loads scikit-learn\'s digits: pip install '
+            '"chainerkfac[digits]" (or scikit-learn)') from error
     digits = load_digits()
     x = (digits.images / 16.0).astype(dtype)[:, None]
     t = digits.target.astype(numpy.int32)

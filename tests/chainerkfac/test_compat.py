@@ -84,6 +84,40 @@ def test_distutils_system_info_is_importable():
             import numpy.distutils.misc_util  # NOQA
 
 
+@pytest.mark.parametrize('error', [AttributeError, DeprecationWarning])
+def test_a_distutils_that_fails_as_it_imports_needs_the_patch(
+        monkeypatch, error):
+    """NumPy 2 on Python 3.11 still has numpy.distutils, whose import
+    warns (DeprecationWarning) and reads the removed ``np.sctypes``: under
+    ``python -W error::DeprecationWarning`` the probe let it through and
+    ``import chainerkfac`` failed. Any failure of that import means the
+    patch is needed; its warnings are not the caller's."""
+    import importlib.abc
+    import importlib.util
+    import warnings
+
+    class Failing(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path=None, target=None):
+            if name == 'numpy.distutils.system_info':
+                return importlib.util.spec_from_loader(name, self)
+            return None
+
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            if error is DeprecationWarning:
+                warnings.warn('numpy.distutils is deprecated', error)
+            raise AttributeError('np.sctypes was removed in NumPy 2.0')
+
+    monkeypatch.delitem(sys.modules, 'numpy.distutils.system_info',
+                        raising=False)
+    monkeypatch.setattr(sys, 'meta_path', [Failing()] + sys.meta_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert _compat.needs_numpy_distutils()
+
+
 def test_numpy_float_is_the_old_alias():
     assert numpy.float is float
     assert numpy.dtype(numpy.float) == numpy.float64

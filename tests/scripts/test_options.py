@@ -128,6 +128,37 @@ def test_the_demo_marks_its_target_in_figure_3(monkeypatch, tmp_path):
     assert curves.target_percent(float(seen['curves'][at + 1])) == 80.0
 
 
+@pytest.mark.parametrize('overwrite', [True, False])
+def test_an_interrupted_demo_leaves_no_earlier_table_beside_it(
+        monkeypatch, tmp_path, overwrite):
+    """``make demo`` (``--overwrite``) interrupted in its first run left
+    the earlier demo's summary and figures beside the new partial runs.
+    Now they go before it trains; without ``--overwrite`` (the runs are
+    then refused as they exist) nothing is removed."""
+    import types
+    import demo
+    out = tmp_path / 'demo_out'
+    out.mkdir()
+    for name in demo.OUTPUTS + ('notes.txt',):
+        (out / name).write_text('earlier')
+    monkeypatch.setattr(demo, 'build_digits_dataset',
+                        lambda cache: ('t', 'v', 'r'))
+    monkeypatch.setattr(demo, 'resolve_config', lambda args, comm: None)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(demo, 'train', interrupted)
+    comm = types.SimpleNamespace(rank=0, mpi_comm=types.SimpleNamespace(
+        allgather=lambda value: [value], bcast=lambda value, root: value))
+    args = train_imagenet.parse_args(['--demo', '--out', str(out)] +
+                                     ['--overwrite'] * overwrite)
+    with pytest.raises(KeyboardInterrupt):
+        demo.run_demo(args, comm)
+    left = sorted(p.name for p in out.iterdir())
+    assert left == (['notes.txt'] if overwrite else
+                    sorted(demo.OUTPUTS + ('notes.txt',)))
+
+
 @pytest.mark.parametrize('nproc', [1, 2])
 def test_gpu_without_a_gpu_stack_is_said_once_before_mpi(nproc, tmp_path):
     """``--gpu`` where CuPy cannot be imported: one line, before MPI (the

@@ -1,5 +1,6 @@
 """The Peaks level sets: labels are the formula's bins."""
 import numpy
+import pytest
 
 from chainerkfac.layer_parallel import data
 
@@ -40,3 +41,13 @@ def test_digits():
     assert x.shape == (1700, 1, 8, 8) and x_val.shape == (97, 1, 8, 8)
     assert 0 <= x.min() and x.max() <= 1
     assert set(t) == set(range(10))
+
+
+def test_digits_without_scikit_learn_names_the_extra(monkeypatch):
+    """scikit-learn is no dependency of the library: without it the
+    error names the extra to install (a stranger's 3.12 install got
+    ``No module named 'sklearn'`` from inside the function)."""
+    import sys
+    monkeypatch.setitem(sys.modules, 'sklearn.datasets', None)
+    with pytest.raises(ImportError, match=r'chainerkfac\[digits\]'):
+        data.digits_dataset()
