@@ -142,6 +142,9 @@ class CurvatureEstimator:
         self.batch_size: Optional[int] = None
         self.samples = 0
         self.empty_blocks: set = set()
+        #: Micro-batches of the step so far that had no sample.
+        self.empty_micro_batches = 0
+        self._empty_seen = False
 
     # -- copies (copy.deepcopy, pickle) ---------------------------------------
     def __getstate__(self):
@@ -205,6 +208,8 @@ class CurvatureEstimator:
         #: The blocks whose backward passes this step came with no sample
         #: (an empty micro-batch: nothing captured, no warning for it).
         self.empty_blocks = set()
+        self.empty_micro_batches = 0
+        self._empty_seen = False
         self._capture.record_graph = record_graph
         if not record_graph:
             self._capture.clear_graph()
@@ -229,6 +234,10 @@ class CurvatureEstimator:
         """The function nodes of the backward passes since recording began
         (:class:`chainerkfac.capture.GraphNode`)."""
         return self._capture.graph
+
+    def clear_graph(self) -> None:
+        """Forget the graph recorded so far (recording goes on)."""
+        self._capture.clear_graph()
 
     def stop_recording_graph(self) -> None:
         self._capture.record_graph = False
@@ -258,6 +267,9 @@ class CurvatureEstimator:
         for block in self._due:
             block.end_micro_batch(self._passes)
         self.samples += self.batch_size or 0
+        if self.batch_size is None and self._empty_seen:
+            self.empty_micro_batches += 1
+        self._empty_seen = False
         self.batch_size = None
         self._passes = 1
         self._touched = {}
@@ -279,6 +291,7 @@ class CurvatureEstimator:
         for block in self._due:
             block.discard_open()
         self.batch_size = None
+        self._empty_seen = False
         self._touched = {}
         self._summed_blocks = {}
 
@@ -300,6 +313,7 @@ class CurvatureEstimator:
             # an empty micro-batch (a rank's share at an epoch's end): no
             # sample to capture (a factor of 0/0); the factors stay due
             self.empty_blocks.add(block)
+            self._empty_seen = True
             return
         names = self._due.get(block)
         if pass_info.explicit:
@@ -380,7 +394,8 @@ class CurvatureEstimator:
         if self.loss_reduction == 'sum' and _is_mean_loss(
                 loss.creator, self.batch_size):
             raise ValueError(_MEAN_LOSS.format(type(loss.creator).__name__))
-        if self.loss_reduction == 'sum' and self.batch_size is None:
+        if self.loss_reduction == 'sum' and self.batch_size is None and \
+                not self._empty_seen:
             raise RuntimeError(
                 "KFAC(loss_reduction='sum') takes the batch size from the "
                 'first modelled layer (Linear, Convolution2D, '

@@ -71,15 +71,18 @@ def metric_term(block, grads: Sequence, directions: Sequence,
 
 def own_lr(param) -> Optional[float]:
     """The lr of ``param``'s update rule where it has one of its own
-    (a number set on the rule's hyperparameters, not inherited from the
-    optimizer's), else None. A 0-d array there is the optimizer's lr in
-    device memory (:func:`chainerkfac.graphs.hyper.
-    bind_rule_hyperparameters`), not a value of the parameter's own."""
+    (set on the rule's hyperparameters, not inherited from the
+    optimizer's: a number or a 0-d array), else None. The optimizer's lr
+    in device memory, which a CUDA graph binds there
+    (:func:`chainerkfac.graphs.hyper.bind_rule_hyperparameters`), is no
+    value of the parameter's own."""
     rule = getattr(param, 'update_rule', None)
-    value = None if rule is None else vars(rule.hyperparam).get('lr')
-    if isinstance(value, (int, float, numpy.integer, numpy.floating)):
-        return float(value)
-    return None
+    if rule is None or 'lr' in getattr(rule, 'device_hyperparameters', ()):
+        return None
+    value = vars(rule.hyperparam).get('lr')
+    if value is None or getattr(value, 'ndim', 0) != 0:
+        return None
+    return float(value)
 
 
 def _device_term(block, grads, directions, damping, own=None):

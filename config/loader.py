@@ -241,10 +241,6 @@ def _check_values(config):
     require(config.e_start >= 0, 'e_start', 'must be non-negative')
     require(config.e_end > config.e_start, 'e_end',
             'must be larger than e_start ({})'.format(config.e_start))
-    require(config.damping >= config.damping_target, 'damping',
-            'γ(0) must be at least damping_target ({}): the warm-up of '
-            'eqs. (15)-(16) decreases the damping'
-            .format(config.damping_target))
     require(config.global_batch_size % config.batch_size_per_process == 0,
             'global_batch_size', 'must be a multiple of '
             'batch_size_per_process ({})'.format(

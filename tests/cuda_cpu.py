@@ -235,17 +235,19 @@ def unavailable():
 @functools.lru_cache(maxsize=None)
 def _cache_dir():
     """The compiled kernels' cache, shared by this user's test processes:
-    ``$TMPDIR/chainerkfac-cuda-cpu-<uid>``, made private (0700). Where that
-    name is someone else's, a link, or writable by others (a library
-    planted there would be loaded), a directory of this process's own
-    instead (removed at exit): the tests run, compiled again."""
+    ``$TMPDIR/chainerkfac-cuda-cpu-<uid>``, private (0700: this user's
+    own, made so where an earlier version left it group-writable). Where
+    that name is someone else's or a link (a library planted there would
+    be loaded), a directory of this process's own instead (removed at
+    exit): the tests run, compiled again."""
     path = os.path.join(tempfile.gettempdir(),
                         'chainerkfac-cuda-cpu-{}'.format(os.getuid()))
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
         info = os.lstat(path)
-        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and \
-                not info.st_mode & 0o022:
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+            if info.st_mode & 0o077:
+                os.chmod(path, 0o700)
             return path
     except OSError:
         pass

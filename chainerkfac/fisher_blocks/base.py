@@ -183,6 +183,10 @@ class FisherBlock:
     #: (BatchNormalization): a layer whose output reaches only these is
     #: scale invariant (:mod:`chainerkfac.scale_invariance`, eq. 20).
     normalizing_function_types: tuple = ()
+    #: FunctionNode types of the same layer in test mode (running
+    #: statistics), which do not: eq. 20 'auto' waits for a step that runs
+    #: the layer in train mode before it decides.
+    test_mode_function_types: tuple = ()
 
     def __init__(self, name: str, link, options: Optional[BlockOptions] = None):
         options = options or BlockOptions()

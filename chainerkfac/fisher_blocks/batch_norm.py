@@ -35,6 +35,7 @@ class BatchNormalizationBlock(FisherBlock):
     # Batch statistics remove a scale of the input; the running ones of
     # test mode (FixedBatchNormalization: a frozen-BN fine-tuning) do not.
     normalizing_function_types = (bn_module.BatchNormalization,)
+    test_mode_function_types = (bn_module.FixedBatchNormalization,)
 
     def __init__(self, name, link, options=None):
         options = options or BlockOptions()

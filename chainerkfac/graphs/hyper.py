@@ -114,3 +114,9 @@ def bind_rule_hyperparameters(params: Iterable, scalars: DeviceScalars,
         for name, view in bound:
             if own.get(name) is not view:
                 setattr(rule.hyperparam, name, view)
+        # which of the rule's own hyperparameters are the optimizer's, on
+        # the device (not values of the parameter's own:
+        # chainerkfac.step_bound.own_lr)
+        rule.device_hyperparameters = frozenset(
+            getattr(rule, 'device_hyperparameters', ())) | {
+                name for name, _ in bound}

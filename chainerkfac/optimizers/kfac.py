@@ -413,6 +413,13 @@ class KFAC(optimizer.GradientMethod):
         self._started = False
         self._checkpoint_due = False
         self._table_shown = False
+        #: Per block: frozen when the coming step's factors were decided
+        #: (:meth:`_factors_due`); a snapshot keeps it, so that a resumed
+        #: run decides its first step as the uninterrupted one did (a link
+        #: unfrozen between the snapshot and the next step stays not due
+        #: for that step in both).
+        self.frozen_when_decided: Dict[str, bool] = {}
+        self._frozen_restored: Optional[Dict[str, bool]] = None
         self._warned_uncaptured: set = set()
         self._unreached: frozenset = frozenset()    # refresh_due()
         #: The coming step's micro-batches over all processes, where they
@@ -708,27 +715,35 @@ class KFAC(optimizer.GradientMethod):
             # moves it nor counts in the bounded step
             local += [int(p.grad is not None and hooks.updates(p))
                       for p in block.params]
+        # the micro-batches with samples (an empty one adds no gradient)
+        local.append(n_micro - self.estimator.empty_micro_batches)
         totals = iter(transport.all_sum(numpy.array(local, numpy.int64)))
         counts, present = {}, {}
         for block in blocks:
             counts[block] = {n: c for n, c in zip(
                 block.factor_names, totals) if c}
             present[block] = [bool(next(totals)) for _ in block.params]
-        if not self._table_shown:
+        with_samples = int(next(totals))
+        if not self._table_shown or not self.rescale.decided:
             self._decide_rescale()
         self._warn_uncaptured(due, counts, present)
         self.reallocate_cleared_grads()
         total, self.global_micro_batches = self.global_micro_batches, None
-        if total is None:
-            scale = 1.0 / (samples if self.loss_reduction == 'sum' else
-                           n_micro)
-        else:
-            # the processes' micro-batches differ: each one's gradient
-            # weighs by its share (the reduction below averages over them)
-            if self.loss_reduction == 'sum':
+        if self.loss_reduction == 'sum':
+            if total is None:
+                scale = 1.0 / samples if samples else 1.0
+            else:
                 total = int(transport.all_sum(numpy.array([samples],
                                                           numpy.int64))[0])
-            scale = transport.size / float(total)
+                scale = transport.size / float(total) if total else 1.0
+        elif total is None and with_samples == transport.size * n_micro:
+            scale = 1.0 / n_micro
+        else:
+            # the processes' micro-batches differ (a flush), or some were
+            # empty: each one's gradient weighs by its share of those with
+            # samples (the reduction below averages over the processes)
+            scale = (transport.size / float(with_samples) if with_samples
+                     else 1.0)
         for block in blocks:
             for param, has in zip(block.params, present[block]):
                 # Chainer's loss scaling: the gradient of a backward pass
@@ -1123,6 +1138,7 @@ class KFAC(optimizer.GradientMethod):
     # -- between steps --------------------------------------------------------
     def _close_step(self, refreshed, retries: int, step: int) -> None:
         """The step's report and the damping schedule (eqs. 15-16)."""
+        self._frozen_restored = None
         self._report(refreshed, retries, step)
         if self._damping_rate is not None:
             self.damping = equations.damping_step(
@@ -1144,15 +1160,23 @@ class KFAC(optimizer.GradientMethod):
         them (the graph too, until the first step: eq. 20 'auto' and the
         registration table)."""
         self.estimator.start_step(self._factors_due(),
-                                  record_graph=not self._table_shown)
+                                  record_graph=not (self._table_shown and
+                                                    self.rescale.decided))
 
     def _factors_due(self):
         due = {}
+        # a load's record decides until the first step after it is taken
+        # (the first update decides again: :meth:`_start`)
+        restored = self._frozen_restored
         for block in self.blocks:
-            if block.params and not any(hooks.updates(p)
-                                        for p in block.params):
-                # frozen (disable_update()): no capture, exchange or
-                # inverse for it; due again once it is not
+            frozen = bool(block.params) and not any(
+                hooks.updates(p) for p in block.params)
+            if restored is not None and block.name in restored:
+                frozen = restored[block.name]
+            self.frozen_when_decided[block.name] = frozen
+            if frozen:
+                # disable_update(): no capture, exchange or inverse for it;
+                # due again once it is not
                 continue
             names = frozenset(
                 name for name, kind in block.factor_kinds.items()
@@ -1166,16 +1190,31 @@ class KFAC(optimizer.GradientMethod):
         return last < 0 or self.t - last >= schedule(self.t, self.epoch)
 
     def _decide_rescale(self) -> None:
-        """Eq. (20) 'auto' from the first step's graph, before its update;
-        then the registration table."""
+        """Eq. (20) 'auto' from the first step's graph, before its update
+        (from the first that runs its normalising layers in train mode,
+        where earlier ones ran them in test mode only, on some process);
+        then the registration table, at the first step."""
         graph = self.estimator.graph
         if self.rescale.mode == 'auto' and not self.rescale.decided:
             if not graph:
                 return          # no backward pass yet: decide next step
+            waiting = self.rescale.waits_for_train_mode(graph)
+            if self.transport.all_sum(numpy.array([int(waiting)],
+                                                  numpy.int64))[0]:
+                # recorded afresh at the next step
+                self.estimator.clear_graph()
+                self._show_table()
+                return
             self.rescale.decide_from_graph(
                 graph, lambda flags: self.transport.all_sum(flags) ==
                 self.transport.size)
         self.estimator.stop_recording_graph()
+        self._show_table()
+
+    def _show_table(self) -> None:
+        """The registration table, once."""
+        if self._table_shown:
+            return
         self._table_shown = True
         if self.verbose and self.transport.rank == 0:
             _logging.ensure_visible()
@@ -1209,10 +1248,13 @@ class KFAC(optimizer.GradientMethod):
                 state_text = ('keeps its previous curvature' if kept else
                               'gets the plain gradient until they are')
                 why = ('its parameters have gradients, but no backward pass '
-                       'through a call of {} reached the hook (used by '
+                       'through a call of {} reached the hook ({}used by '
                        'another function, or run in another thread?)'.format(
                            ', '.join(t.__name__
-                                     for t in block.function_types)))
+                                     for t in block.function_types),
+                           ''.join('called in test mode, as {}; '.format(
+                               t.__name__)
+                               for t in block.test_mode_function_types)))
             groups.setdefault((why, state_text), []).append(
                 '{} ({}): factor{} {}'.format(
                     block.name, block.kind, 's' if len(missing) > 1 else '',

@@ -60,6 +60,18 @@ class WeightRescale:
         self._apply({id(w) for (w, _), ok in zip(candidates, everywhere)
                      if ok})
 
+    def waits_for_train_mode(self, graph) -> bool:
+        """Whether ``graph`` ran the normalising layers in test mode only
+        (running statistics: a frozen-BN warm-up before training them):
+        no step to decide 'auto' from yet."""
+        test_mode = tuple({t for b in self._blocks
+                           for t in b.test_mode_function_types})
+        if not test_mode:
+            return False
+        seen = [record.function for record in graph]
+        return any(isinstance(f, test_mode) for f in seen) and not any(
+            isinstance(f, self.normalizing_function_types()) for f in seen)
+
     def weighted_function_types(self) -> tuple:
         return tuple({t for b in self._blocks if b.rescaled_weight is not None
                       for t in b.function_types})

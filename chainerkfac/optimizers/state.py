@@ -5,6 +5,8 @@ import warnings
 
 import numpy
 
+import chainer
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,6 +37,7 @@ def serialize(optimizer, serializer) -> None:
             'they are dropped and the next update starts a new step'
             .format(micro, optimizer.acc_iters))
     optimizer.estimator.label_sampler.serialize(serializer)
+    _serialize_frozen(optimizer, serializer)
     state = serializer['kfac']
     for block in optimizer.blocks:
         block.serialize(state[block.name.strip('/') or '_root'])
@@ -45,6 +48,25 @@ def restore_method(optimizer) -> str:
     (a Cholesky factor with ``'cholesky_solve'``), else by Cholesky."""
     return ('cholesky_solve' if optimizer.inverse_method == 'cholesky_solve'
             else 'cholesky')
+
+
+def _serialize_frozen(optimizer, serializer) -> None:
+    """Which blocks were frozen when the coming step's factors were
+    decided (:attr:`KFAC.frozen_when_decided`): loaded, the first decision
+    after the load takes them (a snapshot without them, an earlier
+    version's, leaves the live state to decide)."""
+    if not isinstance(serializer, chainer.serializer.Deserializer):
+        serializer('frozen_when_decided', numpy.array(
+            [int(optimizer.frozen_when_decided.get(b.name, False))
+             for b in optimizer.blocks], numpy.int8))
+        return
+    try:
+        frozen = serializer('frozen_when_decided', None)
+    except KeyError:
+        frozen = None
+    if frozen is not None and len(frozen) == len(optimizer.blocks):
+        optimizer._frozen_restored = {
+            b.name: bool(f) for b, f in zip(optimizer.blocks, frozen)}
 
 
 def reconcile(optimizer) -> None:

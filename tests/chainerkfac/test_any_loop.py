@@ -574,3 +574,34 @@ def test_an_empty_micro_batch_captures_nothing_and_warns_nothing(caplog):
         assert numpy.isfinite(got.array).all()
         numpy.testing.assert_allclose(got.array, expected.array, rtol=1e-12,
                                       atol=1e-14, err_msg=name)
+
+
+@pytest.mark.parametrize('reduction', ['mean', 'sum'])
+def test_an_empty_micro_batch_inside_an_accumulation_adds_nothing(
+        reduction):
+    """Micro-batches of 8, 0 and 8 samples (acc_iters=3) step as 8 and 8
+    (acc_iters=2): the empty one counted in the mean's average (a step
+    0.663x as long), and with loss_reduction='sum' it raised 'the loss
+    called none'."""
+    x, t = helpers.data(n=16, shape=(5,), n_class=3)
+
+    def run(parts):
+        numpy.random.seed(0)
+        model = helpers.MLP()
+        optimizer = helpers.kfac(lr=0.05, momentum=0.0,
+                                 acc_iters=len(parts),
+                                 loss_reduction=reduction).setup(model)
+
+        def loss(x, t):
+            per = -F.select_item(F.log_softmax(model(x)), t)
+            return F.sum(per) if reduction == 'sum' else \
+                F.sum(per) / max(len(t), 1)
+        for a, b in parts:
+            optimizer.update(loss, x[a:b], t[a:b])
+        return model
+    got = run([(0, 8), (8, 8), (8, 16)])
+    expected = run([(0, 8), (8, 16)])
+    for (name, a), (_, b) in zip(sorted(got.namedparams()),
+                                 sorted(expected.namedparams())):
+        numpy.testing.assert_allclose(a.array, b.array, rtol=1e-13,
+                                      atol=1e-15, err_msg=name)

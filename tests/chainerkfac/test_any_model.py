@@ -65,13 +65,16 @@ class ConvBN(chainer.Chain):
         return self.fc(F.relu(self.bn(self.conv(x))))
 
 
-@pytest.mark.parametrize('train', [True, False])
-def test_eq20_auto_rescales_only_behind_batch_statistics(train):
+@pytest.mark.parametrize('modes', [(True,), (False,), (False, False, True)],
+                         ids=['train', 'test', 'test-then-train'])
+def test_eq20_auto_rescales_only_behind_batch_statistics(modes):
     """'auto' rescales a convolution followed by BatchNormalization in
     train mode (batch statistics remove W's scale). In test mode (running
     statistics: a frozen-BN fine-tuning) they do not, and a step at lr = 0
     must leave the network's function as it was: the conv's W was
-    rescaled to √8 and the output moved by 0.62."""
+    rescaled to √8 and the output moved by 0.62. Steps in test mode first
+    (a frozen-BN warm-up) leave the decision to the first step in train
+    mode (it was decided, for good, from the first step)."""
     rng = numpy.random.RandomState(0)
     x = rng.randn(8, 2, 5, 5).astype(numpy.float32)
     t = rng.randint(0, 3, 8).astype(numpy.int32)
@@ -81,10 +84,14 @@ def test_eq20_auto_rescales_only_behind_batch_statistics(train):
     before = weights(model)
     optimizer = chainerkfac.optimizers.KFAC(lr=0, momentum=0, verbose=False)
     optimizer.setup(model)
-    with chainer.using_config('train', train):
-        optimizer.update(model, x, t)
+    for train in modes:
+        with chainer.using_config('train', train):
+            optimizer.update(model, x, t)
     if train:
         assert optimizer.rescaled_params() == ['/predictor/conv/W']
+        numpy.testing.assert_allclose(
+            numpy.linalg.norm(model.predictor.conv.W.array), numpy.sqrt(8),
+            rtol=1e-6)
         return
     assert optimizer.rescaled_params() == []
     for name, value in weights(model).items():

@@ -171,6 +171,27 @@ def test_a_parameter_with_its_own_lr_counts_with_it(own, device):
     numpy.testing.assert_allclose(length, kl_clip, rtol=1e-9)
 
 
+def test_own_lr_reads_numbers_and_arrays_not_a_graphs_device_lr():
+    """A parameter's own lr set as a 0-d array is one (it was read as the
+    optimizer's: a step 25x the bound); the optimizer's lr that a CUDA
+    graph binds to the rules as a device view is not."""
+    import chainer.backend
+    from chainerkfac.graphs import hyper
+    model = helpers.MLP()
+    helpers.kfac().setup(model)
+    w1, w2 = model.l1.W, model.l2.W
+    assert step_bound.own_lr(w1) is None
+    for value in (0.5, numpy.float32(0.5), numpy.array(0.5)):
+        w2.update_rule.hyperparam.lr = value
+        assert step_bound.own_lr(w2) == 0.5
+    scalars = hyper.DeviceScalars(('lr', 'momentum'),
+                                  chainer.backend.CpuDevice())
+    scalars.write({'lr': 0.05, 'momentum': 0.9})
+    hyper.bind_rule_hyperparameters([w1], scalars, ('lr', 'momentum'))
+    assert float(w1.update_rule.hyperparam.lr) == 0.05
+    assert step_bound.own_lr(w1) is None
+
+
 def test_no_bound_takes_the_whole_step_and_reports_nothing():
     layers, metric, before, after, observation = _one_step(0.5, None)
     assert 'kfac/step_scale' not in observation

@@ -55,7 +55,7 @@ def test_defaults_and_int_widening(tmp_path):
     ('lr', -0.1, 'must be a finite number >= 0'),
     ('lr', 0, 'must be positive'),
     ('damping', 0.0, 'must be a finite positive number'),
-    ('damping', 1e-5, 'at least damping_target'),
+    ('damping_target', 1.0, 'larger than damping='),
     ('e_end', 1.5, 'larger than e_start'),
     ('e_start', -1, 'non-negative'),
     ('momentum', 1.0, r'\[0, 1\)'),

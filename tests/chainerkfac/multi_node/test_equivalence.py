@@ -97,3 +97,39 @@ def test_setup_after_create_or_before_and_first_step_not_skipped():
                                     common.params(ref_model))
     common.assert_everywhere(optimizer.t == 1 and diff < 1e-9,
                              'first step taken from rank 0 weights')
+
+
+def test_a_rank_with_an_empty_micro_batch_adds_nothing():
+    """At step 1 the last rank's micro-batch is empty (its share of an
+    epoch's end): the step equals one process's on the other ranks'
+    samples (it counted in the gradient's average: the step was
+    (N-1)/N of that, 0.778 at N = 2 with the stranger's batches)."""
+    import chainer.functions as F
+    import numpy
+    comm = common.naive()
+
+    def loss_of(model):
+        def loss(x, t):
+            per = -F.select_item(F.log_softmax(model(x)), t)
+            return F.sum(per) / max(len(t), 1)
+        return loss
+    model, optimizer = common.distributed(comm, net=common.SmallMLP,
+                                          momentum=0.0)
+    ref_model, ref_optimizer = common.single(net=common.SmallMLP,
+                                             momentum=0.0)
+    for step in range(3):
+        batch = common.chunks(step, comm.size, 0, model.in_shape)
+        empty = comm.size - 1 if step == 1 else None
+        x, t = batch[comm.rank]
+        if comm.rank == empty:
+            x, t = x[:0], t[:0]
+        optimizer.update(loss_of(model), x, t)
+        # (on one process the whole step is empty: so is the reference's)
+        kept = [b for r, b in enumerate(batch) if r != empty] or [
+            (batch[0][0][:0], batch[0][1][:0])]
+        ref_optimizer.update(loss_of(ref_model),
+                             numpy.concatenate([b[0] for b in kept]),
+                             numpy.concatenate([b[1] for b in kept]))
+    diffs = common.gathered(common.max_relative_diff(
+        common.params(model), common.params(ref_model)))
+    assert max(diffs) < 1e-12, diffs

@@ -63,3 +63,43 @@ def test_a_frozen_layer_costs_no_curvature_until_it_is_unfrozen():
     optimizer.update(classifier, x, t)      # its due set was decided
     optimizer.update(classifier, x, t)
     assert l1.inverse_count['A'] >= 1 and l1.has_inverses()
+
+
+def test_a_run_resumed_where_a_link_is_unfrozen_goes_on_to_the_bit(
+        tmp_path):
+    """Frozen for 4 steps, snapshot, unfrozen: the uninterrupted run had
+    decided the 5th step's factors while the link was frozen (refreshed
+    first at step 6), the resumed one decided them after the unfreeze
+    (step 5): weights 0.09 apart. The snapshot keeps which blocks were
+    frozen when the coming step was decided."""
+    import chainer
+    x, t = helpers.data(n=16, shape=(5,), n_class=3)
+    options = dict(lr=0.05, refresh_interval_a=3, refresh_interval_g=3,
+                   refresh_interval_f=3, kl_clip=1e-3)
+
+    def make():
+        numpy.random.seed(0)
+        model = helpers.MLP()
+        return model, helpers.kfac(**options).setup(model)
+
+    def steps(model, optimizer, n):
+        for _ in range(n):
+            optimizer.update(helpers.loss_of(model), x, t)
+
+    model, optimizer = make()
+    model.l1.disable_update()
+    steps(model, optimizer, 4)
+    chainer.serializers.save_npz(str(tmp_path / 'o.npz'), optimizer)
+    chainer.serializers.save_npz(str(tmp_path / 'm.npz'), model)
+    model.l1.enable_update()
+    steps(model, optimizer, 5)
+    resumed, fresh = make()
+    resumed.l1.disable_update()
+    chainer.serializers.load_npz(str(tmp_path / 'o.npz'), fresh)
+    chainer.serializers.load_npz(str(tmp_path / 'm.npz'), resumed)
+    resumed.l1.enable_update()
+    steps(resumed, fresh, 5)
+    assert helpers.block_named(fresh, '/l1').inverse_count['A'] >= 1
+    for (name, a), (_, b) in zip(sorted(model.namedparams()),
+                                 sorted(resumed.namedparams())):
+        numpy.testing.assert_array_equal(a.array, b.array, err_msg=name)
