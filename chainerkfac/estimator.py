@@ -423,11 +423,12 @@ class CurvatureEstimator:
             raise RuntimeError(
                 "fisher='{}' samples the model's output distribution from "
                 'its logits, but the loss comes from {} calls of logits '
-                'functions ({}): a loss of several heads (a weighted sum '
-                'of their losses), or a softmax inside the model. Sampled '
-                'from one of them, the layers of the others would get no '
-                "curvature. Use fisher='emp' (the gradients of the loss "
-                'itself), or one head\'s loss'.format(
+                'functions ({}): several outputs (the time steps of a '
+                'sequence, several heads: a sum of their losses), or a '
+                'softmax inside the model. Sampled from one of them, the '
+                'layers that only the others reach would get no curvature. '
+                "Use fisher='emp' (the gradients of the loss itself), or "
+                'one output\'s loss'.format(
                     self.fisher, len(calls),
                     ', '.join(type(c).__name__ for c in calls)))
         call = calls[0]
@@ -517,7 +518,9 @@ _MEAN_LOSS = (
     "K-FAC(loss_reduction='sum') scales the factors for a loss summed over "
     'the mini-batch, but the loss looks like a batch mean (its last '
     "operation is {}): use loss_reduction='mean' (the default), or a sum "
-    "(reduce='no' and F.sum, or F.sum in place of F.mean).")
+    "(reduce='no' and F.sum, or F.sum in place of F.mean). If it averages "
+    'something else whose count is the batch\'s (as many time steps), '
+    'write that mean as sum(terms) / T.')
 
 
 def _is_mean_loss(function, batch: Optional[int] = None) -> bool:
