@@ -689,6 +689,25 @@ class KFAC(optimizer.GradientMethod):
                 "In a loop that calls loss.backward() itself use "
                 "fisher='emp'.".format(self.fisher))
 
+    def _check_frozen_alike(self, updated_on) -> None:
+        """Raise, on every process alike, where a parameter is updated on
+        some processes and frozen on others (``updated_on``: for each
+        parameter of each block, on how many it is updated)."""
+        size = self.transport.size
+        names = ['{}/{}'.format(b.name.rstrip('/'), p.name)
+                 for b in self.blocks for p in b.params]
+        mixed = [(name, count) for name, count in zip(names, updated_on)
+                 if 0 < count < size]
+        if mixed:
+            raise RuntimeError(
+                'K-FAC: {} updated on {} of {} processes and frozen on the '
+                'others (disable_update() or update_rule.enabled = False '
+                'on some processes only): the replicas would part. Freeze '
+                'alike on every process{}'.format(
+                    mixed[0][0], mixed[0][1], size,
+                    '' if len(mixed) == 1 else
+                    ' ({} parameters differ)'.format(len(mixed))))
+
     def _like(self):
         for param in self.target.params():
             if param.array is not None:
@@ -717,6 +736,11 @@ class KFAC(optimizer.GradientMethod):
                       for p in block.params]
         # the micro-batches with samples (an empty one adds no gradient)
         local.append(n_micro - self.estimator.empty_micro_batches)
+        # which parameters each process updates (frozen on some only: the
+        # replicas would part silently)
+        updates = [] if transport.size == 1 else [
+            int(hooks.updates(p)) for b in blocks for p in b.params]
+        local += updates
         totals = iter(transport.all_sum(numpy.array(local, numpy.int64)))
         counts, present = {}, {}
         for block in blocks:
@@ -724,6 +748,8 @@ class KFAC(optimizer.GradientMethod):
                 block.factor_names, totals) if c}
             present[block] = [bool(next(totals)) for _ in block.params]
         with_samples = int(next(totals))
+        if updates:
+            self._check_frozen_alike([int(next(totals)) for _ in updates])
         if not self._table_shown or not self.rescale.decided:
             self._decide_rescale()
         self._warn_uncaptured(due, counts, present)

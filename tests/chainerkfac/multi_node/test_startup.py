@@ -48,6 +48,22 @@ def test_different_hyperparameters_fail_on_every_rank():
 
 
 @several_ranks
+def test_a_link_frozen_on_some_ranks_fails_on_every_rank():
+    """disable_update() on one process only: the replicas parted silently
+    (0.61 relative after 3 steps in a reviewer's run, and the owner that
+    froze it inverted nothing for the ranks that trained it)."""
+    comm = common.naive()
+    model, optimizer = common.distributed(comm)
+    if _odd_one_out(comm):
+        model.conv2.disable_update()
+    messages = _first_update_error(model, optimizer, comm)
+    common.assert_everywhere(all(
+        m.startswith('RuntimeError') and '/conv2/W updated on {} of {} '
+        'processes'.format(comm.size - 1, comm.size) in m
+        for m in messages), 'frozen named: {}'.format(messages[0]))
+
+
+@several_ranks
 def test_loss_scaling_on_some_ranks_fails_on_every_rank():
     """Under ChainerMN's wrapper the gradients are averaged before K-FAC
     undoes each process's scale: a scale on one process only gave a step
