@@ -1222,14 +1222,15 @@ class KFAC(optimizer.GradientMethod):
         then the registration table, at the first step."""
         graph = self.estimator.graph
         if self.rescale.mode == 'auto' and not self.rescale.decided:
-            if not graph:
-                return          # no backward pass yet: decide next step
-            waiting = self.rescale.waits_for_train_mode(graph)
+            # no backward pass yet, or only test-mode normalisation, on
+            # some process: every process decides at a later step (agreed
+            # first: the decision below is a collective)
+            waiting = not graph or self.rescale.waits_for_train_mode(graph)
             if self.transport.all_sum(numpy.array([int(waiting)],
                                                   numpy.int64))[0]:
-                # recorded afresh at the next step
-                self.estimator.clear_graph()
-                self._show_table()
+                if graph:
+                    self.estimator.clear_graph()    # recorded afresh
+                    self._show_table()
                 return
             self.rescale.decide_from_graph(
                 graph, lambda flags: self.transport.all_sum(flags) ==
