@@ -102,7 +102,13 @@ def bind_rule_hyperparameters(params: Iterable, scalars: DeviceScalars,
                               names: Sequence[str]) -> None:
     """Give the update rule of each of ``params`` the device views of
     ``names`` in the dtype its kernel computes in (:func:`update_dtype`),
-    as its own hyperparameters. A rule bound already keeps its views."""
+    as its own hyperparameters. A rule bound already keeps its views. A
+    value the rule has of its own (``param.update_rule.hyperparam.lr =
+    ...``: a layer's own learning rate) stays: the optimizer's view would
+    replace it (it did, silently); a host value the captured kernels
+    bake, and a change of it captures again (:func:`chainerkfac.graphs.
+    step.baked_hyperparameters`). The rule's ``device_hyperparameters``
+    names the views it was given."""
     views = {}
     for param in params:
         rule, dtype = param.update_rule, update_dtype(param)
@@ -111,12 +117,14 @@ def bind_rule_hyperparameters(params: Iterable, scalars: DeviceScalars,
             bound = views[dtype] = [(name, scalars.view(name, dtype))
                                     for name in names]
         own = rule.hyperparam.__dict__
+        given = set(getattr(rule, 'device_hyperparameters', ()))
         for name, view in bound:
+            if name in own and name not in given:
+                continue        # the parameter's own value
             if own.get(name) is not view:
                 setattr(rule.hyperparam, name, view)
+            given.add(name)
         # which of the rule's own hyperparameters are the optimizer's, on
         # the device (not values of the parameter's own:
         # chainerkfac.step_bound.own_lr)
-        rule.device_hyperparameters = frozenset(
-            getattr(rule, 'device_hyperparameters', ())) | {
-                name for name, _ in bound}
+        rule.device_hyperparameters = frozenset(given)

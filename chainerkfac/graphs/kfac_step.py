@@ -216,15 +216,19 @@ class KFACOptimizer:
 
     def baked(self) -> tuple:
         """The host values a captured stale step holds: ρ_BN, eq. (20)'s
-        norms, which blocks have inverses and the bounded step's bound
-        (None: no bound)."""
+        norms, which blocks have inverses, the bounded step's bound (None:
+        no bound) and the parameters' hyperparameters of their own (a
+        layer's own lr: the update's kernels and the bound read it)."""
         opt = self.optimizer
         bound = opt.step_bound
+        params = self._params()
         return (opt.rho_bn,
                 tuple(getattr(p.update_rule, 'rescale_norm', None)
-                      for p in self._params()),
+                      for p in params),
                 tuple(b.has_inverses() for b in opt.blocks),
-                None if bound is None else bound.kl_clip)
+                None if bound is None else bound.kl_clip,
+                tuple(step.baked_hyperparameters(
+                    [p.update_rule for p in params], ('lr', 'momentum'))))
 
     # -- before and after a step ------------------------------------------
     def before_step(self) -> None:

@@ -254,8 +254,11 @@ def baked_hyperparameters(rules, skip=()) -> List[tuple]:
                 k: v for k, v in parent.get_dict().items() if k not in skip}
             inherited = parents[id(parent)] = (
                 values, tuple(sorted(values.items())))
+        # a rule's own value counts, unless it is a device view it was
+        # given (hyper.bind_rule_hyperparameters)
+        device = getattr(rule, 'device_hyperparameters', skip)
         own = [(k, v) for k, v in hyperparam.__dict__.items()
-               if k != '_parent' and k not in skip]
+               if k != '_parent' and k not in device]
         if own:
             merged = dict(inherited[0])
             merged.update(own)

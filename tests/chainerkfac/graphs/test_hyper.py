@@ -88,3 +88,43 @@ def test_views_round_as_a_kernel_of_their_dtype_would():
         assert scalars.view('lr', dtype) is view     # the same object
     scalars.write({'lr': 0.25})                      # in place
     assert scalars.view('lr', numpy.float16) == 0.25
+
+
+def test_a_layers_own_lr_stays_its_own():
+    """A parameter's own learning rate (``update_rule.hyperparam.lr``)
+    was replaced by the view of the optimizer's: under CUDA graphs a
+    layer-wise lr was lost, silently. It stays, the steps equal the
+    host's, it counts among the values a capture bakes (a change of it
+    captures again), and the bounded step reads it as the parameter's."""
+    from chainerkfac import step_bound
+
+    def train(on_device):
+        numpy.random.seed(0)
+        link = L.Linear(5, 3)
+        optimizer = chainer.optimizers.MomentumSGD(lr=0.1, momentum=0.9)
+        optimizer.setup(link)
+        link.b.update_rule.hyperparam.lr = 0.5
+        adapter = graphs_step.ChainerOptimizer(
+            optimizer, hyperparameters_on_device=on_device)
+        rng = numpy.random.RandomState(1)
+        for step in range(3):
+            optimizer.lr = 0.1 * 0.7 ** step
+            for param in link.params():
+                param.grad = rng.randn(*param.shape).astype(numpy.float32)
+            adapter.before_step()
+            optimizer.update()
+        return link, adapter
+
+    link, adapter = train(True)
+    assert link.b.update_rule.hyperparam.lr == 0.5
+    assert link.b.update_rule.device_hyperparameters == {'momentum'}
+    assert link.W.update_rule.device_hyperparameters == {'lr', 'momentum'}
+    assert step_bound.own_lr(link.b) == 0.5
+    assert step_bound.own_lr(link.W) is None
+    host, _ = train(False)
+    for (name, a), (_, b) in zip(sorted(link.namedparams()),
+                                 sorted(host.namedparams())):
+        numpy.testing.assert_array_equal(a.array, b.array, err_msg=name)
+    baked = adapter.baked()
+    link.b.update_rule.hyperparam.lr = 0.25
+    assert adapter.baked() != baked
