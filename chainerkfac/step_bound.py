@@ -292,8 +292,13 @@ class StepBound:
         else:
             partial = _multi_tensor_partial(xp, terms, own)
         metric = lr * lr * partial
-        for term in own:
-            metric = metric + term
+        if own:
+            # summed first, then added, as apply adds them: the same ν to
+            # the bit
+            own_total = 0.0
+            for term in own:
+                own_total = own_total + term
+            metric = metric + own_total
         magnitude = xp.abs(metric)
         # ν = min(1, √(c / |m|)); 1 for m = 0 (c / tiny is huge, as c / 0
         # is infinite), NaN for a non-finite m (scale_of's rule)
