@@ -141,6 +141,8 @@ class CurvatureEstimator:
         #: call's input), and of the step so far.
         self.batch_size: Optional[int] = None
         self.samples = 0
+        #: The blocks whose backward passes this step came with no sample
+        #: (an empty micro-batch: nothing captured, no warning for it).
         self.empty_blocks: set = set()
         #: Micro-batches of the step so far that had no sample.
         self.empty_micro_batches = 0
@@ -205,8 +207,6 @@ class CurvatureEstimator:
         self._passes = 1
         self.batch_size = None
         self.samples = 0
-        #: The blocks whose backward passes this step came with no sample
-        #: (an empty micro-batch: nothing captured, no warning for it).
         self.empty_blocks = set()
         self.empty_micro_batches = 0
         self._empty_seen = False

@@ -246,6 +246,15 @@ class InverseResult(NamedTuple):
     retries: int                # failed tries before success (or all)
 
 
+def same_layout(a, b) -> bool:
+    """Whether ``b`` can be copied into ``a`` as it is: arrays of one
+    module, shape, dtype and memory layout (strides: what reads ``a``
+    then computes as it would with ``b``), ``a`` writable."""
+    return (type(a) is type(b) and getattr(a, 'shape', None) == b.shape
+            and a.dtype == b.dtype and a.strides == b.strides and
+            getattr(a.flags, 'writeable', True))
+
+
 class CholeskyInverse:
     """``(M + d·I)⁻¹`` kept as the upper Cholesky factor ``U`` of
     ``M + d·I = Uᵀ U`` and applied by two triangular solves, never formed
@@ -295,9 +304,7 @@ class CholeskyInverse:
         shape, dtype and layout match (as
         :meth:`chainerkfac.low_rank.WoodburyInverse.refill`)."""
         mine, theirs = self.upper, other.upper
-        if not (type(mine) is type(theirs) and mine.shape == theirs.shape
-                and mine.dtype == theirs.dtype and
-                mine.strides == theirs.strides and mine.flags.writeable):
+        if not same_layout(mine, theirs):
             return False
         if theirs is not mine:
             mine[...] = theirs

@@ -317,8 +317,8 @@ class WoodburyInverse:
         what holds this object — and a CUDA graph that reads its arrays —
         then applies the new inverse. Returns whether it did; where not,
         nothing changed."""
-        if not (_same_layout(self.columns, other.columns) and
-                _same_layout(self.weighted, other.weighted)):
+        if not (linalg.same_layout(self.columns, other.columns) and
+                linalg.same_layout(self.weighted, other.weighted)):
             return False
         if other.columns is not self.columns:
             self.columns[...] = other.columns
@@ -390,7 +390,7 @@ def refilled(old, new):
         if isinstance(old, kind):
             return old if isinstance(new, kind) and old.refill(new) else new
     if isinstance(new, (WoodburyInverse, linalg.CholeskyInverse)) or \
-            not _same_layout(old, new):
+            not linalg.same_layout(old, new):
         return new
     old[...] = new
     return old
@@ -402,15 +402,6 @@ def inverse_arrays(inverse) -> list:
     if isinstance(inverse, (WoodburyInverse, linalg.CholeskyInverse)):
         return inverse.arrays()
     return [] if inverse is None else [inverse]
-
-
-def _same_layout(a, b) -> bool:
-    """Whether ``b`` can be copied into ``a`` as it is: arrays of one
-    module, shape, dtype and memory layout (strides: what reads ``a``
-    then computes as it would with ``b``), ``a`` writable."""
-    return (type(a) is type(b) and getattr(a, 'shape', None) == b.shape
-            and a.dtype == b.dtype and a.strides == b.strides and
-            getattr(a.flags, 'writeable', True))
 
 
 def inverse_of(factor, inverse, damping: float):

@@ -55,18 +55,19 @@ from chainerkfac import multi_tensor
 
 
 def metric_term(block, grads: Sequence, directions: Sequence,
-                damping: float) -> float:
+                damping: float, own: Optional[List] = None) -> float:
     """``Σ_p ⟨d_p, ∇E_p⟩`` of one block, ``∇E = ∇L + γ(w − μ)`` (μ from
     :meth:`~chainerkfac.fisher_blocks.FisherBlock.regularization_means`),
     as ``⟨d, ∇L⟩ + γ⟨d, w⟩ − γμ Σd``: dot products of the arrays as they
     are, without forming ∇E again, summed on the device and read once.
     Parameters whose direction or gradient is None (no gradient anywhere)
-    are left out."""
+    are left out; with a list ``own``, those with an lr of their own too
+    (:func:`_device_term`)."""
     if isinstance(damping, float):
         # a float64 scalar, as a device γ is: the same arithmetic whichever
         # (NumPy 2 would otherwise round γ⟨d, w⟩ to the direction's dtype)
         damping = numpy.float64(damping)
-    return float(_device_term(block, grads, directions, damping))
+    return float(_device_term(block, grads, directions, damping, own))
 
 
 def own_lr(param) -> Optional[float]:
@@ -243,13 +244,10 @@ class StepBound:
             ν.
         """
         partial, own = 0.0, []
-        for block, grads, directions, damping in terms:
+        for term in terms:
             # left to right, as apply_on_device adds (Python 3.12's sum()
             # of floats is compensated, and would differ in the last bits)
-            if isinstance(damping, float):
-                damping = numpy.float64(damping)    # as metric_term
-            partial += float(_device_term(block, grads, directions, damping,
-                                          own))
+            partial += metric_term(*term, own=own)
         own_total = 0.0
         for term in own:
             own_total += float(term)

@@ -726,20 +726,22 @@ class KFAC(optimizer.GradientMethod):
         # Every process learns which factors were captured anywhere (and by
         # how many micro-batches) and which parameters have a gradient
         # anywhere, so all send the same arrays.
-        local = []
+        local, updates = [], []
         for block in blocks:
             local += [captured[block].get(n, (None, 0))[1]
                       for n in block.factor_names]
+            updated = [int(hooks.updates(p)) for p in block.params]
+            updates += updated
             # a frozen parameter's gradient (Chainer computes it) neither
             # moves it nor counts in the bounded step
-            local += [int(p.grad is not None and hooks.updates(p))
-                      for p in block.params]
+            local += [int(p.grad is not None) * u
+                      for p, u in zip(block.params, updated)]
         # the micro-batches with samples (an empty one adds no gradient)
         local.append(n_micro - self.estimator.empty_micro_batches)
         # which parameters each process updates (frozen on some only: the
         # replicas would part silently)
-        updates = [] if transport.size == 1 else [
-            int(hooks.updates(p)) for b in blocks for p in b.params]
+        if transport.size == 1:
+            updates = []
         local += updates
         totals = iter(transport.all_sum(numpy.array(local, numpy.int64)))
         counts, present = {}, {}
