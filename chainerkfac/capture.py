@@ -109,7 +109,9 @@ class BackwardCapture(chainer.FunctionHook):
     record_logits : bool
         Keep the calls of a logits function
         (:func:`chainerkfac.fisher_blocks.logits_functions`) in forward
-        passes: :meth:`logits_of`.
+        passes (:meth:`logits_calls_of`), and the gradients of their
+        outputs in the next backward pass (:meth:`logits_grads`): how much
+        each output weighs in the loss.
     record_graph : bool
         Keep every function node of the backward passes that reach the
         listener's parameters: :attr:`graph`. The nodes of a pass are held
@@ -143,6 +145,7 @@ class BackwardCapture(chainer.FunctionHook):
         self._shapes: set = set()
         self._logits_types: Tuple[type, ...] = ()
         self._logit_functions: List = []
+        self._logit_grads: Dict[int, tuple] = {}
         # Forget the hook once the listener is gone (removed at the next
         # install or removal of any capture: never while Chainer iterates
         # over the hooks).
@@ -193,14 +196,21 @@ class BackwardCapture(chainer.FunctionHook):
         return [f for f in self._logit_functions
                 if id(f) in ancestors and f.inputs is not None]
 
+    def logits_grads(self, call):
+        """The output gradients ``call`` (a recorded logits call) got in
+        the backward pass after its forward, or None."""
+        return self._logit_grads.get(id(call))
+
     def forget_logits(self) -> None:
         self._logit_functions = []
+        self._logit_grads = {}
 
     def start_recording_logits(self, logits_types) -> None:
         """Record logits in the coming forward passes (see
         :attr:`logits`)."""
         self._logits_types = tuple(logits_types)
         self._logit_functions = []
+        self._logit_grads = {}
         self.record_logits = True
 
     # -- the hook ---------------------------------------------------------------
@@ -214,6 +224,12 @@ class BackwardCapture(chainer.FunctionHook):
     def backward_preprocess(self, function, in_data, out_grad):
         if self._dead[0] or getattr(_unobserved, 'depth', 0):
             return
+        if self._logit_functions and not self._explicit and \
+                isinstance(function, self._logits_types) and \
+                any(f is function for f in self._logit_functions):
+            # the weight of its output in the loss (the estimator's
+            # row weights); a few calls per loss, so a list
+            self._logit_grads[id(function)] = tuple(out_grad)
         listener = self._listener()
         if listener is None:
             return
@@ -349,6 +365,7 @@ def _mark_dead(flag, capture_ref) -> None:
     if capture is not None:     # what it holds goes with the listener
         capture.clear_graph()
         capture._logit_functions = []
+        capture._logit_grads = {}
 
 
 def _purge_dead(hooks) -> None:

@@ -21,7 +21,14 @@ optimizer step is exactly what makes up the gradient that step uses:
   ``mc_samples`` passes with labels drawn from the model's softmax, or one
   pass per class with a column of the loss Hessian's symmetric root
   (KFLR's ``G``, exact). They need the loss function: ``update(lossfun,
-  ...)``.
+  ...)``. A loss of several outputs (heads, the time steps of a sequence)
+  is the sum of its negative log-likelihoods ``ℓ_kn`` with weights
+  ``w_kn = ∂loss/∂ℓ_kn`` (a head's coefficient, ``1/count`` of a mean,
+  0 for an ignored label, a class weight), read from the loss's own
+  backward pass: the passes estimate its generalised Gauss-Newton matrix
+  ``Σ_kn w_kn J_knᵀ H_kn J_kn`` (every output sampled independently in
+  one pass, each row scaled by ``√w_kn``; exactly, one pass per output
+  and class).
 
 Each ``update`` call closes a micro-batch (:meth:`end_micro_batch`).
 """
@@ -127,6 +134,9 @@ class CurvatureEstimator:
         self._gradient_due: Dict = {}
         self._touched: Dict = {}
         self._passes = 1
+        #: fisher='exact': each block's calls in the loss's own pass (its
+        #: passes, one output's each, reach only the calls of that output).
+        self._loss_calls: Dict = {}
         #: The pass and the block :attr:`batch_size` was learned from.
         self._batch_pass: Optional[int] = None
         self._batch_block = None
@@ -265,13 +275,18 @@ class CurvatureEstimator:
         if self.fisher == 'emp':
             self._unscale_gradient_factors()
         for block in self._due:
-            block.end_micro_batch(self._passes)
+            if self.fisher == 'exact':
+                block.end_micro_batch(self._passes,
+                                      self._loss_calls.get(block, 1))
+            else:
+                block.end_micro_batch(self._passes)
         self.samples += self.batch_size or 0
         if self.batch_size is None and self._empty_seen:
             self.empty_micro_batches += 1
         self._empty_seen = False
         self.batch_size = None
         self._passes = 1
+        self._loss_calls = {}
         self._touched = {}
 
     def _unscale_gradient_factors(self) -> None:
@@ -293,6 +308,7 @@ class CurvatureEstimator:
         self.batch_size = None
         self._empty_seen = False
         self._touched = {}
+        self._loss_calls = {}
         self._summed_blocks = {}
 
     def close(self) -> None:
@@ -320,6 +336,8 @@ class CurvatureEstimator:
             if names and block in self._gradient_due:
                 block.capture_gradients(function, in_data, out_grad)
             return
+        if self.fisher == 'exact':
+            self._loss_calls[block] = self._loss_calls.get(block, 0) + 1
         if self.batch_size is None or (
                 pass_info.index != self._batch_pass and
                 self._batch_block.params[0].grad_var is None):
@@ -386,7 +404,11 @@ class CurvatureEstimator:
             loss = lossfun(*args, **kwds)
         finally:
             self._capture.record_logits = False
-        loss.backward(loss_scale=loss_scale)
+        try:
+            loss.backward(loss_scale=loss_scale)
+        except BaseException:
+            self._capture.forget_logits()
+            raise
         # after the backward pass, which tells the batch's size
         if self.loss_reduction == 'mean' and _is_summed_loss(
                 loss.creator, self.batch_size):
@@ -402,15 +424,21 @@ class CurvatureEstimator:
                 'BatchNormalization); the loss called none')
         if fisher_passes:
             try:
-                logits = self._logits_of(loss)
+                outputs = self._outputs_of(loss, loss_scale)
             finally:
                 self._capture.forget_logits()
-            self._fisher_passes(logits, params)
+            self._fisher_passes(outputs, params)
 
-    def _logits_of(self, loss):
-        """The logits the Fisher passes sample from: the input of the one
-        logits-function call the loss comes from, which must be the
-        loss's (no modelled layer between it and the loss)."""
+    def _outputs_of(self, loss, loss_scale=None) -> list:
+        """The outputs the Fisher passes sample from, as ``(logits,
+        root_weights)``: the input of each logits-function call the loss
+        comes from on a modelled layer's output (no modelled layer between
+        it and the loss), and per row ``√(w_n / (S N))``, with ``w_n =
+        ∂loss/∂ℓ_n`` the row's weight in the loss, ``N`` the captured
+        batch and ``S`` 1 for a batch-mean loss, ``N`` for a sum: the
+        scale at which a pass gives the factors of the loss's generalised
+        Gauss-Newton matrix in the capture's batch-mean convention (for a
+        plain mean, ``1/N`` per row)."""
         calls = self._capture.logits_calls_of(loss)
         if not calls:
             raise RuntimeError(
@@ -419,19 +447,41 @@ class CurvatureEstimator:
                 'chainerkfac.fisher_blocks.register_logits_function)'
                 .format(self.fisher, ', '.join(
                     t.__name__ for t in fisher_blocks.logits_functions())))
-        if len(calls) > 1:
+        outputs = []
+        for call in calls:
+            logits = self._logits_of_call(loss, call)
+            if logits is None:
+                continue
+            weights = _row_weights(call, self._capture.logits_grads(call),
+                                   self.fisher)
+            if weights is None:
+                continue         # no gradient reached it: no weight
+            if loss_scale is not None:
+                weights = weights / float(loss_scale)
+            outputs.append((logits, weights))
+        rows = sum(len(logits) for logits, _ in outputs)
+        if not outputs:
             raise RuntimeError(
-                "fisher='{}' samples the model's output distribution from "
-                'its logits, but the loss comes from {} calls of logits '
-                'functions ({}): several outputs (the time steps of a '
-                'sequence, several heads: a sum of their losses), or a '
-                'softmax inside the model. Sampled from one of them, the '
-                'layers that only the others reach would get no curvature. '
-                "Use fisher='emp' (the gradients of the loss itself), or "
-                'one output\'s loss'.format(
-                    self.fisher, len(calls),
-                    ', '.join(type(c).__name__ for c in calls)))
-        call = calls[0]
+                "fisher='{}': none of the loss's logits ({} calls of {}) "
+                'comes from a modelled layer of the optimizer\'s model'
+                .format(self.fisher, len(calls), ', '.join(sorted(
+                    {type(c).__name__ for c in calls}))))
+        if rows == 0 or not self.batch_size:
+            return []            # an empty micro-batch: nothing to capture
+        scale = float(self.batch_size) * (
+            float(self.batch_size) if self.loss_reduction == 'sum' else 1.0)
+        return [(logits, (weights / scale) ** 0.5)
+                for logits, weights in outputs]
+
+    def _logits_of_call(self, loss, call):
+        """The logits of one logits-function call of the loss, None if
+        no modelled layer computes them (a teacher's, say), refused if the
+        call is inside the model."""
+        logits_node = call.inputs[0]
+        if not any(len(n.inputs) >= 2 and id(
+                n.inputs[1].get_variable_or_none()) in self.routes
+                for n in capture_module.graph_of(logits_node)):
+            return None
         inside = [f for f in capture_module.functions_between(loss, call)
                   if len(f.inputs) >= 2 and
                   id(f.inputs[1].get_variable_or_none()) in self.routes]
@@ -443,7 +493,7 @@ class CurvatureEstimator:
                 'or apply the loss to the model\'s logits'.format(
                     self.fisher, type(call).__name__, ', '.join(
                         type(f).__name__ for f in inside[:3])))
-        logits = call.inputs[0].get_variable()
+        logits = logits_node.get_variable()
         if logits.array is None:
             # F.log_softmax and F.softmax keep their output, not their input
             # (whose variable the loss function let go): logits up to a
@@ -456,37 +506,112 @@ class CurvatureEstimator:
                 '(the logits the Fisher passes sample from): apply '
                 'F.softmax_cross_entropy or F.log_softmax to the logits'
                 .format(self.fisher, type(call).__name__))
+        if logits.ndim != 2:
+            raise RuntimeError(
+                "fisher='{}': the {} call of the loss takes logits of shape "
+                '{}; the Fisher passes take (rows, classes): reshape them '
+                '(F.rollaxis and F.reshape) before the loss'.format(
+                    self.fisher, type(call).__name__, logits.shape))
         return logits
 
-    def _fisher_passes(self, logits, params) -> None:
+    def _fisher_passes(self, outputs, params) -> None:
+        """The passes of ``outputs`` (:meth:`_outputs_of`)."""
+        if not outputs:
+            return
         inputs = [p for p in params
                   if p.array is not None and p.requires_grad]
         if self.fisher == 'mc':
+            # One pass per draw: every output's rows with labels drawn from
+            # its softmax, each row's loss scaled by its root weight (the
+            # draws of different outputs and rows are independent and of
+            # mean zero, so the products across them vanish in expectation).
             weight = 1.0 / self.mc_samples
             for _ in range(self.mc_samples):
-                labels = self.label_sampler.sample(logits.array)
+                losses = [F.softmax_cross_entropy(
+                    logits, self.label_sampler.sample(logits.array),
+                    reduce='no') for logits, _ in outputs]
                 if self.mc_samples > 1:
                     self._scale_gradient_capture(weight)
                 with self._capture.explicit_pass():
-                    chainer.grad([F.softmax_cross_entropy(logits, labels)],
-                                 inputs)
+                    chainer.grad(losses, inputs, grad_outputs=[
+                        root.astype(logits.dtype, copy=False)
+                        for logits, root in outputs])
             self._passes = self.mc_samples
             return
-        # 'exact': one pass per class with column c of S_n / N per sample:
-        # the capture scales output gradients by N (per-sample gradients of
-        # a mean loss), so G = (1/N) Σ_n Σ_c J_nᵀ S_nc S_ncᵀ J_n.
-        root = softmax_hessian_root(logits.array)
-        n, classes = root.shape[:2]
-        for c in range(classes):
-            column = chainer.Variable(root[:, :, c] / n)
-            with self._capture.explicit_pass():
-                chainer.grad([logits], inputs, grad_outputs=[column])
-        self._passes = classes
+        # 'exact': per output, one pass per class with column c of S_n
+        # times the row's root weight (1/N per sample for a mean loss): the
+        # capture scales output gradients by N (per-sample gradients of a
+        # mean loss), so G = (1/N) Σ_n Σ_c J_nᵀ S_nc S_ncᵀ J_n for one plain
+        # output. Outputs go in passes of their own: a pass of two would
+        # add the products across them.
+        passes = 0
+        for logits, weights in outputs:
+            root = softmax_hessian_root(logits.array)
+            weights = weights.astype(root.dtype, copy=False)[:, None]
+            for c in range(root.shape[1]):
+                column = chainer.Variable(root[:, :, c] * weights)
+                with self._capture.explicit_pass():
+                    chainer.grad([logits], inputs, grad_outputs=[column])
+            passes += root.shape[1]
+        self._passes = passes
 
     def _scale_gradient_capture(self, scale: float) -> None:
         for block, names in self._gradient_due.items():
             block.scale_capture({n: scale for n in names
                                  if not block.factor_kinds[n].forward})
+
+
+def _row_weights(call, out_grad, fisher: str):
+    """``w_n = ∂loss/∂ℓ_n`` for each row of a logits call's input (None
+    where no gradient reached the call), from
+    the gradients its outputs got in the loss's backward pass (with the
+    loss scale): ``ℓ_n`` the row's negative log-likelihood. Softmax
+    cross-entropy: the output's gradient over the rows its reduction
+    divides by, 0 for an ignored label, times a class weight. Log-softmax:
+    ``−Σ_c ∂loss/∂log p_nc`` (exact where the loss is linear in the
+    log-probabilities: ``−Σ_c q_c log p_c`` with any ``q``); softmax:
+    the same through ``p ∂loss/∂p``."""
+    from chainer.functions.loss import softmax_cross_entropy as sce
+    grad = None if out_grad is None else out_grad[0]
+    if grad is None:
+        return None
+    rows = call.inputs[0].shape[0]
+    xp = chainer.backend.get_array_module(grad)
+    grad = grad.astype(numpy.float64, copy=False)
+    if isinstance(call, sce.SoftmaxCrossEntropy):
+        t = call.inputs[1].data
+        if call.soft_target:
+            # −Σ_c q_c log p_c (or the KL divergence): the Hessian in the
+            # logits is Σ_c q_c times the softmax's
+            weights = grad * call._coeff if call.reduce == 'mean' else grad
+            weights = weights * t.astype(numpy.float64).reshape(
+                rows, -1).sum(axis=1)
+        else:
+            valid = (t != call.ignore_label).reshape(rows, -1)
+            if call.reduce == 'mean':
+                weights = valid.astype(numpy.float64) * (grad * call._coeff)
+            else:
+                weights = valid * grad.reshape(rows, -1)
+            if call.class_weight is not None:
+                class_weight = xp.asarray(call.class_weight, numpy.float64)
+                weights = weights * class_weight[
+                    (t * (t != call.ignore_label)).reshape(rows, -1)]
+            weights = weights.sum(axis=1)
+    elif isinstance(call, softmax_module.Softmax):
+        p = call.output_data[0].astype(numpy.float64, copy=False)
+        weights = -(p * grad).reshape(rows, -1).sum(axis=1)
+    else:
+        weights = -grad.reshape(rows, -1).sum(axis=1)
+    scale = float(abs(weights).max()) if rows else 0.0
+    if rows and float(weights.min()) < -1e-7 * scale:
+        raise RuntimeError(
+            "fisher='{}' takes a loss that adds up the negative "
+            'log-likelihoods of its outputs with weights of at least 0 (a '
+            'mean, a sum, heads with their coefficients); the loss '
+            'decreases with the likelihood of the {} call\'s rows (weight '
+            "{:.3g}): use fisher='emp'".format(
+                fisher, type(call).__name__, float(weights.min())))
+    return xp.maximum(weights, 0.0)
 
 
 def _logits_from_output(call):

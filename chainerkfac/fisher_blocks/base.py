@@ -349,18 +349,27 @@ class FisherBlock:
                 self._open[factor] = low_rank.scaled(self._open[factor],
                                                      scale)
 
-    def end_micro_batch(self, passes: int = 1) -> None:
+    def end_micro_batch(self, passes: int = 1,
+                        calls_per_pass: Optional[int] = None) -> None:
         """Close a micro-batch: its factors join the step's sums.
 
         ``passes`` backward passes ran over the same calls to estimate the
         gradient factors (Monte-Carlo samples, columns of the loss
         Hessian's root): a factor of kind ``OUTPUT_GRADS`` is the mean over
-        the calls of one pass (see the module docstring).
+        the calls of one pass (see the module docstring). Where passes
+        reach only some of the calls (the exact Fisher's passes of one
+        output of several), ``calls_per_pass`` is the layer's number of
+        calls in the loss's pass, and the factor the sum over the passes
+        divided by it.
         """
         for factor, value in self._open.items():
             calls = self._calls[factor]
-            if self.factor_kinds[factor] is FactorKind.OUTPUT_GRADS and \
-                    calls != passes:
+            if self.factor_kinds[factor] is not FactorKind.OUTPUT_GRADS:
+                pass
+            elif calls_per_pass is not None:
+                if calls_per_pass != 1:
+                    value = low_rank.scaled(value, 1.0 / calls_per_pass)
+            elif calls != passes:
                 value = low_rank.scaled(value, passes / calls)
             if factor in self._step_sums:
                 self._step_sums[factor] = low_rank.add(

@@ -147,7 +147,10 @@ class KFAC(optimizer.GradientMethod):
         the model's softmax (Monte-Carlo "true" Fisher); or from the loss
         Hessian's exact root, one extra backward pass per class (KFLR's G,
         Botev et al. 2017). ``'mc'`` and ``'exact'`` need the loss function
-        (``update(lossfun, ...)``) and a softmax-type loss.
+        (``update(lossfun, ...)``) and softmax-type losses on the model's
+        outputs (several, as heads or time steps, each row weighted by its
+        weight in the loss: the loss's generalised Gauss-Newton matrix;
+        docs/kfac.md).
     mc_samples : int
         Label draws per micro-batch for ``fisher='mc'``.
     acc_iters : int
