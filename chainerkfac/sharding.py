@@ -40,6 +40,8 @@ from typing import Iterable, List, Optional, Sequence
 
 import numpy
 
+import chainer
+
 from chainerkfac.assignment import Assignment
 
 logger = logging.getLogger(__name__)
@@ -212,6 +214,33 @@ def drop_state(rule) -> None:
     rule's own "not initialised yet" (state created at its next update,
     filled by a deserializer)."""
     rule._state = None
+
+
+class PartialStateDeserializer(chainer.serializer.Deserializer):
+    """What a sharded optimizer's update rules are loaded through: a
+    state entry the file lacks is left as it is, where ``inner`` (strict,
+    as ``load_npz``'s default and Chainer's ``snapshot(autoload=True)``)
+    would raise. Each process's file holds the velocities it owned only,
+    and before the first sharded step which are owned is not decided; the
+    owned ones still missing then are warned about
+    (:func:`drop_unowned_state`). Everything else — the optimizer's and
+    each rule's step count, and what is not under a parameter's path — is
+    read as ``inner`` reads it."""
+
+    def __init__(self, inner, under_parameter: bool = False):
+        self.inner = inner
+        self.under_parameter = under_parameter
+
+    def __getitem__(self, key):
+        return PartialStateDeserializer(self.inner[key], True)
+
+    def __call__(self, key, value):
+        if not self.under_parameter or key == 't':
+            return self.inner(key, value)
+        try:
+            return self.inner(key, value)
+        except KeyError:
+            return value
 
 
 def drop_unowned_state(params: Sequence, owned: Sequence[bool],

@@ -85,12 +85,32 @@ def build_optimizer(name, cfg, comm, acc_iters, args, use_graphs=False,
     optimizer = chainerkfac.optimizers.GuardedOptimizer(
         actual, acc_iters, comm if distributed else None,
         shard_update=args.shard_update)
-    schedule = kfac_training.LinearWarmupLR(
-        lr, settings['warmup_start_lr'],
+    return optimizer, baseline_schedule(settings, cfg.epochs)
+
+
+def baseline_schedule(settings, epochs):
+    """A baseline's learning rate (:func:`baseline_settings`): a linear
+    warm-up, then polynomial (power 2) decay to 0 at the run's end."""
+    return kfac_training.LinearWarmupLR(
+        settings['lr'], settings['warmup_start_lr'],
         warmup_epochs=settings['warmup_epochs'],
         decay=kfac_training.polynomial_decay(
-            lr, 2.0, settings['warmup_epochs'], cfg.epochs + 1e-6))
-    return optimizer, schedule
+            settings['lr'], 2.0, settings['warmup_epochs'], epochs + 1e-6))
+
+
+def warmup_notice(schedule, epochs: float):
+    """A warning where a baseline's warm-up is not shorter than the run
+    (Table 1's 18 or 25 epochs of LARS, made for 32K over 64-73 epochs,
+    on a short run): its learning rate never reaches the peak and never
+    decays. None where it does."""
+    warmup = getattr(schedule, 'warmup_epochs', 0)
+    if not warmup or warmup < epochs:
+        return None
+    last = schedule.values(epochs)['lr']
+    return ('the learning rate warms up over {:g} epochs, not fewer than '
+            "the run's {:g}: it ends at {:.4g}, {:.0%} of its peak {:.4g}, "
+            'and never decays; --warmup-epochs sets the warm-up'.format(
+                warmup, epochs, last, last / schedule.lr, schedule.lr))
 
 
 def baseline_settings(name, cfg, args, previous=None):
@@ -333,6 +353,9 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
                                           previous)
     optimizer.setup(model)
     attach_hooks(optimizer_name, optimizer, args)
+    notice = None if kfac else warmup_notice(schedule, cfg.epochs)
+    if notice and comm.rank == 0:
+        resume.warn(notice)
     resumed = resume.starting_point(
         comm, out, model, optimizer, optimizer_name, args.resume,
         args.init_weights_from, lars_momentum=cfg.lars_momentum

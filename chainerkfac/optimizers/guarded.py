@@ -257,6 +257,9 @@ class GuardedOptimizer:
         """Reduce-scatter the gradients to their owners, check, update the
         owned parameters, all-gather the weights. Returns whether the step
         was taken."""
+        check = getattr(self.actual_optimizer, 'check_update', None)
+        if check is not None:
+            check()              # before anything moves (LARS's forms)
         if self._shard is None:
             self._start_sharding()
         params, collectives = self._shard
@@ -344,8 +347,14 @@ class GuardedOptimizer:
                      for i in range(len(params))], self.owners.names)
 
     def serialize(self, serializer):
-        self.actual_optimizer.serialize(serializer)
-        if isinstance(serializer, chainer.serializer.Deserializer):
+        loading = isinstance(serializer, chainer.serializer.Deserializer)
+        if loading and self.sharded:
+            # each process's file holds the velocities it owned
+            self.actual_optimizer.serialize(
+                sharding.PartialStateDeserializer(serializer))
+        else:
+            self.actual_optimizer.serialize(serializer)
+        if loading:
             # The model is loaded after its optimizer (Chainer's updaters):
             # its running statistics are taken at the next update(lossfun),
             # and until then those of now (a loop that runs its own

@@ -1347,7 +1347,12 @@ class KFAC(optimizer.GradientMethod):
         if (self._started and
                 not isinstance(serializer, chainer.serializer.Deserializer)):
             self._init_never_updated_states()
-        super().serialize(serializer)
+        if self.shard_update and isinstance(
+                serializer, chainer.serializer.Deserializer):
+            # each process's file holds the velocities it owned
+            super().serialize(sharding.PartialStateDeserializer(serializer))
+        else:
+            super().serialize(serializer)
         state.serialize(self, serializer)
         if isinstance(serializer, chainer.serializer.Deserializer):
             if self._started:

@@ -258,16 +258,22 @@ class LARS(optimizer.GradientMethod):
         return LARSRule(self.hyperparam)
 
     def update(self, lossfun=None, *args, **kwds):
-        """Chainer's update, after ``momentum_form`` is checked where it
-        may have been set since the constructor (here, or a rule's own):
-        a refused update moves nothing, not even the step counters."""
+        """Chainer's update, after :meth:`check_update`: a refused update
+        moves nothing, not even the step counters."""
+        self.check_update()
+        return super().update(lossfun, *args, **kwds)
+
+    def check_update(self) -> None:
+        """Refuse a ``momentum_form`` set since the constructor (here, or
+        a rule's own). A wrapper that runs the update rules itself (the
+        sharded :class:`~chainerkfac.optimizers.GuardedOptimizer`) calls it
+        before anything moves."""
         forms = {self.hyperparam.momentum_form}
         forms.update(param.update_rule.hyperparam.momentum_form
                      for param in self.target.params()
                      if isinstance(param.update_rule, LARSRule))
         for form in forms:
             _check_form(form)
-        return super().update(lossfun, *args, **kwds)
 
     def setup(self, link):
         super().setup(link)

@@ -115,6 +115,31 @@ def test_replay_refresh_steps_on_refused_where_the_graphs_are_off():
     run.check_replay_refresh_steps('on', True, True, 'on')
 
 
+def test_a_warm_up_as_long_as_the_run_is_warned_about():
+    """``--optimizer lars`` on the demo config: Table 1's 18-epoch
+    warm-up in a 10-epoch run ended at 56 % of the peak learning rate and
+    never decayed, without a word; SGD's 5 epochs fit."""
+    cfg = config_module.load(config_module.preset_path('demo'))
+    lars = run.baseline_settings('lars', cfg, train_imagenet.parse_args(
+        LISTS + ['--optimizer', 'lars']))
+    schedule = run.baseline_schedule(lars, cfg.epochs)
+    last = schedule.values(cfg.epochs)['lr']
+    assert last < lars['lr']
+    notice = run.warmup_notice(schedule, cfg.epochs)
+    assert notice == (
+        "the learning rate warms up over 18 epochs, not fewer than the "
+        "run's 10: it ends at {:.4g}, {:.0%} of its peak {:.4g}, and never "
+        'decays; --warmup-epochs sets the warm-up'.format(
+            last, last / lars['lr'], lars['lr']))
+    assert '56%' in notice
+    for options in (['--optimizer', 'sgd'],
+                    ['--optimizer', 'lars', '--warmup-epochs', '3']):
+        settings = run.baseline_settings(
+            options[1], cfg, train_imagenet.parse_args(LISTS + options))
+        assert run.warmup_notice(run.baseline_schedule(settings, cfg.epochs),
+                                 cfg.epochs) is None
+
+
 def test_a_resumed_baseline_keeps_its_own_settings():
     """A resume continues the run's settings where options are not given
     again; a run of an earlier version (no "baseline" in its config.json)

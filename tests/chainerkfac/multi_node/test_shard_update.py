@@ -219,6 +219,33 @@ def test_baseline_sharded_equals_unsharded(name, acc_iters):
         all(p.update_rule.t == STEPS for p in params), 'rule step counts')
 
 
+@pytest.mark.parametrize('acc_iters', [1, 2])
+def test_a_bad_lars_form_is_refused_before_the_sharded_update_moves(
+        acc_iters):
+    """``momentum_form`` set to a bad value after a step: the sharded path
+    runs the rules itself, and LARS's check (in ``LARS.update``) did not
+    run: the rules raised after ``optimizer.t`` and the owned rules' ``t``
+    had advanced, differently on each rank."""
+    comm = common.naive('float64')
+    model, optimizer = _guarded(comm, _lars('scaled'), acc_iters, True)
+    common.train_distributed(model, optimizer, comm, 1)
+    lars = optimizer.actual_optimizer
+    lars.momentum_form = 'bogus'
+    weights = common.params(model)
+    counts = {n: p.update_rule.t for n, p in model.namedparams()}
+    with pytest.raises(ValueError, match="momentum_form='bogus'"):
+        common.train_distributed(model, optimizer, comm, 1, first_step=1)
+    assert lars.t == 1
+    assert {n: p.update_rule.t for n, p in model.namedparams()} == counts
+    for name, array in common.params(model).items():
+        numpy.testing.assert_array_equal(array, weights[name], name)
+    lars.momentum_form = 'scaled'
+    optimizer.accumulator.reset()
+    optimizer.pending_micro_batches = 0
+    common.train_distributed(model, optimizer, comm, 1, first_step=1)
+    common.assert_everywhere(lars.t == 2, 'the next step is taken')
+
+
 def test_a_whole_model_hook_is_refused_with_sharding():
     comm = common.naive('float64')
     model, optimizer = _guarded(comm, _sgd, 1, True)
@@ -358,12 +385,14 @@ def test_sharded_snapshots_resume_on_the_same_and_other_sizes(kind,
     common.train_distributed(model, optimizer, comm, M, first_step=N)
     uninterrupted = common.params(model)
 
-    # (a) The same processes.
+    # (a) The same processes, each loading its own file as Chainer's
+    # snapshot(autoload=True) does: strictly (a file lacks the velocities
+    # of the parameters its process did not own; they raised KeyError).
     again, again_optimizer = _build(kind, comm, seed=42)
     chainer.serializers.load_npz(_file(shared_dir, 'model', comm.rank),
                                  again)
     chainer.serializers.load_npz(_file(shared_dir, 'optimizer', comm.rank),
-                                 again_optimizer, strict=False)
+                                 again_optimizer)
     common.train_distributed(again, again_optimizer, comm, M, first_step=N)
     _check_close(common.params(again), uninterrupted, SHARDED_TOLERANCE,
                  'resumed on the same ranks')
