@@ -157,6 +157,10 @@ class CurvatureEstimator:
         #: Micro-batches of the step so far that had no sample.
         self.empty_micro_batches = 0
         self._empty_seen = False
+        #: The sizes of the step's micro-batches so far, and whether
+        #: unequal ones were warned about (once).
+        self._sizes: set = set()
+        self._warned_sizes = False
 
     # -- copies (copy.deepcopy, pickle) ---------------------------------------
     def __getstate__(self):
@@ -220,6 +224,7 @@ class CurvatureEstimator:
         self.empty_blocks = set()
         self.empty_micro_batches = 0
         self._empty_seen = False
+        self._sizes = set()
         self._capture.record_graph = record_graph
         if not record_graph:
             self._capture.clear_graph()
@@ -274,6 +279,7 @@ class CurvatureEstimator:
             raise ValueError(_MEAN_LOSS.format(type(mean).__name__))
         if self.fisher == 'emp':
             self._unscale_gradient_factors()
+        self._check_size()
         for block in self._due:
             if self.fisher == 'exact':
                 block.end_micro_batch(self._passes,
@@ -288,6 +294,27 @@ class CurvatureEstimator:
         self._passes = 1
         self._loss_calls = {}
         self._touched = {}
+
+    def _check_size(self) -> None:
+        """Warn (once) where a step's micro-batches differ in size: each
+        micro-batch's mean counts alike in the step's factors and gradient
+        (as ChainerMN averages processes), so the step is the mean of their
+        means, not the mean over their samples."""
+        size = self.batch_size
+        if not size:
+            return
+        if self._sizes and size not in self._sizes and \
+                not self._warned_sizes:
+            self._warned_sizes = True
+            sizes = sorted(self._sizes | {size})
+            logger.warning(
+                'K-FAC: micro-batches of %s samples in one step: each '
+                "micro-batch's mean counts alike in the step's factors and "
+                'gradient (as ChainerMN averages processes), so the step '
+                'is the mean of their means, not that of one batch of '
+                'their samples; micro-batches of one size give that '
+                '(warned once)', ', '.join(map(str, sizes)))
+        self._sizes.add(size)
 
     def _unscale_gradient_factors(self) -> None:
         """A backward pass started from a loss scale ``S``

@@ -241,13 +241,14 @@ def observers(optimizer, name, images_per_iteration):
            (extensions.observe_value('momentum',
                                      lambda t: optimizer.momentum), at_steps)]
     if name == 'kfac':
+        # the values the step took (after it, the optimizer holds the next
+        # step's: eq. 16's damping, eqs. 22-23's intervals)
         out.append((extensions.observe_value(
-            'damping', lambda t: optimizer.damping), at_steps))
+            'damping', lambda t: optimizer.last_step['damping']), at_steps))
         for kind in ('A', 'G', 'F'):
             out.append((extensions.observe_value(
                 'refresh_interval_' + kind,
-                lambda t, k=kind: optimizer.refresh_intervals[k](
-                    optimizer.t, optimizer.epoch)), at_steps))
+                lambda t, k=kind: optimizer.last_step[k]), at_steps))
 
     def images_per_sec(trainer):
         elapsed = trainer.elapsed_time

@@ -211,8 +211,6 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
         if mine:
             x, t = self._augmented(x, t, chunk)
         optimizer = self.get_optimizer('main')
-        if iterator.is_new_epoch:
-            optimizer.new_epoch(auto=True)
         self._read_skipped()
         finished = iterator.epoch_detail >= self.stop_epoch
         pending = optimizer.pending_micro_batches
@@ -226,6 +224,11 @@ class AugmentedUpdater(training.updaters.StandardUpdater):
             if stepped and total is not None:
                 optimizer.global_micro_batches = total
             optimizer.update(optimizer.target, x, t)
+        if iterator.is_new_epoch:
+            # after the update, as Chainer's StandardUpdater: a step decides
+            # its refreshes (eqs. 22-23) at the epoch it starts in, as its
+            # learning rate, however the global batch is split
+            optimizer.new_epoch(auto=True)
         self._after_step(optimizer)
         self.finished = finished
         if finished and not stepped and (

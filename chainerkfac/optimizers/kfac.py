@@ -409,6 +409,12 @@ class KFAC(optimizer.GradientMethod):
         self.gradients_reduced = False
         #: Diff(t) of eq. (21) from the last refresh: {(layer, factor): x}.
         self.fisher_diffs: Dict = {}
+        #: What the last step took: its damping (eq. 16 moves
+        #: :attr:`damping` on at the step's end) and refresh intervals
+        #: (``'A'``, ``'G'``, ``'F'``; eqs. 22-23 are read at the step's
+        #: start). Empty before the first step.
+        self.last_step: Dict[str, float] = {}
+        self._step_intervals: Dict[str, float] = {}
         self.timer = StageTimer()
         self._micro = 0
         #: The gradients of a step's micro-batches, held between them.
@@ -1195,6 +1201,9 @@ class KFAC(optimizer.GradientMethod):
                                                     self.rescale.decided))
 
     def _factors_due(self):
+        self._step_intervals = {
+            kind: schedule(self.t, self.epoch)
+            for kind, schedule in self.refresh_intervals.items()}
         due = {}
         # a load's record decides until the first step after it is taken
         # (the first update decides again: :meth:`_start`)
@@ -1217,8 +1226,7 @@ class KFAC(optimizer.GradientMethod):
         return due
 
     def _is_due(self, last: int, interval: str) -> bool:
-        schedule = self.refresh_intervals[interval]
-        return last < 0 or self.t - last >= schedule(self.t, self.epoch)
+        return last < 0 or self.t - last >= self._step_intervals[interval]
 
     def _decide_rescale(self) -> None:
         """Eq. (20) 'auto' from the first step's graph, before its update
@@ -1304,6 +1312,8 @@ class KFAC(optimizer.GradientMethod):
         preconditioned = sum(
             1 for b in self.blocks if b.factor_names and
             all(b.last_refresh[n] >= 0 for n in b.factor_names))
+        self.last_step = {'damping': float(self.damping)}
+        self.last_step.update(self._step_intervals)
         observation = {
             'kfac/damping': self.damping,
             'kfac/refresh_A': float('A' in refreshed),

@@ -355,3 +355,89 @@ def test_skip_flag_read_after_the_next_batch_is_ready(capsys, monkeypatch):
     assert events == ['convert', 'update', 'convert', 'read', 'update']
     assert 'step at iteration 1: non-finite gradient, update skipped' in \
         capsys.readouterr().err
+
+
+class EpochBatches(Batches):
+    """Batches whose epochs end at every ``n / 4``-th batch, as the
+    harness's iterator says (``is_new_epoch`` after the batch that ends
+    one)."""
+
+    @property
+    def is_new_epoch(self):
+        return self.position > 0 and self.position * 4 % self.n == 0
+
+
+@pytest.mark.parametrize('acc_iters', [1, 2])
+def test_a_step_decides_its_refreshes_at_the_epoch_it_starts_in(acc_iters):
+    """eq. (23)-like intervals (every step in epoch 0, then rarely): the
+    step whose micro-batches end epoch 0 refreshes, as its learning rate
+    is that of the epoch it starts in. The updater called ``new_epoch``
+    before that micro-batch's update, so without accumulation the step
+    took epoch 1's interval and with it that of its last micro-batch: the
+    stale schedule depended on how the global batch was split (1 process
+    × 3 micro-batches refreshed at the boundary, 3 processes × 1 did
+    not). Chainer's StandardUpdater calls it after the update."""
+    np.random.seed(0)
+    model = models.SoftLabelClassifier(models.SmallResNet(8, 4, 3))
+
+    def interval(iteration, epoch):
+        return 1 if epoch < 1 else 1000
+    optimizer = chainerkfac.optimizers.KFAC(
+        lr=0.01, acc_iters=acc_iters, verbose=False, kl_clip=None,
+        refresh_interval_a=interval, refresh_interval_g=interval,
+        refresh_interval_f=interval)
+    optimizer.setup(model)
+    # 16 samples an epoch: 4 micro-batches, 4 / acc_iters steps
+    updater = AugmentedUpdater(
+        EpochBatches([batch(1), batch(2)], 16), optimizer, OneProcess(),
+        acc_iters, 100, BatchConverter(None, labels_on_host=True), seed=0,
+        alpha_mixup=0.0, n_class=3, erasing=False,
+        device=chainer.get_device('@numpy'))
+    due, update = [], optimizer.update
+
+    def recording(*args, **kwargs):
+        if optimizer.pending_micro_batches == 0:
+            due.append((optimizer.epoch, bool(optimizer.estimator.due)))
+        return update(*args, **kwargs)
+    optimizer.update = recording
+    with reporting(model, {}):
+        for _ in range(8):                       # two epochs
+            updater.update()
+    per_epoch = 4 // acc_iters
+    assert due == [(0, True)] * per_epoch + [(1, False)] * per_epoch
+
+
+def test_the_log_has_the_damping_and_intervals_a_step_took():
+    """The harness's ``damping`` and ``refresh_interval_*`` observers read
+    the optimizer after the step, where eq. (16) has moved the damping on
+    and eqs. (22-23) are the next step's: the log's ``damping`` was the
+    next step's (15 % above ``kfac/damping``, the one used, in a run of
+    the 131K row)."""
+    from harness import run
+    np.random.seed(0)
+    model = models.SoftLabelClassifier(models.SmallResNet(8, 4, 3))
+
+    def interval(iteration, epoch):
+        return 1 if iteration < 1 else 3
+    optimizer = chainerkfac.optimizers.KFAC(
+        lr=0.01, verbose=False, kl_clip=None, damping=0.1,
+        damping_target=0.001, damping_warmup_steps=20,
+        refresh_interval_a=interval, refresh_interval_g=interval,
+        refresh_interval_f=interval)
+    optimizer.setup(model)
+    updater = AugmentedUpdater(
+        Batches([batch(1), batch(2)], 16), optimizer, OneProcess(), 1, 100,
+        BatchConverter(None, labels_on_host=True), seed=0, alpha_mixup=0.0,
+        n_class=3, erasing=False, device=chainer.get_device('@numpy'))
+    observers = [ext for ext, _ in run.observers(optimizer, 'kfac', 4)]
+    trainer = types.SimpleNamespace(updater=updater, elapsed_time=1.0)
+    for step in range(2):
+        observation = {}
+        with reporting(model, observation):
+            updater.update()
+            trainer.observation = {}
+            for observer in observers:
+                observer(trainer)
+        assert trainer.observation['damping'] == observation['kfac/damping']
+        assert optimizer.damping < trainer.observation['damping']
+        assert trainer.observation['refresh_interval_A'] == interval(step, 0)
