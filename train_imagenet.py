@@ -285,7 +285,9 @@ def parse_args(argv=None):
                         help='no mixup / random erasing')
     parser.add_argument('--no-progress', action='store_true',
                         help='plain lines, no progress bar (its terminal '
-                        "escape codes fill a batch job's log file)")
+                        "escape codes fill a batch job's log file): a "
+                        "'progress:' line every minute between the log's "
+                        'rows')
     parser.add_argument('--demo', action='store_true',
                         help='the embedded default: digits, K-FAC vs SGD')
     args = parser.parse_args(argv)

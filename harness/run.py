@@ -553,6 +553,9 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
             progress_bar=not args.no_progress), trigger=epoch_end)
         if not args.no_progress:
             trainer.extend(extensions.ProgressBar(update_interval=10))
+        else:
+            trainer.extend(evaluation.PlainProgress(cfg.epochs,
+                                                    batch * comm.size))
     if resumed:
         # before config.json is rewritten: a refused resume leaves the
         # run's record as it was

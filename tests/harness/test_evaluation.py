@@ -60,3 +60,33 @@ def test_a_resumed_run_prints_only_its_new_epochs(tmp_path):
     chainer.serializers.load_npz(old, trainer, strict=False)
     trainer.run()
     assert _rows(again.getvalue()) == ['1', '2', '3', '4', '5']
+
+
+def test_plain_progress_says_where_the_run_is_every_interval():
+    """``--no-progress`` (the job scripts'): a ``progress:`` line at most
+    every interval, with the pace measured since the run (or its resume)
+    began; before, nothing came between the log's epoch rows."""
+    import types
+    clock = [100.0]
+    out = io.StringIO()
+    updater = types.SimpleNamespace(epoch_detail=0.5, iteration=10,
+                                    steps=5)
+    trainer = types.SimpleNamespace(updater=updater)
+    progress = evaluation.PlainProgress(2, 64, interval=60.0, out=out,
+                                        clock=lambda: clock[0])
+    progress(trainer)                      # the first call starts the clock
+    for seconds, epoch, iteration in ((30.0, 0.6, 20), (61.0, 0.8, 40)):
+        clock[0] = 100.0 + seconds
+        updater.epoch_detail, updater.iteration = epoch, iteration
+        updater.steps = iteration // 2
+        progress(trainer)
+    # 0.3 epochs in 61 s: 1.2 epochs left take 244 s; 30 micro-batches of
+    # 64 images in 61 s
+    assert out.getvalue() == (
+        'progress: epoch 0.800 of 2, step 20, micro-batch 40, '
+        '{:.1f} images/s, 0:04:04 to go\n'.format(30 * 64 / 61.0))
+    clock[0] = 150.0 + 61.0                # under a minute since the line
+    progress(trainer)
+    assert out.getvalue().count('\n') == 1
+    assert evaluation._duration(float('inf')) == '?'
+    assert evaluation._duration(3723.4) == '1:02:03'
