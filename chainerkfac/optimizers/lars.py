@@ -26,8 +26,8 @@ Excluded parameters (the MLPerf reference's ``skip_list``: batch
 normalisation and biases) are updated with ``λ = η`` and no weight decay,
 in the same momentum form.
 
-A parameter whose gradient is zero throughout is left as it is, weights
-and velocity: TensorFlow's ``LARSOptimizer`` never touches a variable
+A parameter whose gradient is exactly zero at a step is left as it is at
+that step, weights and velocity: TensorFlow's ``LARSOptimizer`` never touches a variable
 without a gradient, and Chainer fills a missing gradient (a branch no loss
 reached) with zeros before the update, which would give it the trust
 ratio 1 and decay it at the full learning rate η (29 at Table 1's) with
