@@ -134,9 +134,10 @@ class CurvatureEstimator:
         self._gradient_due: Dict = {}
         self._touched: Dict = {}
         self._passes = 1
-        #: fisher='exact': each block's calls in the loss's own pass (its
-        #: passes, one output's each, reach only the calls of that output).
-        self._loss_calls: Dict = {}
+        #: fisher='exact': each block's calls the Fisher passes reached
+        #: (their ids): its passes, one output's each, reach only the calls
+        #: of that output; calls no output reaches count in none.
+        self._pass_calls: Dict = {}
         #: The pass and the block :attr:`batch_size` was learned from.
         self._batch_pass: Optional[int] = None
         self._batch_block = None
@@ -283,7 +284,8 @@ class CurvatureEstimator:
         for block in self._due:
             if self.fisher == 'exact':
                 block.end_micro_batch(self._passes,
-                                      self._loss_calls.get(block, 1))
+                                      len(self._pass_calls.get(block, ())) or
+                                      1)
             else:
                 block.end_micro_batch(self._passes)
         self.samples += self.batch_size or 0
@@ -292,7 +294,7 @@ class CurvatureEstimator:
         self._empty_seen = False
         self.batch_size = None
         self._passes = 1
-        self._loss_calls = {}
+        self._pass_calls = {}
         self._touched = {}
 
     def _check_size(self) -> None:
@@ -335,7 +337,7 @@ class CurvatureEstimator:
         self.batch_size = None
         self._empty_seen = False
         self._touched = {}
-        self._loss_calls = {}
+        self._pass_calls = {}
         self._summed_blocks = {}
 
     def close(self) -> None:
@@ -362,9 +364,10 @@ class CurvatureEstimator:
         if pass_info.explicit:
             if names and block in self._gradient_due:
                 block.capture_gradients(function, in_data, out_grad)
+                if self.fisher == 'exact':
+                    self._pass_calls.setdefault(block, set()).add(
+                        id(function))
             return
-        if self.fisher == 'exact':
-            self._loss_calls[block] = self._loss_calls.get(block, 0) + 1
         if self.batch_size is None or (
                 pass_info.index != self._batch_pass and
                 self._batch_block.params[0].grad_var is None):
@@ -604,6 +607,8 @@ def _row_weights(call, out_grad, fisher: str):
         return None
     rows = call.inputs[0].shape[0]
     xp = chainer.backend.get_array_module(grad)
+    if rows == 0:               # an empty micro-batch
+        return xp.zeros((0,), numpy.float64)
     grad = grad.astype(numpy.float64, copy=False)
     if isinstance(call, sce.SoftmaxCrossEntropy):
         t = call.inputs[1].data

@@ -358,9 +358,9 @@ class FisherBlock:
         Hessian's root): a factor of kind ``OUTPUT_GRADS`` is the mean over
         the calls of one pass (see the module docstring). Where passes
         reach only some of the calls (the exact Fisher's passes of one
-        output of several), ``calls_per_pass`` is the layer's number of
-        calls in the loss's pass, and the factor the sum over the passes
-        divided by it.
+        output of several), ``calls_per_pass`` is the number of the
+        layer's calls that any pass reached, and the factor the sum over
+        the passes divided by it.
         """
         for factor, value in self._open.items():
             calls = self._calls[factor]

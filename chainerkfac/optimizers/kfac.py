@@ -1357,9 +1357,10 @@ class KFAC(optimizer.GradientMethod):
         if (self._started and
                 not isinstance(serializer, chainer.serializer.Deserializer)):
             self._init_never_updated_states()
-        if self.shard_update and isinstance(
+        if self.shard_update and self.transport.size > 1 and isinstance(
                 serializer, chainer.serializer.Deserializer):
-            # each process's file holds the velocities it owned
+            # each process's file holds the velocities it owned (on one
+            # process, every one: strict)
             super().serialize(sharding.PartialStateDeserializer(serializer))
         else:
             super().serialize(serializer)

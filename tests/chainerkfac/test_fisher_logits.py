@@ -375,3 +375,68 @@ def test_sequence_exact_fisher_is_the_sampled_ones_mean():
         numpy.testing.assert_allclose(got['mc'][name]['G'], exact,
                                       atol=0.1 * numpy.abs(exact).max(),
                                       err_msg=name)
+
+
+class SharedEncoder(chainer.Chain):
+    """An encoder called twice: once under the classifier's logits, once
+    under a regression term (no logits)."""
+
+    def __init__(self):
+        super().__init__()
+        with helpers.float64_links(), self.init_scope():
+            self.enc = L.Linear(5, 6)
+            self.head = L.Linear(6, 3)
+
+    def loss(self, x, t, regression=0.1):
+        logits = self.head(F.tanh(self.enc(x)))
+        loss = F.softmax_cross_entropy(logits, t)
+        if regression:
+            loss += regression * F.mean(self.enc(x[::-1] * 0.5) ** 2)
+        return loss
+
+
+@pytest.mark.parametrize('fisher', ['exact', 'mc'])
+def test_a_call_that_reaches_no_logits_counts_in_no_estimate(fisher):
+    """A shared encoder's second call feeds a regression term only: no
+    Fisher pass reaches it. The exact G was divided by the encoder's 2
+    calls in the loss's pass (half the sampled one's, and half what it was
+    before multi-output losses); now by the 1 the passes reach, as the
+    sampled passes average, so the regression term changes neither."""
+    x, t = helpers.data(n=6, shape=(5,), n_class=3, seed=5)
+    got = []
+    for regression in (0.1, 0.0):
+        numpy.random.seed(3)
+        model = SharedEncoder()
+        optimizer = helpers.kfac(fisher=fisher, lr=0.0, momentum=0.0,
+                                 seed=2)
+        optimizer.setup(model)
+        optimizer.update(lambda x, t: model.loss(x, t, regression), x, t)
+        got.append(_factors(optimizer)['/enc']['G'])
+    numpy.testing.assert_allclose(got[0], got[1], rtol=1e-12, atol=1e-16)
+
+
+@pytest.mark.parametrize('fisher', ['exact', 'mc'])
+def test_an_empty_micro_batch_under_a_log_softmax_loss(fisher):
+    """A rank's empty share at an epoch's end, the loss written with
+    F.log_softmax: its row weights were taken by ``reshape(0, -1)``
+    (``cannot reshape array of size 0``). It captures nothing; the step
+    is that of the other micro-batch."""
+    x, t = helpers.data(n=6, shape=(5,), n_class=3, seed=1)
+    results = []
+    for chunks in ((slice(0, 6), slice(0, 0)), (slice(0, 6),)):
+        numpy.random.seed(0)
+        model = helpers.MLP()
+        optimizer = helpers.kfac(fisher=fisher, acc_iters=len(chunks),
+                                 seed=1, lr=0.05)
+        optimizer.setup(model)
+
+        def loss(x, t):
+            return -F.sum(F.select_item(F.log_softmax(model(x)), t)) / \
+                max(len(t), 1)
+        for chunk in chunks:
+            optimizer.update(loss, x[chunk], t[chunk])
+        assert optimizer.t == 1
+        results.append({n: p.array.copy() for n, p in model.namedparams()})
+    for name in results[1]:
+        numpy.testing.assert_allclose(results[0][name], results[1][name],
+                                      rtol=1e-12, atol=1e-15, err_msg=name)

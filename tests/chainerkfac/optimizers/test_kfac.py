@@ -882,3 +882,29 @@ def test_a_summed_loss_takes_its_batch_from_the_pass_that_counts():
     plain, extra = run(False), run(True)
     for name, value in plain.items():
         numpy.testing.assert_array_equal(extra[name], value, err_msg=name)
+
+
+def test_a_one_process_shard_update_snapshot_loads_strictly(tmp_path):
+    """``shard_update=True`` on one process holds every velocity in its
+    file: a file without one is refused (as without sharding), not loaded
+    with the velocity lost and a warning at the next step (the sharded
+    files' leniency, for several processes only, had been chosen on the
+    flag alone)."""
+    x, t = helpers.data(n=8, shape=(5,), n_class=3)
+    for shard_update in (False, True):
+        numpy.random.seed(0)
+        model = helpers.MLP()
+        optimizer = helpers.kfac(lr=0.05, momentum=0.9,
+                                 shard_update=shard_update).setup(model)
+        for _ in range(2):
+            optimizer.update(helpers.loss_of(model), x, t)
+        path = str(tmp_path / 'optimizer.npz')
+        serializers.save_npz(path, optimizer)
+        with numpy.load(path) as saved:
+            arrays = {k: saved[k] for k in saved.files if k != 'l1/W/v'}
+        assert len(arrays) < len(saved.files)
+        numpy.savez(path, **arrays)
+        again = helpers.kfac(lr=0.05, momentum=0.9,
+                             shard_update=shard_update).setup(helpers.MLP())
+        with pytest.raises(KeyError, match='l1/W/v'):
+            serializers.load_npz(path, again)
