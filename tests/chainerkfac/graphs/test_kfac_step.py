@@ -12,6 +12,8 @@ import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
 
 import contextlib
 
+import types
+
 import numpy
 import pytest
 
@@ -360,8 +362,9 @@ def test_graphed_checks_what_it_is_given():
     with pytest.raises(ValueError, match='setup'):
         graphs.graphed(chainer.optimizers.MomentumSGD())
     model = helpers.ConvNet(bn=True)
-    optimizer = GuardedOptimizer(chainer.optimizers.MomentumSGD(),
-                                 comm=object()).setup(model)
+    optimizer = GuardedOptimizer(
+        chainer.optimizers.MomentumSGD(),
+        comm=types.SimpleNamespace(rank=0, size=2)).setup(model)
     adapter = graphs.graphed(optimizer, cupy=ReplayCupy(list)).adapter
     assert 'communicator' in adapter.refusal()
 

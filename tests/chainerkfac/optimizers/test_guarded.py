@@ -138,3 +138,38 @@ def test_a_skipped_step_halves_a_dynamic_loss_scale():
     assert inner._loss_scale == 65504           # halved, Chainer's cap
     optimizer.update(helpers.loss_of(model), x, t)
     assert not optimizer.last_step_skipped
+
+
+@pytest.mark.parametrize('wrapped, match', [
+    (lambda: helpers.kfac(), 'KFAC accumulates micro-batches'),
+    (lambda: 'sgd', "actual_optimizer='sgd' is not a Chainer optimizer"),
+    (lambda: None, 'actual_optimizer=None is not a Chainer optimizer'),
+    (lambda: chainer.optimizers.MomentumSGD,
+     'is not a Chainer optimizer instance'),
+])
+def test_what_it_cannot_drive_is_refused_at_construction(wrapped, match):
+    """GuardedOptimizer(KFAC(...)) was accepted: its accumulation clears
+    the gradients at each micro-batch, so K-FAC's factors saw the last
+    micro-batch only (a step 37 % off KFAC(acc_iters=2)'s); a string, None
+    or a class failed at setup with an AttributeError."""
+    with pytest.raises(TypeError, match=match):
+        GuardedOptimizer(wrapped(), 2)
+
+
+def test_its_own_arguments_are_checked_where_they_are_set():
+    sgd = chainer.optimizers.MomentumSGD
+    with pytest.raises(TypeError, match="comm='naive' is not a ChainerMN "
+                       'communicator'):
+        GuardedOptimizer(sgd(), 1, 'naive')
+    # NumPy's bool as KFAC takes it (the message said "shard_update=True
+    # must be True or False")
+    assert GuardedOptimizer(sgd(), 1, None,
+                            shard_update=numpy.bool_(True)).shard_update \
+        is True
+    with pytest.raises(ValueError, match='shard_update'):
+        GuardedOptimizer(sgd(), 1, None, shard_update='yes')
+    optimizer = GuardedOptimizer(sgd(), 2)
+    with pytest.raises(ValueError, match=r'acc_iters=-3.*int >= 1'):
+        optimizer.acc_iters = -3
+    optimizer.acc_iters = 3
+    assert optimizer.acc_iters == 3
