@@ -11,7 +11,12 @@
 * writes uncompressed (zlib cost 38 CPU-seconds per GB for a 16 % saving)
   to a hidden temporary file, fsyncs it and renames it into place, so a
   snapshot file is either complete or absent;
-* re-raises a failed background write in the training loop.
+* re-raises a failed background write in the training loop;
+* removes the older snapshots (``n_retains``) only once every process's
+  new file is whole (:func:`agree`): removed as each process's own write
+  ended, a slow or failed write on one process with a fast one elsewhere
+  left no snapshot whole on every process (with the default of 2 kept,
+  rank 0 held steps 3 and 4, rank 1 steps 1 and 2).
 
 Resuming from the files is :mod:`harness.resume`.
 """
@@ -19,6 +24,7 @@ import functools
 import os
 import re
 import shutil
+import sys
 import time
 
 import numpy
@@ -170,7 +176,8 @@ class AtomicThreadWriter(snapshot_writers.ThreadWriter):
                 os.fsync(f.fileno())
             os.replace(tmp, path)
             _fsync_directory(outdir)
-            self._post_save()
+            # the older snapshots go once every process's write is whole
+            # (:meth:`remove_stale`, from :func:`agree`)
         except BaseException as error:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -187,6 +194,18 @@ class AtomicThreadWriter(snapshot_writers.ThreadWriter):
         """Wait for the last write; its failure is left to :func:`finish`
         (all processes agree on it there)."""
         self.join()
+
+    def remove_stale(self):
+        """Remove the older snapshots (Chainer's ``n_retains`` hooks),
+        once :func:`agree` has seen every process's write whole. A file
+        that cannot be removed (a directory of the name) is said, not
+        taken for a failed write."""
+        for hook in self._post_save_hooks:
+            try:
+                hook()
+            except OSError as error:
+                print('warning: an older snapshot could not be removed: '
+                      '{}'.format(error), file=sys.stderr, flush=True)
 
 
 class WriteCheck:
@@ -224,6 +243,7 @@ def agree(comm, writer):
         raise_together(comm, writer.take_failure())
     if not any(b for b, _ in states):
         writer.unconfirmed = False
+        writer.remove_stale()
 
 
 def finish(comm, writer):

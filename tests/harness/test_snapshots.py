@@ -5,6 +5,7 @@ import os
 import shutil
 import threading
 import time
+import types
 
 import chainer
 import chainer.links as L
@@ -211,9 +212,68 @@ def test_extension_keeps_the_last_snapshots(tmp_path):
         chainer.iterators.SerialIterator(data, 1), optimizer)
     trainer = chainer.training.Trainer(updater, (5, 'epoch'),
                                        out=str(tmp_path))
-    snapshots.extend_trainer(trainer, OneProcess,
-                             snapshots.AtomicThreadWriter(), rank=3, keep=2,
+    writer = snapshots.AtomicThreadWriter()
+    snapshots.extend_trainer(trainer, OneProcess, writer, rank=3, keep=2,
                              trigger=(1, 'epoch'))
     trainer.run()
+    snapshots.finish(OneProcess, writer)
     assert sorted(os.listdir(str(tmp_path))) == [
         'snapshot_epoch_4.rank3', 'snapshot_epoch_5.rank3']
+
+
+class TwoProcesses:
+    """Rank 0 of two, the other's write state set by the test."""
+    rank, size = 0, 2
+    other = (False, False)          # (busy, failed)
+
+    class mpi_comm:
+        @staticmethod
+        def allgather(value):
+            return [value, TwoProcesses.other if isinstance(value, tuple) and
+                    len(value) == 2 and isinstance(value[0], bool) else
+                    (OSError, 'disk full') if TwoProcesses.other[1]
+                    else None]
+
+
+@pytest.mark.parametrize('keep', [1, 2])
+def test_older_snapshots_go_only_once_every_process_wrote_the_new(
+        tmp_path, keep):
+    """Each process removed its older snapshots as soon as its own new
+    file was whole: with another process's write of the same step slow,
+    then failed (disk full) or killed, no step was whole on every process
+    (an auditor's run: rank 0 held steps 3 and 4, rank 1 steps 1 and 2,
+    and --resume latest found nothing). Now they go once every process's
+    write has ended well."""
+    out = str(tmp_path)
+    for step in (1, 2):
+        (tmp_path / 'snapshot_step_{}.rank0'.format(step)).write_bytes(b'x')
+    writer = snapshots.AtomicThreadWriter()
+    extension = snapshots.snapshot_extension(0, keep, writer,
+                                             snapshots.SNAPSHOT_PREFIX.format(
+                                                 step='{.step}'))
+    trainer = types.SimpleNamespace(out=out, step=3, updater=None)
+    extension.initialize(trainer)
+    extension._target = L.Linear(2, 2)
+    extension._make_snapshot(trainer)
+    writer.join()                         # this process's write is whole
+    TwoProcesses.other = (True, False)    # the other's is not
+    snapshots.agree(TwoProcesses, writer)
+    assert writer.unconfirmed
+    names = sorted(os.listdir(out))
+    assert names == ['snapshot_step_1.rank0', 'snapshot_step_2.rank0',
+                     'snapshot_step_3.rank0']
+    TwoProcesses.other = (False, False)   # now it is
+    snapshots.agree(TwoProcesses, writer)
+    assert not writer.unconfirmed
+    assert sorted(os.listdir(out)) == names[3 - keep:]
+
+    # the other's write fails: nothing older goes
+    (tmp_path / 'snapshot_step_4.rank0').write_bytes(b'x')
+    extension._make_snapshot(types.SimpleNamespace(out=out, step=5,
+                                                   updater=None))
+    writer.join()
+    before = sorted(os.listdir(out))
+    TwoProcesses.other = (False, True)
+    with pytest.raises(OSError, match='rank 1: disk full'):
+        snapshots.agree(TwoProcesses, writer)
+    assert sorted(os.listdir(out)) == before
