@@ -569,7 +569,9 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
         facts = run_dir.run_facts(
             optimizer_name, comm.size, acc_iters, batch, args.arch,
             args.depth, args.width, len(data.train), len(data.val), n_class,
-            label)
+            label, stream={'seed': args.seed, 'crop_size': args.crop_size,
+                           'resize': args.resize,
+                           'augment': not args.no_augment})
         settings = baseline_settings(optimizer_name, cfg, args, previous)
         if settings is not None:
             # the baseline's own (the config's lr and momentum are K-FAC's)

@@ -52,12 +52,20 @@ def _write_atomic(path, text):
 
 
 def run_facts(optimizer, n_processes, acc_iters, batch_per_process, arch,
-              depth, width, n_train, n_val, n_class, label):
-    """The ``"run"`` entry of ``config.json`` (what the analysis reads)."""
-    return {'optimizer': optimizer, 'n_processes': n_processes,
-            'acc_iters': acc_iters, 'batch_per_process': batch_per_process,
-            'arch': arch, 'depth': depth, 'width': width, 'n_train': n_train,
-            'n_val': n_val, 'n_class': n_class, 'label': label}
+              depth, width, n_train, n_val, n_class, label, stream=None):
+    """The ``"run"`` entry of ``config.json`` (what the analysis reads,
+    and what a resume compares: :func:`config_changes`). ``stream``: what
+    shapes the data stream besides the config — the seed of its draws, the
+    crop and resize sides, whether it is augmented (a resume with another
+    ``--seed`` continued silently on another permutation and other draws)."""
+    facts = {'optimizer': optimizer, 'n_processes': n_processes,
+             'acc_iters': acc_iters, 'batch_per_process': batch_per_process,
+             'arch': arch, 'depth': depth, 'width': width,
+             'n_train': n_train, 'n_val': n_val, 'n_class': n_class,
+             'label': label}
+    if stream is not None:
+        facts['stream'] = dict(stream)
+    return facts
 
 
 def label_of(optimizer_name, cfg):

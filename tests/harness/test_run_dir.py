@@ -177,6 +177,15 @@ def test_config_changes_name_each_value_a_resume_changes(tmp_path):
     run_dir.write_run_config(cfg, out, dict(facts, baseline={'lr': 0.1}))
     assert run_dir.config_changes(cfg, run_dir.read_config(out), dict(
         facts, baseline={'lr': 5.0})) == ['run.baseline.lr: 0.1 → 5.0']
+    # what shapes the data stream (a resume with another --seed, --resize
+    # or --no-augment said nothing)
+    stream = {'seed': 7, 'crop_size': 224, 'resize': 256, 'augment': True}
+    recorded = run_dir.run_facts('kfac', 2, 4, 32, 'small', 8, 8, 100, 10,
+                                 10, 'x', stream=stream)
+    run_dir.write_run_config(cfg, out, recorded)
+    assert run_dir.config_changes(cfg, run_dir.read_config(out), dict(
+        recorded, stream=dict(stream, seed=0, augment=False))) == [
+        'run.stream.augment: true → false', 'run.stream.seed: 7 → 0']
     for damaged in ('{not json', '[1, 2]'):
         (tmp_path / 'config.json').write_text(damaged)
         assert run_dir.read_config(out) is None

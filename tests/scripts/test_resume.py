@@ -4,6 +4,7 @@ ending inside optimizer steps); resume on another number of processes and
 it continues to the tolerance of the distributed-equivalence tests."""
 import json
 import os
+import re
 import shutil
 import time
 
@@ -380,11 +381,15 @@ def test_a_resume_says_what_it_changes(dataset, references, tmp_path):
     other = tmp_path / 'other'
     result = run(reference_command(
         dataset, other, '--resume',
-        os.path.join(references[1], 'snapshot_step_3'), '--epochs', '4'))
+        os.path.join(references[1], 'snapshot_step_3'), '--epochs', '4',
+        '--seed', '5'))
     assert result.returncode == 0, result.stdout[-3000:]
     assert 'resuming with settings other than those of {}:\n  epochs: ' \
         '3 → 4'.format(os.path.join(references[1], 'config.json')) in \
         result.stdout
+    # the data stream's seed, recorded since 2026-11-27 (fifth session)
+    assert re.search(r'\n  run\.stream\.seed: \d+ → 5\n', result.stdout), \
+        result.stdout[-3000:]
 
 
 @pytest.mark.slow
