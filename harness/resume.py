@@ -337,7 +337,7 @@ def restore(trainer, files, rank, n_processes, optimizer=None, mixup=None,
     # Lenient: with the lean K-FAC state a file lacks the blocks its process
     # did not own; that the snapshot fits the model was checked before.
     # Pickle off (chainerkfac.serializers): an object array is refused.
-    serializers.load_npz(own, trainer, strict=False)
+    _load(own, trainer)
     elastic = len(files) != n_processes
     merge_state = optimizer is not None and (
         elastic or sharded or written_sharded(own))
@@ -345,13 +345,24 @@ def restore(trainer, files, rank, n_processes, optimizer=None, mixup=None,
         if path == own:
             continue
         if merge_state:
-            serializers.load_npz(path, optimizer,
-                                 path='updater/optimizer:main/',
-                                 strict=False)
+            _load(path, optimizer, 'updater/optimizer:main/')
         if elastic and mixup is not None:
-            serializers.load_npz(path, mixup, path='updater/mixup/',
-                                 strict=False)
+            _load(path, mixup, 'updater/mixup/')
     return own
+
+
+def _load(path, target, prefix=''):
+    """``load_npz(path, target, path=prefix, strict=False)``; a file whose
+    arrays do not fit what they are loaded into (a key missing where the
+    state needs it, another run's file) is a ``ValueError`` naming it (one
+    factor key removed raised ``AttributeError: 'NoneType' object has no
+    attribute 'ndim'`` from inside K-FAC)."""
+    try:
+        serializers.load_npz(path, target, path=prefix, strict=False)
+    except (AttributeError, TypeError, IndexError) as error:
+        raise ValueError('snapshot file {} does not fit this run\'s model '
+                         'and optimizer: {}: {}'.format(
+                             path, type(error).__name__, error)) from error
 
 
 def written_sharded(path):

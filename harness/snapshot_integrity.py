@@ -76,26 +76,46 @@ def verify_file(path):
         raise DamagedSnapshotError(path, cause) from error
 
 
+#: Members whose floating-point values must be finite: the model's
+#: weights and running statistics, the optimizer's state (momentum, K-FAC's
+#: factors). The harness never writes a non-finite one there (a
+#: non-finite step is skipped, leaving them as they were); one rank's
+#: momentum of inf, loaded, gave that rank NaN weights, every later step
+#: skipped, and the job an exit status of 0.
+FINITE_PREFIXES = ('updater/model:main/', 'updater/optimizer:main/')
+
+
 def _check_array(path, member):
     """Read one ``.npy`` member to its end (``ZipExtFile`` checks the CRC
     there) and check its length against its header; refuse an object
-    array before reading its data."""
+    array before reading its data, and a non-finite value in the model or
+    the optimizer (:data:`FINITE_PREFIXES`)."""
     shape, _, dtype = member_header(member)
+    name = member.name[:-4] if member.name.endswith('.npy') else member.name
     if dtype.hasobject:
-        name = member.name
-        raise PickledArrayError(path, name[:-4] if name.endswith('.npy')
-                                else name)
-    size = 0
+        raise PickledArrayError(path, name)
+    finite = dtype.kind == 'f' and name.startswith(FINITE_PREFIXES)
+    size, data = 0, bytearray() if finite else None
     while True:
         chunk = member.read(_CHUNK)
         if not chunk:
             break
         size += len(chunk)
+        if finite:
+            data += chunk
     expected = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
     if size != expected:
         raise ValueError('member {} holds {} bytes, its header says {} '
                          '({} {})'.format(member.name, size, expected, shape,
                                           dtype))
+    if finite:
+        values = numpy.frombuffer(bytes(data), dtype)
+        bad = int(values.size - numpy.count_nonzero(numpy.isfinite(values)))
+        if bad:
+            raise ValueError('{} holds {} non-finite values of {} (the '
+                             'harness writes none there: altered, or damaged '
+                             'before it was written)'.format(
+                                 name, bad, values.size))
 
 
 def verify_files(paths):

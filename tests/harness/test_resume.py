@@ -93,6 +93,37 @@ def test_latest_skips_a_damaged_snapshot_naming_the_file(tmp_path, damage,
     assert 'damaged' in warning
 
 
+def test_a_non_finite_weight_or_state_is_damage_and_latest_skips_it(
+        tmp_path):
+    """A whole file (CRC intact) whose model or optimizer holds inf or
+    NaN: the harness never writes one (a non-finite step is skipped), and
+    loaded it gave one rank NaN weights, every later step skipped, and an
+    exit status of 0. Elsewhere in a snapshot (an extension's own value)
+    it is not looked at."""
+    older = snapshot_set(tmp_path, 2, 2)
+    newer = snapshot_set(tmp_path, 3, 2)
+    path = newer + '.rank1'
+    with np.load(path) as saved:
+        arrays = {k: saved[k] for k in saved.files}
+    arrays['extensions/best/value'] = np.array(np.inf)
+    with open(path, 'wb') as f:
+        np.savez(f, **arrays)
+    snapshot_integrity.verify_file(path)
+    velocity = np.ones((64, 256), np.float32)
+    velocity[3, 5] = np.inf
+    arrays['updater/optimizer:main/predictor/fc/W/v'] = velocity
+    with open(path, 'wb') as f:
+        np.savez(f, **arrays)
+    with pytest.raises(snapshot_integrity.DamagedSnapshotError,
+                       match=r'updater/optimizer:main/predictor/fc/W/v holds '
+                       r'1 non-finite values of 16384'):
+        snapshot_integrity.verify_file(path)
+    warnings = []
+    assert resume.latest_snapshot(str(tmp_path), say=warnings.append) == (
+        older, resume.snapshot_files(older))
+    assert 'snapshot_step_3.rank1' in warnings[0]
+
+
 def test_no_whole_snapshot_is_none(tmp_path):
     prefix = snapshot_set(tmp_path, 1, 1)
     flip(prefix + '.rank0')
@@ -137,3 +168,27 @@ def test_a_resume_past_the_runs_end_is_refused(chunks, epochs, refused):
                        r"resumed is at epoch {:.4f}, past the run's end at "
                        r'epoch {}'.format(chunks / 3, epochs)):
         run.check_resumed_epochs(iterator, epochs)
+
+
+def test_a_file_that_does_not_fit_the_optimizer_is_named(tmp_path):
+    """A K-FAC file with one factor removed (loaded leniently, as a
+    snapshot's files are): ``AttributeError: 'NoneType' object has no
+    attribute 'ndim'`` from inside K-FAC, naming neither file nor key."""
+    import chainer
+    from tests.chainerkfac import helpers
+    model = helpers.MLP()
+    optimizer = helpers.kfac().setup(model)
+    x, t = helpers.data(n=8, shape=(5,), n_class=3)
+    optimizer.update(helpers.loss_of(model), x, t)
+    path = str(tmp_path / 'snapshot_step_1.rank0')
+    chainer.serializers.save_npz(path, optimizer)
+    with np.load(path) as saved:
+        arrays = {k: saved[k] for k in saved.files if k != 'kfac/l1/G'}
+    with open(path, 'wb') as f:
+        np.savez(f, **arrays)
+    again = helpers.kfac().setup(helpers.MLP())
+    again.update(helpers.loss_of(again.target), x, t)
+    with pytest.raises(ValueError, match=r"snapshot file .*snapshot_step_1"
+                       r"\.rank0 does not fit this run's model and "
+                       r"optimizer: AttributeError"):
+        resume._load(path, again)
