@@ -1,13 +1,26 @@
 """chainerkfac: distributed K-FAC for Chainer (Osawa et al., CVPR 2019).
 
+The one-line swap, in any Chainer training loop or Trainer::
+
+    import chainerkfac
+    optimizer = chainerkfac.optimizers.KFAC()   # was MomentumSGD(...)
+    optimizer.setup(model)
+
 ``import chainerkfac`` before ``import chainer`` on NumPy 2 / Python 3.12
 (it installs the compatibility shims of :mod:`chainerkfac._compat`).
 
 * :class:`chainerkfac.optimizers.KFAC` — the optimizer, a sibling of
-  ``chainer.optimizers.MomentumSGD``;
+  ``chainer.optimizers.MomentumSGD``; ``GuardedOptimizer`` and ``LARS``
+  (the first-order baselines), ``FusedMomentumSGD``;
 * :func:`create_multi_node_optimizer` — distributed K-FAC over a ChainerMN
-  communicator;
-* :func:`register_block` — Fisher blocks for more link types;
+  communicator; ``create_communicator`` — ChainerMN's, with this
+  library's transports (imports mpi4py when first used);
+* :func:`register_block` — Fisher blocks for more link types
+  (:class:`FisherBlock`, :class:`FactorKind`, :class:`Unsupported`);
+* :mod:`chainerkfac.curvature` — BackPACK's quantities (per-sample
+  gradients, DiagGGN, KFAC, KFLR, KFRA, ...) from one backward pass;
+* :mod:`chainerkfac.layer_parallel` — layer-parallel training by
+  multigrid in time (MGRIT) over processes;
 * :mod:`chainerkfac.serializers` — ``load_npz`` with pickle off;
 * :mod:`chainerkfac.training` — Trainer extensions (schedules, run logs);
 * :mod:`chainerkfac.cudnn` — cuDNN 9 for Chainer on CuPy >= 14 (on by
@@ -29,6 +42,11 @@ from chainerkfac.fisher_blocks import register_block  # NOQA
 from chainerkfac.multi_node_optimizer import create_multi_node_optimizer  # NOQA
 
 __version__ = '0.3.0'
+
+
+def __dir__():
+    # create_communicator is served on first use (:func:`__getattr__`)
+    return sorted(set(globals()) | {'create_communicator'})
 
 
 def __getattr__(name):

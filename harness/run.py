@@ -91,11 +91,13 @@ def build_optimizer(name, cfg, comm, acc_iters, args, use_graphs=False,
 def baseline_schedule(settings, epochs):
     """A baseline's learning rate (:func:`baseline_settings`): a linear
     warm-up, then polynomial (power 2) decay to 0 at the run's end."""
+    warmup = settings['warmup_epochs']
+    # (a warm-up as long as the run never reaches the decay: warned about,
+    # :func:`warmup_notice`)
     return kfac_training.LinearWarmupLR(
-        settings['lr'], settings['warmup_start_lr'],
-        warmup_epochs=settings['warmup_epochs'],
+        settings['lr'], settings['warmup_start_lr'], warmup_epochs=warmup,
         decay=kfac_training.polynomial_decay(
-            settings['lr'], 2.0, settings['warmup_epochs'], epochs + 1e-6))
+            settings['lr'], 2.0, warmup, max(epochs, warmup) + 1e-6))
 
 
 def warmup_notice(schedule, epochs: float):

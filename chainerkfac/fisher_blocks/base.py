@@ -250,6 +250,9 @@ class FisherBlock:
         return None
 
     def factor_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        """``{factor name: shape}`` of the factors the block estimates
+        and inverts: ``(n, n)`` for a symmetric matrix (it travels packed),
+        ``(n,)`` for a diagonal. A subclass must implement it."""
         raise NotImplementedError
 
     def symmetric(self, factor: str) -> bool:
@@ -307,9 +310,11 @@ class FisherBlock:
         and ``PARAM_GRADS`` (``out_grad``: the gradients w.r.t. the
         function's outputs)."""
 
-    def _accumulate(self, factor: str, value) -> None:
+    def accumulate(self, factor: str, value) -> None:
         """Add one call's estimate of ``factor`` to the open micro-batch
-        (an array, or a :class:`~chainerkfac.low_rank.LowRank`)."""
+        (an array, or a :class:`~chainerkfac.low_rank.LowRank`): what a
+        block's ``capture_*`` methods call. A factor not due this step is
+        ignored; the micro-batch's calls and scales are the base class's."""
         if factor not in self._collect:
             return
         scale = self._scales.get(factor)
@@ -320,6 +325,10 @@ class FisherBlock:
         else:
             self._open[factor] = value
         self._calls[factor] = self._calls.get(factor, 0) + 1
+
+    #: The name of :meth:`accumulate` before 2026-11-27 (a custom block of
+    #: docs/kfac.md's example calls it so).
+    _accumulate = accumulate
 
     def captured_rank(self, factor: str) -> Optional[int]:
         """Columns of ``factor`` captured this step in per-sample form (0

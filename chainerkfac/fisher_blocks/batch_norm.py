@@ -114,7 +114,7 @@ class BatchNormalizationBlock(FisherBlock):
                                 tf32=self.factor_tf32)
         else:
             value = (rows ** 2).sum(axis=0) * dtype.type(n)
-        self._accumulate('F', value)
+        self.accumulate('F', value)
 
     def inverse_requests(self, candidates, damping):
         # A 1-D factor (diagonal Fisher) is inverted elementwise.

@@ -215,13 +215,13 @@ class LinearBlock(KroneckerBlock):
         else:
             value = linalg.gram(rows, 1.0 / x.shape[0], self.factor_dtype,
                                 append_ones=ones, tf32=self.factor_tf32)
-        self._accumulate('A', self._bias_row(value, ones))
+        self.accumulate('A', self._bias_row(value, ones))
 
     def capture_gradients(self, function, in_data, out_grad):
         gy = out_grad[0]
         # Per-sample gradient N·gy; G = (1/N) Σ (N gy)(N gy)ᵀ = N Σ gy gyᵀ.
         if self._columns_fit('G', gy.shape[0]):
-            self._accumulate('G', low_rank.columns_of(
+            self.accumulate('G', low_rank.columns_of(
                 gy.T, float(gy.shape[0])))
             return
         if 'G' in self.diagonal:
@@ -229,7 +229,7 @@ class LinearBlock(KroneckerBlock):
         else:
             value = linalg.gram(gy, float(gy.shape[0]), self.factor_dtype,
                                 tf32=self.factor_tf32)
-        self._accumulate('G', value)
+        self.accumulate('G', value)
 
 
 class Convolution2DBlock(KroneckerBlock):
@@ -259,7 +259,7 @@ class Convolution2DBlock(KroneckerBlock):
         ones = self._call_has_bias(function)
         if self._columns_fit('A', x.shape[0] * oh * ow):
             # A = U Uᵀ, U the patches (and the bias's 1) over √N.
-            self._accumulate('A', self._bias_row(low_rank.columns_of(
+            self.accumulate('A', self._bias_row(low_rank.columns_of(
                 patches.unfolded(x, geometry), 1.0 / x.shape[0], ones),
                 ones))
             return
@@ -277,7 +277,7 @@ class Convolution2DBlock(KroneckerBlock):
                 x, geometry, 1.0 / x.shape[0], self.factor_dtype,
                 append_ones=ones, strategy=strategy,
                 tf32=self.factor_tf32)
-        self._accumulate('A', self._bias_row(value, ones))
+        self.accumulate('A', self._bias_row(value, ones))
 
     def capture_gradients(self, function, in_data, out_grad):
         gy = out_grad[0]
@@ -286,7 +286,7 @@ class Convolution2DBlock(KroneckerBlock):
         # Per-sample gradients N·gy, averaged over batch and locations:
         # (1/(N·T)) Σ (N gy)(N gy)ᵀ = (N/T) Σ gy gyᵀ.
         if self._columns_fit('G', n * locations):
-            self._accumulate('G', low_rank.columns_of(
+            self.accumulate('G', low_rank.columns_of(
                 patches.unfolded(gy, patches.POINTWISE),
                 float(n) / locations))
             return
@@ -296,7 +296,7 @@ class Convolution2DBlock(KroneckerBlock):
             value = patches.channel_gram(gy, float(n) / locations,
                                          self.factor_dtype,
                                          tf32=self.factor_tf32)
-        self._accumulate('G', value)
+        self.accumulate('G', value)
 
 
 def batch_key(block):

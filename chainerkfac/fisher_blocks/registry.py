@@ -190,6 +190,13 @@ def skip_matchers(skip_layers: Iterable) -> List[Tuple[str, Callable]]:
     """``[(description, match(name, link))]`` for ``skip_layers``."""
     if isinstance(skip_layers, (str, type, re.Pattern)):
         skip_layers = [skip_layers]
+    try:
+        skip_layers = list(skip_layers)
+    except TypeError:
+        raise TypeError('skip_layers takes a link name, a regular '
+                        'expression, a link class or a sequence of them '
+                        '(None or () for none), got {!r}'.format(
+                            skip_layers)) from None
     matchers = []
     for item in skip_layers:
         if isinstance(item, type):

@@ -125,9 +125,10 @@ class KFAC(optimizer.GradientMethod):
 
     Parameters
     ----------
-    lr, momentum : float
-        η and m of eq. (19); set them per step from a Chainer extension
-        (see :mod:`chainerkfac.training` for eqs. 17-18).
+    lr, momentum : float, default 0.01 and 0.9
+        η (a finite number >= 0) and m (in [0, 1)) of eq. (19); set them
+        per step from a Chainer extension (:mod:`chainerkfac.training`:
+        ``PolynomialLRDecay`` for eqs. 17-18).
     damping : float
         γ(0); the damping of eqs. (13)-(14). The default 1e-2, with the
         stale intervals and the bounded step of the defaults, is within
@@ -199,11 +200,11 @@ class KFAC(optimizer.GradientMethod):
         the final FC. ``True``: every Linear and Convolution2D weight, as
         the paper does (its FC included; the ImageNet configs use this).
         ``False``: none.
-    skip_layers : str, re.Pattern, type or a sequence of them
+    skip_layers : str, re.Pattern, type, a sequence of them, or None
         Links to leave unpreconditioned (plain gradient, same eq. 19 rule):
         link names (``'/predictor/fc'``, the leading ``/`` optional),
         regular expressions matched against the whole name, or link
-        classes.
+        classes. Default ``()``; None: none either.
     loss_reduction : {'mean', 'sum'}
         How the loss reduces over the mini-batch. K-FAC's per-sample scale
         of the factors assumes a mean (as ``F.softmax_cross_entropy``);
@@ -363,13 +364,16 @@ class KFAC(optimizer.GradientMethod):
                                             'refresh_interval_f')}
         self.factor_dtype = (dtypes.TF32 if dtypes.is_tf32(factor_dtype)
                              else numpy.dtype(factor_dtype))
-        self.precondition_dtype = precondition_dtype
+        # a name (numpy.float32 taken as factor_dtype takes it)
+        self.precondition_dtype = (dtypes.TF32 if dtypes.is_tf32(
+            precondition_dtype) else str(numpy.dtype(precondition_dtype)))
         self.factor_decay = float(factor_decay)
         if isinstance(weight_rescale, numpy.bool_):
             weight_rescale = bool(weight_rescale)
         self.weight_rescale = weight_rescale
-        self.skip_layers = skip_layers
-        fisher_blocks.registry.skip_matchers(skip_layers)  # check the types
+        # None: skip nothing (it raised "'NoneType' object is not iterable")
+        self.skip_layers = () if skip_layers is None else skip_layers
+        fisher_blocks.registry.skip_matchers(self.skip_layers)  # the types
         self.loss_reduction = loss_reduction
         self.max_factor_dim = max_factor_dim
         self.inverse_method = inverse_method

@@ -200,18 +200,20 @@ class LARS(optimizer.GradientMethod):
 
     Parameters
     ----------
-    lr : float
+    lr : float, default 0.1
         η, the global learning rate; excluded parameters step with it
         alone. The MLPerf-0.6 ResNet-50 runs at a batch of 32K used 29 to
-        31.2 (seed 002, Table 1): about 0.23 per 256 images.
-    momentum : float
+        31.2 (seed 002, Table 1): about 0.23 per 256 images, with 18-25
+        epochs of warm-up (without it, or at a small batch, such values
+        diverge: docs/mlperf.md).
+    momentum : float, default 0.9
         m, in [0, 1).
-    weight_decay : float
+    weight_decay : float, default 1e-4
         β, in the trust ratio and the update (not for excluded
         parameters).
-    eta : float
+    eta : float, default 1e-3
         ε, the trust coefficient (MLPerf: 1e-3).
-    momentum_form : {'scaled', 'unscaled'}
+    momentum_form : {'scaled', 'unscaled'}, default 'scaled'
         Figure 5 (the MLPerf reference) or Figure 6 (You et al.).
     exclude : callable or None
         ``exclude(name, param) -> bool``: the parameters left out of the
@@ -237,12 +239,12 @@ class LARS(optimizer.GradientMethod):
                  momentum_form=_default_hyperparam.momentum_form,
                  exclude=bias_and_normalization):
         super().__init__()
-        _check('lr', lr, lambda v: v >= 0, 'must be a number >= 0')
+        _check('lr', lr, lambda v: v >= 0, 'must be a finite number >= 0')
         _check('momentum', momentum, lambda v: 0 <= v < 1,
                'must lie in [0, 1)')
         _check('weight_decay', weight_decay, lambda v: v >= 0,
-               'must be a number >= 0')
-        _check('eta', eta, lambda v: v > 0, 'must be positive')
+               'must be a finite number >= 0')
+        _check('eta', eta, lambda v: v > 0, 'must be a finite number > 0')
         _check_form(momentum_form)
         if exclude is not None and not callable(exclude):
             raise TypeError('LARS: exclude must be a callable (name, param) '
@@ -316,6 +318,9 @@ def _check_form(form) -> None:
 
 
 def _check(name, value, ok, why):
+    """Refuse a value that is no finite real number or fails ``ok`` (inf
+    passed ``>= 0`` and gave non-finite weights at the first update)."""
     if not isinstance(value, (int, float, numpy.number)) or \
-            isinstance(value, bool) or not ok(value):
+            isinstance(value, bool) or not numpy.isfinite(value) or \
+            not ok(value):
         raise ValueError('LARS: {}={!r} {}'.format(name, value, why))

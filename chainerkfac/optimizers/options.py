@@ -110,7 +110,8 @@ _RULES = {
     'factor_dtype': (lambda v: dtypes.is_tf32(v) or
                      _dtype_name(v) in FACTOR_DTYPES,
                      'must be one of {}'.format(FACTOR_DTYPES)),
-    'precondition_dtype': (lambda v: v in PRECONDITION_DTYPES,
+    'precondition_dtype': (lambda v: dtypes.is_tf32(v) or
+                           _dtype_name(v) in PRECONDITION_DTYPES,
                            'must be one of {}'.format(PRECONDITION_DTYPES)),
     'factor_decay': (lambda v: _is_number(v) and 0 <= v < 1,
                      'must lie in [0, 1)'),

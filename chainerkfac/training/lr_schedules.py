@@ -16,10 +16,24 @@ global mini-batch, so that ``epoch_detail`` advances by
 ``global_batch_size / len(dataset)`` per optimizer step.
 """
 import bisect
+import math
+import numbers
 
 from chainer.training import extension
 
 from chainerkfac import equations
+
+
+def _number(owner: str, name: str, value, ok=None, why: str = '') -> float:
+    """``value`` as a float if it is a finite real number (not a bool)
+    for which ``ok`` holds, else a ``ValueError`` naming ``owner``'s
+    argument ``name`` (a string, None or NaN went through as values, or
+    failed in a comparison that named nothing)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or \
+            not math.isfinite(value) or (ok is not None and not ok(value)):
+        raise ValueError('{}: {}={!r} must be a finite number{}'.format(
+            owner, name, value, why))
+    return float(value)
 
 
 class _EpochSchedule(extension.Extension):
@@ -73,11 +87,11 @@ class PolynomialLRDecay(_EpochSchedule):
     lr_init : float
         η(0) > 0.
     p_decay : float
-        Exponent of the decay.
+        Exponent of the decay, > 0.
     e_start, e_end : float
-        Epochs where the decay starts and ends, ``e_end > e_start``.
-    momentum_init : float or None
-        m(0). If given, ``optimizer.momentum`` is coupled to the learning
+        Epochs where the decay starts and ends, ``0 <= e_start < e_end``.
+    momentum_init : float or None, default None
+        m(0), in [0, 1). If given, ``optimizer.momentum`` is coupled to the learning
         rate by eq. (18); if ``None``, the momentum is left alone.
     optimizer : chainer.Optimizer or None
         Optimizer to adjust; the updater's ``'main'`` optimizer by default.
@@ -91,12 +105,19 @@ class PolynomialLRDecay(_EpochSchedule):
     def __init__(self, lr_init, p_decay, e_start, e_end, momentum_init=None,
                  optimizer=None):
         super().__init__(optimizer)
-        if not lr_init > 0:
-            raise ValueError('lr_init must be positive, got {}'.format(
-                lr_init))
+        owner = 'PolynomialLRDecay'
+        lr_init = _number(owner, 'lr_init', lr_init, lambda v: v > 0, ' > 0')
+        p_decay = _number(owner, 'p_decay', p_decay, lambda v: v > 0,
+                          ' > 0')
+        e_start = _number(owner, 'e_start', e_start, lambda v: v >= 0,
+                          ' >= 0')
+        e_end = _number(owner, 'e_end', e_end)
         if not e_end > e_start:
             raise ValueError('e_end ({}) must be larger than e_start ({})'
                              .format(e_end, e_start))
+        if momentum_init is not None:
+            momentum_init = _number(owner, 'momentum_init', momentum_init,
+                                    lambda v: 0 <= v < 1, ' in [0, 1)')
         self.lr_init = lr_init
         self.p_decay = p_decay
         self.e_start = e_start
@@ -128,9 +149,9 @@ class LinearWarmupLR(_EpochSchedule):
         Learning rate reached at the end of the warm-up.
     warmup_start_lr : float
         Learning rate at epoch 0.
-    warmup_epochs : float
+    warmup_epochs : float, default 5.0
         Length of the warm-up in epochs (Goyal et al.: 5); 0 disables it.
-    decay : callable or None
+    decay : callable or None, default None
         ``epoch -> learning rate`` after the warm-up; ``None`` keeps ``lr``.
     optimizer : chainer.Optimizer or None
         Optimizer to adjust; the updater's ``'main'`` optimizer by default.
@@ -139,9 +160,15 @@ class LinearWarmupLR(_EpochSchedule):
     def __init__(self, lr, warmup_start_lr, warmup_epochs=5.0, decay=None,
                  optimizer=None):
         super().__init__(optimizer)
-        if warmup_epochs < 0:
-            raise ValueError('warmup_epochs must be non-negative, got {}'
-                             .format(warmup_epochs))
+        owner = 'LinearWarmupLR'
+        lr = _number(owner, 'lr', lr, lambda v: v >= 0, ' >= 0')
+        warmup_start_lr = _number(owner, 'warmup_start_lr', warmup_start_lr,
+                                  lambda v: v >= 0, ' >= 0')
+        warmup_epochs = _number(owner, 'warmup_epochs', warmup_epochs,
+                                lambda v: v >= 0, ' >= 0')
+        if decay is not None and not callable(decay):
+            raise TypeError('LinearWarmupLR: decay={!r} must be a callable '
+                            'epoch -> learning rate, or None'.format(decay))
         self.lr = lr
         self.warmup_start_lr = warmup_start_lr
         self.warmup_epochs = warmup_epochs
@@ -166,12 +193,25 @@ def step_decay(lr, milestones=(30, 60, 80), factor=0.1):
     ----------
     lr : float
         Learning rate before the first milestone.
-    milestones : sequence of float
+    milestones : sequence of float, default (30, 60, 80)
         Epochs at which the rate is multiplied by ``factor`` (Goyal et al.:
         30, 60, 80).
-    factor : float
+    factor : float, default 0.1
+
+    Returns
+    -------
+    callable
+        ``epoch -> learning rate``, for :class:`LinearWarmupLR`'s ``decay``.
     """
-    milestones = sorted(milestones)
+    lr = _number('step_decay', 'lr', lr, lambda v: v >= 0, ' >= 0')
+    factor = _number('step_decay', 'factor', factor, lambda v: v >= 0,
+                     ' >= 0')
+    try:
+        milestones = sorted(_number('step_decay', 'milestones', m)
+                            for m in milestones)
+    except TypeError:
+        raise TypeError('step_decay: milestones={!r} must be a sequence of '
+                        'epochs'.format(milestones)) from None
 
     def schedule(epoch):
         return lr * factor ** bisect.bisect_right(milestones, epoch)
@@ -179,7 +219,31 @@ def step_decay(lr, milestones=(30, 60, 80), factor=0.1):
 
 
 def polynomial_decay(lr, p_decay, e_start, e_end):
-    """``epoch -> η(epoch)`` of eq. (17), for :class:`LinearWarmupLR`."""
+    """``epoch -> η(epoch)`` of eq. (17), for :class:`LinearWarmupLR`.
+
+    Parameters
+    ----------
+    lr : float
+        η(0), the rate until ``e_start``.
+    p_decay : float
+        The exponent (the baselines use 2: MLPerf's polynomial decay).
+    e_start, e_end : float
+        Where the decay starts and where it reaches 0 (``e_end > e_start``).
+
+    Returns
+    -------
+    callable
+        ``epoch -> learning rate``.
+    """
+    owner = 'polynomial_decay'
+    lr = _number(owner, 'lr', lr, lambda v: v >= 0, ' >= 0')
+    p_decay = _number(owner, 'p_decay', p_decay, lambda v: v > 0, ' > 0')
+    e_start = _number(owner, 'e_start', e_start)
+    e_end = _number(owner, 'e_end', e_end)
+    if not e_end > e_start:
+        raise ValueError('polynomial_decay: e_end ({}) must be larger than '
+                         'e_start ({})'.format(e_end, e_start))
+
     def schedule(epoch):
         return equations.polynomial_lr(epoch, lr, p_decay, e_start, e_end)
     return schedule

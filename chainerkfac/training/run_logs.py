@@ -11,6 +11,7 @@ values are gathered to rank 0, which writes the file.
 """
 import json
 import logging
+import numbers
 import os
 
 from chainer.training import extension
@@ -72,7 +73,7 @@ class FisherDiffLog(extension.Extension):
 
 class TimeToAccuracy(extension.Extension):
     """Record when a validation top-1 first reaches ``target`` (MLPerf-style
-    time to accuracy) and write it to ``out/time_to_accuracy.json``.
+    time to accuracy) and write it to ``out/<filename>``.
 
     Runs after the evaluator (priority below the evaluator's), at the
     evaluator's trigger. The record holds the epoch, iteration and elapsed
@@ -80,7 +81,15 @@ class TimeToAccuracy(extension.Extension):
 
     Parameters
     ----------
-    write : bool
+    target : float
+        The accuracy to reach, in (0, 1] (MLPerf-0.6 ResNet-50: 0.749).
+    key : str, default 'validation/main/accuracy'
+        The observation compared with ``target``.
+    filename : str, default 'time_to_accuracy.json'
+        Written in the trainer's ``out`` when the target is reached.
+    trigger : tuple, default (1, 'epoch')
+        The evaluator's trigger (when the observation is there).
+    write : bool, default True
         This process writes the file and reports the time (rank 0 of a
         multi-process run); the others only keep the record, for their
         snapshots.
@@ -91,9 +100,13 @@ class TimeToAccuracy(extension.Extension):
     def __init__(self, target, key='validation/main/accuracy',
                  filename='time_to_accuracy.json', trigger=(1, 'epoch'),
                  write=True):
-        if not 0 < target <= 1:
-            raise ValueError('target accuracy must be in (0, 1], got {}'
-                             .format(target))
+        if not isinstance(target, numbers.Real) or \
+                isinstance(target, bool) or not 0 < target <= 1:
+            raise ValueError('TimeToAccuracy: target={!r} must be an '
+                             'accuracy in (0, 1]'.format(target))
+        if not isinstance(key, str) or not isinstance(filename, str):
+            raise TypeError('TimeToAccuracy: key and filename are strings, '
+                            'got {!r} and {!r}'.format(key, filename))
         self.target = target
         self.key = key
         self.filename = filename

@@ -49,3 +49,12 @@ def test_kfac_drops_in_for_momentum_sgd(tmp_path):
     assert kfac[-1] < 0.5 * kfac[0]
     # Preconditioning pays off on this problem at equal lr and epochs.
     assert kfac[-1] < sgd[-1]
+
+
+def test_help_leads_to_the_swap_and_dir_lists_create_communicator():
+    """``help(chainerkfac)`` showed no code line, and ``dir()`` lacked
+    ``create_communicator`` (served on first use, to keep mpi4py's
+    MPI_Init out of ``import chainerkfac``)."""
+    import chainerkfac
+    assert 'optimizer = chainerkfac.optimizers.KFAC()' in chainerkfac.__doc__
+    assert 'create_communicator' in dir(chainerkfac)

@@ -91,6 +91,29 @@ def test_bad_arguments():
         LinearWarmupLR(0.1, 0.01, warmup_epochs=-1)
 
 
+@pytest.mark.parametrize('make, match', [
+    # a momentum of 5e6 went onto the optimizer, whose constructor refuses
+    # anything >= 1
+    (lambda: PolynomialLRDecay(0.1, -2, 0, 10, momentum_init=5),
+     r'PolynomialLRDecay: p_decay=-2 must be a finite number > 0'),
+    (lambda: PolynomialLRDecay(0.1, 2, 0, 10, momentum_init=5),
+     r'momentum_init=5 must be a finite number in \[0, 1\)'),
+    (lambda: PolynomialLRDecay('0.1', 2, 0, 10), r"lr_init='0.1'"),
+    (lambda: LinearWarmupLR(None, 0.01), r'LinearWarmupLR: lr=None'),
+    # NaN skipped the warm-up silently
+    (lambda: LinearWarmupLR(0.1, 0.01, warmup_epochs=float('nan')),
+     r'warmup_epochs=nan'),
+    (lambda: step_decay(0.1, milestones=30), r'milestones=30 must be a '
+     r'sequence'),
+    (lambda: step_decay(0.1, milestones=('30',)), r"milestones='30'"),
+    (lambda: polynomial_decay(0.1, 2.0, 18.0, 10.0), r'e_end \(10.0\) '
+     r'must be larger than e_start \(18.0\)'),
+])
+def test_schedule_arguments_are_named_when_wrong(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+
+
 def test_linear_warmup_then_step_decay():
     optimizer = make_optimizer()
     k = 32
@@ -201,3 +224,13 @@ def test_time_to_accuracy_reported_by_the_writing_process_only(tmp_path,
     assert reports == ['target top-1 0.900 reached at epoch 2.00 '
                        '(iteration 20, 3.0 s)']
     assert (tmp_path / 'time_to_accuracy.json').exists()
+
+
+def test_time_to_accuracy_names_a_wrong_target():
+    """``TimeToAccuracy('0.75')`` raised ``TypeError: '<' not supported``
+    naming nothing."""
+    with pytest.raises(ValueError, match=r"TimeToAccuracy: target='0.75' "
+                       r"must be an accuracy in \(0, 1\]"):
+        TimeToAccuracy('0.75')
+    with pytest.raises(ValueError, match='target=75'):
+        TimeToAccuracy(75)

@@ -908,3 +908,19 @@ def test_a_one_process_shard_update_snapshot_loads_strictly(tmp_path):
                              shard_update=shard_update).setup(helpers.MLP())
         with pytest.raises(KeyError, match='l1/W/v'):
             serializers.load_npz(path, again)
+
+
+def test_skip_layers_none_and_a_dtype_for_precondition_dtype():
+    """``skip_layers=None`` (the obvious "skip nothing") raised "'NoneType'
+    object is not iterable"; ``precondition_dtype=numpy.float32`` was
+    refused with "must be one of ('float32', 'tf32')" where
+    ``factor_dtype`` takes a dtype."""
+    optimizer = helpers.kfac(skip_layers=None,
+                             precondition_dtype=numpy.float32)
+    optimizer.setup(helpers.MLP())
+    assert optimizer.skip_layers == ()
+    assert optimizer.precondition_dtype == 'float32'
+    with pytest.raises(TypeError, match=r'skip_layers takes .* got 3'):
+        helpers.kfac(skip_layers=3)
+    with pytest.raises(ValueError, match='precondition_dtype'):
+        helpers.kfac(precondition_dtype=numpy.float16)

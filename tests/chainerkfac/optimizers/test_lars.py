@@ -171,6 +171,11 @@ def test_exclusion_is_configurable():
     ({'eta': 0.0}, 'eta'),
     ({'lr': -1.0}, 'lr'),
     ({'weight_decay': -1e-4}, 'weight_decay'),
+    # inf passed ">= 0" and gave non-finite weights at the first update
+    ({'lr': float('inf')}, r"lr=inf must be a finite number >= 0"),
+    ({'eta': float('inf')}, r"eta=inf must be a finite number > 0"),
+    ({'weight_decay': float('inf')}, 'weight_decay=inf'),
+    ({'momentum': float('nan')}, 'momentum=nan'),
 ])
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
