@@ -38,6 +38,9 @@ import datetime
 import os
 import re
 import sys
+import uuid
+
+import numpy
 
 from chainerkfac import serializers
 from chainerkfac.serializers import PickledArrayError
@@ -51,6 +54,11 @@ from harness.snapshots import N_PROCESSES_KEY, SNAPSHOT_PREFIX, SNAPSHOT_RE
 #: The fact of a snapshot saying its run sharded the update (written by
 #: :mod:`harness.run` through the snapshot writer's facts).
 SHARD_UPDATE_KEY = 'run/shard_update'
+#: The id of the run a snapshot file belongs to (a resume continues it),
+#: and the rank that wrote the file (since 2026-11-27, fifth session).
+RUN_ID_KEY = 'run/id'
+RANK_KEY = 'run/rank'
+_RANK_OF_NAME = re.compile(r'\.rank(\d+)$')
 
 
 def _read_n_processes(path):
@@ -408,8 +416,68 @@ def starting_point(comm, out, model, optimizer, optimizer_name, resume=None,
     if not resume:
         return None
     prefix, files = find(comm, resume, out)
+    check_one_run(comm, prefix, files)
     check_fit(comm, files, model, optimizer, optimizer_name, lars_momentum)
     return prefix, files
+
+
+def run_id(comm, resumed=None):
+    """The run's id, the same on every process: the resumed snapshot's
+    (its files carry it) or, for a new run or a snapshot of an earlier
+    version, a new one."""
+    ident = None
+    if comm.rank == 0:
+        if resumed:
+            ident = _read_fact(resumed[1][0], RUN_ID_KEY)
+        if ident is None:
+            ident = uuid.uuid4().hex
+    return comm.mpi_comm.bcast(ident, root=0)
+
+
+def _read_fact(path, key):
+    """The value of the small member ``key`` of ``path`` (a string or an
+    int), or None where the file has none (an earlier version's)."""
+    try:
+        with numpy.load(path) as archive:
+            if key not in archive.files:
+                return None
+            value = archive[key]
+    except (OSError, ValueError):
+        return None
+    return value.item() if value.dtype.kind in 'iub' else str(value)
+
+
+def check_one_run(comm, prefix, files):
+    """Refuse (once, on rank 0) a snapshot whose files are not one run's
+    set: files of other runs (their ids differ), or a file under another
+    rank's name (the rank it records differs). Copied so, they were loaded
+    silently: another run's rank-1 file gave final weights 0.90 from the
+    uninterrupted run's, two ranks' files swapped 0.85."""
+    mine = [(files.index(path), path, _read_fact(path, RUN_ID_KEY),
+             _read_fact(path, RANK_KEY))
+            for path in files[comm.rank::comm.size]]
+    facts = sorted(item for share in comm.mpi_comm.allgather(mine)
+                   for item in share)
+    problems = []
+    ids = {ident for _, _, ident, _ in facts}
+    if len(ids) > 1:
+        problems.append('its files come from {} runs ({}): copied from '
+                        'another run\'s directory?'.format(
+                            len(ids), '; '.join(
+                                '{} of run {}'.format(os.path.basename(p),
+                                                      i or '(unrecorded)')
+                                for _, p, i, _ in facts)))
+    for _, path, _, rank in facts:
+        named = _RANK_OF_NAME.search(path)
+        if rank is not None and named and int(named.group(1)) != rank:
+            problems.append('{} was written by rank {}, but its name says '
+                            'rank {}'.format(os.path.basename(path), rank,
+                                             named.group(1)))
+    error = None
+    if problems and comm.rank == 0:
+        error = ValueError('--resume {}: not one run\'s snapshot: {}'.format(
+            prefix, '; '.join(problems)))
+    raise_together(comm, error)
 
 
 def load(comm, trainer, optimizer, updater, out, prefix, files,

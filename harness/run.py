@@ -531,7 +531,9 @@ def _train(args, comm, optimizer_name, out, cfg, acc_iters, model, device,
     writer = snapshots.AtomicThreadWriter(
         args.compress_snapshots, facts=dict({
             'optimizer': optimizer_name,
-            'shard_update': int(args.shard_update)}, **(
+            'shard_update': int(args.shard_update),
+            # which run and rank wrote each file (resume.check_one_run)
+            'id': resume.run_id(comm, resumed), 'rank': comm.rank}, **(
                 {'lars_momentum': cfg.lars_momentum}
                 if optimizer_name == 'lars' else {})))
     snapshots.extend_trainer(

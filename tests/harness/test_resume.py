@@ -192,3 +192,53 @@ def test_a_file_that_does_not_fit_the_optimizer_is_named(tmp_path):
                        r"\.rank0 does not fit this run's model and "
                        r"optimizer: AttributeError"):
         resume._load(path, again)
+
+
+def test_the_files_of_a_snapshot_must_be_one_runs(tmp_path):
+    """Another run's file under rank 1's name, or two ranks' files
+    swapped, were loaded silently (final weights 0.90 and 0.85 from the
+    uninterrupted run's). Each file now records its run and rank; files
+    of an earlier version, which record neither, pass."""
+    from tests.harness import OneProcess
+
+    def write(path, ident, rank):
+        arrays = {snapshots.N_PROCESSES_KEY: np.asarray(2)}
+        if ident is not None:
+            arrays[resume.RUN_ID_KEY] = np.asarray(ident)
+            arrays[resume.RANK_KEY] = np.asarray(rank)
+        with open(path, 'wb') as f:
+            np.savez(f, **arrays)
+
+    prefix = str(tmp_path / 'snapshot_step_4')
+    files = [prefix + '.rank0', prefix + '.rank1']
+    for ident in (None, 'a' * 32):
+        for rank, path in enumerate(files):
+            write(path, ident, rank)
+        resume.check_one_run(OneProcess, prefix, files)
+    write(files[1], 'b' * 32, 1)
+    with pytest.raises(ValueError, match=r"not one run's snapshot: its files "
+                       r"come from 2 runs \(snapshot_step_4\.rank0 of run "
+                       r"a{32}; snapshot_step_4\.rank1 of run b{32}\)"):
+        resume.check_one_run(OneProcess, prefix, files)
+    write(files[0], 'a' * 32, 1)
+    write(files[1], 'a' * 32, 0)
+    with pytest.raises(ValueError, match=r'snapshot_step_4\.rank0 was '
+                       r'written by rank 1, but its name says rank 0'):
+        resume.check_one_run(OneProcess, prefix, files)
+
+
+def test_a_resumed_run_keeps_its_id(tmp_path, monkeypatch):
+    """A resume writes its snapshots under the resumed snapshot's id; a
+    new run (or a snapshot of an earlier version) gets a new one."""
+    from tests.harness import OneProcess
+    monkeypatch.setattr(OneProcess.mpi_comm, 'bcast',
+                        staticmethod(lambda value, root=0: value),
+                        raising=False)
+    first = resume.run_id(OneProcess)
+    assert len(first) == 32 and resume.run_id(OneProcess) != first
+    path = str(tmp_path / 'snapshot_step_1.rank0')
+    with open(path, 'wb') as f:
+        np.savez(f, **{resume.RUN_ID_KEY: np.asarray(first)})
+    assert resume.run_id(OneProcess, ('snapshot_step_1', [path])) == first
+    write_snapshot(path, 1)                  # no id: an earlier version's
+    assert resume.run_id(OneProcess, ('snapshot_step_1', [path])) != first
