@@ -362,12 +362,18 @@ class GlobalBatchIterator(chainer.dataset.Iterator):
             return
         if (batch, per_step, n_examples) != (
                 self.batch_size, self.chunks_per_step, self.n_examples):
+            # (the global batch, the config's global_batch_size, is
+            # chunks per step × samples per chunk)
             raise ValueError(
                 'the snapshot was taken with {} samples per process per '
-                'micro-batch, {} chunks per step and {} training images; this '
-                'run has {}, {} and {}: resume with the same config and list'
-                .format(batch, per_step, n_examples, self.batch_size,
-                        self.chunks_per_step, self.n_examples))
+                'micro-batch, {} chunks per step (global_batch_size {}) and '
+                '{} training images; this run has {}, {} (global_batch_size '
+                '{}) and {}: resume with the same config (its '
+                'global_batch_size and batch_size_per_process) and list'
+                .format(batch, per_step, batch * per_step, n_examples,
+                        self.batch_size, self.chunks_per_step,
+                        self.batch_size * self.chunks_per_step,
+                        self.n_examples))
         if stored != digests:
             changed = ' and '.join(what for what, old, new in zip(
                 ('the paths or their order', 'the labels'), stored, digests)

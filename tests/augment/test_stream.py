@@ -85,7 +85,13 @@ def test_position_resumes_on_another_number_of_processes(images):
     resumed.serialize(chainer.serializers.NpzDeserializer(state.target))
     assert resumed.position == 16 and resumed.skipped_chunks == 3
     state.target['batch_size'] = np.asarray(4)
-    with pytest.raises(ValueError, match='same config'):
+    # the config's keys named, with the global batch (it spoke of samples
+    # and chunks only)
+    with pytest.raises(ValueError, match=r'4 samples per process per '
+                       r'micro-batch, 4 chunks per step \(global_batch_size '
+                       r'16\).*this run has 3, 4 \(global_batch_size 12\).*'
+                       r'same config \(its global_batch_size and '
+                       r'batch_size_per_process\)'):
         resumed.serialize(chainer.serializers.NpzDeserializer(state.target))
 
 
