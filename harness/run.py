@@ -100,6 +100,55 @@ def baseline_schedule(settings, epochs):
             settings['lr'], 2.0, warmup, max(epochs, warmup) + 1e-6))
 
 
+#: The share of the device's memory running mixup's partners may take
+#: (both generations, :func:`mixup_memory`).
+MIXUP_MEMORY_SHARE = 0.5
+
+
+def mixup_memory(slots: int, batch: int, crop: int, device_bytes=None):
+    """What running mixup holds, in words for the start-up line, or None
+    without mixup (``slots`` 0). Each micro-batch slot of a step keeps its
+    previous virtual batch (float32, ``batch × 3 × crop²``) — as the
+    ``acc_iters`` times larger machine the accumulation mimics would, one
+    per GPU — and while a step may still be undone (a skipped step) the
+    generation before it too. Refused where both would take more than
+    :data:`MIXUP_MEMORY_SHARE` of ``device_bytes`` (the GPU's memory): at
+    131K on one H100 they were 79 GB, twice, found only by running out of
+    memory."""
+    if not slots:
+        return None
+    nbytes = slots * batch * 3 * crop * crop * 4
+    words = ('{} partner batch{} (one per micro-batch slot of a step), {} '
+             'on the device, {} while a step may be undone; snapshots hold '
+             'one generation'.format(
+                 slots, '' if slots == 1 else 'es', _gigabytes(nbytes),
+                 _gigabytes(2 * nbytes)))
+    if device_bytes and 2 * nbytes > MIXUP_MEMORY_SHARE * device_bytes:
+        raise config_module.ConfigError(
+            'alpha_mixup', 'running mixup would keep {} partner batches (one '
+            'per micro-batch slot of a step), {} while a step may be undone, '
+            'of the GPU\'s {} (over {:.0%}): use more processes (fewer '
+            'micro-batches each), or --no-augment'.format(
+                slots, _gigabytes(2 * nbytes), _gigabytes(device_bytes),
+                MIXUP_MEMORY_SHARE), '<the run>')
+    return words
+
+
+def _gigabytes(nbytes: int) -> str:
+    return '{:.2f} GB'.format(nbytes / 1e9) if nbytes >= 1e8 else \
+        '{:.1f} MB'.format(nbytes / 1e6)
+
+
+def _device_bytes(args):
+    """The GPU's memory (``--gpu``), or None."""
+    if not args.gpu:
+        return None
+    try:
+        return int(chainer.backends.cuda.cupy.cuda.Device().mem_info[1])
+    except Exception:                  # no device to ask: not checked
+        return None
+
+
 def warmup_notice(schedule, epochs: float):
     """A warning where a baseline's warm-up is not shorter than the run
     (Table 1's 18 or 25 epochs of LARS, made for 32K over 64-73 epochs,
@@ -346,6 +395,10 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
     device = chainer.get_device(
         '@cupy:{}'.format(comm.intra_rank) if args.gpu else '@numpy')
     device.use()
+    # before the data are read (the device's own memory: after use())
+    mixup_words = mixup_memory(
+        acc_iters if cfg.alpha_mixup and not args.no_augment else 0,
+        cfg.batch_size_per_process, args.crop_size, _device_bytes(args))
     model.to_device(device)
     # the run a resume continues: its settings where not given again, and
     # what the resume changes of them (said later)
@@ -374,6 +427,8 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
                 "; K-FAC's refresh steps eager (--replay-refresh-steps "
                 'off)')
         print('CUDA graphs: {}'.format(graphs_why), flush=True)
+        if mixup_words:
+            print('running mixup: {}'.format(mixup_words), flush=True)
         if args.gpu:
             print('cuDNN convolutions: {}'.format(tuning_words), flush=True)
     if not kfac:

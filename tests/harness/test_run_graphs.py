@@ -164,3 +164,25 @@ def test_a_resumed_baseline_keeps_its_own_settings():
     assert run.baseline_settings('lars', cfg, again, record)[
         'warmup_epochs'] == 1.0              # given again: a change
     assert run.baseline_settings('kfac', cfg, fresh, record) is None
+
+
+def test_running_mixup_says_what_it_holds_and_refuses_what_cannot_fit():
+    """A partner batch per micro-batch slot (float32, batch × 3 × crop²),
+    twice while a step may be undone: 19.3 MB per slot at 32 × 224², so
+    131K on one GPU (4,096 slots) held 79 GB twice, found only by running
+    out of memory."""
+    import config as config_module
+    assert run.mixup_memory(0, 32, 224) is None            # no mixup
+    words = run.mixup_memory(16, 32, 224)
+    assert words == ('16 partner batches (one per micro-batch slot of a '
+                     'step), 0.31 GB on the device, 0.62 GB while a step '
+                     'may be undone; snapshots hold one generation')
+    assert run.mixup_memory(1, 32, 32).startswith('1 partner batch (')
+    h100 = 80 * 10 ** 9
+    assert run.mixup_memory(64, 32, 224, h100) is not None  # 2.5 GB
+    with pytest.raises(config_module.ConfigError,
+                       match=r"4096 partner batches \(one per micro-batch "
+                       r"slot of a step\), 157\.84 GB while a step may be "
+                       r"undone, of the GPU's 80\.00 GB \(over 50%\): use "
+                       r"more processes"):
+        run.mixup_memory(4096, 32, 224, h100)
