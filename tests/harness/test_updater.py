@@ -89,6 +89,14 @@ def make_updater(batches, acc_iters=2, stop_epoch=100):
     return updater, model
 
 
+def plain_updater(optimizer, batches, acc_iters=1):
+    """The updater of ``optimizer`` without mixup or erasing, on the host."""
+    return AugmentedUpdater(
+        batches, optimizer, OneProcess(), acc_iters, 100,
+        BatchConverter(None, labels_on_host=True), seed=0, alpha_mixup=0.0,
+        n_class=3, erasing=False, device=chainer.get_device('@numpy'))
+
+
 def test_non_finite_step_keeps_weights_and_bn_statistics(capsys):
     updater, model = make_updater([batch(1), batch(2)])
     with reporting(model, {}):
@@ -235,10 +243,7 @@ def test_warnings_of_one_kfac_step_number_it_alike(caplog):
         refresh_interval_a=1, refresh_interval_g=1, refresh_interval_f=1,
         verbose=False)
     optimizer.setup(model)
-    updater = AugmentedUpdater(
-        Batches([batch(1), batch(2)], 16), optimizer, OneProcess(), 1, 100,
-        BatchConverter(None, labels_on_host=True), seed=0, alpha_mixup=0.0,
-        n_class=3, erasing=False, device=chainer.get_device('@numpy'))
+    updater = plain_updater(optimizer, Batches([batch(1), batch(2)], 16))
     with reporting(model, {}):
         updater.update()
     original = updater.converter
@@ -388,11 +393,8 @@ def test_a_step_decides_its_refreshes_at_the_epoch_it_starts_in(acc_iters):
         refresh_interval_f=interval)
     optimizer.setup(model)
     # 16 samples an epoch: 4 micro-batches, 4 / acc_iters steps
-    updater = AugmentedUpdater(
-        EpochBatches([batch(1), batch(2)], 16), optimizer, OneProcess(),
-        acc_iters, 100, BatchConverter(None, labels_on_host=True), seed=0,
-        alpha_mixup=0.0, n_class=3, erasing=False,
-        device=chainer.get_device('@numpy'))
+    updater = plain_updater(optimizer, EpochBatches([batch(1), batch(2)], 16),
+                            acc_iters)
     due, update = [], optimizer.update
 
     def recording(*args, **kwargs):
@@ -425,10 +427,7 @@ def test_the_log_has_the_damping_and_intervals_a_step_took():
         refresh_interval_a=interval, refresh_interval_g=interval,
         refresh_interval_f=interval)
     optimizer.setup(model)
-    updater = AugmentedUpdater(
-        Batches([batch(1), batch(2)], 16), optimizer, OneProcess(), 1, 100,
-        BatchConverter(None, labels_on_host=True), seed=0, alpha_mixup=0.0,
-        n_class=3, erasing=False, device=chainer.get_device('@numpy'))
+    updater = plain_updater(optimizer, Batches([batch(1), batch(2)], 16))
     observers = [ext for ext, _ in run.observers(optimizer, 'kfac', 4)]
     trainer = types.SimpleNamespace(updater=updater, elapsed_time=1.0)
     for step in range(2):
