@@ -452,14 +452,17 @@ def check_one_run(comm, prefix, files):
     set: files of other runs (their ids differ), or a file under another
     rank's name (the rank it records differs). Copied so, they were loaded
     silently: another run's rank-1 file gave final weights 0.90 from the
-    uninterrupted run's, two ranks' files swapped 0.85."""
+    uninterrupted run's, two ranks' files swapped 0.85. A file of an
+    earlier version (no id) is taken for one of the run's."""
     mine = [(files.index(path), path, _read_fact(path, RUN_ID_KEY),
              _read_fact(path, RANK_KEY))
             for path in files[comm.rank::comm.size]]
     facts = sorted(item for share in comm.mpi_comm.allgather(mine)
                    for item in share)
     problems = []
-    ids = {ident for _, _, ident, _ in facts}
+    # a file of an earlier version records none: unknown, not another run
+    # (a run upgraded between its ranks' writes of one snapshot)
+    ids = {ident for _, _, ident, _ in facts if ident is not None}
     if len(ids) > 1:
         problems.append('its files come from {} runs ({}): copied from '
                         'another run\'s directory?'.format(

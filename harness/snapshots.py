@@ -12,11 +12,12 @@
   to a hidden temporary file, fsyncs it and renames it into place, so a
   snapshot file is either complete or absent;
 * re-raises a failed background write in the training loop;
-* removes the older snapshots (``n_retains``) only once every process's
-  new file is whole (:func:`agree`): removed as each process's own write
-  ended, a slow or failed write on one process with a fast one elsewhere
-  left no snapshot whole on every process (with the default of 2 kept,
-  rank 0 held steps 3 and 4, rank 1 steps 1 and 2).
+* keeps the newest ``keep`` snapshots that every process has written
+  whole (:func:`agree` counts each process's finished writes), and any
+  newer one still being confirmed: removed as each process's own write
+  ended (Chainer's ``n_retains``), a slow or failed write on one process
+  with a fast one elsewhere left no snapshot whole on every process (with
+  the default of 2 kept, rank 0 held steps 3 and 4, rank 1 steps 1 and 2).
 
 Resuming from the files is :mod:`harness.resume`.
 """
@@ -117,9 +118,24 @@ class AtomicThreadWriter(snapshot_writers.ThreadWriter):
         self.failure = None
         self.unconfirmed = False
         self._needed = 0
+        #: The files this writer wrote whole, in order (the writer thread
+        #: appends); the snapshots kept (:meth:`retain`) and those every
+        #: process has written (:meth:`remove_stale`).
+        self.written = []
+        self._keep = 0
+        self._pattern = None
+        self._outdir = None
+        self._confirmed = 0
+
+    def retain(self, pattern: str, keep: int) -> None:
+        """Keep the newest ``keep`` snapshots (0: all) whose names match
+        ``pattern`` (a name format, matched by its text before the first
+        ``{`` and after the last ``}``, as Chainer's ``n_retains``)."""
+        self._pattern, self._keep = pattern, int(keep)
 
     def __call__(self, filename, outdir, target):
         start = time.perf_counter()
+        self._outdir = outdir
         self.join()                 # never two writes at once
         if self.failure is not None:
             # Nothing stopped the loop on it (a trainer without
@@ -178,6 +194,7 @@ class AtomicThreadWriter(snapshot_writers.ThreadWriter):
             _fsync_directory(outdir)
             # the older snapshots go once every process's write is whole
             # (:meth:`remove_stale`, from :func:`agree`)
+            self.written.append(filename)
         except BaseException as error:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -195,17 +212,33 @@ class AtomicThreadWriter(snapshot_writers.ThreadWriter):
         (all processes agree on it there)."""
         self.join()
 
-    def remove_stale(self):
-        """Remove the older snapshots (Chainer's ``n_retains`` hooks),
-        once :func:`agree` has seen every process's write whole. A file
-        that cannot be removed (a directory of the name) is said, not
-        taken for a failed write."""
-        for hook in self._post_save_hooks:
+    def remove_stale(self, confirmed: int) -> None:
+        """Remove the snapshots past the newest ``keep`` of those every
+        process has written (this writer's first ``confirmed`` files, and
+        any older ones in the directory: a resumed run's), never one still
+        being confirmed. A file that cannot be removed (a directory of the
+        name) is said, not taken for a failed write."""
+        if not self._keep or self._outdir is None or \
+                confirmed <= self._confirmed:
+            return
+        self._confirmed = confirmed
+        prefix = self._pattern.split('{')[0]
+        suffix = self._pattern.split('}')[-1]
+        pending = set(self.written[confirmed:])
+        try:
+            names = [n for n in os.listdir(self._outdir)
+                     if n.startswith(prefix) and n.endswith(suffix) and
+                     n not in pending]
+            dated = sorted((os.stat(os.path.join(self._outdir, n)).st_mtime,
+                            n) for n in names)
+        except OSError as error:
+            dated = []
+            _say_not_removed(error)
+        for _, name in dated[:max(len(dated) - self._keep, 0)]:
             try:
-                hook()
+                os.remove(os.path.join(self._outdir, name))
             except OSError as error:
-                print('warning: an older snapshot could not be removed: '
-                      '{}'.format(error), file=sys.stderr, flush=True)
+                _say_not_removed(error)
 
 
 class WriteCheck:
@@ -237,19 +270,26 @@ def agree(comm, writer):
     write failed (once, on rank 0, see :func:`harness.mpi.raise_together`);
     once every process's write has ended well, the writer is confirmed."""
     busy = writer.busy      # before the failure: a write ended is final
-    states = comm.mpi_comm.allgather((busy, writer.failure is not None))
-    if any(failed for _, failed in states):
+    states = comm.mpi_comm.allgather((busy, writer.failure is not None,
+                                      len(writer.written)))
+    if any(failed for _, failed, _ in states):
         writer.unconfirmed = False
         raise_together(comm, writer.take_failure())
-    if not any(b for b, _ in states):
+    # every process's first n writes are whole: older snapshots may go
+    writer.remove_stale(min(written for _, _, written in states))
+    if not any(b for b, _, _ in states):
         writer.unconfirmed = False
-        writer.remove_stale()
 
 
 def finish(comm, writer):
     """The end of a run: wait for the last write, then :func:`agree`."""
     writer.join()
     agree(comm, writer)
+
+
+def _say_not_removed(error):
+    print('warning: an older snapshot could not be removed: {}'.format(
+        error), file=sys.stderr, flush=True)
 
 
 def _fsync_directory(directory):
@@ -280,8 +320,10 @@ def snapshot_extension(rank, keep, writer, name=EPOCH_NAME):
         (:data:`STEP_NAME`, :data:`EPOCH_NAME`).
     """
     filename = name + '.rank{}'.format(rank)
-    return extensions.snapshot(filename=filename, writer=writer,
-                               n_retains=keep if keep > 0 else -1)
+    # the writer keeps them (not Chainer's n_retains: it removed as each
+    # process's own write ended)
+    writer.retain(filename, keep if keep > 0 else 0)
+    return extensions.snapshot(filename=filename, writer=writer)
 
 
 def extend_trainer(trainer, comm, writer, rank, keep, trigger,

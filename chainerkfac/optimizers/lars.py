@@ -35,6 +35,8 @@ momentum.
 """
 from typing import Callable, List, Optional
 
+import math
+
 import numpy
 
 import chainer
@@ -317,10 +319,16 @@ def _check_form(form) -> None:
             form, MOMENTUM_FORMS))
 
 
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:            # an int past float's range
+        return False
+
+
 def _check(name, value, ok, why):
     """Refuse a value that is no finite real number or fails ``ok`` (inf
     passed ``>= 0`` and gave non-finite weights at the first update)."""
     if not isinstance(value, (int, float, numpy.number)) or \
-            isinstance(value, bool) or not numpy.isfinite(value) or \
-            not ok(value):
+            isinstance(value, bool) or not _finite(value) or not ok(value):
         raise ValueError('LARS: {}={!r} {}'.format(name, value, why))

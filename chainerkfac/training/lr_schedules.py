@@ -29,8 +29,12 @@ def _number(owner: str, name: str, value, ok=None, why: str = '') -> float:
     for which ``ok`` holds, else a ``ValueError`` naming ``owner``'s
     argument ``name`` (a string, None or NaN went through as values, or
     failed in a comparison that named nothing)."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or \
-            not math.isfinite(value) or (ok is not None and not ok(value)):
+    try:
+        finite = isinstance(value, numbers.Real) and \
+            not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:          # an int past float's range
+        finite = False
+    if not finite or (ok is not None and not ok(value)):
         raise ValueError('{}: {}={!r} must be a finite number{}'.format(
             owner, name, value, why))
     return float(value)
@@ -238,7 +242,7 @@ def polynomial_decay(lr, p_decay, e_start, e_end):
     owner = 'polynomial_decay'
     lr = _number(owner, 'lr', lr, lambda v: v >= 0, ' >= 0')
     p_decay = _number(owner, 'p_decay', p_decay, lambda v: v > 0, ' > 0')
-    e_start = _number(owner, 'e_start', e_start)
+    e_start = _number(owner, 'e_start', e_start, lambda v: v >= 0, ' >= 0')
     e_end = _number(owner, 'e_end', e_end)
     if not e_end > e_start:
         raise ValueError('polynomial_decay: e_end ({}) must be larger than '

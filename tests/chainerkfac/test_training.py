@@ -108,6 +108,8 @@ def test_bad_arguments():
     (lambda: step_decay(0.1, milestones=('30',)), r"milestones='30'"),
     (lambda: polynomial_decay(0.1, 2.0, 18.0, 10.0), r'e_end \(10.0\) '
      r'must be larger than e_start \(18.0\)'),
+    (lambda: polynomial_decay(0.1, 2.0, -1, 10.0), r'e_start=-1'),
+    (lambda: LinearWarmupLR(10 ** 400, 0.01), r'lr=1000'),
 ])
 def test_schedule_arguments_are_named_when_wrong(make, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -215,6 +215,11 @@ def test_the_files_of_a_snapshot_must_be_one_runs(tmp_path):
         for rank, path in enumerate(files):
             write(path, ident, rank)
         resume.check_one_run(OneProcess, prefix, files)
+    # one file of the earlier version, one of this (a run upgraded while
+    # its ranks wrote one snapshot): unknown is not another run
+    write(files[0], None, 0)
+    resume.check_one_run(OneProcess, prefix, files)
+    write(files[0], 'a' * 32, 0)
     write(files[1], 'b' * 32, 1)
     with pytest.raises(ValueError, match=r"not one run's snapshot: its files "
                        r"come from 2 runs \(snapshot_step_4\.rank0 of run "

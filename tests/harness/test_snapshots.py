@@ -224,15 +224,15 @@ def test_extension_keeps_the_last_snapshots(tmp_path):
 class TwoProcesses:
     """Rank 0 of two, the other's write state set by the test."""
     rank, size = 0, 2
-    other = (False, False)          # (busy, failed)
+    other = (False, False, 0)       # (busy, failed, files written whole)
 
     class mpi_comm:
         @staticmethod
         def allgather(value):
-            return [value, TwoProcesses.other if isinstance(value, tuple) and
-                    len(value) == 2 and isinstance(value[0], bool) else
-                    (OSError, 'disk full') if TwoProcesses.other[1]
-                    else None]
+            if isinstance(value, tuple) and len(value) == 3:    # agree's
+                return [value, TwoProcesses.other]
+            return [value, (OSError, 'disk full') if TwoProcesses.other[1]
+                    else None]                          # raise_together's
 
 
 @pytest.mark.parametrize('keep', [1, 2])
@@ -242,38 +242,51 @@ def test_older_snapshots_go_only_once_every_process_wrote_the_new(
     file was whole: with another process's write of the same step slow,
     then failed (disk full) or killed, no step was whole on every process
     (an auditor's run: rank 0 held steps 3 and 4, rank 1 steps 1 and 2,
-    and --resume latest found nothing). Now they go once every process's
-    write has ended well."""
+    and --resume latest found nothing). Now the newest ``keep`` that every
+    process has written stay, with any newer one still being confirmed —
+    also when a new write is always in progress (a snapshot every step:
+    the first version of this fix removed nothing then, 22 files where 2
+    were kept)."""
     out = str(tmp_path)
     for step in (1, 2):
-        (tmp_path / 'snapshot_step_{}.rank0'.format(step)).write_bytes(b'x')
+        path = tmp_path / 'snapshot_step_{}.rank0'.format(step)
+        path.write_bytes(b'x')
+        os.utime(str(path), (step, step))          # a resumed run's, older
     writer = snapshots.AtomicThreadWriter()
     extension = snapshots.snapshot_extension(0, keep, writer,
                                              snapshots.SNAPSHOT_PREFIX.format(
                                                  step='{.step}'))
-    trainer = types.SimpleNamespace(out=out, step=3, updater=None)
-    extension.initialize(trainer)
+    extension.initialize(types.SimpleNamespace(out=out, updater=None))
     extension._target = L.Linear(2, 2)
-    extension._make_snapshot(trainer)
-    writer.join()                         # this process's write is whole
-    TwoProcesses.other = (True, False)    # the other's is not
-    snapshots.agree(TwoProcesses, writer)
+
+    def snapshot(step, other):
+        extension._make_snapshot(types.SimpleNamespace(out=out, step=step,
+                                                       updater=None))
+        writer.join()                       # this process's write is whole
+        TwoProcesses.other = other
+        snapshots.agree(TwoProcesses, writer)
+        return sorted(int(n.split('_')[2].split('.')[0])
+                      for n in os.listdir(out))
+
+    # the other's step 3 still being written: nothing goes
+    assert snapshot(3, (True, False, 0)) == [1, 2, 3]
     assert writer.unconfirmed
-    names = sorted(os.listdir(out))
-    assert names == ['snapshot_step_1.rank0', 'snapshot_step_2.rank0',
-                     'snapshot_step_3.rank0']
-    TwoProcesses.other = (False, False)   # now it is
+    # step 4 begun everywhere, the other's step 3 whole: 3 is confirmed
+    assert snapshot(4, (True, False, 1)) == ([3, 4] if keep == 1
+                                             else [2, 3, 4])
+    # and step 4 whole everywhere
+    TwoProcesses.other = (False, False, 2)
     snapshots.agree(TwoProcesses, writer)
     assert not writer.unconfirmed
-    assert sorted(os.listdir(out)) == names[3 - keep:]
-
-    # the other's write fails: nothing older goes
-    (tmp_path / 'snapshot_step_4.rank0').write_bytes(b'x')
+    assert sorted(os.listdir(out)) == [
+        'snapshot_step_{}.rank0'.format(s) for s in ([4] if keep == 1
+                                                     else [3, 4])]
+    # the other's write of step 5 fails: nothing older goes
     extension._make_snapshot(types.SimpleNamespace(out=out, step=5,
                                                    updater=None))
     writer.join()
     before = sorted(os.listdir(out))
-    TwoProcesses.other = (False, True)
+    TwoProcesses.other = (False, True, 2)
     with pytest.raises(OSError, match='rank 1: disk full'):
         snapshots.agree(TwoProcesses, writer)
     assert sorted(os.listdir(out)) == before

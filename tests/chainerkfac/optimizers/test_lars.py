@@ -176,6 +176,7 @@ def test_exclusion_is_configurable():
     ({'eta': float('inf')}, r"eta=inf must be a finite number > 0"),
     ({'weight_decay': float('inf')}, 'weight_decay=inf'),
     ({'momentum': float('nan')}, 'momentum=nan'),
+    ({'lr': 10 ** 400}, 'must be a finite number'),     # was a TypeError
 ])
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
