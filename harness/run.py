@@ -105,7 +105,8 @@ def baseline_schedule(settings, epochs):
 MIXUP_MEMORY_SHARE = 0.5
 
 
-def mixup_memory(slots: int, batch: int, crop: int, device_bytes=None):
+def mixup_memory(slots: int, batch: int, crop: int, device_bytes=None,
+                 gpu: bool = False):
     """What running mixup holds, in words for the start-up line, or None
     without mixup (``slots`` 0). Each micro-batch slot of a step keeps its
     previous virtual batch (float32, ``batch × 3 × crop²``) — as the
@@ -119,9 +120,10 @@ def mixup_memory(slots: int, batch: int, crop: int, device_bytes=None):
         return None
     nbytes = slots * batch * 3 * crop * crop * 4
     words = ('{} partner batch{} (one per micro-batch slot of a step), {} '
-             'on the device, {} while a step may be undone; snapshots hold '
-             'one generation'.format(
+             '{}, {} while a step may be undone; snapshots hold one '
+             'generation'.format(
                  slots, '' if slots == 1 else 'es', _gigabytes(nbytes),
+                 'on the GPU' if gpu else 'in memory',
                  _gigabytes(2 * nbytes)))
     if device_bytes and 2 * nbytes > MIXUP_MEMORY_SHARE * device_bytes:
         raise config_module.ConfigError(
@@ -398,7 +400,8 @@ def train(args, comm, optimizer_name, out, cfg, stop=None):
     # before the data are read (the device's own memory: after use())
     mixup_words = mixup_memory(
         acc_iters if cfg.alpha_mixup and not args.no_augment else 0,
-        cfg.batch_size_per_process, args.crop_size, _device_bytes(args))
+        cfg.batch_size_per_process, args.crop_size, _device_bytes(args),
+        args.gpu)
     model.to_device(device)
     # the run a resume continues: its settings where not given again, and
     # what the resume changes of them (said later)

@@ -175,8 +175,9 @@ def test_running_mixup_says_what_it_holds_and_refuses_what_cannot_fit():
     assert run.mixup_memory(0, 32, 224) is None            # no mixup
     words = run.mixup_memory(16, 32, 224)
     assert words == ('16 partner batches (one per micro-batch slot of a '
-                     'step), 0.31 GB on the device, 0.62 GB while a step '
+                     'step), 0.31 GB in memory, 0.62 GB while a step '
                      'may be undone; snapshots hold one generation')
+    assert '0.31 GB on the GPU' in run.mixup_memory(16, 32, 224, gpu=True)
     assert run.mixup_memory(1, 32, 32).startswith('1 partner batch (')
     h100 = 80 * 10 ** 9
     assert run.mixup_memory(64, 32, 224, h100) is not None  # 2.5 GB
