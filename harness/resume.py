@@ -40,8 +40,6 @@ import re
 import sys
 import uuid
 
-import numpy
-
 from chainerkfac import serializers
 from chainerkfac.serializers import PickledArrayError
 from chainerkfac.training import TimeToAccuracy
@@ -428,23 +426,25 @@ def run_id(comm, resumed=None):
     ident = None
     if comm.rank == 0:
         if resumed:
-            ident = _read_fact(resumed[1][0], RUN_ID_KEY)
+            ident, = _read_facts(resumed[1][0], RUN_ID_KEY)
         if ident is None:
             ident = uuid.uuid4().hex
     return comm.mpi_comm.bcast(ident, root=0)
 
 
-def _read_fact(path, key):
-    """The value of the small member ``key`` of ``path`` (a string or an
-    int), or None where the file has none (an earlier version's)."""
+def _read_facts(path, *keys):
+    """The values of the small members ``keys`` of ``path`` (a string or
+    an int each), None for one the file lacks (an earlier version's), or
+    for all where it cannot be read (verified before: not expected)."""
     try:
-        with numpy.load(path) as archive:
-            if key not in archive.files:
-                return None
-            value = archive[key]
+        with serializers.open_npz(path) as archive:
+            values = [archive[key] if key in archive.files else None
+                      for key in keys]
     except (OSError, ValueError):
-        return None
-    return value.item() if value.dtype.kind in 'iub' else str(value)
+        return (None,) * len(keys)
+    return tuple(None if value is None else value.item()
+                 if value.dtype.kind in 'iub' else str(value)
+                 for value in values)
 
 
 def check_one_run(comm, prefix, files):
@@ -454,8 +454,8 @@ def check_one_run(comm, prefix, files):
     silently: another run's rank-1 file gave final weights 0.90 from the
     uninterrupted run's, two ranks' files swapped 0.85. A file of an
     earlier version (no id) is taken for one of the run's."""
-    mine = [(files.index(path), path, _read_fact(path, RUN_ID_KEY),
-             _read_fact(path, RANK_KEY))
+    mine = [(files.index(path), path) + _read_facts(path, RUN_ID_KEY,
+                                                     RANK_KEY)
             for path in files[comm.rank::comm.size]]
     facts = sorted(item for share in comm.mpi_comm.allgather(mine)
                    for item in share)

@@ -109,7 +109,7 @@ def _check_array(path, member):
                          '({} {})'.format(member.name, size, expected, shape,
                                           dtype))
     if finite:
-        values = numpy.frombuffer(bytes(data), dtype)
+        values = numpy.frombuffer(data, dtype)
         bad = int(values.size - numpy.count_nonzero(numpy.isfinite(values)))
         if bad:
             raise ValueError('{} holds {} non-finite values of {} (the '

@@ -31,7 +31,7 @@ import time
 import numpy
 from chainer.serializers import npz
 from chainer.training import extensions
-from chainer.training.extensions import snapshot_writers
+from chainer.training.extensions import _snapshot, snapshot_writers
 
 from chainerkfac import serializers
 from harness.mpi import raise_together
@@ -222,15 +222,12 @@ class AtomicThreadWriter(snapshot_writers.ThreadWriter):
                 confirmed <= self._confirmed:
             return
         self._confirmed = confirmed
-        prefix = self._pattern.split('{')[0]
-        suffix = self._pattern.split('}')[-1]
         pending = set(self.written[confirmed:])
         try:
-            names = [n for n in os.listdir(self._outdir)
-                     if n.startswith(prefix) and n.endswith(suffix) and
-                     n not in pending]
-            dated = sorted((os.stat(os.path.join(self._outdir, n)).st_mtime,
-                            n) for n in names)
+            # Chainer's own match of n_retains: by the name format's text
+            # around its fields, oldest first by mtime
+            dated = [(t, n) for t, n in _snapshot._find_snapshot_files(
+                self._pattern, self._outdir) if n not in pending]
         except OSError as error:
             dated = []
             _say_not_removed(error)

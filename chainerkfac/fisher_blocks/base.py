@@ -372,14 +372,11 @@ class FisherBlock:
         the passes divided by it.
         """
         for factor, value in self._open.items():
-            calls = self._calls[factor]
-            if self.factor_kinds[factor] is not FactorKind.OUTPUT_GRADS:
-                pass
-            elif calls_per_pass is not None:
-                if calls_per_pass != 1:
-                    value = low_rank.scaled(value, 1.0 / calls_per_pass)
-            elif calls != passes:
-                value = low_rank.scaled(value, passes / calls)
+            if self.factor_kinds[factor] is FactorKind.OUTPUT_GRADS:
+                scale = (passes / self._calls[factor]
+                         if calls_per_pass is None else 1.0 / calls_per_pass)
+                if scale != 1.0:
+                    value = low_rank.scaled(value, scale)
             if factor in self._step_sums:
                 self._step_sums[factor] = low_rank.add(
                     self._step_sums[factor], value)
