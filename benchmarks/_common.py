@@ -17,6 +17,8 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
+from harness import mpi
+
 #: Repository root (the benchmarks run ``train_imagenet.py`` and
 #: ``-m benchmarks.…`` workers from here).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -269,6 +271,29 @@ def mpiexec_path() -> str:
     return found
 
 
+def run_mpiexec(cmd: Sequence[str], env: Dict, timeout: float,
+                cwd: str = ROOT):
+    """``subprocess.run(cmd)`` of an ``mpiexec`` command line, its output
+    captured (text), started again (at most ``harness.mpi.LAUNCH_TRIES``
+    times, saying so) where the launcher itself failed to start: Open MPI
+    5 on a machine with the session directories of killed ``mpiexec``
+    processes (:func:`harness.mpi.stale_session_dirs`, removed first).
+    Returns ``(completed process, wall seconds of the launch that ran)``;
+    raises ``subprocess.TimeoutExpired`` as ``subprocess.run``."""
+    for attempt in range(1, mpi.LAUNCH_TRIES + 1):
+        mpi.remove_stale_session_dirs()
+        start = time.perf_counter()
+        proc = subprocess.run(list(cmd), env=env, cwd=cwd,
+                              capture_output=True, text=True,
+                              timeout=timeout)
+        seconds = time.perf_counter() - start
+        if attempt == mpi.LAUNCH_TRIES or not mpi.launcher_failed(
+                proc.returncode, proc.stdout + proc.stderr):
+            return proc, seconds
+        print('mpiexec failed to start (exit {}): launch {} of {}'.format(
+            proc.returncode, attempt + 1, mpi.LAUNCH_TRIES), flush=True)
+
+
 def spec_from(args, smoke: Dict, full: Dict, keys: Sequence[str]) -> Dict:
     """A launching benchmark's sizes: ``smoke`` or ``full`` (``--smoke``),
     with the options named in ``keys`` that were given over them."""
@@ -306,11 +331,9 @@ def launch_worker(module: str, processes: int, worker_args: Sequence[str],
         out = os.path.join(tmp, 'launch.json')
         cmd = [mpiexec_path(), '-n', str(processes), sys.executable, '-m',
                module, '--worker', out] + list(worker_args)
-        start = time.time()
         try:
-            proc = subprocess.run(cmd, env=worker_env(threads=1), cwd=ROOT,
-                                  capture_output=True, text=True,
-                                  timeout=timeout)
+            proc, seconds = run_mpiexec(cmd, worker_env(threads=1),
+                                        timeout)
         except subprocess.TimeoutExpired:
             raise RuntimeError('mpiexec -n {} timed out after {:.0f} s'.format(
                 processes, timeout)) from None
@@ -320,6 +343,6 @@ def launch_worker(module: str, processes: int, worker_args: Sequence[str],
                 (proc.stdout + proc.stderr)[-3000:]))
         with open(out) as f:
             result = json.load(f)
-    result['launch_wall_s'] = time.time() - start
+    result['launch_wall_s'] = seconds
     result['oversubscribed'] = processes > usable_cores()
     return result

@@ -25,7 +25,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Dict
 
 from benchmarks import _common
@@ -76,16 +75,14 @@ def launch(script: str, fail: bool, directory: str) -> Dict:
     path = os.path.join(directory, 'job.py')
     with open(path, 'w') as f:
         f.write('FAIL = {}\n'.format(int(fail)) + script)
-    start = time.perf_counter()
     try:
-        proc = subprocess.run(
+        proc, seconds = _common.run_mpiexec(
             [_common.mpiexec_path(), '-n', '2', sys.executable, path],
-            env=_common.worker_env(threads=1), cwd=_common.ROOT,
-            capture_output=True, text=True, timeout=TIMEOUT_S)
+            _common.worker_env(threads=1), timeout=TIMEOUT_S)
         returncode, output = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired:
-        returncode, output = None, ''
-    return {'seconds': time.perf_counter() - start,
+        seconds, returncode, output = TIMEOUT_S, None, ''
+    return {'seconds': seconds,
             'returncode': returncode,
             'message_seen': 'deliberate failure on rank 1' in output}
 

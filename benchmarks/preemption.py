@@ -37,9 +37,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict
 
 from benchmarks import _common
+from harness import mpi
 
 #: The runs: arch options, processes, BLAS threads per process, images.
 RUNS = {
@@ -95,6 +95,11 @@ def heartbeats(path):
         return 0
 
 
+def _read(path):
+    with open(path, errors='replace') as f:
+        return f.read()
+
+
 def stop_once(arch, directory, seed, timeout):
     """One run stopped by SIGUSR1 at a random point of its third step."""
     spec = RUNS[arch]
@@ -107,31 +112,46 @@ def stop_once(arch, directory, seed, timeout):
            '--fisher-diff', '--no-progress', '--seed', str(seed)]
     cmd += spec['options']
     log_path = os.path.join(directory, 'log{}.txt'.format(seed))
-    with open(log_path, 'w') as log:
-        process = subprocess.Popen(
-            cmd, cwd=_common.ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env=_common.worker_env(spec['threads']), start_new_session=True)
-        diff = os.path.join(out, 'fisher_diff.jsonl')
-        deadline = time.time() + timeout
-        marks = []
-        while len(marks) < 2:
-            if process.poll() is not None or time.time() > deadline:
-                process.kill()
-                raise RuntimeError('{}: no second step (see {})'.format(
-                    arch, log_path))
-            if heartbeats(diff) > len(marks):
-                marks.append(time.perf_counter())
-            time.sleep(0.01)
-        step_s = marks[1] - marks[0]
-        fraction = random.Random(seed).random()
-        time.sleep(fraction * step_s)
-        sent = time.perf_counter()
-        process.send_signal(signal.SIGUSR1)
-        status = process.wait(timeout=timeout)
-        exit_s = time.perf_counter() - sent
-    with open(log_path) as f:
-        text = f.read()
-    found = _MESSAGE.search(text)
+    tries = 0
+
+    def start():
+        nonlocal tries
+        tries += 1
+        mpi.remove_stale_session_dirs()
+        with open(log_path, 'w') as log:
+            return subprocess.Popen(
+                cmd, cwd=_common.ROOT, stdout=log, stderr=subprocess.STDOUT,
+                env=_common.worker_env(spec['threads']),
+                start_new_session=True)
+
+    process = start()
+    diff = os.path.join(out, 'fisher_diff.jsonl')
+    deadline = time.time() + timeout
+    marks = []
+    while len(marks) < 2:
+        if process.poll() is not None and tries < mpi.LAUNCH_TRIES \
+                and mpi.launcher_failed(process.returncode,
+                                        _read(log_path)):
+            print('mpiexec failed to start (exit {}): launch {} of {}'
+                  .format(process.returncode, tries + 1,
+                          mpi.LAUNCH_TRIES), flush=True)
+            process = start()
+            continue
+        if process.poll() is not None or time.time() > deadline:
+            process.kill()
+            raise RuntimeError('{}: no second step (see {})'.format(
+                arch, log_path))
+        if heartbeats(diff) > len(marks):
+            marks.append(time.perf_counter())
+        time.sleep(0.01)
+    step_s = marks[1] - marks[0]
+    fraction = random.Random(seed).random()
+    time.sleep(fraction * step_s)
+    sent = time.perf_counter()
+    process.send_signal(signal.SIGUSR1)
+    status = process.wait(timeout=timeout)
+    exit_s = time.perf_counter() - sent
+    found = _MESSAGE.search(_read(log_path))
     snapshot = [os.path.getsize(os.path.join(out, n)) for n in os.listdir(out)
                 if n.startswith('snapshot_step_')]
     return {'seed': seed, 'status': status, 'step_s': step_s,
@@ -181,11 +201,10 @@ def agreement_worker(calls):
 
 
 def measure_agreement(size, calls):
-    done = subprocess.run(
+    done, _ = _common.run_mpiexec(
         [_common.mpiexec_path(), '-n', str(size), sys.executable, '-m',
          'benchmarks.preemption', '--agreement-worker', str(calls)],
-        cwd=_common.ROOT, env=_common.worker_env(1), capture_output=True,
-        text=True, timeout=600)
+        _common.worker_env(1), timeout=600)
     lines = [line for line in done.stdout.splitlines()
              if line.startswith('{')]
     if done.returncode != 0 or not lines:

@@ -8,6 +8,8 @@ import multiprocessing
 import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
+import re
+import shutil
 import sys
 import tempfile
 
@@ -129,6 +131,75 @@ def socket_temp_dir(base=None):
         'writable: set TMPDIR to a shorter directory, or --loaderjob 0'
         .format(base, len(os.fsencode(base)), SUN_PATH_MAX - 1,
                 ', '.join(_SHORT_TEMP_DIRS)))
+
+
+#: How often a launch whose launcher failed to start is tried (see
+#: :func:`launcher_failed`).
+LAUNCH_TRIES = 3
+_LAUNCHER_FAILED = re.compile(
+    r"PMIx server's listener thread failed to start|"
+    r'PMIx_Init failed|prterun was unable to launch', re.IGNORECASE)
+
+
+def launcher_failed(returncode: int, output: str) -> bool:
+    """Whether an ``mpiexec`` launch failed in the launcher itself, before
+    any process ran: Open MPI 5's "The PMIx server's listener thread
+    failed to start" (exit 213) and its kin. Another launch will do (see
+    :func:`stale_session_dirs` for the usual cause); a launch that ran
+    and failed will not, and is not matched (``returncode`` 0 or 124, a
+    timeout, never is)."""
+    return returncode not in (0, 124) and bool(
+        _LAUNCHER_FAILED.search(output))
+
+
+#: Open MPI 5's session directory of the ``mpiexec`` with that process id,
+#: under ``TMPDIR``.
+_SESSION_DIR = re.compile(r'ompi\.(\d+)$')
+
+
+def stale_session_dirs(base=None) -> list:
+    """Open MPI session directories left by ``mpiexec`` processes that are
+    gone: ``ompi.<pid>`` under ``base`` (default: ``TMPDIR``), this user's,
+    of a process id that no process has now.
+
+    An ``mpiexec`` that was killed (SIGKILL, a timeout, the OOM killer)
+    leaves its directory behind, and a later ``mpiexec`` that gets the
+    same process id fails at once with "The PMIx server's listener thread
+    failed to start" (Open MPI 5.0.11: it finds the old ``pmix.<host>.tool``
+    file). With a few hundred such directories, about one launch in a
+    hundred fails so.
+    """
+    base = tempfile.gettempdir() if base is None else base
+    found = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return found
+    for name in names:
+        match = _SESSION_DIR.match(name)
+        if match is None:
+            continue
+        path = os.path.join(base, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid() or \
+                    not os.path.isdir(path):
+                continue
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            found.append(path)
+        except (OSError, OverflowError):      # another user's process
+            continue
+    return sorted(found)
+
+
+def remove_stale_session_dirs(base=None) -> list:
+    """Remove :func:`stale_session_dirs`; return those removed."""
+    removed = []
+    for path in stale_session_dirs(base):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+    return removed
 
 
 def start_forkserver():

@@ -12,21 +12,20 @@ import subprocess
 import sys
 import time
 
+from harness import mpi
+
 #: A launcher that failed to start (before any rank ran a test): Open MPI
-#: 5's "The PMIx server's listener thread failed to start" hit one of the
-#: CI runs on a loaded 2-core machine. Such a launch is tried again (at most
+#: 5's "The PMIx server's listener thread failed to start" hit CI runs on
+#: a loaded 2-core machine (the cause: harness.mpi.stale_session_dirs,
+#: removed before each launch). Such a launch is tried again (at most
 #: LAUNCH_TRIES times); a launch in which a test ran never is.
-LAUNCH_TRIES = 3
-_LAUNCHER_FAILED = re.compile(
-    r"PMIx server's listener thread failed to start|"
-    r'PMIx_Init failed|prterun was unable to launch', re.IGNORECASE)
+LAUNCH_TRIES = mpi.LAUNCH_TRIES
 _TESTS_RAN = re.compile(r'\d+ (passed|failed|error|skipped|deselected)')
 
 
 def launcher_failed(rc: int, output: str) -> bool:
     """Whether a launch failed to start MPI itself (see LAUNCH_TRIES)."""
-    return (rc not in (0, 124) and bool(_LAUNCHER_FAILED.search(output))
-            and not _TESTS_RAN.search(output))
+    return mpi.launcher_failed(rc, output) and not _TESTS_RAN.search(output)
 
 
 def _launch(cmd, env, timeout):
@@ -70,6 +69,7 @@ def main(argv=None):
         print('$ ' + shlex.join(cmd), flush=True)
         start = time.time()
         for attempt in range(1, LAUNCH_TRIES + 1):
+            mpi.remove_stale_session_dirs()
             rc, output = _launch(cmd, env, args.timeout)
             if attempt == LAUNCH_TRIES or not launcher_failed(rc, output):
                 break

@@ -78,6 +78,44 @@ def test_failure_latency_smoke(tmp_path):
         assert run['returncode'] not in (0, None) and run['message_seen']
 
 
+def test_the_benchmarks_launch_again_where_mpiexec_failed_to_start(
+        exec_tmp_path, tmp_path, capsys):
+    """Their launches (_common.run_mpiexec: launch_worker, the agreement,
+    failure_latency) start again where Open MPI's launcher failed before
+    any process ran: here the real mpiexec, first given a stale session
+    directory for its process id (harness.mpi.stale_session_dirs: this
+    failed a CI run in benchmarks.preemption), and never where the job
+    ran and failed."""
+    import socket
+    from harness import mpi
+    counter = tmp_path / 'launches'
+    counter.write_text('0')
+    script = tmp_path / 'mpiexec'
+    script.write_text(
+        '#!/bin/sh\nn=$(cat "{c}")\necho $((n + 1)) > "{c}"\n'
+        'if [ "$n" = 0 ]; then mkdir -p "$TMPDIR/ompi.$$" && '
+        'touch "$TMPDIR/ompi.$$/pmix.{host}.tool"; fi\n'
+        'exec "{mpiexec}" "$@"\n'.format(
+            c=counter, host=socket.gethostname(),
+            mpiexec=_common.mpiexec_path()))
+    script.chmod(0o755)
+    env = dict(_common.worker_env(threads=1), TMPDIR=str(tmp_path))
+    code = 'import sys; print("ran"); sys.exit({})'
+    proc, seconds = _common.run_mpiexec(
+        [str(script), '-n', '2', sys.executable, '-c', code.format(0)], env,
+        timeout=120)
+    assert proc.returncode == 0 and proc.stdout.count('ran') == 2, \
+        proc.stdout + proc.stderr
+    assert counter.read_text().strip() == '2' and positive(seconds)
+    assert 'mpiexec failed to start (exit 213): launch 2 of {}'.format(
+        mpi.LAUNCH_TRIES) in capsys.readouterr().out
+    counter.write_text('1')             # no stale directory: a job that fails
+    proc, _ = _common.run_mpiexec(
+        [str(script), '-n', '2', sys.executable, '-c', code.format(3)], env,
+        timeout=120)
+    assert proc.returncode == 3 and counter.read_text().strip() == '2'
+
+
 def test_preemption_smoke(tmp_path):
     out = str(tmp_path / 'preemption.json')
     proc = subprocess.run(

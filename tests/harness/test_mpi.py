@@ -110,3 +110,64 @@ def test_alone_without_shared_memory_keeps_launched_and_chosen(
     monkeypatch.delenv('OMPI_MCA_btl')
     assert mpi.alone_without_shared_memory()
     assert os.environ['OMPI_MCA_btl'] == 'self'
+
+
+def _dead_pid():
+    """A process id that no process has (a child that has been reaped)."""
+    child = subprocess.Popen(['true'])
+    child.wait()
+    return child.pid
+
+
+def test_stale_session_dirs_are_those_of_gone_processes(tmp_path):
+    """``ompi.<pid>`` of a process that is gone is stale; of a live one,
+    another name, or a file of that name, not."""
+    dead = _dead_pid()
+    stale = tmp_path / 'ompi.{}'.format(dead)
+    (stale / '1').mkdir(parents=True)
+    (stale / 'pmix.host.tool').write_text('x')
+    live = tmp_path / 'ompi.{}'.format(os.getpid())
+    live.mkdir()
+    (tmp_path / 'ompi.{}x'.format(dead)).mkdir()
+    (tmp_path / 'prte.{}'.format(dead)).mkdir()
+    (tmp_path / 'ompi.{}'.format(_dead_pid())).write_text('a file')
+    assert mpi.stale_session_dirs(str(tmp_path)) == [str(stale)]
+    assert mpi.remove_stale_session_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists()
+    assert mpi.stale_session_dirs(str(tmp_path)) == []
+    assert mpi.stale_session_dirs(str(tmp_path / 'none')) == []
+
+
+def test_a_stale_session_dir_fails_the_launch_and_is_told(exec_tmp_path,
+                                                          tmp_path):
+    """The cause of Open MPI 5's "The PMIx server's listener thread failed
+    to start" (it failed a CI run): a killed mpiexec's session directory
+    (``pmix.<host>.tool`` in ``ompi.<pid>`` under TMPDIR) fails the next
+    mpiexec that gets its process id (the stand-in keeps its pid for
+    mpiexec: ``exec``); :func:`launcher_failed` tells that failure, and
+    not a launch that ran or timed out."""
+    import socket
+    tmp = tmp_path / 't'
+    tmp.mkdir()
+    script = tmp_path / 'launch.sh'
+    script.write_text(
+        '#!/bin/sh\nmkdir -p "$TMPDIR/ompi.$$"\n'
+        'if [ -n "$STALE" ]; then touch "$TMPDIR/ompi.$$/pmix.{}.tool"; fi\n'
+        'echo $$ > "$TMPDIR/pid"\nexec "$@"\n'.format(socket.gethostname()))
+    script.chmod(0o755)
+    env = dict(launch.mpi_env(), TMPDIR=str(tmp), STALE='1')
+    cmd = [str(script), launch.MPIEXEC, '-n', '1', sys.executable, '-c',
+           'print("ran")']
+    failed = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert failed.returncode != 0 and 'ran' not in failed.stdout
+    assert mpi.launcher_failed(failed.returncode,
+                               failed.stdout + failed.stderr), failed.stderr
+    # the failed launcher removed the directory: a launch again works
+    assert not (tmp / ('ompi.' + (tmp / 'pid').read_text().strip())).exists()
+    env.pop('STALE')
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and 'ran' in done.stdout, done.stderr
+    assert not mpi.launcher_failed(done.returncode, done.stdout)
+    assert not mpi.launcher_failed(124, failed.stderr)        # a timeout

@@ -164,18 +164,14 @@ def test_gpu_without_a_gpu_stack_is_said_once_before_mpi(nproc, tmp_path):
     """``--gpu`` where CuPy cannot be imported: one line, before MPI (the
     communicator's error advised ``--communicator naive``, which then
     failed in Chainer's words, once per process)."""
-    import subprocess
-    import sys
     from tests import launch
-    command = [sys.executable, launch.REPO + '/train_imagenet.py', '--demo',
-               '--gpu', '--out', str(tmp_path / 'out')]
-    if nproc > 1:
-        command = [launch.MPIEXEC, '-n', str(nproc)] + command
     env = dict(launch.mpi_env(), PYTHONPATH=str(tmp_path))
     # a CuPy that cannot be imported, whatever this machine has
     (tmp_path / 'cupy.py').write_text('raise ImportError("no CuPy here")\n')
-    result = subprocess.run(command, env=env, cwd=str(tmp_path),
-                            capture_output=True, text=True, timeout=120)
+    result, _ = launch.run_mpi(
+        [launch.REPO + '/train_imagenet.py', '--demo', '--gpu', '--out',
+         str(tmp_path / 'out')], nproc, timeout=120, env=env,
+        cwd=str(tmp_path))
     assert result.returncode != 0
     said = result.stdout + result.stderr
     assert said.count('--gpu needs CuPy and a CUDA GPU: ImportError: no '
