@@ -42,9 +42,9 @@ go side by side (one BLAS thread each), so every run shares the machine
 with another run alike.
 
 Run directories (``RUN_DIR/<optimizer>_lr<lr>_seed<seed>/``: ``log``,
-``config.json``, ``time_to_accuracy.json``) are what ``python -m
-analysis.curves`` plots; the benchmark calls it on the best-LR runs and
-writes ``RUN_DIR/curves.png``.
+``config.json``, and ``time_to_accuracy.json`` once the target is
+reached) are what ``python -m analysis.curves`` plots; the benchmark
+calls it on the best-LR runs and writes ``RUN_DIR/curves.png``.
 """
 import argparse
 import importlib.util
@@ -57,6 +57,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from benchmarks import _args
 from benchmarks import _common
 
 OPTIMIZERS = ('kfac', 'sgd', 'lars')
@@ -358,17 +359,17 @@ def parse_args(argv):
     parser.add_argument('--run-dir', default='result/convergence_runs',
                         help='where the run directories go (default '
                         'result/convergence_runs)')
-    parser.add_argument('--target', type=float, default=0.9,
-                        help='target validation top-1 (fraction)')
-    parser.add_argument('--epochs', type=int, default=None,
+    parser.add_argument('--target', type=_args.fraction, default=0.9,
+                        help='target validation top-1 (fraction in (0, 1]; '
+                        'default 0.9)')
+    parser.add_argument('--epochs', type=_args.positive_int, default=None,
                         help='epochs per run (default 10; smoke 1)')
-    parser.add_argument('--seeds', default=None,
+    parser.add_argument('--seeds', type=_args.int_list(0), default=None,
                         help='comma-separated seeds (default 0,1; smoke 0)')
-    parser.add_argument('--jobs', type=int, default=2,
+    parser.add_argument('--jobs', type=_args.positive_int, default=2,
                         help='runs side by side (default 2)')
     args = parser.parse_args(argv)
-    if not 0 < args.target <= 1:
-        parser.error('--target is a fraction in (0, 1]')
+    _args.check_paths(parser, args, files=('out',), folders=('run_dir',))
     return args
 
 
@@ -376,8 +377,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     epochs = args.epochs or (SMOKE['epochs'] if args.smoke else 10)
-    seeds = [int(s) for s in (args.seeds or ('0' if args.smoke else '0,1'))
-             .split(',')]
+    seeds = args.seeds or ([0] if args.smoke else [0, 1])
     grid = SMOKE_LR_GRID if args.smoke else LR_GRID
     run_dir = os.path.abspath(args.run_dir)
     os.makedirs(run_dir, exist_ok=True)

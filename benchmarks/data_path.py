@@ -44,6 +44,7 @@ import chainer
 import numpy
 
 import augment
+from benchmarks import _args
 from benchmarks import _common
 
 RESIZE, CROP, BATCH, N_CLASS = 256, 224, 32, 1000
@@ -188,18 +189,20 @@ def main(argv=None):
                              '--repeats)')
     parser.add_argument('--out', default='result/data_path.json',
                         help='JSON output (default: %(default)s)')
-    parser.add_argument('--images', type=int, default=256,
+    parser.add_argument('--images', type=_args.positive_int, default=256,
                         help='synthetic 500x375 JPEGs to decode (default: '
                              '%(default)s)')
-    parser.add_argument('--list-lines', type=int, default=1281167,
+    parser.add_argument('--list-lines', type=_args.positive_int,
+                        default=1281167,
                         help='entries of the image list whose reading is '
                              "timed (default: %(default)s, ImageNet's "
                              'training set)')
-    parser.add_argument('--repeats', type=int, default=3,
+    parser.add_argument('--repeats', type=_args.positive_int, default=3,
                         help='timed passes of each measurement; the '
                              'figures are their medians (default: '
                              '%(default)s)')
     args = parser.parse_args(argv)
+    _args.check_paths(parser, args)
     n = 32 if args.smoke else args.images
     lines = 10000 if args.smoke else args.list_lines
     repeats = 1 if args.smoke else args.repeats

@@ -48,6 +48,7 @@ import sys
 import time
 from typing import Dict, List
 
+from benchmarks import _args
 from benchmarks import _common
 
 STAGES = ('forward_backward', 'factors', 'reduce_scatter', 'inverse',
@@ -314,19 +315,29 @@ def parse_args(argv):
                         help='tiny model and batch, 2 rounds, -n 1,2')
     parser.add_argument('--out', default='result/dist_scaling.json',
                         help='JSON output (default result/dist_scaling.json)')
-    parser.add_argument('--processes', default=None,
+    parser.add_argument('--processes', type=_args.int_list(1), default=None,
                         help='comma-separated process counts (default 1,2,4; '
                         'smoke 1,2); 1 is always included')
-    parser.add_argument('--rounds', type=int, default=None,
+    parser.add_argument('--rounds', type=_args.positive_int, default=None,
                         help='timed rounds per launch (default 15; smoke 2)')
-    parser.add_argument('--depth', type=int, default=None,
-                        help='depth of the small ResNet (default 8)')
-    parser.add_argument('--width', type=int, default=None,
+    parser.add_argument('--depth', type=_args.positive_int, default=None,
+                        help='depth of the small ResNet, 6n+2 (default 8)')
+    parser.add_argument('--width', type=_args.positive_int, default=None,
                         help='width of the small ResNet (default 16; smoke 4)')
-    parser.add_argument('--timeout', type=float, default=600,
+    parser.add_argument('--timeout', type=_args.positive_float, default=600,
                         help='seconds per mpiexec launch')
     parser.add_argument('--worker', metavar='OUT', help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not args.worker:
+        import chainerkfac  # NOQA  (before chainer: NumPy-2 shims)
+        from models.small_resnet import check_size
+        spec = _common.spec_from(args, SMOKE, FULL, OPTION_KEYS)
+        try:
+            check_size(spec['depth'], spec['width'])
+        except ValueError as error:
+            parser.error(str(error))
+        _args.check_paths(parser, args)
+    return args
 
 
 def main(argv=None):
@@ -335,8 +346,8 @@ def main(argv=None):
     spec = _common.spec_from(args, SMOKE, FULL, OPTION_KEYS)
     if args.worker:
         return worker(spec, args.worker)
-    counts = sorted({1} | {int(p) for p in (
-        args.processes or ('1,2' if args.smoke else '1,2,4')).split(',')})
+    counts = sorted({1} | set(args.processes or (
+        [1, 2] if args.smoke else [1, 2, 4])))
     data = _common.header('dist_scaling', argv)
     data.update(model='small', model_kwargs={
         k: spec[k] for k in ('depth', 'width', 'n_class')},

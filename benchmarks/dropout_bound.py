@@ -31,6 +31,7 @@ import chainer
 import chainer.functions as F
 import chainer.links as L
 
+from benchmarks import _args
 from benchmarks import _common
 
 
@@ -148,30 +149,33 @@ def parse_args(argv):
     parser = _common.argument_parser('benchmarks.dropout_bound', __doc__)
     parser.add_argument('--smoke', action='store_true',
                         help='seconds: 1 epoch of 128 images at width/16')
-    parser.add_argument('--epochs', type=int, default=3,
+    parser.add_argument('--epochs', type=_args.positive_int, default=3,
                         help='epochs of each run (default %(default)s)')
-    parser.add_argument('--width-divisor', type=int, default=8,
+    parser.add_argument('--width-divisor', type=_args.positive_int, default=8,
                         help="the example VGG's widths divided by this "
                         '(default %(default)s)')
-    parser.add_argument('--images', type=int, default=1280,
+    parser.add_argument('--images', type=_args.positive_int, default=1280,
                         help='training images; validation: a fifth '
                         '(default %(default)s)')
-    parser.add_argument('--batch', type=int, default=64,
+    parser.add_argument('--batch', type=_args.positive_int, default=64,
                         help='mini-batch (default %(default)s)')
-    parser.add_argument('--lr', type=float, default=0.05,
+    parser.add_argument('--lr', type=_args.positive_float, default=0.05,
                         help='learning rate of every run (default '
                         '%(default)s)')
-    parser.add_argument('--kl-clips', default='1e-4,1e-2',
+    parser.add_argument('--kl-clips', type=_args.float_list,
+                        default='1e-4,1e-2',
                         help="K-FAC's runs, one per kl_clip, 1e-4 the "
                         "library's (default %(default)s)")
-    parser.add_argument('--seed', type=int, default=0,
+    parser.add_argument('--seed', type=_args.nonnegative_int, default=0,
                         help='data, initial weights and dropout masks '
                         '(default %(default)s)')
-    parser.add_argument('--threads', type=int, default=1,
+    parser.add_argument('--threads', type=_args.positive_int, default=1,
                         help='BLAS threads (default %(default)s)')
     parser.add_argument('--out', default='result/dropout_bound.json',
                         help='the JSON (default %(default)s)')
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    _args.check_paths(parser, args)
+    return args
 
 
 def main(argv=None):
@@ -183,7 +187,7 @@ def main(argv=None):
             'images': 128 if args.smoke else args.images,
             'batch': 32 if args.smoke else args.batch,
             'lr': args.lr, 'seed': args.seed}
-    clips = [float(c) for c in args.kl_clips.split(',') if c]
+    clips = args.kl_clips
     numpy.random.seed(args.seed)
     data = (synthetic(spec['images'], args.seed),
             synthetic(max(spec['images'] // 5, 1), args.seed + 1))

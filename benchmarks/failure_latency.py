@@ -27,6 +27,7 @@ import sys
 import tempfile
 from typing import Dict
 
+from benchmarks import _args
 from benchmarks import _common
 
 #: The scripts of the cases; ``FAIL`` is 1 for the failing run.
@@ -106,10 +107,11 @@ def main(argv=None):
                              '(overrides --repeats)')
     parser.add_argument('--out', default='result/failure_latency.json',
                         help='JSON output (default: %(default)s)')
-    parser.add_argument('--repeats', type=int, default=3,
+    parser.add_argument('--repeats', type=_args.positive_int, default=3,
                         help='failing and clean jobs per case; the times '
                              'are their medians (default: %(default)s)')
     args = parser.parse_args(argv)
+    _args.check_paths(parser, args)
     repeats = 1 if args.smoke else args.repeats
     data = _common.header('failure_latency', sys.argv[1:] if argv is None
                           else argv)

@@ -18,6 +18,7 @@ import json
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from benchmarks import _args
 from benchmarks import _common
 from benchmarks import step_time
 
@@ -148,7 +149,8 @@ def _cell(value: Optional[float]) -> str:
 
 def main(argv=None) -> int:
     parser = _common.argument_parser('benchmarks.gpu_table', __doc__)
-    parser.add_argument('results', nargs='+', metavar='RESULT.json')
+    parser.add_argument('results', type=_args.json_file, nargs='+',
+                        metavar='RESULT.json')
     args = parser.parse_args(argv)
     print(table(merge(args.results)))
     return 0

@@ -45,6 +45,7 @@ from typing import Dict, List
 import chainerkfac  # NOQA  (before chainer: NumPy-2 compatibility shims)
 import numpy
 
+from benchmarks import _args
 from benchmarks import _common
 from benchmarks.step_time import FULL, SMOKE, KFACStep, _batch, build_model
 from chainerkfac import linalg
@@ -198,10 +199,19 @@ def parse_args(argv):
     parser.add_argument('--models', default=None,
                         help='comma-separated subset of {} (default: all)'
                         .format(','.join(FULL)))
-    parser.add_argument('--threads', type=int, default=1,
+    parser.add_argument('--threads', type=_args.positive_int, default=1,
                         help='BLAS threads')
-    parser.add_argument('--out', default='result/inverse_precision.json')
-    return parser.parse_args(argv)
+    parser.add_argument('--out', default='result/inverse_precision.json',
+                        help='JSON output (default: %(default)s)')
+    args = parser.parse_args(argv)
+    specs = SMOKE if args.smoke else FULL
+    unknown = [n for n in (args.models or '').split(',')
+               if n and n not in specs]
+    if unknown:
+        parser.error('--models: unknown {}; choose from {}'.format(
+            ', '.join(unknown), ', '.join(specs)))
+    _args.check_paths(parser, args)
+    return args
 
 
 def main(argv=None):

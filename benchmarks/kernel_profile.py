@@ -43,6 +43,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from benchmarks import _args
 from benchmarks import _common
 from harness import tuning
 
@@ -466,14 +467,14 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog='python -m benchmarks.kernel_profile', description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--batch', type=int, default=64,
+    parser.add_argument('--batch', type=_args.positive_int, default=64,
                         help='per-GPU batch (default 64)')
-    parser.add_argument('--steps', type=int, default=5,
+    parser.add_argument('--steps', type=_args.positive_int, default=5,
                         help='profiled steps per variant (default 5)')
-    parser.add_argument('--warmup', type=int, default=5,
+    parser.add_argument('--warmup', type=_args.nonnegative_int, default=5,
                         help='steps before them (default 5: a replayed '
                         'variant is captured after 3)')
-    parser.add_argument('--interval', type=int, default=20,
+    parser.add_argument('--interval', type=_args.at_least(2), default=20,
                         help='refresh interval of the stale variants')
     parser.add_argument('--variants', type=_list(VARIANTS),
                         default=DEFAULT_VARIANTS,
@@ -500,17 +501,13 @@ def parse_args(argv):
     parser.add_argument('--out', default='result/kernel_profile.json',
                         help='JSON output; the PNG beside it, the traces '
                         'in <out without .json>_traces/')
-    parser.add_argument('--resummarise', metavar='RESULT.json',
+    parser.add_argument('--resummarise', type=_args.json_file,
+                        metavar='RESULT.json',
                         default=None,
                         help='sum the traces of an earlier result again '
                         '(no GPU needed) and write its tables and PNG')
     args = parser.parse_args(argv)
-    for name in ('batch', 'steps', 'interval'):
-        if getattr(args, name) < (2 if name == 'interval' else 1):
-            parser.error('--{} must be at least {}'.format(
-                name, 2 if name == 'interval' else 1))
-    if args.warmup < 0:
-        parser.error('--warmup must be >= 0')
+    _args.check_paths(parser, args)
     if args.peer_variants is None:
         args.peer_variants = tuple(p for p in PEER_VARIANTS
                                    if p in {PAIRS[v] for v in args.variants})

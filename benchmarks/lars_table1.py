@@ -54,8 +54,9 @@ import json
 import os
 import sys
 import time
-from typing import Dict
+from typing import Dict, List, Optional
 
+from benchmarks import _args
 from benchmarks import _common
 from benchmarks import convergence
 
@@ -223,11 +224,40 @@ def write_figure(data: Dict, path: str) -> str:
     return path
 
 
+def _found_runs(data: Dict, run_dir: str) -> Optional[List[str]]:
+    """The run directories of ``data``'s runs with their logs: where the
+    JSON says, else by name under ``run_dir`` (a result moved or copied
+    from another machine); ``None`` if some are in neither place."""
+    found = []
+    for run in data['runs']:
+        for folder in (run['dir'], os.path.join(
+                run_dir, os.path.basename(run['dir'].rstrip('/')))):
+            if os.path.isfile(os.path.join(folder, 'log')):
+                found.append(folder)
+                break
+        else:
+            return None
+    return found
+
+
 def replot(path: str, run_dir: str) -> int:
     with open(path) as f:
         data = json.load(f)
+    if not isinstance(data, dict) or data.get('benchmark') != 'lars_table1' \
+            or not all(key in data for key in ('runs', 'summary', 'target')):
+        print('--replot {}: not a result of benchmarks.lars_table1'.format(
+            path), file=sys.stderr)
+        return 2
     print(tables(data))
-    png = write_figure(data, os.path.join(data.get('run_dir', run_dir),
+    found = _found_runs(data, run_dir)
+    if found is None:
+        print('table1.png not drawn: the run directories (with their logs) '
+              'are neither where {} says ({}) nor under --run-dir {}'.format(
+                  path, data.get('run_dir', '?'), run_dir), file=sys.stderr)
+        return 1
+    data = dict(data, runs=[dict(run, dir=folder) for run, folder
+                            in zip(data['runs'], found)])
+    png = write_figure(data, os.path.join(os.path.dirname(found[0]),
                                           'table1.png'))
     print('figure: {}'.format(png))
     return 0
@@ -242,22 +272,26 @@ def parse_args(argv):
     parser.add_argument('--out', default='result/lars_table1.json',
                         help='JSON output (default result/lars_table1.json)')
     parser.add_argument('--run-dir', default='result/lars_table1_runs',
-                        help='where the run directories go')
-    parser.add_argument('--target', type=float, default=0.8,
-                        help='target validation top-1 (fraction)')
-    parser.add_argument('--epochs', type=int, default=None,
+                        help='where the run directories go (default '
+                        'result/lars_table1_runs); with --replot, where '
+                        'they are if not where the JSON says')
+    parser.add_argument('--target', type=_args.fraction, default=0.8,
+                        help='target validation top-1 (fraction in (0, 1]; '
+                        'default 0.8)')
+    parser.add_argument('--epochs', type=_args.positive_int, default=None,
                         help='epochs per run (default {}; smoke 1)'.format(
                             EPOCHS))
-    parser.add_argument('--seeds', default=None,
+    parser.add_argument('--seeds', type=_args.int_list(0), default=None,
                         help='comma-separated seeds (default 0,1,2; smoke 0)')
-    parser.add_argument('--jobs', type=int, default=2,
+    parser.add_argument('--jobs', type=_args.positive_int, default=2,
                         help='runs side by side (default 2)')
-    parser.add_argument('--replot', metavar='JSON',
+    parser.add_argument('--replot', metavar='JSON', type=_args.json_file,
                         help="redraw the table and table1.png from an "
                         "earlier run's JSON (its run directories)")
     args = parser.parse_args(argv)
-    if not 0 < args.target <= 1:
-        parser.error('--target is a fraction in (0, 1]')
+    if not args.replot:
+        _args.check_paths(parser, args, files=('out',),
+                          folders=('run_dir',))
     return args
 
 
@@ -267,8 +301,7 @@ def main(argv=None):
     if args.replot:
         return replot(args.replot, os.path.abspath(args.run_dir))
     epochs = args.epochs or (SMOKE['epochs'] if args.smoke else EPOCHS)
-    seeds = [int(s) for s in (args.seeds or ('0' if args.smoke else
-                                             '0,1,2')).split(',')]
+    seeds = args.seeds or ([0] if args.smoke else [0, 1, 2])
     grid = LR_GRID
     run_dir = os.path.abspath(args.run_dir)
     os.makedirs(run_dir, exist_ok=True)

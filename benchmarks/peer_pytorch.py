@@ -300,8 +300,11 @@ def parse_args(argv):
                         "1x1); v1.5: torchvision's (on the 3x3)")
     parser.add_argument('--exact-fp32', action='store_true',
                         help='turn TF32 off in PyTorch (cuDNN and matmul)')
-    parser.add_argument('--out', default='result/peer_pytorch.json')
+    parser.add_argument('--out', default='result/peer_pytorch.json',
+                        help='JSON output (default: %(default)s)')
     args = parser.parse_args(argv)
+    from benchmarks import _args       # the script stands alone otherwise
+    _args.check_paths(parser, args)
     variants = args.variants.split(',')
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or 'sgd' not in variants:

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks import _args
 from benchmarks import _common
 from harness import mpi
 
@@ -221,18 +222,20 @@ def main(argv=None):
                              'and --agreement-sizes)')
     parser.add_argument('--out', default='result/preemption.json',
                         help='JSON output (default: %(default)s)')
-    parser.add_argument('--repeats', type=int, default=3,
+    parser.add_argument('--repeats', type=_args.positive_int, default=3,
                         help='stopped runs per model, each signalled at '
                              'another point of its step (default: '
                              '%(default)s)')
-    parser.add_argument('--archs', default='small,resnet50',
+    parser.add_argument('--archs', type=_args.names(list(RUNS)),
+                        default='small,resnet50',
                         help='comma-separated models to stop, of small, '
                              'resnet50 (default: %(default)s)')
-    parser.add_argument('--agreement-sizes', default='2,4',
+    parser.add_argument('--agreement-sizes', type=_args.int_list(2),
+                        default='2,4',
                         help="comma-separated process counts to time the "
                              "agreement on; '' skips it (default: "
                              "%(default)s)")
-    parser.add_argument('--timeout', type=float, default=1800,
+    parser.add_argument('--timeout', type=_args.positive_float, default=1800,
                         help="seconds a run may take to its second step, "
                              "and again to exit after the signal (default: "
                              "%(default)s)")
@@ -242,14 +245,14 @@ def main(argv=None):
     if args.agreement_worker:
         agreement_worker(args.agreement_worker)
         return 0
-    archs = ['small'] if args.smoke else args.archs.split(',')
+    _args.check_paths(parser, args)
+    archs = ['small'] if args.smoke else args.archs
     repeats = 1 if args.smoke else args.repeats
     data = _common.header('preemption', sys.argv[1:] if argv is None
                           else argv)
     data['stops'] = [measure_stops(arch, repeats, 3, args.timeout)
                      for arch in archs]
-    sizes = [2] if args.smoke else [int(s) for s in
-                                    args.agreement_sizes.split(',') if s]
+    sizes = [2] if args.smoke else args.agreement_sizes
     data['agreement'] = [measure_agreement(size, 200 if args.smoke
                                            else 2000) for size in sizes]
     steps = {s['arch']: s['step_s'] for s in data['stops']}

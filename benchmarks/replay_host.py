@@ -32,6 +32,7 @@ import numpy
 
 from chainer import optimizer_hooks
 
+from benchmarks import _args
 from benchmarks import _common
 from chainerkfac import graphs
 from chainerkfac.graphs import kfac_step
@@ -127,10 +128,11 @@ def main(argv=None):
                              '--repeats)')
     parser.add_argument('--out', default='result/replay_host.json',
                         help='JSON output (default: %(default)s)')
-    parser.add_argument('--repeats', type=int, default=200,
+    parser.add_argument('--repeats', type=_args.positive_int, default=200,
                         help='timed steps per call; the figures are their '
                              'medians (default: %(default)s)')
     args = parser.parse_args(argv)
+    _args.check_paths(parser, args)
     data = _common.header('replay_host', sys.argv[1:] if argv is None
                           else argv)
     name = 'small' if args.smoke else 'resnet50'

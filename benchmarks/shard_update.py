@@ -46,6 +46,7 @@ import sys
 import time
 from typing import Dict, List
 
+from benchmarks import _args
 from benchmarks import _common
 
 OPTIMIZERS = ('momentum_sgd', 'lars', 'kfac')
@@ -246,17 +247,21 @@ def parse_args(argv):
                         help='tiny model and batch, 2 rounds, -n 2')
     parser.add_argument('--out', default='result/shard_update.json',
                         help='JSON output (default result/shard_update.json)')
-    parser.add_argument('--processes', default=None,
-                        help='comma-separated process counts (default 2,4; '
-                        'smoke 2)')
+    parser.add_argument('--processes', type=_args.int_list(2), default=None,
+                        help='comma-separated process counts, each at least '
+                        '2 (sharding splits the update among processes; '
+                        'default 2,4; smoke 2)')
     parser.add_argument('--model', choices=('resnet50', 'small'),
                         default=None, help='default resnet50; smoke small')
-    parser.add_argument('--rounds', type=int, default=None,
+    parser.add_argument('--rounds', type=_args.positive_int, default=None,
                         help='timed rounds per launch (default 8; smoke 2)')
-    parser.add_argument('--timeout', type=float, default=1200,
+    parser.add_argument('--timeout', type=_args.positive_float, default=1200,
                         help='seconds per mpiexec launch')
     parser.add_argument('--worker', metavar='OUT', help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not args.worker:
+        _args.check_paths(parser, args)
+    return args
 
 
 def main(argv=None):
@@ -265,8 +270,7 @@ def main(argv=None):
     spec = _common.spec_from(args, SMOKE, FULL, OPTION_KEYS)
     if args.worker:
         return worker(spec, args.worker)
-    counts = [int(p) for p in (
-        args.processes or ('2' if args.smoke else '2,4')).split(',')]
+    counts = args.processes or ([2] if args.smoke else [2, 4])
     data = _common.header('shard_update', argv)
     data.update(model=spec['model'], batch_per_process=spec['batch'],
                 input=[3, spec['size'], spec['size']], rounds=spec['rounds'],

@@ -36,6 +36,7 @@ import numpy
 
 import config as config_module
 import models
+from benchmarks import _args
 from benchmarks import _common
 from chainerkfac import serializers
 from harness import snapshots
@@ -166,15 +167,16 @@ def main(argv=None):
                         help='the small ResNet at 16x16 (seconds)')
     parser.add_argument('--out', default='result/snapshot.json',
                         help='JSON output (default: %(default)s)')
-    parser.add_argument('--batch', type=int, default=4,
+    parser.add_argument('--batch', type=_args.positive_int, default=4,
                         help='images in the one K-FAC step before the '
                              'snapshots (default: %(default)s)')
     parser.add_argument('--dir', help='where to write the snapshots '
                         '(default: a temporary directory, removed after)')
-    parser.add_argument('--threads', type=int, default=1,
+    parser.add_argument('--threads', type=_args.positive_int, default=1,
                         help='BLAS threads of the K-FAC step (default: '
                              '%(default)s)')
     args = parser.parse_args(argv)
+    _args.check_paths(parser, args, files=('out',), folders=('dir',))
     spec = SMOKE if args.smoke else FULL
     data = _common.header('snapshot', sys.argv[1:] if argv is None
                           else argv)

@@ -199,6 +199,7 @@ import chainer
 import numpy
 
 import models
+from benchmarks import _args
 from benchmarks import _common
 from chainerkfac import fisher_blocks
 from chainerkfac.fisher_blocks import patches
@@ -1687,15 +1688,17 @@ def parse_args(argv):
                         help='comma-separated subset of {}, with sgd '
                         '(default: {} on CPU, all with --gpu)'.format(
                             ','.join(VARIANTS), ','.join(CPU_VARIANTS)))
-    parser.add_argument('--rounds', type=int, default=None,
+    parser.add_argument('--rounds', type=_args.positive_int, default=None,
                         help='timed rounds of the small ResNet (default 21); '
                         'with --inverse-only, repeats (default 5)')
-    parser.add_argument('--resnet50-rounds', type=int, default=None,
+    parser.add_argument('--resnet50-rounds', type=_args.positive_int,
+                        default=None,
                         help='timed rounds of ResNet-50 (default 5, 11 on '
                         'GPU)')
-    parser.add_argument('--interval', type=int, default=20,
-                        help='refresh interval of the stale variant')
-    parser.add_argument('--threads', type=int, default=1,
+    parser.add_argument('--interval', type=_args.at_least(2), default=20,
+                        help='refresh interval of the stale variant, >= 2 '
+                        '(1 is the every-step variant; default 20)')
+    parser.add_argument('--threads', type=_args.positive_int, default=1,
                         help='BLAS threads (default 1)')
     parser.add_argument('--profile', action='store_true',
                         help='also cProfile one every-step K-FAC step of '
@@ -1711,11 +1714,13 @@ def parse_args(argv):
                         help='with --inverse-only: comma-separated subset '
                         'of {} (default cholesky)'.format(','.join(
                             linalg.INVERSE_METHODS)))
-    parser.add_argument('--newton-schulz-max-dim', type=int, default=None,
+    parser.add_argument('--newton-schulz-max-dim', type=_args.positive_int,
+                        default=None,
                         help='largest factor the newton_schulz method '
                         'iterates on (default {})'.format(
                             newton_schulz.MAX_DIM))
-    parser.add_argument('--batched-max-dims', type=_dim_list, default=None,
+    parser.add_argument('--batched-max-dims', type=_args.int_list(0),
+                        default=None,
                         help='with --gpu --inverse-only: comma-separated '
                         'limits of the batched inversion of equal-size '
                         'factors to time in turn (0: none batched; '
@@ -1733,7 +1738,7 @@ def parse_args(argv):
                         help='then time PyTorch SGD and kfac-pytorch on '
                         "torchvision's ResNet-50 in this run (needs --gpu; "
                         'skipped where they cannot be imported)')
-    parser.add_argument('--batches', type=_int_list, default=None,
+    parser.add_argument('--batches', type=_args.int_list(1), default=None,
                         help='comma-separated per-GPU batch sizes: time '
                         'each and report images/s (a table and a PNG)')
     parser.add_argument('--process-per-batch', choices=('auto', 'on', 'off'),
@@ -1778,8 +1783,6 @@ def parse_args(argv):
                                   args.newton_schulz_max_dim is not None):
         parser.error('--inverse-methods and --newton-schulz-max-dim go '
                      'with --inverse-only')
-    if args.interval < 2:
-        parser.error('--interval must be >= 2 (1 is the every-step variant)')
     if args.variants:
         variants = args.variants.split(',')
         unknown = [v for v in variants if v not in VARIANTS]
@@ -1800,6 +1803,7 @@ def parse_args(argv):
             CPU_ONLY_VARIANT))
     args.workspace_limits, args.timed, args.cudnn = cudnn_choice(
         args.workspace_sizes, args.autotune, args.gpu, bool(graphed))
+    _args.check_paths(parser, args)
     return args
 
 
@@ -1821,17 +1825,6 @@ def cudnn_choice(workspace_sizes, autotune: str, gpu: bool, graphed: bool):
     return limits, timed, '; '.join(words)
 
 
-def _dim_list(text: str) -> List[int]:
-    try:
-        values = [int(v) for v in text.split(',')]
-    except ValueError:
-        values = []
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(
-            'expected comma-separated integers >= 0, got {!r}'.format(text))
-    return values
-
-
 def _route_list(text: str) -> List[str]:
     routes = [r for r in text.split(',') if r]
     if not routes or any(r not in linalg_cuda.CHOLESKY_INVERSES
@@ -1840,18 +1833,6 @@ def _route_list(text: str) -> List[str]:
             'expected some of {}, got {!r}'.format(
                 ','.join(linalg_cuda.CHOLESKY_INVERSES), text))
     return routes
-
-
-def _int_list(text: str) -> List[int]:
-    try:
-        values = [int(v) for v in text.split(',')]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            'expected comma-separated integers, got {!r}'.format(text))
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(
-            'every batch must be at least 1 (got {!r})'.format(text))
-    return values
 
 
 def _byte_list(text: str) -> List[int]:

@@ -98,6 +98,7 @@ import chainerkfac  # NOQA  (before chainer: NumPy-2 compatibility shims)
 
 import gc
 import itertools
+import argparse
 import json
 import math
 import os
@@ -111,6 +112,7 @@ import chainer
 import chainer.functions as F
 import chainer.links as L
 
+from benchmarks import _args
 from benchmarks import _common
 from chainerkfac import fisher_blocks
 from chainerkfac.optimizers import KFAC
@@ -152,6 +154,9 @@ TIMED['resnet101_224'] = nets.Stock(
     'resnet101_224', nets.momentum_sgd,
     nets.image_classifier(nets.resnet101_layers, 8, 224),
     'L.ResNet101Layers, 224², batch 8')
+#: What ``--part`` may name ('none': only --merge's earlier runs).
+PARTS = ('timing', 'accuracy', 'stability', 'none')
+
 SMOKE_TIMED = {
     'ptb': nets.Stock('ptb', nets.adam,
                       nets.ptb(n_vocab=30, n_units=8, batch=2, bprop_len=3),
@@ -834,49 +839,65 @@ def merge_into(data: Dict, path: str) -> None:
 
 
 def _limits(text: str):
-    return tuple(None if v.strip() in ('None', 'none') else int(v)
-                 for v in text.split(','))
+    """``--limits``: comma-separated ``max_factor_dim`` values, each an
+    integer >= 1 or None."""
+    try:
+        return tuple(None if v.strip() in ('None', 'none') else
+                     _args.positive_int(v.strip()) for v in text.split(','))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            "expected comma-separated integers >= 1 or 'None', got "
+            '{!r}'.format(text)) from None
+
+
+def _kl_clip(text: str):
+    """``--kl-clip``: a number > 0, or 'none'."""
+    return None if text.lower() == 'none' else _args.positive_float(text)
 
 
 def parse_args(argv):
     parser = _common.argument_parser('benchmarks.stock_models', __doc__)
     parser.add_argument('--smoke', action='store_true',
                         help='tiny models, one seed, seconds')
-    parser.add_argument('--part', default='timing,accuracy,stability',
+    parser.add_argument('--part', type=_args.names(PARTS),
+                        default='timing,accuracy,stability',
                         help="comma-separated; 'none' runs nothing: with "
                              '--merge, joins earlier runs and prints '
                              '(default: %(default)s)')
-    parser.add_argument('--models', default=None,
+    parser.add_argument('--models', type=_args.names(list(TIMED) + [
+        n for n in SMOKE_TIMED if n not in TIMED]), default=None,
                         help='comma-separated; default all ({})'.format(
                             ','.join(TIMED)))
-    parser.add_argument('--limits', default='None,4096,2048,1024,512',
+    parser.add_argument('--limits', type=_limits,
+                        default='None,4096,2048,1024,512',
                         help="comma-separated max_factor_dim values of the "
                              "timing and accuracy runs ('None': no limit) "
                              '(default: %(default)s)')
-    parser.add_argument('--cycles', type=int, default=3,
+    parser.add_argument('--cycles', type=_args.positive_int, default=3,
                         help='timed cycles of three K-FAC step kinds per '
                              'model and limit, after one warm-up cycle '
                              '(default: %(default)s; smoke 1)')
-    parser.add_argument('--seeds', type=int, default=5,
+    parser.add_argument('--seeds', type=_args.positive_int, default=5,
                         help='seeds of each accuracy setting (default: '
                              '%(default)s; smoke 1)')
-    parser.add_argument('--epochs', type=int, default=5,
+    parser.add_argument('--epochs', type=_args.positive_int, default=5,
                         help='epochs of each accuracy run (default: '
                              '%(default)s; smoke 1)')
-    parser.add_argument('--batch', type=int, default=64,
+    parser.add_argument('--batch', type=_args.positive_int, default=64,
                         help='batch of the accuracy and stability runs '
                              '(default: %(default)s)')
-    parser.add_argument('--dampings', default=','.join(map(str, DAMPINGS)),
+    parser.add_argument('--dampings', type=_args.float_list,
+                        default=','.join(map(str, DAMPINGS)),
                         help='comma-separated K-FAC dampings of the '
                              'accuracy and stability grids (default: '
                              '%(default)s; smoke: the accuracy grid takes '
                              'the first)')
-    parser.add_argument('--intervals',
+    parser.add_argument('--intervals', type=_args.names(ACCURACY_INTERVALS),
                         default=','.join(ACCURACY_DEFAULT_INTERVALS),
                         help='accuracy grid, of {} (default: %(default)s; '
                              'smoke: the first two)'.format(
                                  ','.join(ACCURACY_INTERVALS)))
-    parser.add_argument('--kl-clip', default=str(
+    parser.add_argument('--kl-clip', type=_kl_clip, default=str(
         kfac_module.DEFAULT_KL_CLIP),
                         help="the accuracy and stability runs' bounded "
                              "step ('none': unbounded) (default: "
@@ -884,33 +905,33 @@ def parse_args(argv):
     parser.add_argument('--low-rank', choices=('on', 'off'), default='on',
                         help="the timed K-FAC's low-rank factors (default: "
                              '%(default)s)')
-    parser.add_argument('--threads', type=int, default=1,
+    parser.add_argument('--threads', type=_args.positive_int, default=1,
                         help='BLAS threads, through threadpoolctl '
                              '(default: %(default)s)')
     parser.add_argument('--merge', action='append', default=[],
+                        type=_args.json_file,
                         help='JSON of an earlier run (repeatable): its '
                              'model timings, accuracy settings and '
                              'stability rows not redone here are kept')
     parser.add_argument('--out', default='result/stock_models.json',
                         help='JSON output, also written after each timed '
                              'model (default: %(default)s)')
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    timed = SMOKE_TIMED if args.smoke else TIMED
+    unknown = [name for name in args.models or () if name not in timed]
+    if unknown:
+        parser.error('--models: {} {} not among the {}models ({})'.format(
+            ', '.join(unknown), 'is' if len(unknown) == 1 else 'are',
+            '--smoke ' if args.smoke else '', ', '.join(timed)))
+    _args.check_paths(parser, args)
+    return args
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    parts = set(args.part.split(','))
-    unknown = parts - {'timing', 'accuracy', 'stability', 'none'}
-    if unknown:
-        raise SystemExit('--part: unknown {}'.format(', '.join(sorted(
-            unknown))))
-    limits = _limits(args.limits)
-    kl_clip = None if args.kl_clip.lower() == 'none' else float(args.kl_clip)
-    unknown = set(args.intervals.split(',')) - set(ACCURACY_INTERVALS)
-    if unknown:
-        raise SystemExit('--intervals: unknown {} (known: {})'.format(
-            ', '.join(sorted(unknown)), ', '.join(ACCURACY_INTERVALS)))
+    parts = set(args.part)
+    limits, kl_clip = args.limits, args.kl_clip
     data = _common.header('stock_models', argv)
     data['merged_from'] = []
     for path in args.merge:
@@ -921,7 +942,7 @@ def main(argv=None):
     with _common.limit_blas_threads(args.threads):
         data['blas_threads'] = _common.blas_threads()
         if 'timing' in parts:
-            names = args.models.split(',') if args.models else list(timed)
+            names = args.models or list(timed)
             cycles = 1 if args.smoke else args.cycles
             data['cycles'] = cycles
             data['limits'] = [_fmt_limit(v) for v in limits]
@@ -938,8 +959,7 @@ def main(argv=None):
         if 'accuracy' in parts:
             seeds = list(range(1 if args.smoke else args.seeds))
             epochs = 1 if args.smoke else args.epochs
-            dampings = [float(v) for v in args.dampings.split(',')]
-            intervals = args.intervals.split(',')
+            dampings, intervals = args.dampings, args.intervals
             if args.smoke:
                 dampings, intervals = dampings[:1], intervals[:2]
             if data.get('accuracy') and (
@@ -959,7 +979,7 @@ def main(argv=None):
             _compare_to_sgd(data['accuracy'])
         if 'stability' in parts:
             fresh = stability(
-                [float(v) for v in args.dampings.split(',')],
+                args.dampings,
                 ['1', '5'], 3 if args.smoke else 22, args.batch,
                 n_units=16 if args.smoke else 1000, kl_clip=kl_clip)
             redone = {_stability_key(e) for e in fresh}

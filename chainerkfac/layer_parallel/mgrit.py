@@ -128,7 +128,10 @@ class MGRIT:
         dtype (:data:`DEFAULT_TOL`: 1e-10 in float64, 1e-5 in float32,
         whose residuals stop falling near 5e-7 on a 256-layer network at
         batch 500: a float64 tolerance there ran every solve to
-        ``max_iter``).
+        ``max_iter``). ``tol=0`` with ``rtol=0`` runs ``max_iter``
+        iterations of every solve, a fixed-iteration history (the
+        convergence experiment's): :attr:`converged` records whether a
+        solve reached 0, and no warning is given.
     max_iter : int
         Iteration cap of a solve (overridable per call: simultaneous
         training runs a fixed m1 / m2).
@@ -378,7 +381,8 @@ class MGRIT:
         last = history[-1] if history else 0.0
         done = last <= tol or last <= self.rtol * history[0]
         self.converged[solve] = done
-        if not done and solve not in self._warned:
+        fixed = self.tol == 0 and self.rtol == 0     # max_iter, on purpose
+        if not done and not fixed and solve not in self._warned:
             self._warned.add(solve)
             logger.warning(
                 'MGRIT: the %s solve stopped after %d iteration(s) with the '

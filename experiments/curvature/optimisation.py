@@ -33,12 +33,14 @@ import chainer
 import chainer.functions as F
 import chainer.links as L
 
+from benchmarks import _args
 from benchmarks import _common
 from experiments.curvature.damped_update import DampedCurvatureUpdate
 
 CURVATURES = {'DiagGGN': 'diag_ggn', 'DiagGGN-MC': 'diag_ggn_mc',
               'KFAC': 'kfac', 'KFLR': 'kflr'}
 BASELINES = ('Momentum', 'Adam')
+OPTIMIZERS = tuple(CURVATURES) + BASELINES
 LEARNING_RATES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 DAMPINGS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
 
@@ -88,6 +90,9 @@ def make_step(name, model, lr, damping, seed):
         update = DampedCurvatureUpdate(model, CURVATURES[name], lr, damping,
                                        seed=seed)
         return update.update
+    if name not in BASELINES:
+        raise ValueError('unknown optimizer {!r}: choose from {}'.format(
+            name, ', '.join(OPTIMIZERS)))
     optimizer = (chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
                  if name == 'Momentum' else chainer.optimizers.Adam(alpha=lr))
     optimizer.setup(model)
@@ -149,17 +154,31 @@ def final_score(curves, epochs):
 def parse_args(argv):
     parser = _common.argument_parser(
         'experiments.curvature.optimisation', __doc__)
-    parser.add_argument('--epochs', type=int, default=20)
-    parser.add_argument('--search-epochs', type=int, default=10,
-                        help='epochs of each run of the grid search')
-    parser.add_argument('--batch', type=int, default=128)
-    parser.add_argument('--seeds', type=int, default=5)
-    parser.add_argument('--threads', type=int, default=1)
-    parser.add_argument('--optimizers', default=','.join(
-        list(CURVATURES) + list(BASELINES)))
+    parser.add_argument('--epochs', type=_args.positive_int, default=20,
+                        help='epochs of each seed\'s run at the chosen '
+                        'hyperparameters (default: %(default)s)')
+    parser.add_argument('--search-epochs', type=_args.positive_int,
+                        default=10, help='epochs of each run of the grid '
+                        'search (default: %(default)s)')
+    parser.add_argument('--batch', type=_args.positive_int, default=128,
+                        help='mini-batch size (default: %(default)s)')
+    parser.add_argument('--seeds', type=_args.positive_int, default=5,
+                        help='seeds of the final runs (default: '
+                        '%(default)s)')
+    parser.add_argument('--threads', type=_args.positive_int, default=1,
+                        help='BLAS threads (default: %(default)s)')
+    parser.add_argument('--optimizers', type=_args.names(OPTIMIZERS),
+                        default=','.join(OPTIMIZERS),
+                        help='comma-separated, of %(default)s (default: '
+                        'all)')
     parser.add_argument('--out', default=os.path.join(
-        'experiments', 'results', 'curvature'))
-    return parser.parse_args(argv)
+        'experiments', 'results', 'curvature'),
+                        help='folder of optimisation.json and '
+                        'optimisation.png (default: %(default)s, the '
+                        'committed results, which a run replaces)')
+    args = parser.parse_args(argv)
+    _args.check_paths(parser, args, files=(), folders=('out',))
+    return args
 
 
 def plot(data, path):
@@ -212,7 +231,7 @@ def main(argv=None):
     print(_common.describe_machine(data), flush=True)
     splits = digits()
     with _common.limit_blas_threads(args.threads):
-        for name in args.optimizers.split(','):
+        for name in args.optimizers:
             grid = []
             for lr, damping in settings(name):
                 start = time.perf_counter()

@@ -32,6 +32,7 @@ Writes ``overhead.json`` and ``overhead.png`` into ``--out``::
 
     python -m experiments.curvature.overhead [--peer]
 """
+import argparse
 import json
 import os
 import sys
@@ -43,6 +44,7 @@ import numpy
 import chainer
 import chainer.functions as F
 
+from benchmarks import _args
 from benchmarks import _common
 from chainerkfac import curvature
 from experiments.curvature import networks
@@ -61,25 +63,45 @@ GOALS = {'batch_l2': 1.5, 'sum_grad_squared': 1.5, 'variance': 1.5,
 
 def parse_args(argv):
     parser = _common.argument_parser('experiments.curvature.overhead', __doc__)
-    parser.add_argument('--batch', type=int, default=64)
-    parser.add_argument('--repetitions', type=int, default=7)
-    parser.add_argument('--exact-repetitions', type=int, default=1,
+    parser.add_argument('--batch', type=_args.positive_int, default=64,
+                        help='mini-batch size (default: %(default)s)')
+    parser.add_argument('--repetitions', type=_args.positive_int, default=7,
+                        help='timed rounds per network, after one warm-up '
+                             '(default: %(default)s)')
+    parser.add_argument('--exact-repetitions', type=_args.positive_int,
+                        default=1,
                         help='rounds of the exact quantities on networks '
-                             'with more than 10 classes')
-    parser.add_argument('--networks', default='3c3d,allcnnc')
-    parser.add_argument('--threads', type=int, default=1,
-                        help='BLAS threads (one: steadier on a shared CPU)')
-    parser.add_argument('--gpu', action='store_true')
+                             'with more than 10 classes (default: '
+                             '%(default)s)')
+    parser.add_argument('--networks', type=_args.names(list(NETWORKS)),
+                        default='3c3d,allcnnc',
+                        help='comma-separated, of {} (default: '
+                             '%(default)s)'.format(', '.join(NETWORKS)))
+    parser.add_argument('--threads', type=_args.positive_int, default=1,
+                        help='BLAS threads (one: steadier on a shared CPU; '
+                             'default: %(default)s)')
+    parser.add_argument('--gpu', action='store_true',
+                        help='CuPy arrays on GPU 0')
     parser.add_argument('--peer', action='store_true',
                         help='then BackPACK on PyTorch with the same '
                              'networks and protocol, tabled and plotted '
                              'beside ours (skipped, with the reason, when '
                              'either cannot be imported)')
     parser.add_argument('--out', default=os.path.join(
-        'experiments', 'results', 'curvature'))
+        'experiments', 'results', 'curvature'),
+                        help='folder of overhead.json and overhead.png '
+                             '(default: %(default)s, the committed results, '
+                             'which a run replaces)')
     parser.add_argument('--replot', action='store_true',
                         help='only draw the PNG again from the JSON in --out')
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.replot:
+        try:
+            _args.json_file(os.path.join(args.out, 'overhead.json'))
+        except argparse.ArgumentTypeError as error:
+            parser.error('--replot: {}'.format(error))
+    _args.check_paths(parser, args, files=(), folders=('out',))
+    return args
 
 
 def quartiles(values):
@@ -303,6 +325,7 @@ def main(argv=None):
     if args.replot:
         with open(os.path.join(args.out, 'overhead.json')) as f:
             plot(json.load(f), os.path.join(args.out, 'overhead.png'))
+        print('wrote {}'.format(os.path.join(args.out, 'overhead.png')))
         return
     xp = _common.array_module(args.gpu)
     sync = _common.synchronizer(xp)
@@ -313,7 +336,7 @@ def main(argv=None):
                 gpu=args.gpu, blas_threads=args.threads,
                 load_average_start=os.getloadavg(), networks={})
     print(_common.describe_machine(data), flush=True)
-    names = args.networks.split(',')
+    names = args.networks
     with _common.limit_blas_threads(args.threads), \
             chainer.using_config('train', True):
         for name in names:

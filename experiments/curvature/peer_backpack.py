@@ -204,26 +204,40 @@ def _version(distribution: str, module) -> str:
 
 
 def main(argv=None):
+    from benchmarks import _args
     from benchmarks import _common
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog='python -m experiments.curvature.peer_backpack',
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--networks', default='3c3d,allcnnc')
-    parser.add_argument('--batch', type=int, default=64)
-    parser.add_argument('--repetitions', type=int, default=7)
-    parser.add_argument('--exact-repetitions', type=int, default=1)
-    parser.add_argument('--threads', type=int, default=1)
-    parser.add_argument('--gpu', action='store_true')
+    parser.add_argument('--networks', type=_args.names(list(CLASSES)),
+                        default='3c3d,allcnnc',
+                        help='comma-separated, of {} (default: '
+                        '%(default)s)'.format(', '.join(CLASSES)))
+    parser.add_argument('--batch', type=_args.positive_int, default=64,
+                        help='mini-batch size (default: %(default)s)')
+    parser.add_argument('--repetitions', type=_args.positive_int, default=7,
+                        help='timed rounds per network, after one warm-up '
+                        '(default: %(default)s)')
+    parser.add_argument('--exact-repetitions', type=_args.positive_int,
+                        default=1, help='rounds of the exact quantities on '
+                        'networks with more than 10 classes (default: '
+                        '%(default)s)')
+    parser.add_argument('--threads', type=_args.positive_int, default=1,
+                        help='BLAS threads (default: %(default)s)')
+    parser.add_argument('--gpu', action='store_true',
+                        help="PyTorch on GPU 0")
     parser.add_argument('--out', default=os.path.join(
-        'experiments', 'results', 'curvature', 'peer_backpack.json'))
+        'experiments', 'results', 'curvature', 'peer_backpack.json'),
+                        help='JSON output (default: %(default)s)')
     args = parser.parse_args(argv)
+    _args.check_paths(parser, args)
     data = _common.header('peer_backpack', argv, gpu=args.gpu)
     data['command'] = ' '.join(
         ['python', '-m', 'experiments.curvature.peer_backpack'] + argv)
     data['peer_backpack'] = peer = run(
-        args.networks.split(','), args.batch, args.repetitions,
+        args.networks, args.batch, args.repetitions,
         args.exact_repetitions, args.threads, args.gpu)
     if 'skipped' in peer:
         print('peer skipped: {}'.format(peer['skipped']))

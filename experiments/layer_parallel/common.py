@@ -38,6 +38,10 @@ CASES = {
                    batch=50),
 }
 
+#: The weights of :func:`make_net`: smooth in the layer index, or drawn
+#: per layer.
+WEIGHTS = ('smooth', 'independent')
+
 logger = logging.getLogger('experiments.layer_parallel')
 
 

@@ -27,6 +27,7 @@ import sys
 import time
 
 from chainerkfac import layer_parallel as lp
+from benchmarks import _args
 from benchmarks import _common
 from experiments.layer_parallel import common
 
@@ -97,20 +98,37 @@ def v_cycles(count, iterations: int) -> str:
 def main(argv=None):
     parser = _common.argument_parser(
         'experiments.layer_parallel.convergence', __doc__)
-    parser.add_argument('--layers', default='64,128,256,512,1024,2048')
-    parser.add_argument('--cases', default='peaks,digits')
-    parser.add_argument('--weights', default='smooth,independent')
-    parser.add_argument('--iterations', type=int, default=15)
-    parser.add_argument('--coarsening', type=int, default=4)
-    parser.add_argument('--relax', default='FCF', choices=('F', 'FCF'))
-    parser.add_argument('--batch', type=int, default=None,
+    parser.add_argument('--layers', type=_args.int_list(2),
+                        default='64,128,256,512,1024,2048',
+                        help='comma-separated layer counts N (default: '
+                        '%(default)s)')
+    parser.add_argument('--cases', type=_args.names(list(common.CASES)),
+                        default='peaks,digits',
+                        help='comma-separated, of {} (default: '
+                        '%(default)s)'.format(', '.join(common.CASES)))
+    parser.add_argument('--weights', type=_args.names(common.WEIGHTS),
+                        default='smooth,independent',
+                        help='comma-separated, of {}: weights smooth in '
+                        'the layer index or drawn per layer (default: '
+                        '%(default)s)'.format(', '.join(common.WEIGHTS)))
+    parser.add_argument('--iterations', type=_args.positive_int, default=15,
+                        help='MGRIT iterations of each solve, run in full '
+                        '(default: %(default)s)')
+    parser.add_argument('--coarsening', type=_args.at_least(2), default=4,
+                        help='coarsening factor (default: %(default)s)')
+    parser.add_argument('--relax', default='FCF', choices=('F', 'FCF'),
+                        help='relaxation (default: %(default)s)')
+    parser.add_argument('--batch', type=_args.positive_int, default=None,
                         help="inputs per solve (default: the case's)")
-    parser.add_argument('--out', default=common.RESULTS)
+    parser.add_argument('--out', default=common.RESULTS,
+                        help='folder of fig4_convergence.json and its PNG '
+                        '(default: %(default)s, the committed results, '
+                        'which a run replaces)')
     args = parser.parse_args(argv)
+    _args.check_paths(parser, args, files=(), folders=('out',))
     common.setup_logging()
-    layers = [int(n) for n in args.layers.split(',')]
-    cases = args.cases.split(',')
-    results = {case: {weights: [] for weights in args.weights.split(',')}
+    layers, cases = args.layers, args.cases
+    results = {case: {weights: [] for weights in args.weights}
                for case in cases}
     for case in cases:
         for weights in results[case]:

@@ -44,6 +44,7 @@ import chainer
 from chainerkfac import layer_parallel as lp
 from chainerkfac.layer_parallel import data
 from chainerkfac.optimizers import KFAC
+from benchmarks import _args
 from benchmarks import _common
 from experiments.layer_parallel import common
 
@@ -79,7 +80,7 @@ def worker(args) -> None:
     rank = world.Get_rank()
     grid = lp.ProcessGrid(world, layer_procs=args.layer_procs)
     out = {}
-    for case in args.cases.split(','):
+    for case in args.cases:
         (x, t), (x_val, t_val) = _data(case, args)
         local = grid.local_batch(x, t)
         for name in OPTIMIZERS:
@@ -169,34 +170,61 @@ def plot(results, args, path) -> None:
 def main(argv=None):
     parser = _common.argument_parser(
         'experiments.layer_parallel.kfac_training', __doc__)
-    parser.add_argument('--cases', default='peaks,digits')
-    parser.add_argument('--layers', type=int, default=32)
-    parser.add_argument('--steps', type=int, default=200)
-    parser.add_argument('--processes', type=int, default=2)
-    parser.add_argument('--layer-procs', type=int, default=2,
+    parser.add_argument('--cases', type=_args.names(list(common.CASES)),
+                        default='peaks,digits',
+                        help='comma-separated, of {} (default: '
+                        '%(default)s)'.format(', '.join(common.CASES)))
+    parser.add_argument('--layers', type=_args.at_least(2), default=32,
+                        help='layers N of each network (default: '
+                        '%(default)s)')
+    parser.add_argument('--steps', type=_args.positive_int, default=200,
+                        help='training steps (default: %(default)s)')
+    parser.add_argument('--processes', type=_args.positive_int, default=2,
+                        help='processes of the launch (default: '
+                        '%(default)s)')
+    parser.add_argument('--layer-procs', type=_args.positive_int, default=2,
                         help='processes per layer group (the rest are data '
-                             'replicas)')
-    parser.add_argument('--m1', type=int, default=2)
-    parser.add_argument('--m2', type=int, default=2)
-    parser.add_argument('--adam-lr', type=float, default=0.01)
-    parser.add_argument('--kfac-lr', type=float, default=0.05)
-    parser.add_argument('--kfac-damping', type=float, default=1e-2)
-    parser.add_argument('--digits-train', type=int, default=300,
-                        help='training images of the digits case')
-    parser.add_argument('--eval-every', type=int, default=10)
-    parser.add_argument('--targets', default='0.8,0.9',
-                        help='validation accuracies to count steps to')
-    parser.add_argument('--out', default=common.RESULTS)
-    parser.add_argument('--timeout', type=float, default=3600)
+                             'replicas; default: %(default)s)')
+    parser.add_argument('--m1', type=_args.positive_int, default=2,
+                        help='MGRIT iterations of each forward solve '
+                        '(default: %(default)s)')
+    parser.add_argument('--m2', type=_args.positive_int, default=2,
+                        help='MGRIT iterations of each adjoint solve '
+                        '(default: %(default)s)')
+    parser.add_argument('--adam-lr', type=_args.positive_float, default=0.01,
+                        help="Adam's learning rate (default: %(default)s)")
+    parser.add_argument('--kfac-lr', type=_args.positive_float, default=0.05,
+                        help="K-FAC's learning rate (default: %(default)s)")
+    parser.add_argument('--kfac-damping', type=_args.positive_float,
+                        default=1e-2,
+                        help="K-FAC's damping (default: %(default)s)")
+    parser.add_argument('--digits-train', type=_args.positive_int,
+                        default=300, help='training images of the digits '
+                        'case (default: %(default)s)')
+    parser.add_argument('--eval-every', type=_args.positive_int, default=10,
+                        help='steps between validations (default: '
+                        '%(default)s)')
+    parser.add_argument('--targets', type=_args.float_list,
+                        default='0.8,0.9',
+                        help='validation accuracies to count steps to '
+                        '(default: %(default)s)')
+    parser.add_argument('--out', default=common.RESULTS,
+                        help='folder of kfac_training.json and its PNG '
+                        '(default: %(default)s, the committed results, '
+                        'which a run replaces)')
+    parser.add_argument('--timeout', type=_args.positive_float, default=3600,
+                        help='seconds of the mpiexec launch (default: '
+                        '%(default)s)')
     parser.add_argument('--worker', action='store_true',
                         help='(internal) the runs under mpiexec')
     parser.add_argument('--result', help='(internal) the worker JSON')
     raw = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(raw)
-    args.targets = [float(v) for v in args.targets.split(',') if v]
     if args.processes % args.layer_procs:
         parser.error('--layer-procs {} does not divide --processes {}'
                      .format(args.layer_procs, args.processes))
+    if not args.worker:
+        _args.check_paths(parser, args, files=(), folders=('out',))
     common.setup_logging()
     if args.worker:
         worker(args)

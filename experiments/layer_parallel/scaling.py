@@ -45,6 +45,7 @@ measured layer-serial times.
 
 Writes ``table1_scaling.json`` and ``fig5_scaling.png``.
 """
+import argparse
 import json
 import os
 import statistics
@@ -54,6 +55,7 @@ import time
 
 from chainerkfac import layer_parallel as lp
 from chainerkfac.layer_parallel import perf_model
+from benchmarks import _args
 from benchmarks import _common
 from experiments.layer_parallel import common
 
@@ -71,7 +73,7 @@ def worker(args) -> None:
     out = {'processes': size, 'cases': {}}
     device = common.device(args.gpu)
     device.use()
-    for case in args.cases.split(','):
+    for case in args.cases:
         n_layers = args.layers_per_process * size
         net = common.make_net(case, n_layers)
         net.to_device(device)
@@ -215,6 +217,28 @@ def _median_costs(rounds) -> dict:
             for name in rounds[0]['costs']}
 
 
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def missing_layers(convergence, cases, at_scale) -> list:
+    """``(case, weights, N)`` of the modelled configurations ``at_scale``
+    whose runs the convergence experiment's JSON lacks (the predictions
+    read both weights)."""
+    results = convergence.get('results', {}) \
+        if isinstance(convergence, dict) else {}
+    missing = []
+    for case in cases:
+        for weights in common.WEIGHTS:
+            runs = results.get(case, {}).get(weights, [])
+            have = {run.get('layers') for run in runs
+                    if isinstance(run, dict)}
+            missing += [(case, weights, n) for n, _ in at_scale
+                        if n not in have]
+    return missing
+
+
 def predictions(launches, convergence, at_scale, weights='smooth',
                 message_factor=1.0) -> list:
     """The seed's configurations, modelled with the iteration counts of
@@ -321,16 +345,35 @@ def plot(launches, checks, predicted, path, layers_per_process,
 def main(argv=None):
     parser = _common.argument_parser(
         'experiments.layer_parallel.scaling', __doc__)
-    parser.add_argument('--processes', default='1,2,4')
-    parser.add_argument('--layers-per-process', type=int, default=64)
-    parser.add_argument('--cases', default='peaks,digits')
-    parser.add_argument('--repeats', type=int, default=5)
+    parser.add_argument('--processes', type=_args.int_list(1),
+                        default='1,2,4',
+                        help='comma-separated process counts, 1 among them '
+                        '(default: %(default)s)')
+    parser.add_argument('--layers-per-process', type=_args.positive_int,
+                        default=64, help='layers N per process of each '
+                        'launch (default: %(default)s)')
+    parser.add_argument('--cases', type=_args.names(list(common.CASES)),
+                        default='peaks,digits',
+                        help='comma-separated, of {} (default: '
+                        '%(default)s)'.format(', '.join(common.CASES)))
+    parser.add_argument('--repeats', type=_args.positive_int, default=5,
+                        help='timed rounds of each launch (default: '
+                        '%(default)s)')
     parser.add_argument('--convergence', default=os.path.join(
-        common.RESULTS, 'fig4_convergence.json'))
-    parser.add_argument('--at-scale', default=AT_SCALE,
-                        help='layers:cores of the modelled configurations')
-    parser.add_argument('--out', default=common.RESULTS)
-    parser.add_argument('--timeout', type=float, default=1800)
+        common.RESULTS, 'fig4_convergence.json'),
+                        help='the JSON of experiments.layer_parallel.'
+                        'convergence, with every N of --at-scale (default: '
+                        '%(default)s)')
+    parser.add_argument('--at-scale', type=_args.int_pairs, default=AT_SCALE,
+                        help='comma-separated layers:cores of the modelled '
+                        'configurations (default: %(default)s)')
+    parser.add_argument('--out', default=common.RESULTS,
+                        help='folder of table1_scaling.json and '
+                        'fig5_scaling.png (default: %(default)s, the '
+                        'committed results, which a run replaces)')
+    parser.add_argument('--timeout', type=_args.positive_float, default=1800,
+                        help='seconds per mpiexec launch (default: '
+                        '%(default)s)')
     parser.add_argument('--gpu', action='store_true',
                         help='CuPy arrays on GPU 0 (states staged through '
                              'the host between processes)')
@@ -350,18 +393,31 @@ def main(argv=None):
         # one line before any launch (each worker failed with Chainer's
         # traceback, then the launcher with its own)
         _common.array_module(True)
-    sizes = [int(p) for p in args.processes.split(',')]
+    sizes = args.processes
     if 1 not in sizes:
         parser.error('--processes must include 1 (the one-process costs)')
     if not os.path.exists(args.convergence):
         parser.error('{} is missing: run python -m '
                      'experiments.layer_parallel.convergence first'
                      .format(args.convergence))
-    with open(args.convergence) as f:
-        convergence = json.load(f)
+    try:
+        convergence = json.loads(_read(_args.json_file(args.convergence)))
+    except argparse.ArgumentTypeError as error:
+        parser.error('--convergence: {}'.format(error))
+    at_scale = args.at_scale
+    missing = missing_layers(convergence, args.cases, at_scale)
+    if missing:
+        parser.error(
+            '--convergence {} has no run of N = {} ({}): give --at-scale '
+            'with the layer counts it has, or run python -m experiments.'
+            'layer_parallel.convergence --layers with them'.format(
+                args.convergence, ', '.join(map(str, sorted(
+                    {n for _, _, n in missing}))), '; '.join(
+                    '{} {}'.format(case, weights)
+                    for case, weights in sorted({(c, w) for c, w, _
+                                                 in missing}))))
+    _args.check_paths(parser, args, files=(), folders=('out',))
     cores = common.usable_cores()
-    at_scale = [tuple(int(v) for v in pair.split(':'))
-                for pair in args.at_scale.split(',')]
     serial_layers = sorted({n for n, _ in at_scale}
                            | {args.layers_per_process * p for p in sizes})
     launches = {}
@@ -369,7 +425,8 @@ def main(argv=None):
         for size in sizes:
             result = os.path.join(tmp, 'p{}.json'.format(size))
             common.launch(size, 'experiments.layer_parallel.scaling', [
-                '--worker', '--result', result, '--cases', args.cases,
+                '--worker', '--result', result, '--cases',
+                ','.join(args.cases),
                 '--layers-per-process', str(args.layers_per_process),
                 '--repeats', str(args.repeats),
                 '--serial-layers', ','.join(map(str, serial_layers))]

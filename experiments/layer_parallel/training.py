@@ -45,6 +45,7 @@ import chainer.functions as F
 from chainerkfac import layer_parallel as lp
 from chainerkfac.layer_parallel import data
 from chainerkfac.layer_parallel import perf_model
+from benchmarks import _args
 from benchmarks import _common
 from experiments.layer_parallel import common
 
@@ -202,21 +203,44 @@ def plot(serial, parallel, label, path) -> None:
 def main(argv=None):
     parser = _common.argument_parser(
         'experiments.layer_parallel.training', __doc__)
-    parser.add_argument('--layers', type=int, default=128)
-    parser.add_argument('--iterations', type=int, default=400)
-    parser.add_argument('--processes', type=int, default=2)
-    parser.add_argument('--lr', type=float, default=0.01)
-    parser.add_argument('--m1', type=int, default=2)
-    parser.add_argument('--m2', type=int, default=2)
+    parser.add_argument('--layers', type=_args.at_least(2), default=128,
+                        help='layers N of the peaks network (default: '
+                        '%(default)s)')
+    parser.add_argument('--iterations', type=_args.positive_int,
+                        default=400, help='training steps (default: '
+                        '%(default)s)')
+    parser.add_argument('--processes', type=_args.positive_int, default=2,
+                        help='processes of the layer-parallel run '
+                        '(default: %(default)s)')
+    parser.add_argument('--lr', type=_args.positive_float, default=0.01,
+                        help='learning rate (default: %(default)s)')
+    parser.add_argument('--m1', type=_args.positive_int, default=2,
+                        help='MGRIT iterations of each forward solve '
+                        '(default: %(default)s)')
+    parser.add_argument('--m2', type=_args.positive_int, default=2,
+                        help='MGRIT iterations of each adjoint solve '
+                        '(default: %(default)s)')
     parser.add_argument('--smoothness', type=float, default=1e-3,
-                        help='β of the time-derivative regularisation')
+                        help='β of the time-derivative regularisation '
+                        '(default: %(default)s)')
     parser.add_argument('--weights', default='smooth',
-                        choices=('smooth', 'independent'))
-    parser.add_argument('--eval-every', type=int, default=10)
-    parser.add_argument('--at-scale', default='1024:256',
-                        help='layers:cores of the modelled configuration')
-    parser.add_argument('--out', default=common.RESULTS)
-    parser.add_argument('--timeout', type=float, default=3600)
+                        choices=common.WEIGHTS,
+                        help='initial weights smooth in the layer index or '
+                        'drawn per layer (default: %(default)s)')
+    parser.add_argument('--eval-every', type=_args.positive_int, default=10,
+                        help='steps between validations (default: '
+                        '%(default)s)')
+    parser.add_argument('--at-scale', type=_args.int_pairs,
+                        default='1024:256',
+                        help='layers:cores of the modelled configuration '
+                        '(default: %(default)s)')
+    parser.add_argument('--out', default=common.RESULTS,
+                        help='folder of the JSON and PNG (default: '
+                        '%(default)s, the committed results, which a run '
+                        'replaces)')
+    parser.add_argument('--timeout', type=_args.positive_float, default=3600,
+                        help='seconds of the mpiexec launch (default: '
+                        '%(default)s)')
     parser.add_argument('--worker', action='store_true',
                         help='(internal) the layer-parallel run')
     parser.add_argument('--result', help='(internal) the worker JSON')
@@ -226,7 +250,11 @@ def main(argv=None):
     if args.worker:
         worker(args)
         return
-    n_scale, cores_scale = (int(v) for v in args.at_scale.split(':'))
+    if len(args.at_scale) != 1:
+        parser.error('--at-scale: one layers:cores pair, got {}'.format(
+            len(args.at_scale)))
+    _args.check_paths(parser, args, files=(), folders=('out',))
+    [(n_scale, cores_scale)] = args.at_scale
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, 'parallel.json')

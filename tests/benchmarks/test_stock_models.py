@@ -136,12 +136,6 @@ def test_block_signature_follows_the_limit():
         2 * 20 * 3001 * (20 + 1) / 1e9)
 
 
-def test_unknown_part_is_refused():
-    from benchmarks import stock_models
-    with pytest.raises(SystemExit, match='unknown timings'):
-        stock_models.main(['--part', 'timings'])
-
-
 def test_help_gives_every_option_a_help_and_its_default(capsys):
     text = help_text('benchmarks.stock_models', capsys)
     assert_whole_first_paragraph('benchmarks.stock_models', text)

@@ -155,6 +155,13 @@ def test_a_solve_stopped_by_its_cap_says_so_once(caplog):
     caplog.clear()
     mgrit.forward(x, max_iter=50)
     assert mgrit.converged['forward'] and not caplog.records
+    # tol=0 and rtol=0 ask for max_iter iterations (a fixed-iteration
+    # history, experiments.layer_parallel.convergence): nothing to say
+    fixed = lp.MGRIT(net, coarsening=2, tol=0, max_iter=2, warm_start=False)
+    fixed.forward(x)
+    fixed.backward(t)
+    assert fixed.converged == {'forward': False, 'adjoint': False}
+    assert not caplog.records
 
 
 def test_errors_name_the_problem():

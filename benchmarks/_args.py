@@ -1,0 +1,180 @@
+"""Option types of the benchmarks' and experiments' command lines.
+
+Each refuses a bad value in argparse's words (``error: argument --jobs:
+expected an integer >= 1, got '0'``, exit 2) before any work is done. Bad
+values used to hang a run (``--jobs 0``), run something other than what
+was asked without a word (``--epochs 0`` took the default, an unknown
+optimizer name ran Adam, ``mpiexec -n 0`` started one process per core),
+or end in a traceback after minutes of measurement (an ``--out`` under a
+regular file).
+"""
+import argparse
+import json
+import math
+import os
+from typing import Callable, List, Sequence
+
+
+def _integer(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value < minimum:
+        raise argparse.ArgumentTypeError(
+            'expected an integer >= {}, got {!r}'.format(minimum, text))
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _integer(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0."""
+    return _integer(text, 0)
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        return _integer(text, minimum)
+    parse.__name__ = 'integer >= {}'.format(minimum)
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            'expected a finite number > 0, got {!r}'.format(text))
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]: a target accuracy."""
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(
+            'expected a fraction in (0, 1], got {!r}'.format(text))
+    return value
+
+
+def int_list(minimum: int = 1) -> Callable[[str], List[int]]:
+    """Comma-separated integers, each >= ``minimum``, at least one."""
+    def parse(text: str) -> List[int]:
+        try:
+            values = [_integer(v.strip(), minimum) for v in text.split(',')]
+        except argparse.ArgumentTypeError:
+            values = []
+        if not values:
+            raise argparse.ArgumentTypeError(
+                'expected comma-separated integers >= {}, got {!r}'.format(
+                    minimum, text))
+        return values
+    parse.__name__ = 'list of integers'
+    return parse
+
+
+def float_list(text: str) -> List[float]:
+    """Comma-separated finite numbers > 0, at least one."""
+    try:
+        return [positive_float(v.strip()) for v in text.split(',')]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            'expected comma-separated numbers > 0, got {!r}'.format(
+                text)) from None
+
+
+def names(choices: Sequence[str],
+          allow_empty: bool = False) -> Callable[[str], List[str]]:
+    """Comma-separated names among ``choices``, in the order given,
+    without repeats."""
+    def parse(text: str) -> List[str]:
+        given = [n.strip() for n in text.split(',') if n.strip()]
+        unknown = [n for n in given if n not in choices]
+        if unknown or not (given or allow_empty):
+            raise argparse.ArgumentTypeError(
+                '{}choose from {} (got {!r})'.format(
+                    'unknown {}: '.format(', '.join(unknown))
+                    if unknown else '', ', '.join(choices), text))
+        return list(dict.fromkeys(given))
+    parse.__name__ = 'list of names'
+    return parse
+
+
+def json_file(text: str) -> str:
+    """The path of a readable file holding JSON (an earlier run's
+    result); returned as given."""
+    try:
+        with open(text) as f:
+            json.load(f)
+    except OSError as error:
+        raise argparse.ArgumentTypeError('cannot read {}: {}'.format(
+            text, error.strerror or error))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError('{} is not JSON: {}'.format(
+            text, error))
+    return text
+
+
+def output_problem(path: str) -> str:
+    """Why a file cannot be written at ``path`` (an existing directory,
+    a folder on the way that is a file, a folder that is not writable),
+    or ``''``."""
+    if os.path.isdir(path):
+        return '{} is a directory'.format(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return '{} is a file, not a folder'.format(folder)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return 'the folder {} is not writable'.format(folder)
+    return ''
+
+
+def folder_problem(path: str) -> str:
+    """Why ``path`` cannot be (or be made) a folder to write in, or
+    ``''``."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return '{} is a file, not a folder'.format(path)
+    return output_problem(os.path.join(path, 'x'))
+
+
+def check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                files: Sequence[str] = ('out',),
+                folders: Sequence[str] = ()) -> None:
+    """``parser.error`` (exit 2) naming the option where one of the
+    output files ``files`` or folders ``folders`` (attribute names of
+    ``args``; unset ones are skipped) could not be written: before the
+    measurement, not after it."""
+    for names_, check in ((files, output_problem),
+                          (folders, folder_problem)):
+        for name in names_:
+            path = getattr(args, name, None)
+            if not path:
+                continue
+            problem = check(path)
+            if problem:
+                parser.error('--{} {}: {}'.format(
+                    name.replace('_', '-'), path, problem))
+
+
+def int_pairs(text: str) -> List[tuple]:
+    """Comma-separated ``a:b`` pairs of integers >= 1 (layers:cores)."""
+    try:
+        pairs = [tuple(positive_int(v) for v in item.split(':'))
+                 for item in text.split(',')]
+    except argparse.ArgumentTypeError:
+        pairs = []
+    if not pairs or any(len(pair) != 2 for pair in pairs):
+        raise argparse.ArgumentTypeError(
+            'expected comma-separated pairs a:b of integers >= 1, got '
+            '{!r}'.format(text))
+    return pairs
