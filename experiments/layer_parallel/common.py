@@ -15,6 +15,7 @@ import numpy
 
 import chainer
 
+from benchmarks import _args
 from benchmarks import _common
 from chainerkfac import layer_parallel as lp
 from chainerkfac.layer_parallel import data
@@ -54,6 +55,28 @@ def make_net(case: str, n_layers: int, weights: str = 'smooth',
     with chainer.using_config('dtype', numpy.float64):
         return lp.ResidualODE(n_layers=n_layers, weights=weights,
                               **CASES[case]['net'])
+
+
+def add_training_options(parser, outputs: str) -> None:
+    """The options the two training experiments share: MGRIT's iterations
+    per solve, the validation interval, ``--out`` (the folder of
+    ``outputs``) and the launch's timeout."""
+    parser.add_argument('--m1', type=_args.positive_int, default=2,
+                        help='MGRIT iterations of each forward solve '
+                        '(default: %(default)s)')
+    parser.add_argument('--m2', type=_args.positive_int, default=2,
+                        help='MGRIT iterations of each adjoint solve '
+                        '(default: %(default)s)')
+    parser.add_argument('--eval-every', type=_args.positive_int, default=10,
+                        help='steps between validations (default: '
+                        '%(default)s)')
+    parser.add_argument('--out', default=RESULTS,
+                        help='folder of {} (default: %(default)s, the '
+                        'committed results, which a run replaces)'.format(
+                            outputs))
+    parser.add_argument('--timeout', type=_args.positive_float, default=3600,
+                        help='seconds of the mpiexec launch (default: '
+                        '%(default)s)')
 
 
 def device(gpu: bool):

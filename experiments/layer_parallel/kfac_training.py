@@ -185,12 +185,6 @@ def main(argv=None):
     parser.add_argument('--layer-procs', type=_args.positive_int, default=2,
                         help='processes per layer group (the rest are data '
                              'replicas; default: %(default)s)')
-    parser.add_argument('--m1', type=_args.positive_int, default=2,
-                        help='MGRIT iterations of each forward solve '
-                        '(default: %(default)s)')
-    parser.add_argument('--m2', type=_args.positive_int, default=2,
-                        help='MGRIT iterations of each adjoint solve '
-                        '(default: %(default)s)')
     parser.add_argument('--adam-lr', type=_args.positive_float, default=0.01,
                         help="Adam's learning rate (default: %(default)s)")
     parser.add_argument('--kfac-lr', type=_args.positive_float, default=0.05,
@@ -201,23 +195,14 @@ def main(argv=None):
     parser.add_argument('--digits-train', type=_args.positive_int,
                         default=300, help='training images of the digits '
                         'case (default: %(default)s)')
-    parser.add_argument('--eval-every', type=_args.positive_int, default=10,
-                        help='steps between validations (default: '
-                        '%(default)s)')
     parser.add_argument('--targets', type=_args.float_list,
                         default='0.8,0.9',
                         help='validation accuracies to count steps to '
                         '(default: %(default)s)')
-    parser.add_argument('--out', default=common.RESULTS,
-                        help='folder of kfac_training.json and its PNG '
-                        '(default: %(default)s, the committed results, '
-                        'which a run replaces)')
-    parser.add_argument('--timeout', type=_args.positive_float, default=3600,
-                        help='seconds of the mpiexec launch (default: '
-                        '%(default)s)')
     parser.add_argument('--worker', action='store_true',
                         help='(internal) the runs under mpiexec')
     parser.add_argument('--result', help='(internal) the worker JSON')
+    common.add_training_options(parser, 'kfac_training.json and its PNG')
     raw = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(raw)
     if args.processes % args.layer_procs:

@@ -214,12 +214,6 @@ def main(argv=None):
                         '(default: %(default)s)')
     parser.add_argument('--lr', type=_args.positive_float, default=0.01,
                         help='learning rate (default: %(default)s)')
-    parser.add_argument('--m1', type=_args.positive_int, default=2,
-                        help='MGRIT iterations of each forward solve '
-                        '(default: %(default)s)')
-    parser.add_argument('--m2', type=_args.positive_int, default=2,
-                        help='MGRIT iterations of each adjoint solve '
-                        '(default: %(default)s)')
     parser.add_argument('--smoothness', type=float, default=1e-3,
                         help='β of the time-derivative regularisation '
                         '(default: %(default)s)')
@@ -227,23 +221,15 @@ def main(argv=None):
                         choices=common.WEIGHTS,
                         help='initial weights smooth in the layer index or '
                         'drawn per layer (default: %(default)s)')
-    parser.add_argument('--eval-every', type=_args.positive_int, default=10,
-                        help='steps between validations (default: '
-                        '%(default)s)')
     parser.add_argument('--at-scale', type=_args.int_pairs,
                         default='1024:256',
                         help='layers:cores of the modelled configuration '
                         '(default: %(default)s)')
-    parser.add_argument('--out', default=common.RESULTS,
-                        help='folder of the JSON and PNG (default: '
-                        '%(default)s, the committed results, which a run '
-                        'replaces)')
-    parser.add_argument('--timeout', type=_args.positive_float, default=3600,
-                        help='seconds of the mpiexec launch (default: '
-                        '%(default)s)')
     parser.add_argument('--worker', action='store_true',
                         help='(internal) the layer-parallel run')
     parser.add_argument('--result', help='(internal) the worker JSON')
+    common.add_training_options(parser, 'table2_training.json and '
+                                'fig7_training.png')
     raw = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(raw)
     common.setup_logging()
