@@ -91,14 +91,13 @@ def float_list(text: str) -> List[float]:
                 text)) from None
 
 
-def names(choices: Sequence[str],
-          allow_empty: bool = False) -> Callable[[str], List[str]]:
-    """Comma-separated names among ``choices``, in the order given,
-    without repeats."""
+def names(choices: Sequence[str]) -> Callable[[str], List[str]]:
+    """Comma-separated names among ``choices``, at least one, in the order
+    given, without repeats."""
     def parse(text: str) -> List[str]:
         given = [n.strip() for n in text.split(',') if n.strip()]
         unknown = [n for n in given if n not in choices]
-        if unknown or not (given or allow_empty):
+        if unknown or not given:
             raise argparse.ArgumentTypeError(
                 '{}choose from {} (got {!r})'.format(
                     'unknown {}: '.format(', '.join(unknown))
@@ -108,30 +107,57 @@ def names(choices: Sequence[str],
     return parse
 
 
-def json_file(text: str) -> str:
-    """The path of a readable file holding JSON (an earlier run's
-    result); returned as given."""
+def accuracy_list(text: str) -> List[float]:
+    """Comma-separated accuracies (numbers in [0, 1]), at least one."""
     try:
-        with open(text) as f:
-            json.load(f)
+        values = [float(v) for v in text.split(',')]
+    except ValueError:
+        values = []
+    if not values or not all(0 <= v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            'expected comma-separated accuracies in [0, 1], got {!r}'.format(
+                text))
+    return values
+
+
+def or_empty(parse: Callable[[str], list]) -> Callable[[str], list]:
+    """``parse``, with ``''`` the empty list: an option whose empty value
+    skips a part (``--agreement-sizes ''``)."""
+    def either(text: str) -> list:
+        return [] if not text.strip() else parse(text)
+    either.__name__ = getattr(parse, '__name__', 'list')
+    return either
+
+
+def read_json(path: str):
+    """The JSON in the file ``path`` (an earlier run's result), or
+    :class:`argparse.ArgumentTypeError` saying why not."""
+    try:
+        with open(path) as f:
+            return json.load(f)
     except OSError as error:
         raise argparse.ArgumentTypeError('cannot read {}: {}'.format(
-            text, error.strerror or error))
+            path, error.strerror or error))
     except ValueError as error:
         raise argparse.ArgumentTypeError('{} is not JSON: {}'.format(
-            text, error))
+            path, error))
+
+
+def json_file(text: str) -> str:
+    """The path of a readable file holding JSON; returned as given."""
+    read_json(text)
     return text
 
 
-def output_problem(path: str) -> str:
-    """Why a file cannot be written at ``path`` (an existing directory,
-    a folder on the way that is a file, a folder that is not writable),
-    or ``''``."""
-    if os.path.isdir(path):
-        return '{} is a directory'.format(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(folder):
+def folder_problem(folder: str) -> str:
+    """Why files cannot be written in ``folder`` or in folders made under
+    it, or ``''``: the nearest part of it that exists must be a writable
+    folder (a file, or a link to nothing, on the way is not)."""
+    folder = os.path.abspath(folder)
+    while not os.path.lexists(folder):
         folder = os.path.dirname(folder)
+    if os.path.islink(folder) and not os.path.exists(folder):
+        return '{} is a link to nothing'.format(folder)
     if not os.path.isdir(folder):
         return '{} is a file, not a folder'.format(folder)
     if not os.access(folder, os.W_OK | os.X_OK):
@@ -139,12 +165,13 @@ def output_problem(path: str) -> str:
     return ''
 
 
-def folder_problem(path: str) -> str:
-    """Why ``path`` cannot be (or be made) a folder to write in, or
-    ``''``."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        return '{} is a file, not a folder'.format(path)
-    return output_problem(os.path.join(path, 'x'))
+def output_problem(path: str) -> str:
+    """Why a file cannot be written at ``path`` (an existing directory,
+    a file or a dangling link on the way, a folder that is not writable),
+    or ``''``."""
+    if os.path.isdir(path):
+        return '{} is a directory'.format(path)
+    return folder_problem(os.path.dirname(os.path.abspath(path)))
 
 
 def check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace,

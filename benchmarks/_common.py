@@ -276,12 +276,11 @@ def run_mpiexec(cmd: Sequence[str], env: Dict, timeout: float,
     """``subprocess.run(cmd)`` of an ``mpiexec`` command line, its output
     captured (text), started again (at most ``harness.mpi.LAUNCH_TRIES``
     times, saying so) where the launcher itself failed to start: Open MPI
-    5 on a machine with the session directories of killed ``mpiexec``
-    processes (:func:`harness.mpi.stale_session_dirs`, removed first).
+    5 given the pid of a killed ``mpiexec`` whose session directory is
+    left (:func:`harness.mpi.stale_session_dirs`).
     Returns ``(completed process, wall seconds of the launch that ran)``;
     raises ``subprocess.TimeoutExpired`` as ``subprocess.run``."""
     for attempt in range(1, mpi.LAUNCH_TRIES + 1):
-        mpi.remove_stale_session_dirs()
         start = time.perf_counter()
         proc = subprocess.run(list(cmd), env=env, cwd=cwd,
                               capture_output=True, text=True,

@@ -162,7 +162,7 @@ def parse_args(argv):
     parser.add_argument('--lr', type=_args.positive_float, default=0.05,
                         help='learning rate of every run (default '
                         '%(default)s)')
-    parser.add_argument('--kl-clips', type=_args.float_list,
+    parser.add_argument('--kl-clips', type=_args.or_empty(_args.float_list),
                         default='1e-4,1e-2',
                         help="K-FAC's runs, one per kl_clip, 1e-4 the "
                         "library's (default %(default)s)")

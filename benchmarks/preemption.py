@@ -113,12 +113,12 @@ def stop_once(arch, directory, seed, timeout):
            '--fisher-diff', '--no-progress', '--seed', str(seed)]
     cmd += spec['options']
     log_path = os.path.join(directory, 'log{}.txt'.format(seed))
-    tries = 0
+    tries, deadline = 0, None
 
     def start():
-        nonlocal tries
+        nonlocal tries, deadline
         tries += 1
-        mpi.remove_stale_session_dirs()
+        deadline = time.time() + timeout
         with open(log_path, 'w') as log:
             return subprocess.Popen(
                 cmd, cwd=_common.ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -127,7 +127,6 @@ def stop_once(arch, directory, seed, timeout):
 
     process = start()
     diff = os.path.join(out, 'fisher_diff.jsonl')
-    deadline = time.time() + timeout
     marks = []
     while len(marks) < 2:
         if process.poll() is not None and tries < mpi.LAUNCH_TRIES \
@@ -140,6 +139,8 @@ def stop_once(arch, directory, seed, timeout):
             continue
         if process.poll() is not None or time.time() > deadline:
             process.kill()
+            process.wait()
+            mpi.remove_session_dir(process.pid)
             raise RuntimeError('{}: no second step (see {})'.format(
                 arch, log_path))
         if heartbeats(diff) > len(marks):
@@ -230,7 +231,8 @@ def main(argv=None):
                         default='small,resnet50',
                         help='comma-separated models to stop, of small, '
                              'resnet50 (default: %(default)s)')
-    parser.add_argument('--agreement-sizes', type=_args.int_list(2),
+    parser.add_argument('--agreement-sizes',
+                        type=_args.or_empty(_args.int_list(2)),
                         default='2,4',
                         help="comma-separated process counts to time the "
                              "agreement on; '' skips it (default: "

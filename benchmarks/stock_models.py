@@ -96,9 +96,9 @@ the JSON records the load average before and after. BLAS threads:
 """
 import chainerkfac  # NOQA  (before chainer: NumPy-2 compatibility shims)
 
+import argparse
 import gc
 import itertools
-import argparse
 import json
 import math
 import os

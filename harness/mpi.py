@@ -10,6 +10,7 @@ import multiprocessing.util
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 
@@ -157,17 +158,37 @@ def launcher_failed(returncode: int, output: str) -> bool:
 _SESSION_DIR = re.compile(r'ompi\.(\d+)$')
 
 
+def _session_dir(pid: int, base=None) -> str:
+    return os.path.join(tempfile.gettempdir() if base is None else base,
+                        'ompi.{}'.format(pid))
+
+
+def _this_hosts(path: str) -> bool:
+    """Whether the session directory ``path`` is of an ``mpiexec`` of this
+    host (its ``pmix.<host>.tool``), this user's."""
+    try:
+        return os.lstat(path).st_uid == os.getuid() and os.path.isdir(path) \
+            and os.path.lexists(os.path.join(
+                path, 'pmix.{}.tool'.format(socket.gethostname())))
+    except OSError:
+        return False
+
+
 def stale_session_dirs(base=None) -> list:
     """Open MPI session directories left by ``mpiexec`` processes that are
     gone: ``ompi.<pid>`` under ``base`` (default: ``TMPDIR``), this user's,
-    of a process id that no process has now.
+    of this host (they hold ``pmix.<host>.tool``), of a process id that
+    no process has now.
 
     An ``mpiexec`` that was killed (SIGKILL, a timeout, the OOM killer)
     leaves its directory behind, and a later ``mpiexec`` that gets the
     same process id fails at once with "The PMIx server's listener thread
     failed to start" (Open MPI 5.0.11: it finds the old ``pmix.<host>.tool``
-    file). With a few hundred such directories, about one launch in a
-    hundred fails so.
+    file; the failed launcher removes it, so a launch again works).
+
+    Run it where the ``mpiexec`` processes ran: an ``mpiexec`` in another
+    PID namespace sharing this ``TMPDIR`` (a container with the host's
+    name and ``/tmp``) is not seen, and its directory would be listed.
     """
     base = tempfile.gettempdir() if base is None else base
     found = []
@@ -177,13 +198,10 @@ def stale_session_dirs(base=None) -> list:
         return found
     for name in names:
         match = _SESSION_DIR.match(name)
-        if match is None:
-            continue
         path = os.path.join(base, name)
+        if match is None or not _this_hosts(path):
+            continue
         try:
-            if os.lstat(path).st_uid != os.getuid() or \
-                    not os.path.isdir(path):
-                continue
             os.kill(int(match.group(1)), 0)
         except ProcessLookupError:
             found.append(path)
@@ -200,6 +218,19 @@ def remove_stale_session_dirs(base=None) -> list:
         if not os.path.exists(path):
             removed.append(path)
     return removed
+
+
+def remove_session_dir(pid: int, base=None) -> bool:
+    """Remove the session directory of the ``mpiexec`` with process id
+    ``pid``, which the caller killed and reaped (so that no later
+    ``mpiexec`` given that pid fails: :func:`stale_session_dirs`); return
+    whether one was removed. Safe only for a reaped child: its pid is
+    free, no other mpiexec of this host can hold the directory."""
+    path = _session_dir(pid, base)
+    if not _this_hosts(path):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.exists(path)
 
 
 def start_forkserver():

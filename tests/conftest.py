@@ -37,8 +37,6 @@ def pytest_sessionfinish(session, exitstatus):
         # this process's Open MPI singleton segment (tests that import
         # mpi4py): Open MPI leaves it in /dev/shm at exit
         mpi.remove_own_segments()
-        # the session directories of the mpiexec processes tests killed
-        mpi.remove_stale_session_dirs()
     left = left_in_checkout(_before, os.listdir(ROOT),
                             session.config.invocation_params.args)
     if left:

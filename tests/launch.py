@@ -4,7 +4,6 @@ import subprocess
 import sys
 import time
 
-from harness import mpi
 from tests.run_mpi import LAUNCH_TRIES, launcher_failed  # NOQA (re-exported)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -12,11 +11,7 @@ MPIEXEC = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
 
 
 def mpi_env():
-    """The environment for a child ``mpiexec`` on this machine; the
-    session directories of killed ``mpiexec`` processes (some tests kill
-    them) are removed first, as one makes a launch that gets its process
-    id fail (:func:`harness.mpi.stale_session_dirs`)."""
-    mpi.remove_stale_session_dirs()
+    """The environment for a child ``mpiexec`` on this machine."""
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT='1',
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1',
                PRTE_MCA_rmaps_default_mapping_policy=':oversubscribe',
@@ -38,7 +33,8 @@ def run_mpi(args, nproc, timeout=60, env=None, cwd=REPO):
         cmd = [MPIEXEC, '-n', str(nproc)] + cmd
     for attempt in range(1, LAUNCH_TRIES + 1):
         start = time.time()
-        proc = subprocess.run(cmd, env=env or mpi_env(), cwd=cwd,
+        proc = subprocess.run(cmd, env=mpi_env() if env is None else env,
+                              cwd=cwd,
                               capture_output=True, text=True,
                               timeout=timeout)
         if nproc == 1 or attempt == LAUNCH_TRIES or not launcher_failed(

@@ -15,10 +15,9 @@ import time
 from harness import mpi
 
 #: A launcher that failed to start (before any rank ran a test): Open MPI
-#: 5's "The PMIx server's listener thread failed to start" hit CI runs on
-#: a loaded 2-core machine (the cause: harness.mpi.stale_session_dirs,
-#: removed before each launch). Such a launch is tried again (at most
-#: LAUNCH_TRIES times); a launch in which a test ran never is.
+#: 5's "The PMIx server's listener thread failed to start" hit CI runs (the
+#: cause: harness.mpi.stale_session_dirs). Such a launch is tried again
+#: (at most LAUNCH_TRIES times); a launch in which a test ran never is.
 LAUNCH_TRIES = mpi.LAUNCH_TRIES
 _TESTS_RAN = re.compile(r'\d+ (passed|failed|error|skipped|deselected)')
 
@@ -69,7 +68,6 @@ def main(argv=None):
         print('$ ' + shlex.join(cmd), flush=True)
         start = time.time()
         for attempt in range(1, LAUNCH_TRIES + 1):
-            mpi.remove_stale_session_dirs()
             rc, output = _launch(cmd, env, args.timeout)
             if attempt == LAUNCH_TRIES or not launcher_failed(rc, output):
                 break

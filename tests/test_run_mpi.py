@@ -92,3 +92,26 @@ def test_the_tests_own_launches_are_tried_again(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, 'MPIEXEC', mpiexec)
     assert conftest.run(['true'], 2).returncode == 139   # not the launcher
     assert counter.read_text().strip() == '1'
+
+
+def test_a_killed_run_leaves_no_session_directory(tmp_path):
+    """tests.scripts.conftest.kill (a scheduler's SIGKILL to a whole run)
+    removes the killed mpiexec's session directory: left, it failed the
+    next mpiexec given that pid (a CI run lost a test to it:
+    harness.mpi.stale_session_dirs)."""
+    import os
+    import sys
+    import tempfile
+    import time
+    from tests.scripts import conftest
+    process = conftest.start([sys.executable, '-c',
+                              'import time; time.sleep(60)'], nproc=2)
+    session = os.path.join(tempfile.gettempdir(),
+                           'ompi.{}'.format(process.pid))
+    deadline = time.time() + 60
+    while not os.path.isdir(session) and time.time() < deadline:
+        time.sleep(0.05)
+    assert os.path.isdir(session)
+    time.sleep(1.0)                     # the ranks started
+    conftest.kill(process)
+    assert not os.path.exists(session)

@@ -19,7 +19,6 @@ from benchmarks import _args
 from benchmarks import _common
 from chainerkfac import layer_parallel as lp
 from chainerkfac.layer_parallel import data
-from harness import mpi
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -164,7 +163,4 @@ def launch(n_procs: int, module: str, args: List[str],
     command += args
     logger.info('$ mpiexec -n %d python -m %s %s', n_procs, module,
                 ' '.join(args))
-    # a killed mpiexec's session directory fails the launch that gets its
-    # process id (harness.mpi.stale_session_dirs)
-    mpi.remove_stale_session_dirs()
     subprocess.run(command, env=env, cwd=ROOT, check=True, timeout=timeout)

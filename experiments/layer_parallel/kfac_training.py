@@ -195,7 +195,8 @@ def main(argv=None):
     parser.add_argument('--digits-train', type=_args.positive_int,
                         default=300, help='training images of the digits '
                         'case (default: %(default)s)')
-    parser.add_argument('--targets', type=_args.float_list,
+    parser.add_argument('--targets',
+                        type=_args.or_empty(_args.accuracy_list),
                         default='0.8,0.9',
                         help='validation accuracies to count steps to '
                         '(default: %(default)s)')

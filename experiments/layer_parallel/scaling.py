@@ -217,26 +217,25 @@ def _median_costs(rounds) -> dict:
             for name in rounds[0]['costs']}
 
 
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def missing_layers(convergence, cases, at_scale) -> list:
-    """``(case, weights, N)`` of the modelled configurations ``at_scale``
-    whose runs the convergence experiment's JSON lacks (the predictions
-    read both weights)."""
+def missing_runs(convergence, cases, at_scale):
+    """What the convergence experiment's JSON lacks for the modelled
+    configurations ``at_scale`` (the predictions read both weights):
+    ``(absent, missing)``, the ``(case, weights)`` with no runs at all and
+    the ``(case, weights, N)`` of the others without a run of N."""
     results = convergence.get('results', {}) \
         if isinstance(convergence, dict) else {}
-    missing = []
+    absent, missing = [], []
     for case in cases:
         for weights in common.WEIGHTS:
-            runs = results.get(case, {}).get(weights, [])
+            runs = results.get(case, {}).get(weights)
+            if not runs:
+                absent.append((case, weights))
+                continue
             have = {run.get('layers') for run in runs
                     if isinstance(run, dict)}
             missing += [(case, weights, n) for n, _ in at_scale
                         if n not in have]
-    return missing
+    return absent, missing
 
 
 def predictions(launches, convergence, at_scale, weights='smooth',
@@ -401,11 +400,18 @@ def main(argv=None):
                      'experiments.layer_parallel.convergence first'
                      .format(args.convergence))
     try:
-        convergence = json.loads(_read(_args.json_file(args.convergence)))
+        convergence = _args.read_json(args.convergence)
     except argparse.ArgumentTypeError as error:
         parser.error('--convergence: {}'.format(error))
     at_scale = args.at_scale
-    missing = missing_layers(convergence, args.cases, at_scale)
+    absent, missing = missing_runs(convergence, args.cases, at_scale)
+    if absent:
+        parser.error(
+            '--convergence {} has no runs of {}: the predictions read both '
+            'weights; run python -m experiments.layer_parallel.convergence '
+            '--weights {}'.format(args.convergence, ', '.join(
+                '{} {}'.format(*pair) for pair in absent),
+                ','.join(common.WEIGHTS)))
     if missing:
         parser.error(
             '--convergence {} has no run of N = {} ({}): give --at-scale '

@@ -135,6 +135,24 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_work(
         '--out {}: {} is a file, not a folder'.format(out, blocker) in err
 
 
+def test_the_path_check_takes_existing_folders_and_names_dangling_links(
+        tmp_path):
+    """A folder holding a subfolder ``x`` was refused (the check looked at
+    ``folder/x``); a link to nothing on the way passed, and the run failed
+    at its end (FileExistsError)."""
+    (tmp_path / 'out' / 'x').mkdir(parents=True)
+    assert _args.folder_problem(str(tmp_path / 'out')) == ''
+    assert _args.folder_problem(str(tmp_path / 'new' / 'deeper')) == ''
+    assert _args.output_problem(str(tmp_path / 'out' / 'r.json')) == ''
+    assert _args.output_problem(str(tmp_path / 'out')) == \
+        '{} is a directory'.format(tmp_path / 'out')
+    (tmp_path / 'dangling').symlink_to(tmp_path / 'nowhere' / 'deeper')
+    for problem in (_args.output_problem(str(tmp_path / 'dangling' / 'x')),
+                    _args.folder_problem(str(tmp_path / 'dangling'))):
+        assert problem == '{} is a link to nothing'.format(
+            tmp_path / 'dangling')
+
+
 def test_a_run_folder_under_a_file_is_refused(tmp_path, capsys):
     blocker = tmp_path / 'a_file'
     blocker.write_text('')
@@ -147,12 +165,50 @@ def test_a_run_folder_under_a_file_is_refused(tmp_path, capsys):
     assert not (tmp_path / 'out.json').exists()
 
 
+class _Parsed(Exception):
+    pass
+
+
+def parsed(module, argv, monkeypatch):
+    """The namespace ``module.main(argv)`` parses (it stops there)."""
+    original = _args.argparse.ArgumentParser.parse_args
+
+    def parse_and_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+    monkeypatch.setattr(_args.argparse.ArgumentParser, 'parse_args',
+                        parse_and_stop)
+    with pytest.raises(_Parsed) as stopped:
+        importlib.import_module(module).main(list(argv))
+    monkeypatch.undo()
+    return stopped.value.args[0]
+
+
+@pytest.mark.parametrize('module, option, attribute', [
+    ('benchmarks.preemption', '--agreement-sizes', 'agreement_sizes'),
+    ('benchmarks.dropout_bound', '--kl-clips', 'kl_clips'),
+    ('experiments.layer_parallel.kfac_training', '--targets', 'targets')])
+def test_an_empty_list_skips_its_part(module, option, attribute,
+                                      monkeypatch):
+    """``--agreement-sizes ''`` is documented (and made a committed
+    result); ``--kl-clips ''`` runs MomentumSGD alone, ``--targets ''``
+    counts no steps."""
+    assert getattr(parsed(module, [option, ''], monkeypatch),
+                   attribute) == []
+
+
+def test_kfac_training_targets_are_fractions(capsys):
+    code, err = refused('experiments.layer_parallel.kfac_training',
+                        ['--targets', '0.8,90'], capsys)
+    assert code == 2 and 'accuracies in [0, 1]' in err
+
+
 def test_the_option_types_take_what_they_should():
     assert _args.int_list(0)('0, 3,2') == [0, 3, 2]
     assert _args.float_list('1e-4,0.5') == [1e-4, 0.5]
     assert _args.names(['a', 'b', 'c'])('c,a,c') == ['c', 'a']
     assert _args.int_pairs('16:2,32:4') == [(16, 2), (32, 4)]
     assert _args.fraction('1') == 1.0
+    assert _args.or_empty(_args.int_list(2))(' ') == []
     for parse, text in ((_args.positive_int, '1.5'),
                         (_args.positive_float, 'nan'),
                         (_args.positive_float, 'inf'),
@@ -179,8 +235,15 @@ def test_scaling_names_the_layer_counts_its_convergence_json_lacks(
     assert 'has no run of N = 256, 512, 1024, 2048 (peaks independent; ' \
         'peaks smooth)' in err and '--at-scale' in err, err
     from experiments.layer_parallel import scaling
-    assert scaling.missing_layers(json.loads(path.read_text()), ['peaks'],
-                                  [(16, 2), (32, 4)]) == []
+    assert scaling.missing_runs(json.loads(path.read_text()), ['peaks'],
+                                [(16, 2), (32, 4)]) == ([], [])
+    # a run of one weights only: no --at-scale can mend that
+    del runs['independent']
+    path.write_text(json.dumps({'results': {'peaks': runs}}))
+    code, err = refused('experiments.layer_parallel.scaling', argv + [
+        '--at-scale', '16:2,32:4'], capsys)
+    assert code == 2 and 'has no runs of peaks independent' in err and \
+        '--weights smooth,independent' in err, err
     path.write_text('{')
     code, err = refused('experiments.layer_parallel.scaling', argv, capsys)
     assert code == 2 and '--convergence: {} is not JSON'.format(path) in err

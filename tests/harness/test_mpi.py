@@ -120,22 +120,38 @@ def _dead_pid():
 
 
 def test_stale_session_dirs_are_those_of_gone_processes(tmp_path):
-    """``ompi.<pid>`` of a process that is gone is stale; of a live one,
-    another name, or a file of that name, not."""
+    """``ompi.<pid>`` of this host (its ``pmix.<host>.tool``) of a process
+    that is gone is stale; of a live one, of another host (a TMPDIR
+    shared over NFS), another name, or a file of that name, not."""
+    import socket
+    tool = 'pmix.{}.tool'.format(socket.gethostname())
+
+    def session(name, tool=tool):
+        path = tmp_path / name
+        (path / '1').mkdir(parents=True)
+        (path / tool).write_text('x')
+        return path
     dead = _dead_pid()
-    stale = tmp_path / 'ompi.{}'.format(dead)
-    (stale / '1').mkdir(parents=True)
-    (stale / 'pmix.host.tool').write_text('x')
-    live = tmp_path / 'ompi.{}'.format(os.getpid())
-    live.mkdir()
-    (tmp_path / 'ompi.{}x'.format(dead)).mkdir()
-    (tmp_path / 'prte.{}'.format(dead)).mkdir()
+    stale = session('ompi.{}'.format(dead))
+    live = session('ompi.{}'.format(os.getpid()))
+    elsewhere = session('ompi.{}'.format(_dead_pid()), 'pmix.other.tool')
+    session('ompi.{}x'.format(dead))
+    session('prte.{}'.format(dead))
     (tmp_path / 'ompi.{}'.format(_dead_pid())).write_text('a file')
     assert mpi.stale_session_dirs(str(tmp_path)) == [str(stale)]
     assert mpi.remove_stale_session_dirs(str(tmp_path)) == [str(stale)]
-    assert not stale.exists() and live.exists()
+    assert not stale.exists() and live.exists() and elsewhere.exists()
     assert mpi.stale_session_dirs(str(tmp_path)) == []
     assert mpi.stale_session_dirs(str(tmp_path / 'none')) == []
+    # the directory of one mpiexec the caller killed and reaped
+    killed = _dead_pid()
+    session('ompi.{}'.format(killed))
+    assert mpi.remove_session_dir(killed, str(tmp_path))
+    assert not (tmp_path / 'ompi.{}'.format(killed)).exists()
+    assert not mpi.remove_session_dir(killed, str(tmp_path))
+    assert not mpi.remove_session_dir(int(elsewhere.name[5:]),
+                                      str(tmp_path))
+    assert elsewhere.exists()
 
 
 def test_a_stale_session_dir_fails_the_launch_and_is_told(exec_tmp_path,

@@ -11,6 +11,7 @@ import time
 import numpy
 import pytest
 
+from harness import mpi
 from tests import launch
 from tests.scripts import imagenet_like
 
@@ -93,6 +94,9 @@ def kill(process):
     deadline = time.time() + 30
     while session_processes(process.pid) and time.time() < deadline:
         time.sleep(0.05)
+    # the killed mpiexec's session directory would fail the next mpiexec
+    # given its pid (harness.mpi.stale_session_dirs)
+    mpi.remove_session_dir(process.pid)
 
 
 def read_log(out):

@@ -45,7 +45,7 @@ def test_kfac_training_script(tmp_path):
     kfac_training.main(['--cases', 'peaks,digits', '--layers', '8',
                         '--steps', '4', '--eval-every', '2',
                         '--digits-train', '20', '--processes', '2',
-                        '--layer-procs', '1', '--targets', '0.0,1.01',
+                        '--layer-procs', '1', '--targets', '0.0,1.0',
                         '--out', str(tmp_path)])
     with open(tmp_path / 'kfac_training.json') as f:
         result = json.load(f)
@@ -59,7 +59,9 @@ def test_kfac_training_script(tmp_path):
         for name in ('adam', 'kfac'):
             assert [r['step'] for r in runs[name]['history']] == [0, 2, 4]
             row = result['table'][case][name]
-            assert row['steps_to'] == {'0.0': 0, '1.01': None}
+            assert row['steps_to'] == {'0.0': 0, '1.0': next(
+                (r['step'] for r in runs[name]['history']
+                 if r['validation'] >= 1.0), None)}
             assert row['final_validation'] == \
                 runs[name]['history'][-1]['validation']
         # Same initial weights: the same accuracy before the first step.
