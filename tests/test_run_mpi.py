@@ -72,7 +72,7 @@ def test_the_tests_own_launches_are_tried_again(tmp_path, monkeypatch):
     tests.scripts.conftest.run, test_preemption's Launch) start a run again
     where the launcher failed to start, and only then."""
     from tests import launch
-    from tests.scripts import conftest, test_preemption
+    from tests.scripts import conftest
     mpiexec, counter = _fake_mpiexec(tmp_path, [(PMIX, 213)])
     monkeypatch.setattr(launch, 'MPIEXEC', mpiexec)
     proc, _ = launch.run_mpi(['-c', 'pass'], 2)
@@ -82,7 +82,7 @@ def test_the_tests_own_launches_are_tried_again(tmp_path, monkeypatch):
     assert result.returncode == 0 and '1 passed' in result.stdout
     assert counter.read_text().strip() == '2'
     counter.write_text('0')
-    run = test_preemption.Launch(['true'], 2, str(tmp_path / 'log'))
+    run = conftest.start(['true'], 2, str(tmp_path / 'log'))
     run.process.wait()
     assert run.running() and run.tries == 2      # started again
     run.process.wait()

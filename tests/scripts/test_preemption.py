@@ -27,8 +27,9 @@ import pytest
 
 from tests import launch
 from tests.scripts import imagenet_like
+from tests.scripts import conftest
 from tests.scripts.conftest import command, kill, read_log, run, \
-    session_processes, weights
+    session_processes, start, weights
 
 #: Global batch 24 = 4 per process x 2 processes x 3 micro-batches, or x 3
 #: processes x 2; 48 images: 2 steps per epoch, 8 steps in all.
@@ -172,51 +173,6 @@ def test_stopped_at_random_points_and_resumed_ends_bit_for_bit(
     assert_same_run(uninterrupted[nproc], out, nproc)
 
 
-class Launch:
-    """``mpiexec -n nproc cmd`` in its own session, output to the file
-    ``log``; started again (at most ``launch.LAUNCH_TRIES`` times) where it
-    ended because its launcher failed to start (Open MPI's PMIx listener on
-    a loaded machine: one CI run lost this test to it)."""
-
-    def __init__(self, cmd, nproc, log):
-        self.cmd, self.nproc, self.log = cmd, nproc, log
-        self.tries = 0
-        self._start()
-
-    def _start(self):
-        self.tries += 1
-        with open(self.log, 'w') as log:
-            self.process = subprocess.Popen(
-                [launch.MPIEXEC, '-n', str(self.nproc)] + self.cmd,
-                env=launch.mpi_env(), cwd=launch.REPO, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True)
-
-    @property
-    def pid(self):
-        return self.process.pid
-
-    def running(self) -> bool:
-        """Whether the run goes on (started again if its launcher
-        failed)."""
-        rc = self.process.poll()
-        if rc is None:
-            return True
-        with open(self.log) as f:
-            output = f.read()
-        if self.tries < launch.LAUNCH_TRIES and \
-                launch.launcher_failed(rc, output):
-            self._start()
-            return True
-        return False
-
-    def wait(self, timeout):
-        return self.process.wait(timeout=timeout)
-
-
-def start(cmd, nproc, log):
-    return Launch(cmd, nproc, log)
-
-
 def wait_for_snapshot(out, step, nproc, process, timeout=240):
     deadline = time.time() + timeout
     while not all(os.path.exists(os.path.join(out, 'snapshot_step_{}.rank{}'
@@ -224,7 +180,7 @@ def wait_for_snapshot(out, step, nproc, process, timeout=240):
                   for r in range(nproc)):
         # a Launch starts its run again if the launcher failed; a job
         # script's Popen is what it is
-        alive = (process.running() if isinstance(process, Launch)
+        alive = (process.running() if isinstance(process, conftest.Launch)
                  else process.poll() is None)
         assert alive, 'the run ended before step {}'.format(step)
         assert time.time() < deadline, 'no snapshot after {} s'.format(
@@ -279,7 +235,7 @@ def test_sigkill_right_after_the_signal_falls_back_to_a_whole_snapshot(
     wait_for_snapshot(out, 3, nproc, process)
     os.kill(process.pid, signal.SIGUSR1)
     time.sleep(0.05)
-    kill(process.process)
+    kill(process)
     result = resume_until_done(dataset, out, nproc)
     assert 'resumed from' in result.stdout
     assert_same_run(uninterrupted[nproc], out, nproc)
