@@ -612,6 +612,7 @@ class FisherBlock:
             return
         shapes = self.factor_shapes()
         for factor, (value, has) in self._loaded.items():
+            _check_loaded(self.name, factor, value, has, shapes[factor])
             value = linalg.to_device_of(value, like)
             if has == 2:
                 value = low_rank.LowRank(value)
@@ -704,6 +705,28 @@ class PlainBlock(FisherBlock):
 
     def serialize(self, serializer):
         pass
+
+
+def _check_loaded(block: str, factor: str, value, has: int,
+                  shape: Tuple[int, ...]) -> None:
+    """Raise ValueError, naming the block and factor, where a loaded
+    factor does not fit the model's (a snapshot of another model: it had
+    failed in packing, naming neither)."""
+    n = shape[0]
+    if has == 2:                            # low rank: its columns, n x k
+        fits = value.ndim == 2 and value.shape[0] == n
+    elif len(shape) == 2 and value.ndim == 1:   # a packed triangle
+        fits = value.size == n * (n + 1) // 2
+    else:
+        fits = tuple(value.shape) == tuple(shape)
+    if not fits:
+        raise ValueError(
+            'K-FAC state of {}: the snapshot\'s factor {} has shape {}, '
+            'which does not fit this model\'s {} ({}): the snapshot is of '
+            'another model or other layer sizes'.format(
+                block, factor, tuple(value.shape), 'x'.join(map(str, shape)),
+                'stored as its upper triangle, {} elements'.format(
+                    n * (n + 1) // 2) if len(shape) == 2 else 'a diagonal'))
 
 
 def _is_deserializer(serializer) -> bool:

@@ -434,6 +434,7 @@ class KFAC(optimizer.GradientMethod):
         self.frozen_when_decided: Dict[str, bool] = {}
         self._frozen_restored: Optional[Dict[str, bool]] = None
         self._warned_uncaptured: set = set()
+        self._warned_unfrozen: set = set()
         self._unreached: frozenset = frozenset()    # refresh_due()
         #: The coming step's micro-batches over all processes, where they
         #: differ between processes (:meth:`flush_accumulation`); None:
@@ -573,6 +574,8 @@ class KFAC(optimizer.GradientMethod):
         changed = self._start() if first and not lazy else False
         if self._micro == 0:
             self.timer.start()
+            if self._started:
+                self._decide_again_if_unfrozen(lossfun is not None)
             if lossfun is not None:
                 # the running statistics as the step's forward finds them
                 # (not as the last step left them: the model may have
@@ -1204,6 +1207,39 @@ class KFAC(optimizer.GradientMethod):
                                   record_graph=not (self._table_shown and
                                                     self.rescale.decided))
 
+    @staticmethod
+    def _frozen(block) -> bool:
+        return bool(block.params) and not any(
+            hooks.updates(p) for p in block.params)
+
+    def _decide_again_if_unfrozen(self, can: bool) -> None:
+        """A step's factors are decided at the end of the step before;
+        a link frozen then and unfrozen since (``enable_update()``) would
+        take a plain gradient step, its curvature not captured. Before the
+        step's passes (``update(lossfun)``, ``can``): decide again, the
+        link due; after them (``loss.backward(); optimizer.update()``):
+        say so, once per block."""
+        unfrozen = [block for block in self.blocks
+                    if self.frozen_when_decided.get(block.name) and
+                    not self._frozen(block)]
+        if not unfrozen:
+            return
+        if can:
+            self._frozen_restored = None
+            self._begin_step()
+            return
+        said = [b.name for b in unfrozen
+                if b.name not in self._warned_unfrozen]
+        self._warned_unfrozen.update(said)
+        if said and self.transport.rank == 0:
+            logger.warning(
+                'K-FAC: %s frozen when this step\'s curvature was decided '
+                '(at the last update) and updated now (enable_update()): '
+                'its curvature was not captured in this step\'s backward '
+                'pass, so it takes a plain gradient step, preconditioned '
+                'from the next; update(lossfun) decides again before its '
+                'passes', ', '.join(said))
+
     def _factors_due(self):
         self._step_intervals = {
             kind: schedule(self.t, self.epoch)
@@ -1213,8 +1249,7 @@ class KFAC(optimizer.GradientMethod):
         # (the first update decides again: :meth:`_start`)
         restored = self._frozen_restored
         for block in self.blocks:
-            frozen = bool(block.params) and not any(
-                hooks.updates(p) for p in block.params)
+            frozen = self._frozen(block)
             if restored is not None and block.name in restored:
                 frozen = restored[block.name]
             self.frozen_when_decided[block.name] = frozen
@@ -1355,6 +1390,24 @@ class KFAC(optimizer.GradientMethod):
         return out
 
     # -- state ----------------------------------------------------------------
+    def _check_loaded_velocities(self) -> None:
+        """Raise ValueError, naming the parameter, where a loaded
+        velocity does not have its parameter's shape (a snapshot of
+        another model: Chainer takes it as it is, and the first update
+        failed in broadcasting, naming nothing)."""
+        for name, param in self.target.namedparams():
+            rule = param.update_rule
+            if rule is None or param.array is None or not rule.state:
+                continue
+            for key, value in rule.state.items():
+                shape = getattr(value, 'shape', None)
+                if shape is not None and tuple(shape) != param.shape:
+                    raise ValueError(
+                        'K-FAC state of {}: the snapshot\'s {} has shape '
+                        '{}, the parameter {}: the snapshot is of another '
+                        'model or other layer sizes'.format(
+                            name, key, tuple(shape), param.shape))
+
     def serialize(self, serializer):
         """Optimizer state: t, epoch, velocities (Chainer's), and K-FAC's
         own (:func:`chainerkfac.optimizers.state.serialize`)."""
@@ -1367,7 +1420,18 @@ class KFAC(optimizer.GradientMethod):
             # process, every one: strict)
             super().serialize(sharding.PartialStateDeserializer(serializer))
         else:
-            super().serialize(serializer)
+            try:
+                super().serialize(serializer)
+            except ValueError as error:
+                if 'could not broadcast' not in str(error):
+                    raise
+                # Chainer copies a loaded velocity into the one it holds
+                raise ValueError(
+                    'K-FAC: the snapshot\'s velocities do not fit this '
+                    "model's parameters ({}): the snapshot is of another "
+                    'model or other layer sizes'.format(error)) from None
+        if isinstance(serializer, chainer.serializer.Deserializer):
+            self._check_loaded_velocities()
         state.serialize(self, serializer)
         if isinstance(serializer, chainer.serializer.Deserializer):
             if self._started:

@@ -157,3 +157,48 @@ def test_error_survives_pickling():
     copy = pickle.loads(pickle.dumps(error))
     assert (copy.path, copy.key, str(copy)) == (error.path, error.key,
                                                 str(error))
+
+
+@pytest.mark.parametrize('started', [False, True])
+def test_a_snapshot_of_another_model_is_refused_naming_what_differs(
+        tmp_path, started):
+    """A snapshot of an MLP 5-4-3 loaded into the optimizer of an MLP
+    5-6-3: the error named neither layer nor factor ('triu_unpack: 10
+    elements do not make the upper triangle of a 6x6 matrix'), and an
+    optimizer not yet updated took the file's velocities as they were
+    (shape (4, 5) for a (6, 5) weight)."""
+    import chainer
+    from tests.chainerkfac import helpers
+    x, t = helpers.data(n=8, shape=(5,), n_class=3)
+    numpy.random.seed(0)
+    small = helpers.MLP((5, 4, 3))
+    optimizer = helpers.kfac().setup(small)
+    for _ in range(2):
+        optimizer.update(helpers.loss_of(small), x, t)
+    path = str(tmp_path / 'o.npz')
+    chainer.serializers.save_npz(path, optimizer)
+    wide = helpers.MLP((5, 6, 3))
+    other = helpers.kfac().setup(wide)
+    if started:
+        other.update(helpers.loss_of(wide), x, t)
+        expected = (r"K-FAC: the snapshot's velocities do not fit this "
+                    r"model's parameters \(could not broadcast input array "
+                    r'from shape \(4,5\) into shape \(6,5\)\)')
+    else:
+        expected = r"K-FAC state of /l1/W: the snapshot's v has shape " \
+            r'\(4, 5\), the parameter \(6, 5\)'
+    with pytest.raises(ValueError, match=expected):
+        chainer.serializers.load_npz(path, other)
+
+
+def test_a_factor_that_does_not_fit_names_its_block():
+    from chainerkfac.fisher_blocks import base
+    with pytest.raises(ValueError, match="K-FAC state of /l1: the "
+                       r"snapshot's factor A has shape \(10,\), which does "
+                       r'not fit this model.s 6x6 \(stored as its upper '
+                       'triangle, 21 elements\\)'):
+        base._check_loaded('/l1', 'A', numpy.zeros(10), 1, (6, 6))
+    base._check_loaded('/l1', 'A', numpy.zeros(21), 1, (6, 6))
+    base._check_loaded('/l1', 'A', numpy.zeros((6, 2)), 2, (6, 6))
+    with pytest.raises(ValueError, match='a diagonal'):
+        base._check_loaded('/bn', 'F', numpy.zeros(3), 1, (4,))

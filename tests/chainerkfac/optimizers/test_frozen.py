@@ -44,9 +44,10 @@ def test_a_frozen_layer_does_not_shrink_the_others_steps():
 def test_a_frozen_layer_costs_no_curvature_until_it_is_unfrozen():
     """A frozen link's factors were captured, exchanged and inverted at
     every refresh as a trainable one's (a frozen backbone's fine-tuning
-    paid full K-FAC). Now it has none of that while frozen; unfrozen, its
-    factors are due at the next step that starts and it is
-    preconditioned from then on."""
+    paid full K-FAC). Now it has none of that while frozen; unfrozen, it
+    is preconditioned from its first step: ``update(lossfun)`` decides
+    the step's factors again before its passes (the step after
+    ``enable_update()`` was a plain, unbounded gradient step)."""
     x, t = helpers.data(n=16, shape=(5,), n_class=3)
     numpy.random.seed(0)
     model = helpers.MLP((5, 4, 3))
@@ -60,9 +61,35 @@ def test_a_frozen_layer_costs_no_curvature_until_it_is_unfrozen():
     assert dict(l1.inverse_count) == {'A': 0, 'G': 0} and not l1.factors
     assert dict(l2.inverse_count) == {'A': 3, 'G': 3}
     model.l1.enable_update()
-    optimizer.update(classifier, x, t)      # its due set was decided
     optimizer.update(classifier, x, t)
-    assert l1.inverse_count['A'] >= 1 and l1.has_inverses()
+    assert dict(l1.inverse_count) == {'A': 1, 'G': 1} and l1.has_inverses()
+
+
+def test_a_link_unfrozen_after_a_manual_backward_is_said_once(caplog):
+    """``loss.backward(); optimizer.update()``: the passes ran before the
+    update could decide again; the plain gradient step is said, once."""
+    x, t = helpers.data(n=16, shape=(5,), n_class=3)
+    numpy.random.seed(0)
+    model = helpers.MLP((5, 4, 3))
+    classifier = L.Classifier(model)
+    optimizer = helpers.kfac().setup(classifier)
+    model.l1.disable_update()
+
+    def step():
+        classifier.cleargrads()
+        classifier(x, t).backward()
+        optimizer.update()
+    step()
+    model.l1.enable_update()
+    caplog.set_level('WARNING', logger='chainerkfac')
+    step()
+    step()
+    said = [r.getMessage() for r in caplog.records
+            if 'enable_update' in r.getMessage()]
+    assert len(said) == 1 and '/predictor/l1 frozen when this step' in \
+        said[0] and 'plain gradient step' in said[0], said
+    l1 = helpers.block_named(optimizer, '/predictor/l1')
+    assert l1.has_inverses()            # from the next step on
 
 
 def test_a_run_resumed_where_a_link_is_unfrozen_goes_on_to_the_bit(

@@ -17,10 +17,11 @@ from tests.chainerkfac import helpers
 LR = 0.5
 
 
-def _step(hooks=(), loss=None, rule_hooks=None, **options):
+def _step(hooks=(), loss=None, rule_hooks=None, frozen=(), **options):
     """One K-FAC step of helpers.ConvNet(bn=True) with ``hooks`` (and
-    ``rule_hooks(name)``: the hooks of that parameter's own rule); returns
-    the model before and after and the raw gradients left in it."""
+    ``rule_hooks(name)``: the hooks of that parameter's own rule), the
+    links named in ``frozen`` disabled; returns the model before and
+    after and the raw gradients left in it."""
     numpy.random.seed(0)
     model = helpers.ConvNet(bn=True)
     before = {n: p.array.copy() for n, p in model.namedparams()}
@@ -29,6 +30,8 @@ def _step(hooks=(), loss=None, rule_hooks=None, **options):
                              skip_layers=['/fc/b'.rsplit('/', 1)[0]]
                              if options.pop('plain_fc', False) else (),
                              **options).setup(model)
+    for name in frozen:
+        getattr(model, name).disable_update()
     for hook in hooks:
         optimizer.add_hook(hook)
     for name, param in model.namedparams():
@@ -134,6 +137,23 @@ def test_gradient_clipping_bounds_the_direction(plain_fc):
     _, loose, _ = _step([optimizer_hooks.GradientClipping(2 * norm)],
                         plain_fc=plain_fc)
     _assert_same(loose, free)
+
+
+def test_gradient_clipping_leaves_a_frozen_links_gradient_out():
+    """The norm is over the directions of the parameters that train: a
+    frozen link's raw gradient (other units, no direction) counted in it,
+    and the others' steps were clipped too hard (0.036 for 0.05 in a
+    reviewer's MLP)."""
+    before, free, _ = _step(frozen=['conv'])
+    direction = _directions(before, free)
+    assert not any(direction[n].any() for n in ('/conv/W', '/conv/b'))
+    norm = numpy.sqrt(sum(float((d * d).sum()) for d in direction.values()))
+    threshold = norm / 3
+    _, clipped, grads = _step([optimizer_hooks.GradientClipping(threshold)],
+                              frozen=['conv'])
+    assert float(numpy.abs(grads['/conv/W']).max()) > 0   # it has one
+    _assert_same(_directions(before, clipped),
+                 {n: d * (threshold / norm) for n, d in direction.items()})
 
 
 def test_gradient_hard_clipping_clips_each_element_of_the_direction():
