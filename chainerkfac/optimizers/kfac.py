@@ -572,10 +572,11 @@ class KFAC(optimizer.GradientMethod):
                 [any(p.array is None for p in self.target.params())],
                 numpy.int64))[0])
         changed = self._start() if first and not lazy else False
+        if self._started:
+            self._decide_again_if_unfrozen(lossfun is not None and
+                                           self._micro == 0)
         if self._micro == 0:
             self.timer.start()
-            if self._started:
-                self._decide_again_if_unfrozen(lossfun is not None)
             if lossfun is not None:
                 # the running statistics as the step's forward finds them
                 # (not as the last step left them: the model may have
@@ -1215,10 +1216,11 @@ class KFAC(optimizer.GradientMethod):
     def _decide_again_if_unfrozen(self, can: bool) -> None:
         """A step's factors are decided at the end of the step before;
         a link frozen then and unfrozen since (``enable_update()``) would
-        take a plain gradient step, its curvature not captured. Before the
-        step's passes (``update(lossfun)``, ``can``): decide again, the
-        link due; after them (``loss.backward(); optimizer.update()``):
-        say so, once per block."""
+        take the step without its curvature. Before the step's passes
+        (``update(lossfun)`` at its first micro-batch, ``can``): decide
+        again, the link due; after some (``loss.backward();
+        optimizer.update()``, or a later micro-batch): say so, once per
+        block."""
         unfrozen = [block for block in self.blocks
                     if self.frozen_when_decided.get(block.name) and
                     not self._frozen(block)]
@@ -1236,9 +1238,11 @@ class KFAC(optimizer.GradientMethod):
                 'K-FAC: %s frozen when this step\'s curvature was decided '
                 '(at the last update) and updated now (enable_update()): '
                 'its curvature was not captured in this step\'s backward '
-                'pass, so it takes a plain gradient step, preconditioned '
-                'from the next; update(lossfun) decides again before its '
-                'passes', ', '.join(said))
+                'passes, so it takes this step without it (a plain '
+                'gradient step if it has none yet), preconditioned from '
+                'the next; update(lossfun) decides again where a link is '
+                'unfrozen before a step\'s first micro-batch',
+                ', '.join(said))
 
     def _factors_due(self):
         self._step_intervals = {

@@ -130,3 +130,34 @@ def test_a_run_resumed_where_a_link_is_unfrozen_goes_on_to_the_bit(
     for (name, a), (_, b) in zip(sorted(model.namedparams()),
                                  sorted(resumed.namedparams())):
         numpy.testing.assert_array_equal(a.array, b.array, err_msg=name)
+
+
+def test_a_link_unfrozen_between_micro_batches_is_said_and_one_before(
+        caplog):
+    """``acc_iters=2``: unfrozen before a step's first micro-batch,
+    ``update(lossfun)`` decides again and the link is preconditioned
+    from that step; unfrozen between its micro-batches, the first's
+    passes ran uncaptured: said once (it was silent)."""
+    x, t = helpers.data(n=16, shape=(5,), n_class=3)
+    caplog.set_level('WARNING', logger='chainerkfac')
+    for between in (False, True):
+        numpy.random.seed(0)
+        model = helpers.MLP((5, 4, 3))
+        optimizer = helpers.kfac(acc_iters=2).setup(model)
+        model.l1.disable_update()
+        loss = helpers.loss_of(model)
+        for _ in range(2):
+            optimizer.update(loss, x[0::2], t[0::2])
+            optimizer.update(loss, x[1::2], t[1::2])
+        caplog.clear()
+        if not between:
+            model.l1.enable_update()
+        optimizer.update(loss, x[0::2], t[0::2])
+        if between:
+            model.l1.enable_update()
+        optimizer.update(loss, x[1::2], t[1::2])
+        l1 = helpers.block_named(optimizer, '/l1')
+        said = [r.getMessage() for r in caplog.records
+                if 'enable_update' in r.getMessage()]
+        assert l1.has_inverses() != between
+        assert len(said) == int(between), said
