@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -271,20 +272,55 @@ def mpiexec_path() -> str:
     return found
 
 
+def _run_echoed(cmd: List[str], env: Dict, cwd: str,
+                timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd)`` with its output (stderr into stdout) both
+    passed through to this process's stdout as it comes (progress of a
+    long job) and kept."""
+    process = subprocess.Popen(cmd, env=env, cwd=cwd, text=True,
+                               stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT)
+    lines: List[str] = []
+
+    def echo():
+        for line in process.stdout:
+            lines.append(line)
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    reader = threading.Thread(target=echo, daemon=True)
+    reader.start()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        # as subprocess.run: not waiting for processes it started that
+        # still hold the pipe (the reader is a daemon)
+        reader.join(1.0)
+        raise subprocess.TimeoutExpired(cmd, timeout, ''.join(lines))
+    reader.join()
+    return subprocess.CompletedProcess(cmd, process.returncode,
+                                       ''.join(lines), '')
+
+
 def run_mpiexec(cmd: Sequence[str], env: Dict, timeout: float,
-                cwd: str = ROOT):
+                cwd: str = ROOT, echo: bool = False):
     """``subprocess.run(cmd)`` of an ``mpiexec`` command line, its output
-    captured (text), started again (at most ``harness.mpi.LAUNCH_TRIES``
-    times, saying so) where the launcher itself failed to start: Open MPI
-    5 given the pid of a killed ``mpiexec`` whose session directory is
-    left (:func:`harness.mpi.stale_session_dirs`).
+    captured (text; with ``echo``, also passed through as it comes),
+    started again (at most ``harness.mpi.LAUNCH_TRIES`` times, saying so)
+    where the launcher itself failed to start: Open MPI 5 given the pid of
+    a killed ``mpiexec`` whose session directory is left
+    (:func:`harness.mpi.stale_session_dirs`).
     Returns ``(completed process, wall seconds of the launch that ran)``;
     raises ``subprocess.TimeoutExpired`` as ``subprocess.run``."""
     for attempt in range(1, mpi.LAUNCH_TRIES + 1):
         start = time.perf_counter()
-        proc = subprocess.run(list(cmd), env=env, cwd=cwd,
-                              capture_output=True, text=True,
-                              timeout=timeout)
+        if echo:
+            proc = _run_echoed(list(cmd), env, cwd, timeout)
+        else:
+            proc = subprocess.run(list(cmd), env=env, cwd=cwd,
+                                  capture_output=True, text=True,
+                                  timeout=timeout)
         seconds = time.perf_counter() - start
         if attempt == mpi.LAUNCH_TRIES or not mpi.launcher_failed(
                 proc.returncode, proc.stdout + proc.stderr):

@@ -163,4 +163,8 @@ def launch(n_procs: int, module: str, args: List[str],
     command += args
     logger.info('$ mpiexec -n %d python -m %s %s', n_procs, module,
                 ' '.join(args))
-    subprocess.run(command, env=env, cwd=ROOT, check=True, timeout=timeout)
+    # its output passed through as it comes; started again where the
+    # launcher itself failed to start (harness.mpi.launcher_failed)
+    done, _ = _common.run_mpiexec(command, env, timeout, cwd=ROOT, echo=True)
+    if done.returncode:
+        raise subprocess.CalledProcessError(done.returncode, command)

@@ -78,14 +78,16 @@ def test_failure_latency_smoke(tmp_path):
         assert run['returncode'] not in (0, None) and run['message_seen']
 
 
+@pytest.mark.parametrize('echo', [False, True])
 def test_the_benchmarks_launch_again_where_mpiexec_failed_to_start(
-        exec_tmp_path, tmp_path, capsys):
+        exec_tmp_path, tmp_path, capsys, echo):
     """Their launches (_common.run_mpiexec: launch_worker, the agreement,
-    failure_latency) start again where Open MPI's launcher failed before
-    any process ran: here the real mpiexec, first given a stale session
-    directory for its process id (harness.mpi.stale_session_dirs: this
-    failed a CI run in benchmarks.preemption), and never where the job
-    ran and failed."""
+    failure_latency; with ``echo``, the layer-parallel experiments', their
+    output passed through) start again where Open MPI's launcher failed
+    before any process ran: here the real mpiexec, first given a stale
+    session directory for its process id (harness.mpi.stale_session_dirs:
+    this failed a CI run in benchmarks.preemption), and never where the
+    job ran and failed."""
     import socket
     from harness import mpi
     counter = tmp_path / 'launches'
@@ -103,16 +105,18 @@ def test_the_benchmarks_launch_again_where_mpiexec_failed_to_start(
     code = 'import sys; print("ran"); sys.exit({})'
     proc, seconds = _common.run_mpiexec(
         [str(script), '-n', '2', sys.executable, '-c', code.format(0)], env,
-        timeout=120)
+        timeout=120, echo=echo)
     assert proc.returncode == 0 and proc.stdout.count('ran') == 2, \
         proc.stdout + proc.stderr
     assert counter.read_text().strip() == '2' and positive(seconds)
+    said = capsys.readouterr().out
     assert 'mpiexec failed to start (exit 213): launch 2 of {}'.format(
-        mpi.LAUNCH_TRIES) in capsys.readouterr().out
+        mpi.LAUNCH_TRIES) in said
+    assert said.count('ran') == (2 if echo else 0)
     counter.write_text('1')             # no stale directory: a job that fails
     proc, _ = _common.run_mpiexec(
         [str(script), '-n', '2', sys.executable, '-c', code.format(3)], env,
-        timeout=120)
+        timeout=120, echo=echo)
     assert proc.returncode == 3 and counter.read_text().strip() == '2'
 
 
@@ -183,3 +187,16 @@ def test_snapshot_sizes_are_decimal_gb_everywhere(capsys):
     assert '| after: background, uncompressed     |   0.003 |' in out
     assert '| kfac_factors         |     0.002 |    0.002 |' in out
     assert 'file 0.003 GB (goal <= 1.1 GB: met)' in out
+
+
+def test_an_echoed_launch_past_its_timeout_is_killed_and_said():
+    """Its output so far in the error, without waiting for processes
+    the launch started that still hold its pipe (as subprocess.run)."""
+    import time
+    start = time.time()
+    with pytest.raises(subprocess.TimeoutExpired) as raised:
+        _common.run_mpiexec(['sh', '-c', 'echo started; sleep 30'],
+                            _common.worker_env(threads=1), timeout=1.0,
+                            echo=True)
+    assert 'started' in raised.value.output
+    assert time.time() - start < 20
