@@ -65,30 +65,32 @@ def fraction(text: str) -> float:
     return value
 
 
+def _comma_list(text: str, item: Callable[[str], object],
+                what: str) -> list:
+    """``text`` split at commas, each part parsed by ``item``; at least
+    one, else an error saying ``expected comma-separated <what>``."""
+    try:
+        values = [item(v.strip()) for v in text.split(',')]
+    except (argparse.ArgumentTypeError, ValueError):
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(
+            'expected comma-separated {}, got {!r}'.format(what, text))
+    return values
+
+
 def int_list(minimum: int = 1) -> Callable[[str], List[int]]:
     """Comma-separated integers, each >= ``minimum``, at least one."""
     def parse(text: str) -> List[int]:
-        try:
-            values = [_integer(v.strip(), minimum) for v in text.split(',')]
-        except argparse.ArgumentTypeError:
-            values = []
-        if not values:
-            raise argparse.ArgumentTypeError(
-                'expected comma-separated integers >= {}, got {!r}'.format(
-                    minimum, text))
-        return values
+        return _comma_list(text, lambda v: _integer(v, minimum),
+                           'integers >= {}'.format(minimum))
     parse.__name__ = 'list of integers'
     return parse
 
 
 def float_list(text: str) -> List[float]:
     """Comma-separated finite numbers > 0, at least one."""
-    try:
-        return [positive_float(v.strip()) for v in text.split(',')]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            'expected comma-separated numbers > 0, got {!r}'.format(
-                text)) from None
+    return _comma_list(text, positive_float, 'numbers > 0')
 
 
 def names(choices: Sequence[str]) -> Callable[[str], List[str]]:
@@ -107,17 +109,16 @@ def names(choices: Sequence[str]) -> Callable[[str], List[str]]:
     return parse
 
 
+def _accuracy(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise ValueError(text)
+    return value
+
+
 def accuracy_list(text: str) -> List[float]:
     """Comma-separated accuracies (numbers in [0, 1]), at least one."""
-    try:
-        values = [float(v) for v in text.split(',')]
-    except ValueError:
-        values = []
-    if not values or not all(0 <= v <= 1 for v in values):
-        raise argparse.ArgumentTypeError(
-            'expected comma-separated accuracies in [0, 1], got {!r}'.format(
-                text))
-    return values
+    return _comma_list(text, _accuracy, 'accuracies in [0, 1]')
 
 
 def or_empty(parse: Callable[[str], list]) -> Callable[[str], list]:
@@ -193,15 +194,13 @@ def check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace,
                     name.replace('_', '-'), path, problem))
 
 
+def _pair(text: str) -> tuple:
+    pair = tuple(positive_int(v) for v in text.split(':'))
+    if len(pair) != 2:
+        raise ValueError(text)
+    return pair
+
+
 def int_pairs(text: str) -> List[tuple]:
     """Comma-separated ``a:b`` pairs of integers >= 1 (layers:cores)."""
-    try:
-        pairs = [tuple(positive_int(v) for v in item.split(':'))
-                 for item in text.split(',')]
-    except argparse.ArgumentTypeError:
-        pairs = []
-    if not pairs or any(len(pair) != 2 for pair in pairs):
-        raise argparse.ArgumentTypeError(
-            'expected comma-separated pairs a:b of integers >= 1, got '
-            '{!r}'.format(text))
-    return pairs
+    return _comma_list(text, _pair, 'pairs a:b of integers >= 1')

@@ -329,6 +329,58 @@ def run_mpiexec(cmd: Sequence[str], env: Dict, timeout: float,
             proc.returncode, attempt + 1, mpi.LAUNCH_TRIES), flush=True)
 
 
+class BackgroundLaunch:
+    """``cmd`` (an ``mpiexec`` command line) started in a session of its
+    own, its output in the file ``log``; started again (at most
+    ``harness.mpi.LAUNCH_TRIES`` times, saying so, as
+    :func:`run_mpiexec`) where it ended because the launcher itself failed
+    to start; ``retry=False`` for a command that is not ``mpiexec``.
+    ``process``, ``pid`` and ``started`` (its ``time.time()``) are the
+    running launch's."""
+
+    def __init__(self, cmd: Sequence[str], env: Dict, log: str,
+                 cwd: str = ROOT, retry: bool = True):
+        self.cmd, self.env, self.log = list(cmd), env, log
+        self.cwd, self.retry = cwd, retry
+        self.tries = 0
+        self._start()
+
+    def _start(self) -> None:
+        self.tries += 1
+        self.started = time.time()
+        with open(self.log, 'w') as log:
+            self.process = subprocess.Popen(
+                self.cmd, env=self.env, cwd=self.cwd, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def running(self) -> bool:
+        """Whether the run goes on (started again if its launcher
+        failed)."""
+        rc = self.process.poll()
+        if rc is None:
+            return True
+        if not self.retry or self.tries >= mpi.LAUNCH_TRIES:
+            return False
+        with open(self.log, errors='replace') as f:
+            output = f.read()
+        if not mpi.launcher_failed(rc, output):
+            return False
+        print('mpiexec failed to start (exit {}): launch {} of {}'.format(
+            rc, self.tries + 1, mpi.LAUNCH_TRIES), flush=True)
+        self._start()
+        return True
+
+    def poll(self) -> Optional[int]:
+        return None if self.running() else self.process.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        return self.process.wait(timeout=timeout)
+
+
 def spec_from(args, smoke: Dict, full: Dict, keys: Sequence[str]) -> Dict:
     """A launching benchmark's sizes: ``smoke`` or ``full`` (``--smoke``),
     with the options named in ``keys`` that were given over them."""

@@ -33,7 +33,6 @@ import os
 import random
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -113,32 +112,14 @@ def stop_once(arch, directory, seed, timeout):
            '--fisher-diff', '--no-progress', '--seed', str(seed)]
     cmd += spec['options']
     log_path = os.path.join(directory, 'log{}.txt'.format(seed))
-    tries, deadline = 0, None
-
-    def start():
-        nonlocal tries, deadline
-        tries += 1
-        deadline = time.time() + timeout
-        with open(log_path, 'w') as log:
-            return subprocess.Popen(
-                cmd, cwd=_common.ROOT, stdout=log, stderr=subprocess.STDOUT,
-                env=_common.worker_env(spec['threads']),
-                start_new_session=True)
-
-    process = start()
+    process = _common.BackgroundLaunch(
+        cmd, _common.worker_env(spec['threads']), log_path)
     diff = os.path.join(out, 'fisher_diff.jsonl')
     marks = []
     while len(marks) < 2:
-        if process.poll() is not None and tries < mpi.LAUNCH_TRIES \
-                and mpi.launcher_failed(process.returncode,
-                                        _read(log_path)):
-            print('mpiexec failed to start (exit {}): launch {} of {}'
-                  .format(process.returncode, tries + 1,
-                          mpi.LAUNCH_TRIES), flush=True)
-            process = start()
-            continue
-        if process.poll() is not None or time.time() > deadline:
-            process.kill()
+        if not process.running() or \
+                time.time() > process.started + timeout:
+            process.process.kill()
             process.wait()
             mpi.remove_session_dir(process.pid)
             raise RuntimeError('{}: no second step (see {})'.format(
@@ -150,7 +131,7 @@ def stop_once(arch, directory, seed, timeout):
     fraction = random.Random(seed).random()
     time.sleep(fraction * step_s)
     sent = time.perf_counter()
-    process.send_signal(signal.SIGUSR1)
+    process.process.send_signal(signal.SIGUSR1)
     status = process.wait(timeout=timeout)
     exit_s = time.perf_counter() - sent
     found = _MESSAGE.search(_read(log_path))

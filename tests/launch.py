@@ -4,6 +4,7 @@ import subprocess
 import sys
 import time
 
+from benchmarks import _common
 from tests.run_mpi import LAUNCH_TRIES, launcher_failed  # NOQA (re-exported)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,15 +30,11 @@ def run_mpi(args, nproc, timeout=60, env=None, cwd=REPO):
     see :func:`harness.mpi.stale_session_dirs`) is started again, as
     :mod:`tests.run_mpi` does."""
     cmd = [sys.executable] + [str(a) for a in args]
+    env = mpi_env() if env is None else env
     if nproc > 1:
-        cmd = [MPIEXEC, '-n', str(nproc)] + cmd
-    for attempt in range(1, LAUNCH_TRIES + 1):
-        start = time.time()
-        proc = subprocess.run(cmd, env=mpi_env() if env is None else env,
-                              cwd=cwd,
-                              capture_output=True, text=True,
-                              timeout=timeout)
-        if nproc == 1 or attempt == LAUNCH_TRIES or not launcher_failed(
-                proc.returncode, proc.stdout + proc.stderr):
-            break
+        return _common.run_mpiexec([MPIEXEC, '-n', str(nproc)] + cmd, env,
+                                   timeout, cwd=cwd)
+    start = time.time()
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
     return proc, time.time() - start

@@ -33,7 +33,6 @@ Writes ``overhead.json`` and ``overhead.png`` into ``--out``::
     python -m experiments.curvature.overhead [--peer]
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -95,9 +94,12 @@ def parse_args(argv):
     parser.add_argument('--replot', action='store_true',
                         help='only draw the PNG again from the JSON in --out')
     args = parser.parse_args(argv)
+    # --replot's earlier result, read once
+    args.earlier = None
     if args.replot:
         try:
-            _args.json_file(os.path.join(args.out, 'overhead.json'))
+            args.earlier = _args.read_json(
+                os.path.join(args.out, 'overhead.json'))
         except argparse.ArgumentTypeError as error:
             parser.error('--replot: {}'.format(error))
     _args.check_paths(parser, args, files=(), folders=('out',))
@@ -323,8 +325,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.replot:
-        with open(os.path.join(args.out, 'overhead.json')) as f:
-            plot(json.load(f), os.path.join(args.out, 'overhead.png'))
+        plot(args.earlier, os.path.join(args.out, 'overhead.png'))
         print('wrote {}'.format(os.path.join(args.out, 'overhead.png')))
         return
     xp = _common.array_module(args.gpu)

@@ -12,6 +12,7 @@ import time
 import numpy
 import pytest
 
+from benchmarks import _common
 from harness import mpi
 from tests import launch
 from tests.scripts import imagenet_like
@@ -55,63 +56,25 @@ def run(cmd, nproc=1, timeout=300):
             return result
 
 
-class Launch:
-    """``cmd`` (under ``mpiexec -n nproc`` for more than one) in its own
-    session, output to the file ``log``; started again (at most
-    ``launch.LAUNCH_TRIES`` times) where it ended because its launcher
-    failed to start (Open MPI's PMIx listener: CI runs lost tests to it,
-    see harness.mpi.stale_session_dirs). ``pid``, ``poll`` and ``wait``
-    are the running launch's."""
-
-    def __init__(self, cmd, nproc, log):
-        self.cmd, self.nproc, self.log = list(cmd), nproc, log
-        self.tries = 0
-        self._start()
-
-    def _start(self):
-        self.tries += 1
-        cmd = self.cmd if self.nproc == 1 else \
-            [launch.MPIEXEC, '-n', str(self.nproc)] + self.cmd
-        with open(self.log, 'w') as log:
-            self.process = subprocess.Popen(
-                cmd, env=launch.mpi_env(), cwd=ROOT, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True)
-
-    @property
-    def pid(self):
-        return self.process.pid
-
-    def running(self) -> bool:
-        """Whether the run goes on (started again if its launcher
-        failed)."""
-        rc = self.process.poll()
-        if rc is None:
-            return True
-        with open(self.log, errors='replace') as f:
-            output = f.read()
-        if self.nproc > 1 and self.tries < launch.LAUNCH_TRIES and \
-                launch.launcher_failed(rc, output):
-            self._start()
-            return True
-        return False
-
-    def poll(self):
-        return None if self.running() else self.process.returncode
-
-    def wait(self, timeout=None):
-        return self.process.wait(timeout=timeout)
+#: A run started in the background (:func:`start`).
+Launch = _common.BackgroundLaunch
 
 
 def start(cmd, nproc=1, log=None):
     """Start a run in its own process group (mpiexec and its ranks): a
-    :class:`Launch`, its output in ``log`` (default: a temporary file,
-    removed when the launch object goes)."""
+    :class:`Launch`, started again where its launcher failed to start
+    (Open MPI's PMIx listener: CI runs lost tests to it, see
+    harness.mpi.stale_session_dirs), its output in ``log`` (default: a
+    temporary file, removed when the launch object goes)."""
+    if nproc > 1:
+        cmd = [launch.MPIEXEC, '-n', str(nproc)] + list(cmd)
+    handle = None
     if log is None:
         handle = tempfile.NamedTemporaryFile(prefix='launch.', suffix='.log')
-        launched = Launch(cmd, nproc, handle.name)
-        launched.log_file = handle          # kept while the launch lives
-        return launched
-    return Launch(cmd, nproc, log)
+        log = handle.name
+    launched = Launch(cmd, launch.mpi_env(), log, cwd=ROOT, retry=nproc > 1)
+    launched.log_file = handle              # kept while the launch lives
+    return launched
 
 
 def session_processes(session):
