@@ -169,6 +169,9 @@ class KFACOptimizer:
                 ', '.join(sorted(set(hooks))))
         if not opt.started:
             return 'the first step (it sets up the transport and eq. 20)'
+        # a link updated again (enable_update()) since the factors were
+        # decided is due now, as update(lossfun) would decide
+        opt._decide_again_if_unfrozen(True)
         if opt.refresh_due():
             return 'a refresh step (factors due)'
         if opt._checkpoint_due or not isinstance(opt.guard, DeviceStepGuard) \
@@ -215,14 +218,17 @@ class KFACOptimizer:
         return objects
 
     def baked(self) -> tuple:
-        """The host values a captured stale step holds: ρ_BN, eq. (20)'s
-        norms, which blocks have inverses, the bounded step's bound (None:
-        no bound) and the parameters' hyperparameters of their own (a
-        layer's own lr: the update's kernels and the bound read it)."""
+        """The host values a captured stale step holds: which parameters
+        it updates (a link frozen with ``disable_update()``, or updated
+        again, captures again), ρ_BN, eq. (20)'s norms, which blocks have
+        inverses, the bounded step's bound (None: no bound) and the
+        parameters' hyperparameters of their own (a layer's own lr: the
+        update's kernels and the bound read it)."""
         opt = self.optimizer
         bound = opt.step_bound
         params = self._params()
-        return (opt.rho_bn,
+        return (tuple(p.update_rule.enabled for p in params),
+                opt.rho_bn,
                 tuple(getattr(p.update_rule, 'rescale_norm', None)
                       for p in params),
                 tuple(b.has_inverses() for b in opt.blocks),

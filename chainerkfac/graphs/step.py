@@ -155,12 +155,14 @@ class ChainerOptimizer:
         return None
 
     def baked(self) -> tuple:
-        """The host values the captured kernels hold: every rule's
-        hyperparameters (but those on the device) and the replayable
-        hooks' attributes."""
+        """The host values the captured kernels hold: which rules update
+        their parameter (a link frozen with ``disable_update()``, or
+        updated again, captures again), every rule's hyperparameters (but
+        those on the device) and the replayable hooks' attributes."""
         device = self.ON_DEVICE if self.hyperparameters_on_device else ()
         rules = self._rules()
-        return tuple(baked_hyperparameters(rules, device)) + tuple(
+        return (tuple(r.enabled for r in rules),) + tuple(
+            baked_hyperparameters(rules, device)) + tuple(
             (name, tuple(sorted(vars(hook).items())))
             for name, hook in update_hooks(self.optimizer, rules))
 

@@ -107,15 +107,17 @@ def _guarded(model):
 
 
 def _steps(model, optimizer, batches, use_graph, schedule=False,
-           **graphed):
+           between=None, **graphed):
     """``optimizer``'s steps on ``model`` over ``batches``, graphed (with
     the options ``graphed``) or eagerly (the eager steps route their GEMMs
     as a graph's: the same calls either way); with ``schedule``, a new
-    learning rate every step. Returns what stepped (the graphed optimizer
-    or ``optimizer``)."""
+    learning rate every step; ``between(step, model)`` before each step.
+    Returns what stepped (the graphed optimizer or ``optimizer``)."""
     stepper = graphs.graphed(optimizer, **graphed) if use_graph else \
         optimizer
     for step, (x, t) in enumerate(batches):
+        if between is not None:
+            between(step, model)
         if schedule:
             optimizer.lr = 0.02 * 0.97 ** step
         if use_graph:
@@ -126,11 +128,11 @@ def _steps(model, optimizer, batches, use_graph, schedule=False,
     return stepper
 
 
-def _train(kind, make, batches, use_graph, **graphed):
+def _train(kind, make, batches, use_graph, between=None, **graphed):
     model = _network(kind)
     optimizer = make(model)
     stepper = _steps(model, optimizer, batches, use_graph, schedule=True,
-                     **graphed)
+                     between=between, **graphed)
     return model, optimizer, stepper
 
 
@@ -292,6 +294,35 @@ def test_a_model_with_an_unused_head_is_replayed(refresh_steps):
     if refresh_steps:
         assert stats['refresh update: replayed'] >= 2, stats
     assert model.predictor.aux.W.update_rule.t == 0
+    _assert_equal_runs(eager, model)
+
+
+@pytest.mark.parametrize('make, refresh_steps', [
+    (_kfac, False), (_kfac, True), (_guarded, False)],
+    ids=['kfac', 'kfac-refresh-steps', 'guarded'])
+def test_a_link_frozen_and_unfrozen_mid_run_is_replayed_as_eager(
+        make, refresh_steps):
+    """The first Linear frozen (``disable_update()``) from step 12 to 21
+    and updated again from step 22 (stale by the schedule, its factors
+    decided while it was frozen): the graphed run captures again each
+    time and equals the eager run to 1e-12 (a graph captured with the
+    link updated would go on updating it, and one captured without would
+    not update it once unfrozen); K-FAC refreshes its factors at step 22
+    (docs/gpu.md, "For the next GPU session", item 10)."""
+    def between(step, model):
+        if 12 <= step < 22:
+            model.predictor.l1.disable_update()
+        else:
+            model.predictor.l1.enable_update()
+    batches = _batches('mlp', 32)
+    graphed = {'refresh_steps': True} if refresh_steps else {}
+    eager, _, _ = _train('mlp', make, batches, False, between=between)
+    model, optimizer, stepper = _train('mlp', make, batches, True,
+                                       between=between, **graphed)
+    stats = dict(stepper.stats)
+    assert not [k for k in stats if 'capture failed' in k], stats
+    assert stats['dropped: hyperparameters changed'] >= 1, stats
+    assert stats['replayed'] >= 10, stats
     _assert_equal_runs(eager, model)
 
 

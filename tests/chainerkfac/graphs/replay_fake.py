@@ -22,9 +22,13 @@ arrays, so the stand-in emulates both halves:
   (K-FAC's captured factor sums, against ``current_arrays()``); then the
   attributes of the adapter's ``step_objects()`` that hold device arrays
   (or Variables of them) are put back as they were before the launch, as
-  a replay sets none. (NumPy scalars stand for CuPy's 0-d results, which
-  NumPy's 0-d arithmetic gives as scalars: they keep the re-run's values,
-  as the 0-d arrays the capture made would hold the replay's.)
+  a replay sets none. Which parameters the step updates is the capture's
+  too: the re-run sees each watched parameter's update rule ``enabled``
+  as it was at the capture (a link frozen or unfrozen since is updated as
+  the captured kernels update it), then as it is now again. (NumPy
+  scalars stand for CuPy's 0-d results, which NumPy's 0-d arithmetic
+  gives as scalars: they keep the re-run's values, as the 0-d arrays the
+  capture made would hold the replay's.)
 
 A host effect the adapter's state misses therefore happens twice, a
 report it misses never: tests that compare with eager runs see both.
@@ -69,15 +73,22 @@ class ReplayCupy(FakeCupy):
         base = self.cuda.Stream
 
         class Graph:
-            def __init__(self, owner, before):
+            def __init__(self, owner, before, enabled):
                 self.owner = owner
                 # the host state the captured step began from (the first
                 # launch follows the capture, whose host effects stay)
                 self.before = before
+                # which rules the captured kernels update
+                self.enabled = enabled
 
             def launch(self, stream=None):
                 fake.log.append(('launch', stream.name))
-                fake._replay(self.owner, self.before)
+                now = _enabled(fake.watched())
+                _set_enabled(self.enabled)
+                try:
+                    fake._replay(self.owner, self.before)
+                finally:
+                    _set_enabled(now)
                 self.before = None
 
         class Stream(base):
@@ -88,6 +99,7 @@ class ReplayCupy(FakeCupy):
                 fake._before = (None if fake._owner is None else
                                 fake._owner.adapter.host_state())
                 fake.capturing = []
+                fake._enabled = _enabled(fake.watched())
                 fake._saved = [(a, a.copy()) for a in device_arrays()]
                 fake.log.append(('begin_capture', self.name,
                                  fake.allocator))
@@ -97,7 +109,7 @@ class ReplayCupy(FakeCupy):
                     array[...] = copy
                 fake.capturing = None
                 fake.captures += 1
-                return Graph(fake._owner, fake._before)
+                return Graph(fake._owner, fake._before, fake._enabled)
 
             def is_capturing(self):
                 return fake.capturing is not None
@@ -194,6 +206,19 @@ def watched_of(optimizer, model) -> list:
     objects = [optimizer, getattr(optimizer, 'step_bound', None)]
     objects += list(model.links()) + list(model.params())
     return [o for o in objects if o is not None]
+
+
+def _enabled(objects) -> list:
+    """``(rule, enabled)`` of the update rules of the parameters among
+    ``objects``."""
+    return [(o.update_rule, o.update_rule.enabled) for o in objects
+            if isinstance(o, chainer.Parameter) and
+            o.update_rule is not None]
+
+
+def _set_enabled(flags) -> None:
+    for rule, enabled in flags:
+        rule.enabled = enabled
 
 
 def _device_value(value) -> bool:

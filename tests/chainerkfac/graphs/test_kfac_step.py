@@ -864,3 +864,67 @@ def test_refresh_steps_are_for_kfac_and_its_plain_steps():
     optimizer = _every(model)
     with pytest.raises(RuntimeError, match='started K-FAC'):
         optimizer.run_passes(_lossfun(model), *_batches(1)[0])
+
+
+def _frozen_between(frozen):
+    """``between`` for :func:`_run`: the convolution frozen
+    (``disable_update()``) at the steps in ``frozen``, updated at the
+    others."""
+    def between(step, model):
+        if step in frozen:
+            model.conv.disable_update()
+        else:
+            model.conv.enable_update()
+    return between
+
+
+@pytest.mark.parametrize('make,refresh_steps', [
+    (_kfac, False), (_bounded, False), (_kfac, True), (_bounded, True),
+    (_guarded, False)],
+    ids=['kfac', 'kfac-bounded', 'kfac-refresh-steps',
+         'kfac-bounded-refresh-steps', 'guarded'])
+def test_a_link_frozen_and_unfrozen_mid_run_is_replayed_as_eager(
+        make, refresh_steps):
+    """A link frozen (``disable_update()``) at a stale step after the
+    capture, and updated again (``enable_update()``) at a stale step whose
+    factors were decided while it was frozen: a replay of a graph captured
+    with the other set of updated links would update it where the eager
+    step does not (or not where it does), and K-FAC's eager step decides
+    its factors again, the link due. The graphed run takes the eager
+    run's steps, to the bit."""
+    batches = _batches(17)
+    between = _frozen_between(range(5, 10))
+    eager, eager_obs, _, _ = _run(make, batches, graphed=False,
+                                  between=between)
+    state, obs, modes, (fake, optimizer) = _run(
+        make, batches, graphed=True, between=between,
+        refresh_steps=refresh_steps)
+    _assert_same_state(eager, state)
+    numpy.testing.assert_equal(obs, eager_obs)
+    # the run froze it: the weights moved neither at the frozen steps nor
+    # in the eager run's ones
+    assert modes.count('replayed') >= 4, modes
+    stats = optimizer.stats
+    assert stats['dropped: hyperparameters changed'] >= 1, dict(stats)
+    if make is not _guarded:
+        # step 10 (stale by the schedule) refreshes the unfrozen link's
+        # factors: it runs as a refresh step
+        assert modes[10] == 'eager', modes
+
+
+def test_the_frozen_steps_of_a_graphed_run_leave_the_link_alone():
+    """The frozen link's weights and velocity stay as they were through the
+    frozen steps of a graphed run (its replays among them)."""
+    frozen = range(5, 10)
+    kept = {}
+
+    def between(step, model):
+        _frozen_between(frozen)(step, model)
+        if step in (5, 10):
+            kept[step] = {n: p.array.copy()
+                          for n, p in model.conv.namedparams()}
+    _, _, modes, _ = _run(_kfac, _batches(11), graphed=True,
+                          between=between)
+    assert 'replayed' in modes[5:10], modes
+    for name in kept[5]:
+        numpy.testing.assert_array_equal(kept[5][name], kept[10][name])
