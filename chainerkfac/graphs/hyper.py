@@ -66,6 +66,10 @@ class DeviceScalars:
             self._views[key] = array[i:i + 1].reshape(())
         return self._views[key]
 
+    def holds(self, value) -> bool:
+        """Whether ``value`` is one of the views :meth:`view` gave."""
+        return any(value is view for view in self._views.values())
+
     def write(self, values: Dict[str, float]) -> None:
         """Set the named values (host floats) in every dtype, in place."""
         for name, value in values.items():
@@ -104,11 +108,12 @@ def bind_rule_hyperparameters(params: Iterable, scalars: DeviceScalars,
     ``names`` in the dtype its kernel computes in (:func:`update_dtype`),
     as its own hyperparameters. A rule bound already keeps its views. A
     value the rule has of its own (``param.update_rule.hyperparam.lr =
-    ...``: a layer's own learning rate) stays: the optimizer's view would
+    ...``: a layer's own learning rate), set before its first binding or
+    since (in place of its view), stays: the optimizer's view would
     replace it (it did, silently); a host value the captured kernels
     bake, and a change of it captures again (:func:`chainerkfac.graphs.
     step.baked_hyperparameters`). The rule's ``device_hyperparameters``
-    names the views it was given."""
+    names the views it holds."""
     views = {}
     for param in params:
         rule, dtype = param.update_rule, update_dtype(param)
@@ -119,7 +124,9 @@ def bind_rule_hyperparameters(params: Iterable, scalars: DeviceScalars,
         own = rule.hyperparam.__dict__
         given = set(getattr(rule, 'device_hyperparameters', ()))
         for name, view in bound:
-            if name in own and name not in given:
+            if name in own and _own_value(own[name], name in given,
+                                          scalars):
+                given.discard(name)
                 continue        # the parameter's own value
             if own.get(name) is not view:
                 setattr(rule.hyperparam, name, view)
@@ -128,3 +135,17 @@ def bind_rule_hyperparameters(params: Iterable, scalars: DeviceScalars,
         # the device (not values of the parameter's own:
         # chainerkfac.step_bound.own_lr)
         rule.device_hyperparameters = frozenset(given)
+
+
+def _own_value(value, was_given: bool, scalars: DeviceScalars) -> bool:
+    """Whether a rule's hyperparameter ``value`` is the parameter's own:
+    set by the user (before the rule's first binding, or since, in place
+    of the view it was given), not a view of ``scalars`` nor, where the
+    rule was given one, a 0-d device view of an earlier binding's
+    (another graph's)."""
+    if scalars.holds(value):
+        return False
+    if was_given and getattr(value, 'ndim', None) == 0 and \
+            hasattr(value, 'dtype'):
+        return False
+    return True

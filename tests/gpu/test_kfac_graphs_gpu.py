@@ -326,6 +326,54 @@ def test_a_link_frozen_and_unfrozen_mid_run_is_replayed_as_eager(
     _assert_equal_runs(eager, model)
 
 
+def _own_lr(step, model):
+    if step == 12:
+        for param in model.predictor.l2.params():
+            param.update_rule.hyperparam.lr = 0.005
+
+
+def _bn_decay(step, model):
+    if step == 12:
+        model.predictor.bn.decay = 0.5
+
+
+def _test_mode(step, model):
+    chainer.config.train = step < 12
+
+
+def _new_velocities(step, model):
+    if step == 12:
+        for param in model.params():
+            state = param.update_rule.state
+            if state is not None:
+                state['v'] = state['v'] * 0.5
+
+
+@pytest.mark.parametrize('change', [_own_lr, _bn_decay, _test_mode,
+                                    _new_velocities],
+                         ids=['own-lr', 'bn-decay', 'test-mode',
+                              'new-velocities'])
+@pytest.mark.parametrize('make', [_kfac, _guarded], ids=['kfac', 'guarded'])
+def test_host_values_changed_mid_run_are_replayed_as_eager(make, change):
+    """A host value a captured step holds changed at step 12 (a layer's
+    own lr, a BatchNormalization's decay, ``chainer.config.train``, a
+    velocity replaced by a new array): the graph is dropped and captured
+    again, and the run equals the eager one to 1e-12 (a replay of the old
+    graph would have taken the old value, or written the old array)."""
+    batches = _batches('mlp', 30)
+    try:
+        eager, _, _ = _train('mlp', make, batches, False, between=change)
+        chainer.config.train = True
+        model, optimizer, stepper = _train('mlp', make, batches, True,
+                                           between=change)
+    finally:
+        chainer.config.train = True
+    stats = dict(stepper.stats)
+    assert not [k for k in stats if 'capture failed' in k], stats
+    assert [k for k in stats if k.startswith('dropped')], stats
+    _assert_equal_runs(eager, model)
+
+
 def _kfac_every(model):
     """K-FAC refreshing every factor at every step, otherwise _kfac."""
     return KFAC(lr=0.02, momentum=0.9, damping=0.1, damping_target=0.01,

@@ -22,10 +22,17 @@ arrays, so the stand-in emulates both halves:
   (K-FAC's captured factor sums, against ``current_arrays()``); then the
   attributes of the adapter's ``step_objects()`` that hold device arrays
   (or Variables of them) are put back as they were before the launch, as
-  a replay sets none. Which parameters the step updates is the capture's
-  too: the re-run sees each watched parameter's update rule ``enabled``
-  as it was at the capture (a link frozen or unfrozen since is updated as
-  the captured kernels update it), then as it is now again. (NumPy
+  a replay sets none. What the captured kernels hold is the capture's
+  too: the re-run sees, as they were at the capture, then as they are now
+  again, ``chainer.config.train`` (which kernels were recorded: batch or
+  running statistics), each watched link's plain attributes (numbers,
+  bools, strings: kernel arguments such as a BatchNormalization's
+  ``decay`` and ``eps``, or ``N``, from which fine-tune mode computes the
+  decay on the host), and each watched parameter's array, update rule,
+  its ``enabled`` flag and its state's arrays as the captured step left
+  them (the buffers and the kernels a capture records: a link frozen
+  since is updated as captured, an array replaced since is not the one
+  the replay writes). (NumPy
   scalars stand for CuPy's 0-d results, which NumPy's 0-d arithmetic
   gives as scalars: they keep the re-run's values, as the 0-d arrays the
   capture made would hold the replay's.)
@@ -73,22 +80,22 @@ class ReplayCupy(FakeCupy):
         base = self.cuda.Stream
 
         class Graph:
-            def __init__(self, owner, before, enabled):
+            def __init__(self, owner, before, held):
                 self.owner = owner
                 # the host state the captured step began from (the first
                 # launch follows the capture, whose host effects stay)
                 self.before = before
-                # which rules the captured kernels update
-                self.enabled = enabled
+                # what the captured kernels hold (_held)
+                self.held = held
 
             def launch(self, stream=None):
                 fake.log.append(('launch', stream.name))
-                now = _enabled(fake.watched())
-                _set_enabled(self.enabled)
+                now = _held(fake.watched())
+                _hold(self.held)
                 try:
                     fake._replay(self.owner, self.before)
                 finally:
-                    _set_enabled(now)
+                    _hold(now)
                 self.before = None
 
         class Stream(base):
@@ -99,7 +106,7 @@ class ReplayCupy(FakeCupy):
                 fake._before = (None if fake._owner is None else
                                 fake._owner.adapter.host_state())
                 fake.capturing = []
-                fake._enabled = _enabled(fake.watched())
+                fake._held = _held(fake.watched())
                 fake._saved = [(a, a.copy()) for a in device_arrays()]
                 fake.log.append(('begin_capture', self.name,
                                  fake.allocator))
@@ -109,7 +116,11 @@ class ReplayCupy(FakeCupy):
                     array[...] = copy
                 fake.capturing = None
                 fake.captures += 1
-                return Graph(fake._owner, fake._before, fake._enabled)
+                # the values the step's Python read (as it began), the
+                # buffers it left (as it ended: those made in the capture)
+                train, links, _ = fake._held
+                held = (train, links, _held(fake.watched())[2])
+                return Graph(fake._owner, fake._before, held)
 
             def is_capturing(self):
                 return fake.capturing is not None
@@ -208,17 +219,38 @@ def watched_of(optimizer, model) -> list:
     return [o for o in objects if o is not None]
 
 
-def _enabled(objects) -> list:
-    """``(rule, enabled)`` of the update rules of the parameters among
-    ``objects``."""
-    return [(o.update_rule, o.update_rule.enabled) for o in objects
-            if isinstance(o, chainer.Parameter) and
-            o.update_rule is not None]
+_PLAIN = (bool, int, float, str, numpy.number, numpy.bool_)
 
 
-def _set_enabled(flags) -> None:
-    for rule, enabled in flags:
-        rule.enabled = enabled
+def _held(objects) -> tuple:
+    """What a capture records of the watched ``objects`` as it runs the
+    step's Python once (the module docstring): the configuration's
+    ``train``, each link's plain attributes, and each parameter's array,
+    update rule, ``enabled`` flag and state (a shallow copy: the arrays)."""
+    links, params = [], []
+    for o in objects:
+        if isinstance(o, chainer.Link):
+            links.append((o, {k: v for k, v in vars(o).items()
+                              if isinstance(v, _PLAIN)}))
+        elif isinstance(o, chainer.Parameter):
+            rule = o.update_rule
+            params.append((o, o.array, rule, None if rule is None else (
+                rule.enabled, None if rule._state is None else
+                dict(rule._state))))
+    return chainer.config.train, links, params
+
+
+def _hold(held) -> None:
+    """Set back what :func:`_held` took."""
+    train, links, params = held
+    chainer.config.train = train
+    for link, values in links:
+        vars(link).update(values)
+    for param, array, rule, kept in params:
+        param.array, param.update_rule = array, rule
+        if rule is not None:
+            rule.enabled = kept[0]
+            rule._state = None if kept[1] is None else dict(kept[1])
 
 
 def _device_value(value) -> bool:

@@ -128,3 +128,32 @@ def test_a_layers_own_lr_stays_its_own():
     baked = adapter.baked()
     link.b.update_rule.hyperparam.lr = 0.25
     assert adapter.baked() != baked
+
+
+def test_a_layers_own_lr_set_after_the_first_binding_stays_its_own():
+    """An lr of its own given to a layer after the rules were bound (a
+    graphed run's first step: the rule held the view of the optimizer's)
+    was replaced by that view again at the next step, silently. It stays,
+    and counts among the baked values; a view of an earlier binding
+    (another graph's scalars) is the optimizer's and is replaced."""
+    link = L.Linear(5, 3)
+    optimizer = chainer.optimizers.MomentumSGD(lr=0.1, momentum=0.9)
+    optimizer.setup(link)
+    adapter = graphs_step.ChainerOptimizer(optimizer,
+                                           hyperparameters_on_device=True)
+    adapter.before_step()
+    assert link.b.update_rule.device_hyperparameters == {'lr', 'momentum'}
+    baked = adapter.baked()
+    link.b.update_rule.hyperparam.lr = 0.5
+    adapter.before_step()
+    assert link.b.update_rule.hyperparam.lr == 0.5
+    assert link.b.update_rule.device_hyperparameters == {'momentum'}
+    assert adapter.baked() != baked
+    # another adapter (a new graph): its own views replace the old ones
+    old_view = link.W.update_rule.hyperparam.lr
+    other = graphs_step.ChainerOptimizer(optimizer,
+                                         hyperparameters_on_device=True)
+    other.before_step()
+    assert link.W.update_rule.hyperparam.lr is not old_view
+    assert other._scalars.holds(link.W.update_rule.hyperparam.lr)
+    assert link.b.update_rule.hyperparam.lr == 0.5

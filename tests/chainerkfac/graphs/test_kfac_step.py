@@ -928,3 +928,149 @@ def test_the_frozen_steps_of_a_graphed_run_leave_the_link_alone():
     assert 'replayed' in modes[5:10], modes
     for name in kept[5]:
         numpy.testing.assert_array_equal(kept[5][name], kept[10][name])
+
+
+_CASES = [(_kfac, False), (_bounded, True), (_guarded, False)]
+_CASE_IDS = ['kfac', 'kfac-bounded-refresh-steps', 'guarded']
+
+
+def _as_eager(make, refresh_steps, between, n_steps=13, **kwargs):
+    """The graphed run with ``between`` against the eager one: the same
+    state and reports to the bit. Returns the graphed run's modes and
+    counts."""
+    batches = _batches(n_steps)
+    try:
+        eager, eager_obs, _, _ = _run(make, batches, graphed=False,
+                                      between=between, **kwargs)
+        chainer.config.train = True     # as the run found it
+        state, obs, modes, (_, optimizer) = _run(
+            make, batches, graphed=True, between=between,
+            refresh_steps=refresh_steps, **kwargs)
+    finally:
+        chainer.config.train = True
+    _assert_same_state(eager, state)
+    numpy.testing.assert_equal(obs, eager_obs)
+    return modes, dict(optimizer.stats)
+
+
+@pytest.mark.parametrize('make,refresh_steps', _CASES, ids=_CASE_IDS)
+def test_a_layers_own_lr_given_mid_run_is_replayed_as_eager(
+        make, refresh_steps):
+    """An lr of its own given to a layer at step 5, after the graphed
+    run's rules held the device view of the optimizer's: the next step
+    put the view back, silently (fc/W off by 1.6 after 13 steps)."""
+    def between(step, model):
+        if step == 5:
+            for param in model.fc.params():
+                param.update_rule.hyperparam.lr = 0.2
+    modes, stats = _as_eager(make, refresh_steps, between)
+    assert 'replayed' in modes[7:], modes
+    assert stats['dropped: hyperparameters changed'] >= 1, stats
+
+
+@pytest.mark.parametrize('make,refresh_steps', _CASES, ids=_CASE_IDS)
+@pytest.mark.parametrize('train_from', [True, False],
+                         ids=['train-then-test', 'test-then-train'])
+def test_the_configs_train_changed_mid_run_is_replayed_as_eager(
+        make, refresh_steps, train_from):
+    """``chainer.config.train`` changed at step 6 (BN frozen to its
+    running statistics for fine-tuning, or the reverse): the replays took
+    the kernels of the mode they were captured in (BN's statistics 0.04-
+    0.14 off). (K-FAC in test mode captures no BN factor, which stays due:
+    its steps are refresh steps, eager.)"""
+    def between(step, model):
+        chainer.config.train = train_from if step < 6 else not train_from
+    modes, stats = _as_eager(make, refresh_steps, between)
+    if make is _guarded or train_from:
+        # a graph of the first mode was there at the change
+        assert stats['dropped: a host value of the model changed '
+                     '(config.train)'] == 1, stats
+    if make is _guarded or not train_from:
+        assert 'replayed' in modes[8:], modes
+
+
+@pytest.mark.parametrize('make,refresh_steps', _CASES, ids=_CASE_IDS)
+@pytest.mark.parametrize('name,value', [('decay', 0.5), ('eps', 0.1)])
+def test_a_links_host_value_changed_mid_run_is_replayed_as_eager(
+        make, refresh_steps, name, value):
+    """A BatchNormalization's ``decay`` or ``eps`` changed at step 6:
+    kernel arguments of the captured step, which went on with the old
+    ones."""
+    def between(step, model):
+        if step == 6:
+            setattr(model.bn, name, value)
+    modes, stats = _as_eager(make, refresh_steps, between)
+    assert 'replayed' in modes[8:], modes
+    assert stats['dropped: a host value of the model changed '
+                 '(/bn.{})'.format(name)] == 1, stats
+
+
+class _FineTuned(helpers.ConvNet):
+    """ConvNet whose BN runs in fine-tune mode (``decay = 1 - 1/N``, N
+    counted on the host at every forward pass)."""
+
+    def features(self, x):
+        return F.relu(self.bn(self.conv(x), finetune=True))
+
+
+@pytest.mark.parametrize('make,refresh_steps', _CASES, ids=_CASE_IDS)
+def test_a_host_value_that_moves_every_step_runs_eagerly(make,
+                                                         refresh_steps):
+    """BatchNormalization in fine-tune mode: its ``N`` moves at every
+    step, so every capture would hold a stale decay; after three steps in
+    a row the steps run eagerly, saying why, as the eager run."""
+    modes, stats = _as_eager(make, refresh_steps, None, network=_FineTuned)
+    assert 'replayed' not in modes[4:], modes
+    assert stats['eager: host values of the model change at every step '
+                 '(/bn.N)'] >= 6, stats
+
+
+def _new_rules(step, model):
+    """New update rules at step 6 (the optimizer's state started again),
+    the run's optimizer being the model's ``_optimizer``."""
+    if step == 6:
+        for param in model.params():
+            param.update_rule = model._optimizer.create_update_rule()
+
+
+def _new_velocities(step, model):
+    if step == 6:
+        for param in model.params():
+            state = param.update_rule.state
+            state['v'] = state['v'] * 0
+
+
+def _new_weight(step, model):
+    if step == 6:
+        model.fc.W.array = model.fc.W.array * 0.5
+
+
+@pytest.mark.parametrize('make,refresh_steps', _CASES, ids=_CASE_IDS)
+@pytest.mark.parametrize('between', [_new_velocities, _new_weight],
+                         ids=['new-velocities', 'new-weight'])
+def test_an_array_replaced_mid_run_is_replayed_as_eager(
+        make, refresh_steps, between):
+    """A parameter's array or a velocity replaced by a new array at step 6
+    (a reset of the optimizer's state, a weight rescaled by assignment):
+    the replays went on writing the captured arrays (fc/W 0.08-0.10
+    off)."""
+    modes, stats = _as_eager(make, refresh_steps, between)
+    assert 'replayed' in modes[8:], modes
+    assert stats['dropped: its buffers moved'] >= 1, stats
+
+
+def test_new_update_rules_mid_run_are_replayed_as_eager():
+    """The guarded optimizer's rules replaced at step 6: the replays went
+    on updating the old rules' velocities, and the new ones never got a
+    state."""
+    def make(model):
+        optimizer = _guarded(model)
+        model._optimizer = optimizer.actual_optimizer
+        return optimizer
+    modes, stats = _as_eager(make, False, _new_rules)
+    assert 'replayed' in modes[8:], modes
+    assert stats['dropped: its buffers moved'] == 1, stats
+    # their first update (eager) makes their state; then captured again
+    assert modes[6:8] == ['eager', 'captured'], modes
+    assert stats['eager: an update rule without state yet (new rules: its '
+                 'first update makes it)'] == 1, stats

@@ -32,6 +32,10 @@ def _setup(optimizer=None, warmup=2):
     link = L.Linear(3, 2)
     optimizer = optimizer or chainer.optimizers.MomentumSGD(lr=0.1)
     optimizer.setup(link)
+    for param in link.params():
+        # the states a first (eager) update would make: the stand-in step
+        # below makes none
+        param.update_rule._init_states(param)
     weights = numpy.zeros(4)
     state = {'sync': False, 'oom': 0}
 
