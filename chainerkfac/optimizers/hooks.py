@@ -28,10 +28,19 @@ same two places, on that parameter alone: a penalty on its ∇L before the
 preconditioning, a clipping hook on its direction; the update itself then
 runs the rule without them (they have acted).
 
-In a multi-process run the penalties act on each process's gradient
-before the reduction (their gradients are linear in ∇L: the mean is the
-same), and the clipping hooks on the gathered directions, which every
-process holds identically. With weight-update sharding
+In a multi-process run the hooks on ∇L that act on each parameter alone
+(``call_for_each_param``: all of Chainer's) act on the averaged gradient,
+on the process that owns the parameter's block, after the reduction: so
+the step is the single process's with ``acc_iters`` = the processes'
+count, also for the hooks that are not linear in ∇L (``GradientLARS``'s
+rate ‖w‖/‖∇L‖, ``GradientNoise``, which on each process's gradient
+before the reduction gave another step: 1.41 off in a reviewer's MLP
+with LARS, and noise of 1/√P the asked scale). A hook of the whole
+model on ∇L (a user's, ``call_for_each_param`` False) needs every
+gradient, which no process holds averaged: it acts on each process's own
+gradient before the reduction, as before, with a warning unless it is a
+known linear penalty. The clipping hooks act on the gathered
+directions, which every process holds identically. With weight-update sharding
 (``KFAC(shard_update=True)``) no process holds every direction: a hook
 that acts on each parameter alone (``call_for_each_param``:
 ``GradientHardClipping``) clips the directions of the blocks the process
@@ -69,18 +78,73 @@ def updates(param) -> bool:
     return rule is not None and rule.enabled
 
 
-def call_gradient_hooks(optimizer) -> None:
+#: Hooks on ∇L whose effect commutes with the processes' average (a
+#: penalty's gradient added to ∇L): those of a whole model may act before
+#: the reduction without a word.
+LINEAR_HOOKS = (optimizer_hooks.WeightDecay, optimizer_hooks.Lasso)
+
+
+def _per_param(hook) -> bool:
+    return bool(getattr(hook, 'call_for_each_param', False))
+
+
+def call_gradient_hooks(optimizer, whole_model_only: bool = False) -> None:
     """The ``'pre'`` hooks that act on ∇L, in registration order: the
-    optimizer's, then each parameter's own rule's."""
+    optimizer's, then each parameter's own rule's. ``whole_model_only``
+    (several processes, before the reduction): only the optimizer's hooks
+    of the whole model (``call_for_each_param`` False); the others act on
+    the averaged gradients (:func:`call_reduced_gradient_hooks`)."""
     for hook in _pre_hooks(optimizer):
-        if not acts_on_direction(hook):
-            optimizer.call_hook(hook)
+        if acts_on_direction(hook):
+            continue
+        if whole_model_only and _per_param(hook):
+            continue
+        optimizer.call_hook(hook)
+    if whole_model_only:
+        return
     for param in optimizer.target.params():
         if not updates(param) or param.grad is None:
             continue
         for hook in _pre_hooks(param.update_rule):
             if not acts_on_direction(hook):
                 hook(param.update_rule, param)
+
+
+def whole_model_gradient_hooks(optimizer) -> List[str]:
+    """The names of the optimizer's hooks on ∇L of the whole model
+    (``call_for_each_param`` False) that are not known linear penalties:
+    on several processes they act on each process's own gradient."""
+    return [getattr(h, 'name', type(h).__name__)
+            for h in _pre_hooks(optimizer)
+            if not acts_on_direction(h) and not _per_param(h) and
+            not isinstance(h, LINEAR_HOOKS)]
+
+
+def call_reduced_gradient_hooks(optimizer, grads) -> None:
+    """The ``'pre'`` hooks on ∇L of each parameter (the optimizer's with
+    ``call_for_each_param``, then the parameter's rule's), in registration
+    order, on the averaged gradients ``grads`` (``{block: [array or None
+    per parameter]}``: the blocks this process owns, after the reduction;
+    changed in place)."""
+    hooks = [h for h in _pre_hooks(optimizer)
+             if not acts_on_direction(h) and _per_param(h)]
+    for block, listed in grads.items():
+        for param, grad in zip(block.params, listed):
+            if grad is None or not updates(param):
+                continue
+            mine = [h for h in _pre_hooks(param.update_rule)
+                    if not acts_on_direction(h)]
+            if not hooks and not mine:
+                continue
+            saved = param.grad
+            param.grad = grad
+            try:
+                for hook in hooks + mine:
+                    hook(param.update_rule, param)
+                if param.grad is not grad:      # a hook that reassigns
+                    grad[...] = param.grad
+            finally:
+                param.grad = saved
 
 
 @contextlib.contextmanager

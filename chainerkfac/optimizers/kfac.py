@@ -435,6 +435,7 @@ class KFAC(optimizer.GradientMethod):
         self._frozen_restored: Optional[Dict[str, bool]] = None
         self._warned_uncaptured: set = set()
         self._warned_unfrozen: set = set()
+        self._warned_hooks: set = set()    # _warn_whole_model_hooks
         self._unreached: frozenset = frozenset()    # refresh_due()
         #: The coming step's micro-batches over all processes, where they
         #: differ between processes (:meth:`flush_accumulation`); None:
@@ -736,6 +737,8 @@ class KFAC(optimizer.GradientMethod):
         if self.shard_update:
             hooks.check_sharded(self)
         blocks, transport = self.blocks, self.transport
+        if transport.size > 1 and not self.gradients_reduced:
+            self._warn_whole_model_hooks()
         n_micro, self._micro = self._micro, 0
         samples = self.estimator.samples
         captured = {b: b.captured() for b in blocks}
@@ -801,7 +804,10 @@ class KFAC(optimizer.GradientMethod):
                     param.grad *= param.grad.dtype.type(scale / loss_scale)
                 elif has and scale != 1.0:
                     param.grad *= param.grad.dtype.type(scale)
-        hooks.call_gradient_hooks(self)
+        # several processes: a hook on one parameter's ∇L acts on the
+        # average, after the reduction (a hook need not be linear)
+        after = transport.size > 1 and not self.gradients_reduced
+        hooks.call_gradient_hooks(self, whole_model_only=after)
         grads = {b: [p.grad if has else None
                      for p, has in zip(b.params, present[b])]
                  for b in blocks}
@@ -812,6 +818,8 @@ class KFAC(optimizer.GradientMethod):
                        for n, v in f.items()} for b, f in factors.items()}
         self.timer.mark('factors', self._like())
         grads, factors = self._reduce_scatter(grads, factors)
+        if after:
+            hooks.call_reduced_gradient_hooks(self, grads)
         factors = self._exchange.receive(factors)
         self.timer.mark('reduce_scatter', self._like())
 
@@ -1212,6 +1220,23 @@ class KFAC(optimizer.GradientMethod):
     def _frozen(block) -> bool:
         return bool(block.params) and not any(
             hooks.updates(p) for p in block.params)
+
+    def _warn_whole_model_hooks(self) -> None:
+        """Say once which hooks on ∇L of the whole model act on each
+        process's own gradient (:mod:`chainerkfac.optimizers.hooks`)."""
+        names = [n for n in hooks.whole_model_gradient_hooks(self)
+                 if n not in self._warned_hooks]
+        if not names:
+            return
+        self._warned_hooks.update(names)
+        if self.transport.rank == 0:
+            logger.warning(
+                'K-FAC multi-node: the optimizer hook(s) %s act on the whole '
+                "model's gradient (call_for_each_param is False), which no "
+                "process holds averaged: they act on each process's own "
+                'gradient before the reduction, so the step is the single '
+                "process's only where they are linear in the gradient",
+                ', '.join(names))
 
     def _decide_again_if_unfrozen(self, can: bool) -> None:
         """A step's factors are decided at the end of the step before;

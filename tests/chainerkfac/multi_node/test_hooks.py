@@ -1,7 +1,9 @@
-"""Chainer's hooks across processes: penalties act on each process's
-gradient (linear: the mean is the same), clipping on the gathered
-directions every process holds, so N processes take the step of one
-process accumulating the N chunks."""
+"""Chainer's hooks across processes: the hooks on each parameter's ∇L act
+on the averaged gradient (LARS's rate is not linear in it), clipping on
+the gathered directions every process holds, so N processes take the step
+of one process accumulating the N chunks."""
+import logging
+
 import pytest
 
 from chainer import optimizer_hooks
@@ -37,3 +39,55 @@ def test_hooks_act_alike_on_n_ranks_and_one_process():
                                       common.params(ref_model))
     common.assert_everywhere(effect > 1e-3, 'hooks acted: {}'.format(
         effect))
+
+
+def test_hooks_not_linear_in_the_gradient_act_on_the_average():
+    """GradientLARS (its rate ‖w‖/‖∇L‖ is not linear in ∇L), Lasso and a
+    rule's own WeightDecay on a weight: on N ranks the step of one process
+    accumulating the N chunks (LARS on each rank's gradient before the
+    reduction gave another step: 1.41 off in a reviewer's MLP)."""
+    comm = common.naive('float64')
+    model, optimizer = common.distributed(comm, lr=0.5)
+    ref_model, ref_optimizer = common.single(acc_iters=comm.size, lr=0.5)
+    for m, opt in ((model, optimizer), (ref_model, ref_optimizer)):
+        opt.add_hook(optimizer_hooks.GradientLARS(threshold=1e-2,
+                                                  weight_decay=1e-3))
+        opt.add_hook(optimizer_hooks.Lasso(1e-4))
+        first = sorted(m.namedparams())[-1][1]
+        first.update_rule.add_hook(optimizer_hooks.WeightDecay(1e-2))
+    common.train_distributed(model, optimizer, comm, 3)
+    common.train_single(ref_model, ref_optimizer, comm.size, 3)
+    diff = common.max_relative_diff(common.params(model),
+                                    common.params(ref_model))
+    common.assert_everywhere(diff < 1e-9, 'max relative diff {}'.format(
+        diff))
+    free_model, free_optimizer = common.single(acc_iters=comm.size, lr=0.5)
+    common.train_single(free_model, free_optimizer, comm.size, 3)
+    effect = common.max_relative_diff(common.params(free_model),
+                                      common.params(ref_model))
+    common.assert_everywhere(effect > 1e-3, 'hooks acted: {}'.format(
+        effect))
+
+
+class _HalveAll:
+    """A user's hook of the whole model on ∇L (``call_for_each_param``
+    False)."""
+    name = 'HalveAll'
+    timing = 'pre'
+
+    def __call__(self, optimizer):
+        for param in optimizer.target.params():
+            if param.grad is not None:
+                param.grad *= 0.5
+
+
+def test_a_whole_model_hook_on_the_gradient_is_named_once(caplog):
+    comm = common.naive('float64')
+    model, optimizer = common.distributed(comm, lr=0.5)
+    optimizer.add_hook(_HalveAll())
+    with caplog.at_level(logging.WARNING, logger='chainerkfac'):
+        common.train_distributed(model, optimizer, comm, 2)
+    said = [r for r in caplog.records if 'HalveAll' in r.getMessage()]
+    expected = 1 if comm.size > 1 and comm.rank == 0 else 0
+    common.assert_everywhere(len(said) == expected, '{} warnings'.format(
+        len(said)))
