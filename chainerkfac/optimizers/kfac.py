@@ -352,8 +352,6 @@ class KFAC(optimizer.GradientMethod):
                                           damping_warmup_steps))
         self.rho_bn = float(rho_bn)
         self.bn_fisher = bn_fisher
-        self.fisher = fisher
-        self.mc_samples = mc_samples
         self.acc_iters = acc_iters
         self.refresh_intervals = {
             'A': equations.resolve_interval(refresh_interval_a,
@@ -374,11 +372,9 @@ class KFAC(optimizer.GradientMethod):
         # None: skip nothing (it raised "'NoneType' object is not iterable")
         self.skip_layers = () if skip_layers is None else skip_layers
         fisher_blocks.registry.skip_matchers(self.skip_layers)  # the types
-        self.loss_reduction = loss_reduction
         self.max_factor_dim = max_factor_dim
         self.inverse_method = inverse_method
         self.low_rank = bool(low_rank)
-        self.kl_clip = kl_clip
         #: ν of the bounded step (None without ``kl_clip``).
         self.step_bound = None if kl_clip is None else StepBound(kl_clip)
         self.conv_a_strategy = conv_a_strategy
@@ -552,6 +548,67 @@ class KFAC(optimizer.GradientMethod):
         # what is due, unless this step's capture has begun.
         if self._micro == 0 and not self.estimator.capturing:
             self._begin_step()
+
+    # -- options held by the parts that act on them ---------------------------
+    # One value each: set on the optimizer (a trainer extension shifting
+    # it, a user's assignment) it acts from the next step, where a copy
+    # taken at construction went on acting unchanged (kl_clip), or two
+    # copies disagreed (loss_reduction: the gradients' scale and the
+    # factors').
+    @property
+    def kl_clip(self) -> Optional[float]:
+        """The bounded step's ``kl_clip`` (None: no bound), held by
+        :attr:`step_bound`; settable between steps."""
+        return None if self.step_bound is None else self.step_bound.kl_clip
+
+    @kl_clip.setter
+    def kl_clip(self, value) -> None:
+        options.check_option('kl_clip', value)
+        if value is None:
+            if self.step_bound is not None:
+                self._dropped_bound = self.step_bound
+            self.step_bound = None
+        elif self.step_bound is not None:
+            self.step_bound.kl_clip = float(value)
+        else:
+            bound = StepBound(value)
+            dropped = getattr(self, '_dropped_bound', None)
+            if dropped is not None:     # layer-parallel: its sum across
+                bound.sum_across = dropped.sum_across
+            self.step_bound = bound
+
+    @property
+    def fisher(self) -> str:
+        """Which Fisher the factors estimate (held by :attr:`estimator`)."""
+        return self.estimator.fisher
+
+    @fisher.setter
+    def fisher(self, value) -> None:
+        options.check_option('fisher', value)
+        self.estimator.fisher = value
+
+    @property
+    def mc_samples(self) -> int:
+        """Label draws per micro-batch for ``fisher='mc'`` (held by
+        :attr:`estimator`)."""
+        return self.estimator.mc_samples
+
+    @mc_samples.setter
+    def mc_samples(self, value) -> None:
+        options.check_option('mc_samples', value)
+        self.estimator.mc_samples = value
+
+    @property
+    def loss_reduction(self) -> str:
+        """``'mean'`` or ``'sum'``: how the loss reduces over samples (held
+        by :attr:`estimator`, which scales the factors by it, as the
+        optimizer scales the gradients)."""
+        return self.estimator.loss_reduction
+
+    @loss_reduction.setter
+    def loss_reduction(self, value) -> None:
+        options.check_option('loss_reduction', value)
+        self.estimator.loss_reduction = value
 
     # -- one call of update = one micro-batch ---------------------------------
     def update(self, lossfun=None, *args, **kwds):

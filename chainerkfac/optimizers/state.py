@@ -26,10 +26,20 @@ def serialize(optimizer, serializer) -> None:
         logger.warning(
             'K-FAC: the snapshot was taken at damping %g; this optimizer '
             'keeps its own, %g (a constant damping is a hyperparameter: '
-            'pass the snapshot\'s to go on with it)', damping,
-            optimizer.damping)
+            'pass the snapshot\'s to go on with it, unless a schedule of '
+            'yours, a trainer extension shifting it, sets it again)',
+            damping, optimizer.damping)
     # Gradients and factors of an unfinished accumulation are not part of
     # the state: snapshot at step boundaries (train_imagenet.py does).
+    saving = not isinstance(serializer, chainer.serializer.Deserializer)
+    if saving and optimizer.pending_micro_batches:
+        warnings.warn(
+            'K-FAC state saved after {} of {} micro-batches of a step: '
+            'their gradients and factors are not part of it, so a run '
+            'resumed from it takes that step again from its first '
+            'micro-batch (snapshot every acc_iters={} updates, at a step\'s '
+            'end)'.format(optimizer.pending_micro_batches,
+                          optimizer.acc_iters, optimizer.acc_iters))
     micro = int(serializer('micro_batch', optimizer.pending_micro_batches))
     if micro != optimizer.pending_micro_batches:
         warnings.warn(

@@ -600,3 +600,89 @@ def test_kfac_warns_when_its_bound_holds_every_step_back(caplog):
         for _ in range(60):
             free.update(helpers.loss_of(free.target), x, t)
     assert 'held every step' not in caplog.text
+
+
+def _trained(kl_clip, set_to=None, steps=6):
+    """A few K-FAC steps of an MLP from kl_clip; from step 3 on,
+    ``optimizer.kl_clip = set_to`` (where not the string 'keep')."""
+    numpy.random.seed(0)
+    model = helpers.MLP()
+    optimizer = helpers.kfac(lr=0.5, momentum=0.9, damping=DAMPING,
+                             kl_clip=kl_clip).setup(model)
+    for step in range(steps):
+        if step == 3 and set_to != 'keep':
+            optimizer.kl_clip = set_to
+        optimizer.update(helpers.loss_of(model), *_batch(step))
+    return {n: p.array.copy() for n, p in model.namedparams()}, optimizer
+
+
+@pytest.mark.parametrize('start,later', [(1e-4, 1e-1), (1e-4, None),
+                                         (None, 1e-4)])
+def test_kl_clip_set_mid_run_acts_from_the_next_step(start, later):
+    """``optimizer.kl_clip = c`` (a user, a trainer extension shifting
+    it) went unread: the bound kept the constructor's value (a shift from
+    1e-4 to 0.1 changed nothing). It acts from the next step, as a run
+    that took ``c`` from there."""
+    shifted, optimizer = _trained(start, later)
+    assert optimizer.kl_clip == later
+    assert (optimizer.step_bound is None) == (later is None)
+    kept, _ = _trained(start, 'keep')
+    assert any(not numpy.array_equal(shifted[n], kept[n]) for n in kept)
+    # the same steps as a run that changed its bound the old way (a new
+    # StepBound object), which the optimizer reads at every step
+    numpy.random.seed(0)
+    model = helpers.MLP()
+    optimizer = helpers.kfac(lr=0.5, momentum=0.9, damping=DAMPING,
+                             kl_clip=start).setup(model)
+    for step in range(6):
+        if step == 3:
+            optimizer.step_bound = (None if later is None else
+                                    step_bound.StepBound(later))
+        optimizer.update(helpers.loss_of(model), *_batch(step))
+    for name, param in model.namedparams():
+        numpy.testing.assert_array_equal(shifted[name], param.array)
+
+
+def test_kl_clip_set_mid_run_is_checked():
+    optimizer = helpers.kfac(kl_clip=1e-4)
+    with pytest.raises(ValueError, match='kl_clip'):
+        optimizer.kl_clip = -1.0
+    assert optimizer.kl_clip == 1e-4
+
+
+def test_options_the_estimator_holds_are_one_value():
+    """``fisher``, ``mc_samples`` and ``loss_reduction`` set on the
+    optimizer are the estimator's (a second copy there kept the
+    constructor's: the gradients scaled one way, the factors another)."""
+    optimizer = helpers.kfac(fisher='emp', loss_reduction='mean')
+    optimizer.loss_reduction = 'sum'
+    optimizer.fisher = 'mc'
+    optimizer.mc_samples = 3
+    assert optimizer.estimator.loss_reduction == 'sum'
+    assert optimizer.estimator.fisher == 'mc'
+    assert optimizer.estimator.mc_samples == 3
+    with pytest.raises(ValueError, match='loss_reduction'):
+        optimizer.loss_reduction = 'max'
+
+
+def test_every_reported_key_is_in_the_docs():
+    """docs/kfac.md, "What it reports", names every key a step reports
+    (with the bound and eq. 21's Diff on)."""
+    import os
+    import re
+    model = helpers.MLP()
+    optimizer = helpers.kfac(kl_clip=1e-3, fisher_diff=True).setup(model)
+    observation = {}
+    with chainer.Reporter().scope(observation):
+        for step in range(2):
+            optimizer.update(helpers.loss_of(model), *_batch(step))
+    keys = {re.sub(r'^kfac/diff/.*', 'kfac/diff/<factor><layer>', k)
+            for k in observation}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+    with open(os.path.join(root, 'docs', 'kfac.md')) as f:
+        text = f.read()
+    section = text.split('## What it reports')[1].split('\n## ')[0]
+    documented = set(re.findall(r'`(kfac/[^`]+)`', section))
+    assert 'kfac/diff/<factor><layer>' in keys
+    assert keys <= documented, sorted(keys - documented)
