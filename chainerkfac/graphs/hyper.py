@@ -123,29 +123,28 @@ def bind_rule_hyperparameters(params: Iterable, scalars: DeviceScalars,
                                     for name in names]
         own = rule.hyperparam.__dict__
         given = set(getattr(rule, 'device_hyperparameters', ()))
+        views = dict(getattr(rule, 'device_hyperparameter_views', {}))
         for name, view in bound:
-            if name in own and _own_value(own[name], name in given,
+            if name in own and _own_value(own[name], views.get(name),
                                           scalars):
                 given.discard(name)
+                views.pop(name, None)
                 continue        # the parameter's own value
             if own.get(name) is not view:
                 setattr(rule.hyperparam, name, view)
             given.add(name)
+            views[name] = view
+        rule.device_hyperparameter_views = views
         # which of the rule's own hyperparameters are the optimizer's, on
         # the device (not values of the parameter's own:
         # chainerkfac.step_bound.own_lr)
         rule.device_hyperparameters = frozenset(given)
 
 
-def _own_value(value, was_given: bool, scalars: DeviceScalars) -> bool:
+def _own_value(value, given, scalars: DeviceScalars) -> bool:
     """Whether a rule's hyperparameter ``value`` is the parameter's own:
     set by the user (before the rule's first binding, or since, in place
-    of the view it was given), not a view of ``scalars`` nor, where the
-    rule was given one, a 0-d device view of an earlier binding's
-    (another graph's)."""
-    if scalars.holds(value):
-        return False
-    if was_given and getattr(value, 'ndim', None) == 0 and \
-            hasattr(value, 'dtype'):
-        return False
-    return True
+    of the view it was given: a float, a NumPy scalar or array), not a
+    view of ``scalars`` nor ``given``, the view an earlier binding gave
+    the rule (another graph's)."""
+    return not (scalars.holds(value) or value is given)

@@ -82,6 +82,10 @@ class KFACOptimizer:
         self._advanced = []
         self._params = step.ParameterWalk(optimizer)
         self._reason = None
+        # capture_refusal: the stateless rules at the last step, and
+        # whether this one has new ones
+        self._stateless = None
+        self._new_stateless = False
         self._lossfun = None
         self._parent = None
         #: The graphs of the refresh steps' passes (children of the stale
@@ -179,6 +183,26 @@ class KFACOptimizer:
             return 'the guard takes its checkpoint (first step, or restored)'
         return None
 
+    def capture_refusal(self) -> Optional[str]:
+        """Why an eligible stale step is not captured now: an update rule
+        without state that the step before did not have (new rules, after
+        the warm-up): its first update makes the state, and the guard
+        decides such a step on the host. (A head no loss reaches keeps a
+        rule without state for good, and is replayed.)"""
+        if self._new_stateless:
+            return ('an update rule without state yet (new rules: its '
+                    'first update makes it)')
+        return None
+
+    def _note_stateless_rules(self) -> None:
+        """Which enabled rules have no state now, and whether one of them
+        is new since the last step (:meth:`capture_refusal`)."""
+        stateless = {id(p.update_rule) for p in self._params()
+                     if p.update_rule.enabled and p.update_rule.state is None}
+        seen = self._stateless
+        self._new_stateless = seen is not None and bool(stateless - seen)
+        self._stateless = stateless
+
     #: The eager step that keeps the graph (:meth:`keeps_graph`).
     REFRESH = 'a refresh step (factors due)'
 
@@ -241,6 +265,7 @@ class KFACOptimizer:
         """Install the device guard and the device hyperparameters (once
         the parameters exist), then write η, m and γ to the device."""
         self._reason = None
+        self._note_stateless_rules()
         opt = self.optimizer
         params = [p for p in self._params() if p.array is not None]
         if not params:

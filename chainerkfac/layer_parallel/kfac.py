@@ -101,9 +101,12 @@ def setup_kfac(optimizer: KFAC, mgrit, grid=None,
             wire_dtype=dtype.name)
         create_multi_node_optimizer(optimizer, comm)
     layers = mgrit.transport
-    if optimizer.step_bound is not None and layers.size > 1:
-        optimizer.step_bound.sum_across = functools.partial(
-            _sum_in_rank_order, layers)
+    if layers.size > 1:
+        # every bound's, also one set later (optimizer.kl_clip = ...)
+        optimizer.bound_sum_across = functools.partial(_sum_in_rank_order,
+                                                       layers)
+        if optimizer.step_bound is not None:
+            optimizer.step_bound.sum_across = optimizer.bound_sum_across
     return optimizer
 
 

@@ -377,6 +377,11 @@ class KFAC(optimizer.GradientMethod):
         self.low_rank = bool(low_rank)
         #: ν of the bounded step (None without ``kl_clip``).
         self.step_bound = None if kl_clip is None else StepBound(kl_clip)
+        #: The sum of ν's terms over a second group of processes holding
+        #: other blocks of the model (layer-parallel training:
+        #: :func:`chainerkfac.layer_parallel.setup_kfac` sets it), given
+        #: to every bound (:attr:`StepBound.sum_across`); None: none.
+        self.bound_sum_across = None
         self.conv_a_strategy = conv_a_strategy
         self.fisher_diff = bool(fisher_diff)
         self.verbose = bool(verbose)
@@ -565,17 +570,12 @@ class KFAC(optimizer.GradientMethod):
     def kl_clip(self, value) -> None:
         options.check_option('kl_clip', value)
         if value is None:
-            if self.step_bound is not None:
-                self._dropped_bound = self.step_bound
             self.step_bound = None
         elif self.step_bound is not None:
             self.step_bound.kl_clip = float(value)
         else:
-            bound = StepBound(value)
-            dropped = getattr(self, '_dropped_bound', None)
-            if dropped is not None:     # layer-parallel: its sum across
-                bound.sum_across = dropped.sum_across
-            self.step_bound = bound
+            self.step_bound = StepBound(value)
+            self.step_bound.sum_across = self.bound_sum_across
 
     @property
     def fisher(self) -> str:

@@ -686,3 +686,20 @@ def test_every_reported_key_is_in_the_docs():
     documented = set(re.findall(r'`(kfac/[^`]+)`', section))
     assert 'kfac/diff/<factor><layer>' in keys
     assert keys <= documented, sorted(keys - documented)
+
+
+def test_a_bound_set_later_sums_across_the_layer_groups():
+    """Layer-parallel K-FAC gives every bound the sum over the layer
+    groups (``bound_sum_across``): a bound switched on after the set-up
+    (``kl_clip`` None, then a value) took each group's own layers
+    only."""
+    optimizer = helpers.kfac(kl_clip=None)
+
+    def across(value):
+        return value
+    optimizer.bound_sum_across = across
+    optimizer.kl_clip = 1e-3
+    assert optimizer.step_bound.sum_across is across
+    optimizer.kl_clip = 1e-2
+    assert optimizer.step_bound.sum_across is across
+    assert optimizer.step_bound.kl_clip == 1e-2
