@@ -175,17 +175,7 @@ class MultiNodeTransport:
         items['wire_dtype'] = 'the data\'s' if wire is None else \
             str(numpy.dtype(wire))
         check_same_everywhere(self.comm.mpi_comm, items, 'K-FAC multi-node')
-        before = [p.array.copy() for _, p in sorted(target.namedparams())
-                  if p.array is not None]
-        self.comm.bcast_data(target)
-        after = [p.array for _, p in sorted(target.namedparams())
-                 if p.array is not None]
-        changed = any(not _same(a, b) for a, b in zip(before, after))
-        # Agreed: a process that drops its first micro-batch for it takes
-        # one step fewer, so every process must drop it (rank 0, whose
-        # values never change, included), or rank 0 would wait in a
-        # collective of a step the others never take.
-        changed = bool(self.comm.mpi_comm.allreduce(int(changed)))
+        changed = broadcast_params(self.comm, target)
         blocks = optimizer.blocks
         self.assignment = Assignment.from_blocks(blocks, self.size)
         self._owners = {b: self.assignment.owners[i]
@@ -295,6 +285,22 @@ class MultiNodeTransport:
                     owners.append(self._owners[block])
         sharding.all_gather_weights(self.collectives, params, owners,
                                     self.rank)
+
+
+def broadcast_params(comm, target) -> bool:
+    """Give every process of ``comm`` rank 0's parameters of ``target``
+    (``comm.bcast_data``); returns whether any process's changed, agreed
+    by all: a process that drops its first micro-batch for it takes one
+    step fewer, so every process must drop it (rank 0, whose values never
+    change, included), or rank 0 would wait in a collective of a step the
+    others never take."""
+    before = [p.array.copy() for _, p in sorted(target.namedparams())
+              if p.array is not None]
+    comm.bcast_data(target)
+    after = [p.array for _, p in sorted(target.namedparams())
+             if p.array is not None]
+    changed = any(not _same(a, b) for a, b in zip(before, after))
+    return bool(comm.mpi_comm.allreduce(int(changed)))
 
 
 def _same(a, b) -> bool:

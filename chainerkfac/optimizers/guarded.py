@@ -17,7 +17,10 @@ parameters it owns (and keeps only their optimizer state), and the new
 weights are all-gathered.
 """
 import logging
+import warnings
 from typing import Optional
+
+import numpy
 
 import chainer
 
@@ -108,6 +111,7 @@ class GuardedOptimizer:
         state['pending_micro_batches'] = 0
         state['_shard'] = None
         state['_agreed'] = False
+        state['_joined'] = False
 
     def __getattr__(self, name):
         return getattr(self.__dict__['actual_optimizer'], name)
@@ -136,7 +140,19 @@ class GuardedOptimizer:
             self.comm.size > 1
 
     def setup(self, link):
+        """Set the wrapped optimizer up on ``link``; what this wrapper held
+        of a model set up before (the micro-batches accumulated, the
+        processes' agreement and rank 0's weights, the owners of a
+        sharded update) starts again, as the optimizer's state does."""
         self.actual_optimizer.setup(link)
+        state = self.__dict__
+        state['pending_micro_batches'] = 0
+        state['global_micro_batches'] = None
+        self.accumulator.reset()
+        state['owners'] = None
+        state['_shard'] = None
+        state['_agreed'] = False
+        state['_joined'] = False
         self.guard.checkpoint(link)
         return self
 
@@ -145,20 +161,62 @@ class GuardedOptimizer:
         on the arguments and backpropagate; without, take the gradients of
         the loop's own backward. Every ``acc_iters`` calls, one step."""
         target = self.actual_optimizer.target
+        multi = self.comm is not None and self.comm.size > 1
+        if multi and not self._agreed:
+            self._check_agreement()
+        join = multi and not self._joined
+        if join and lossfun is not None and all(
+                p.array is not None for p in target.params()):
+            # rank 0's weights before the first forward (as ChainerMN's
+            # multi-node optimizer and K-FAC's give every process)
+            self._broadcast_weights()
+            join = False
         if lossfun is not None and self.pending_micro_batches == 0:
             # the running statistics as the step's forward finds them (a
             # load resets the micro-batches: its model's, too)
             self.guard.checkpoint(target)
         if lossfun is not None:
-            target.cleargrads()
-            loss = lossfun(*args, **kwds)
-            loss.backward(loss_scale=self.actual_optimizer._loss_scale)
-            del loss
+            self._run_loss(lossfun, args, kwds)
+        if join and self._broadcast_weights():
+            # the micro-batch was computed with each process's own weights
+            # (lazily initialised links, or the loop's own backward)
+            if lossfun is not None:
+                logger.warning(
+                    'GuardedOptimizer: lazily initialised parameters '
+                    "differed between processes; rank 0's were broadcast "
+                    'and the first micro-batch recomputed with them')
+                self._run_loss(lossfun, args, kwds)
+            else:
+                logger.warning(
+                    "GuardedOptimizer: parameters differed between "
+                    "processes; rank 0's were broadcast, and the first "
+                    'micro-batch, computed before, is dropped on every '
+                    'process')
+                target.cleargrads()
+                return
         self.pending_micro_batches += 1
         if self.pending_micro_batches < self.acc_iters:
             self.accumulator.hold(target)
             return
         self._step()
+
+    def _run_loss(self, lossfun, args, kwds) -> None:
+        target = self.actual_optimizer.target
+        target.cleargrads()
+        loss = lossfun(*args, **kwds)
+        loss.backward(loss_scale=self.actual_optimizer._loss_scale)
+        del loss
+
+    def _broadcast_weights(self) -> bool:
+        """Give every process rank 0's parameters (once, at the first
+        micro-batch); returns whether any process's changed (agreed)."""
+        from chainerkfac.transport import broadcast_params
+        target = self.actual_optimizer.target
+        changed = broadcast_params(self.comm, target)
+        self.__dict__['_joined'] = True
+        if changed:
+            self.guard.checkpoint(target)
+        return changed
 
     def flush_accumulation(self, global_micro_batches: Optional[int] = None
                            ) -> int:
@@ -207,9 +265,15 @@ class GuardedOptimizer:
             for param in target.params():
                 if param.grad is not None:
                     param.grad /= n_micro
-        if not self._agreed and self.comm is not None and \
-                self.comm.size > 1:
-            self._check_agreement()
+        if self.comm is not None and self.comm.size > 1:
+            if not self._agreed:        # a flush before any update
+                self._check_agreement()
+            if not self._joined and self._broadcast_weights():
+                logger.warning(
+                    "GuardedOptimizer: parameters differed between "
+                    "processes; rank 0's were broadcast before the first "
+                    "step, whose gradients were computed with each "
+                    "process's own")
         if self.sharded:
             taken = self._sharded_update()
         else:
@@ -272,7 +336,8 @@ class GuardedOptimizer:
         was taken."""
         check = getattr(self.actual_optimizer, 'check_update', None)
         if check is not None:
-            check()              # before anything moves (LARS's forms)
+            check()              # before anything moves (LARS's values)
+        self._check_shardable()
         if self._shard is None:
             self._start_sharding()
         params, collectives = self._shard
@@ -318,11 +383,11 @@ class GuardedOptimizer:
             for param in owned:
                 hook(param.update_rule, param)
 
-    def _start_sharding(self) -> None:
-        """At the first sharded step: check that sharding can give the
-        unsharded steps, decide the owners, drop the state of the others'
-        parameters (a restore that merged every process's file)."""
-        from chainerkfac.communicators.adapter import kfac_collectives
+    def _check_shardable(self) -> None:
+        """At every sharded step, before anything moves: that sharding can
+        give the unsharded step (a hook or loss scaling added after the
+        first step was not refused: a GradientClipping then failed with a
+        TypeError, a dynamic loss scale stayed at 1)."""
         optimizer = self.actual_optimizer
         if type(optimizer).update is not chainer.GradientMethod.update \
                 and not getattr(optimizer, 'gradient_method_update', False):
@@ -345,6 +410,13 @@ class GuardedOptimizer:
             raise ValueError(
                 'GuardedOptimizer(shard_update=True): loss scaling is not '
                 'supported (dynamic scaling decides from every gradient)')
+
+    def _start_sharding(self) -> None:
+        """At the first sharded step: decide the owners, drop the state of
+        the others' parameters (a restore that merged every process's
+        file)."""
+        from chainerkfac.communicators.adapter import kfac_collectives
+        optimizer = self.actual_optimizer
         named = sorted(optimizer.target.namedparams())
         params = [p for _, p in named]
         self.owners = sharding.ParameterOwners.balanced(
@@ -352,6 +424,28 @@ class GuardedOptimizer:
             [n for n, _ in named])
         self._shard = (params, kfac_collectives(self.comm))
         self._drop_unowned_state()
+
+    def _init_never_updated_states(self) -> None:
+        """The state (zeros, as its first update makes it) of each enabled
+        rule that never updated, of the parameters this process updates:
+        Chainer's loader needs the state of every enabled rule, so a
+        snapshot saved before the first step (inside the first
+        accumulation) did not load (``KeyError: 'l1/W/v'``)."""
+        params = sorted(self.actual_optimizer.target.namedparams())
+        for i, (_, param) in enumerate(params):
+            rule = param.update_rule
+            if rule is None or not rule.enabled or rule.state is not None \
+                    or param.array is None:
+                continue
+            if self._shard is not None and \
+                    not self.owners.owns(self.comm.rank, i):
+                continue
+            if rule._use_fp32_update and param.dtype == numpy.float16:
+                if rule._fp32_param is None:
+                    rule._fp32_param = chainer.Parameter(
+                        param.array.astype(numpy.float32), name=param.name)
+                param = rule._fp32_param
+            rule._init_states(param)
 
     def _drop_unowned_state(self) -> None:
         params = self._shard[0]
@@ -361,6 +455,17 @@ class GuardedOptimizer:
 
     def serialize(self, serializer):
         loading = isinstance(serializer, chainer.serializer.Deserializer)
+        if not loading:
+            if self.pending_micro_batches:
+                warnings.warn(
+                    'GuardedOptimizer state saved after {} of {} '
+                    'micro-batches of a step: their gradients are not part '
+                    'of it, so a run resumed from it takes that step again '
+                    "from its first micro-batch (snapshot every acc_iters={} "
+                    "updates, at a step's end)".format(
+                        self.pending_micro_batches, self.acc_iters,
+                        self.acc_iters))
+            self._init_never_updated_states()
         if loading and self.sharded:
             # each process's file holds the velocities it owned
             self.actual_optimizer.serialize(

@@ -241,16 +241,9 @@ class LARS(optimizer.GradientMethod):
                  momentum_form=_default_hyperparam.momentum_form,
                  exclude=bias_and_normalization):
         super().__init__()
-        _check('lr', lr, lambda v: v >= 0, 'must be a finite number >= 0')
-        _check('momentum', momentum, lambda v: 0 <= v < 1,
-               'must lie in [0, 1)')
-        _check('weight_decay', weight_decay, lambda v: v >= 0,
-               'must be a finite number >= 0')
-        _check('eta', eta, lambda v: v > 0, 'must be a finite number > 0')
+        _check_values({'lr': lr, 'momentum': momentum,
+                       'weight_decay': weight_decay, 'eta': eta})
         _check_form(momentum_form)
-        if exclude is not None and not callable(exclude):
-            raise TypeError('LARS: exclude must be a callable (name, param) '
-                            '-> bool or None, got {!r}'.format(exclude))
         self.hyperparam.lr = lr
         self.hyperparam.momentum = momentum
         self.hyperparam.weight_decay = weight_decay
@@ -268,23 +261,57 @@ class LARS(optimizer.GradientMethod):
         return super().update(lossfun, *args, **kwds)
 
     def check_update(self) -> None:
-        """Refuse a ``momentum_form`` set since the constructor (here, or
-        a rule's own). A wrapper that runs the update rules itself (the
-        sharded :class:`~chainerkfac.optimizers.GuardedOptimizer`) calls it
-        before anything moves."""
-        forms = {self.hyperparam.momentum_form}
-        forms.update(param.update_rule.hyperparam.momentum_form
-                     for param in self.target.params()
-                     if isinstance(param.update_rule, LARSRule))
-        for form in forms:
-            _check_form(form)
+        """Refuse a hyperparameter set since the constructor (here, by a
+        trainer extension, or a rule's own) that the constructor would
+        refuse: an ``lr`` or ``eta`` of inf or NaN gave non-finite weights,
+        then every step skipped; a momentum of 1.5 ran on. A wrapper that
+        runs the update rules itself (the sharded
+        :class:`~chainerkfac.optimizers.GuardedOptimizer`) calls it before
+        anything moves."""
+        hyperparams = [self.hyperparam] + [
+            param.update_rule.hyperparam for param in self.target.params()
+            if isinstance(param.update_rule, LARSRule)]
+        seen = set()
+        for hp in hyperparams:
+            values = hp.get_dict()
+            key = tuple(sorted((k, repr(v)) for k, v in values.items()))
+            if key in seen:
+                continue
+            seen.add(key)
+            _check_form(values['momentum_form'])
+            # (a 0-d array is a CUDA graph's device view of the
+            # optimizer's value, checked on the optimizer)
+            _check_values({k: values[k] for k in _CHECKS
+                           if getattr(values[k], 'ndim', None) != 0 or
+                           isinstance(values[k], numpy.number)})
+
+    @property
+    def exclude(self) -> Optional[Callable]:
+        """``exclude(name, param) -> bool`` (None: adapt every parameter);
+        set after :meth:`setup`, every rule decides again at its next
+        update."""
+        return self.__dict__.get('_exclude')
+
+    @exclude.setter
+    def exclude(self, value) -> None:
+        if value is not None and not callable(value):
+            raise TypeError('LARS: exclude must be a callable (name, param) '
+                            '-> bool or None, got {!r}'.format(value))
+        self.__dict__['_exclude'] = value
+        if getattr(self, 'target', None) is not None:
+            self._bind_exclusions(self.target)
+
+    def _bind_exclusions(self, link) -> None:
+        for name, param in link.namedparams():
+            rule = param.update_rule
+            if isinstance(rule, LARSRule):
+                rule.exclusion = (None if self.exclude is None else
+                                  _Exclusion(self.exclude, name))
+                rule.excluded = None
 
     def setup(self, link):
         super().setup(link)
-        for name, param in link.namedparams():
-            rule = param.update_rule
-            if self.exclude is not None:
-                rule.exclusion = _Exclusion(self.exclude, name)
+        self._bind_exclusions(link)
         return self
 
     def excluded_params(self) -> List[str]:
@@ -324,6 +351,22 @@ def _finite(value) -> bool:
         return math.isfinite(value)
     except OverflowError:            # an int past float's range
         return False
+
+
+#: The constructor's checks of the numeric hyperparameters: ``(ok,
+#: why)``.
+_CHECKS = {
+    'lr': (lambda v: v >= 0, 'must be a finite number >= 0'),
+    'momentum': (lambda v: 0 <= v < 1, 'must lie in [0, 1)'),
+    'weight_decay': (lambda v: v >= 0, 'must be a finite number >= 0'),
+    'eta': (lambda v: v > 0, 'must be a finite number > 0'),
+}
+
+
+def _check_values(values) -> None:
+    for name, value in values.items():
+        ok, why = _CHECKS[name]
+        _check(name, value, ok, why)
 
 
 def _check(name, value, ok, why):

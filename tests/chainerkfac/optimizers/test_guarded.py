@@ -173,3 +173,25 @@ def test_its_own_arguments_are_checked_where_they_are_set():
         optimizer.acc_iters = -3
     optimizer.acc_iters = 3
     assert optimizer.acc_iters == 3
+
+
+def test_a_snapshot_inside_an_accumulation_says_so_and_loads(tmp_path):
+    """Saved after 1 of 2 micro-batches: said at once (the resumed run
+    takes that step again); saved before any step, it now loads (the
+    rules had no state yet: ``KeyError: 'l1/W/v'``); a save at a step's
+    end says nothing."""
+    import warnings
+    x, t = helpers.data(n=4, shape=(5,), n_class=3)
+    model = helpers.MLP()
+    optimizer = GuardedOptimizer(_sgd(), acc_iters=2).setup(model)
+    optimizer.update(helpers.loss_of(model), x, t)
+    path = str(tmp_path / 'first.npz')
+    with pytest.warns(UserWarning, match='after 1 of 2 micro-batches'):
+        chainer.serializers.save_npz(path, optimizer)
+    other = GuardedOptimizer(_sgd(), acc_iters=2).setup(helpers.MLP())
+    chainer.serializers.load_npz(path, other)
+    assert other.pending_micro_batches == 0
+    optimizer.update(helpers.loss_of(model), x, t)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        chainer.serializers.save_npz(str(tmp_path / 'end.npz'), optimizer)

@@ -293,3 +293,43 @@ def test_a_parameter_without_gradient_is_left_as_it_is(form):
             assert not param.update_rule.state['v'].any()
         else:
             assert not numpy.array_equal(param.array, before[name])
+
+
+@pytest.mark.parametrize('where', ['optimizer', 'rule'])
+@pytest.mark.parametrize('name, value', [
+    ('lr', float('inf')), ('lr', float('nan')), ('eta', float('inf')),
+    ('eta', 0.0), ('momentum', 1.5), ('weight_decay', -1.0)])
+def test_a_bad_value_set_later_is_refused_before_anything_moves(
+        where, name, value):
+    """A value the constructor refuses, set since (by hand, a trainer
+    extension's shift, a rule's own): an lr or eta of inf gave non-finite
+    weights, then every step was skipped; a momentum of 1.5 ran on."""
+    model = helpers.ConvNet(bn=False)
+    optimizer = LARS().setup(model)
+    target = optimizer if where == 'optimizer' else \
+        model.fc.W.update_rule.hyperparam
+    setattr(target, name, value)
+    weights = {n: p.array.copy() for n, p in model.namedparams()}
+    with pytest.raises(ValueError, match=name):
+        optimizer.update(helpers.loss_of(model), *helpers.data())
+    assert optimizer.t == 0
+    for n, param in model.namedparams():
+        numpy.testing.assert_array_equal(param.array, weights[n])
+
+
+def test_exclusion_set_after_setup_is_taken():
+    """``optimizer.exclude`` set after ``setup`` (and after a step) was
+    never read: the biases stayed excluded. Each rule decides again."""
+    numpy.random.seed(0)
+    model = helpers.ConvNet(bn=True)
+    optimizer = LARS().setup(model)
+    optimizer.update(helpers.loss_of(model), *helpers.data())
+    assert '/fc/b' in optimizer.excluded_params()
+    optimizer.exclude = None
+    assert optimizer.excluded_params() == []
+    optimizer.update(helpers.loss_of(model), *helpers.data())
+    assert all(not p.update_rule.excluded for p in model.params())
+    optimizer.exclude = lambda name, p: name.startswith('/bn/')
+    assert sorted(optimizer.excluded_params()) == ['/bn/beta', '/bn/gamma']
+    with pytest.raises(TypeError, match='exclude'):
+        optimizer.exclude = 'bias'
