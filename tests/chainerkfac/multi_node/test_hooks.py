@@ -19,13 +19,15 @@ def _hooks():
             optimizer_hooks.GradientHardClipping(-2e-3, 2e-3)]
 
 
-def test_hooks_act_alike_on_n_ranks_and_one_process():
+def _alike_on_n_ranks_and_one_process(add_hooks):
+    """``add_hooks(model, optimizer)`` on N ranks and on one process
+    accumulating the N chunks: the same weights after 3 steps, and the
+    hooks changed them."""
     comm = common.naive('float64')
     model, optimizer = common.distributed(comm, lr=0.5)
     ref_model, ref_optimizer = common.single(acc_iters=comm.size, lr=0.5)
-    for opt in (optimizer, ref_optimizer):
-        for hook in _hooks():
-            opt.add_hook(hook)
+    for m, opt in ((model, optimizer), (ref_model, ref_optimizer)):
+        add_hooks(m, opt)
     common.train_distributed(model, optimizer, comm, 3)
     common.train_single(ref_model, ref_optimizer, comm.size, 3)
     diff = common.max_relative_diff(common.params(model),
@@ -41,32 +43,26 @@ def test_hooks_act_alike_on_n_ranks_and_one_process():
         effect))
 
 
+def test_hooks_act_alike_on_n_ranks_and_one_process():
+    def add_hooks(model, optimizer):
+        for hook in _hooks():
+            optimizer.add_hook(hook)
+    _alike_on_n_ranks_and_one_process(add_hooks)
+
+
 def test_hooks_not_linear_in_the_gradient_act_on_the_average():
     """GradientLARS (its rate ‖w‖/‖∇L‖ is not linear in ∇L), Lasso and a
     rule's own WeightDecay on a weight: on N ranks the step of one process
     accumulating the N chunks (LARS on each rank's gradient before the
-    reduction gave another step: 1.41 off in a reviewer's MLP)."""
-    comm = common.naive('float64')
-    model, optimizer = common.distributed(comm, lr=0.5)
-    ref_model, ref_optimizer = common.single(acc_iters=comm.size, lr=0.5)
-    for m, opt in ((model, optimizer), (ref_model, ref_optimizer)):
-        opt.add_hook(optimizer_hooks.GradientLARS(threshold=1e-2,
-                                                  weight_decay=1e-3))
-        opt.add_hook(optimizer_hooks.Lasso(1e-4))
-        first = sorted(m.namedparams())[-1][1]
-        first.update_rule.add_hook(optimizer_hooks.WeightDecay(1e-2))
-    common.train_distributed(model, optimizer, comm, 3)
-    common.train_single(ref_model, ref_optimizer, comm.size, 3)
-    diff = common.max_relative_diff(common.params(model),
-                                    common.params(ref_model))
-    common.assert_everywhere(diff < 1e-9, 'max relative diff {}'.format(
-        diff))
-    free_model, free_optimizer = common.single(acc_iters=comm.size, lr=0.5)
-    common.train_single(free_model, free_optimizer, comm.size, 3)
-    effect = common.max_relative_diff(common.params(free_model),
-                                      common.params(ref_model))
-    common.assert_everywhere(effect > 1e-3, 'hooks acted: {}'.format(
-        effect))
+    reduction gave another step: 1.41 off in a reviewer's MLP; here a
+    relative difference of 62 at -n 2 and 3)."""
+    def add_hooks(model, optimizer):
+        optimizer.add_hook(optimizer_hooks.GradientLARS(threshold=1e-2,
+                                                        weight_decay=1e-3))
+        optimizer.add_hook(optimizer_hooks.Lasso(1e-4))
+        last = sorted(model.namedparams())[-1][1]
+        last.update_rule.add_hook(optimizer_hooks.WeightDecay(1e-2))
+    _alike_on_n_ranks_and_one_process(add_hooks)
 
 
 class _HalveAll:
