@@ -16,6 +16,7 @@ parameters' owners instead of all-reduced, each process updates the
 parameters it owns (and keeps only their optimizer state), and the new
 weights are all-gathered.
 """
+import contextlib
 import logging
 import warnings
 from typing import Optional
@@ -177,7 +178,7 @@ class GuardedOptimizer:
             self.guard.checkpoint(target)
         if lossfun is not None:
             self._run_loss(lossfun, args, kwds)
-        if join and self._broadcast_weights():
+        if join and self._broadcast_weights(discard_forward=True):
             # the micro-batch was computed with each process's own weights
             # (lazily initialised links, or the loop's own backward)
             if lossfun is not None:
@@ -207,14 +208,26 @@ class GuardedOptimizer:
         loss.backward(loss_scale=self.actual_optimizer._loss_scale)
         del loss
 
-    def _broadcast_weights(self) -> bool:
+    def _broadcast_weights(self, discard_forward: bool = False) -> bool:
         """Give every process rank 0's parameters (once, at the first
-        micro-batch); returns whether any process's changed (agreed)."""
+        micro-batch); returns whether any process's changed (agreed). The
+        parameters' names, shapes and dtypes are agreed first (lazily
+        initialised links were not, at :meth:`_check_agreement`: a
+        mismatch aborted MPI in the broadcast). ``discard_forward``: a
+        forward pass ran since the guard's checkpoint with each process's
+        own weights; where any changed, its running statistics are put
+        back (the micro-batch is recomputed or dropped)."""
         from chainerkfac.transport import broadcast_params
+        from chainerkfac.transport import check_same_everywhere
         target = self.actual_optimizer.target
+        check_same_everywhere(self.comm.mpi_comm,
+                              registration.parameter_fingerprint(target),
+                              'GuardedOptimizer')
         changed = broadcast_params(self.comm, target)
         self.__dict__['_joined'] = True
         if changed:
+            if discard_forward:
+                self.guard.restore()
             self.guard.checkpoint(target)
         return changed
 
@@ -425,27 +438,36 @@ class GuardedOptimizer:
         self._shard = (params, kfac_collectives(self.comm))
         self._drop_unowned_state()
 
-    def _init_never_updated_states(self) -> None:
-        """The state (zeros, as its first update makes it) of each enabled
-        rule that never updated, of the parameters this process updates:
-        Chainer's loader needs the state of every enabled rule, so a
-        snapshot saved before the first step (inside the first
-        accumulation) did not load (``KeyError: 'l1/W/v'``)."""
-        params = sorted(self.actual_optimizer.target.namedparams())
-        for i, (_, param) in enumerate(params):
-            rule = param.update_rule
-            if rule is None or not rule.enabled or rule.state is not None \
-                    or param.array is None:
-                continue
-            if self._shard is not None and \
-                    not self.owners.owns(self.comm.rank, i):
-                continue
-            if rule._use_fp32_update and param.dtype == numpy.float16:
-                if rule._fp32_param is None:
-                    rule._fp32_param = chainer.Parameter(
-                        param.array.astype(numpy.float32), name=param.name)
-                param = rule._fp32_param
-            rule._init_states(param)
+    @contextlib.contextmanager
+    def _states_for_saving(self):
+        """While saving, a state (zeros, as its first update makes it) for
+        each enabled rule that never updated, taken away afterwards (saving
+        changes nothing): Chainer's loader needs the state of every enabled
+        rule, so a snapshot saved before the first step (inside the first
+        accumulation) did not load (``KeyError: 'l1/W/v'``). Not with a
+        sharded update, whose files hold the states their process owns
+        (a sharded loader takes what a file has)."""
+        made = []
+        if not self.sharded:
+            for param in self.actual_optimizer.target.params():
+                rule = param.update_rule
+                if rule is None or not rule.enabled or rule.t or \
+                        rule.state is not None or param.array is None:
+                    continue
+                like = param
+                if rule._use_fp32_update and param.dtype == numpy.float16:
+                    # the float32 master's state, made on a copy (the
+                    # master itself comes at the first update, from the
+                    # weights of then)
+                    like = chainer.Variable(param.array.astype(
+                        numpy.float32))
+                rule._init_states(like)
+                made.append(rule)
+        try:
+            yield
+        finally:
+            for rule in made:
+                rule._state = None
 
     def _drop_unowned_state(self) -> None:
         params = self._shard[0]
@@ -465,13 +487,15 @@ class GuardedOptimizer:
                     "updates, at a step's end)".format(
                         self.pending_micro_batches, self.acc_iters,
                         self.acc_iters))
-            self._init_never_updated_states()
         if loading and self.sharded:
             # each process's file holds the velocities it owned
             self.actual_optimizer.serialize(
                 sharding.PartialStateDeserializer(serializer))
-        else:
+        elif loading:
             self.actual_optimizer.serialize(serializer)
+        else:
+            with self._states_for_saving():
+                self.actual_optimizer.serialize(serializer)
         if loading:
             # The model is loaded after its optimizer (Chainer's updaters):
             # its running statistics are taken at the next update(lossfun),

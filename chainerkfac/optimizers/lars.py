@@ -279,11 +279,17 @@ class LARS(optimizer.GradientMethod):
                 continue
             seen.add(key)
             _check_form(values['momentum_form'])
-            # (a 0-d array is a CUDA graph's device view of the
-            # optimizer's value, checked on the optimizer)
-            _check_values({k: values[k] for k in _CHECKS
-                           if getattr(values[k], 'ndim', None) != 0 or
-                           isinstance(values[k], numpy.number)})
+            checked = {}
+            for name in _CHECKS:
+                value = values[name]
+                if isinstance(value, numpy.ndarray) and value.ndim == 0:
+                    value = value[()]           # a NumPy scalar
+                elif getattr(value, 'ndim', None) == 0 and \
+                        not isinstance(value, numpy.number):
+                    continue    # a CUDA graph's device view of the
+                    # optimizer's value, checked on the optimizer
+                checked[name] = value
+            _check_values(checked)
 
     @property
     def exclude(self) -> Optional[Callable]:

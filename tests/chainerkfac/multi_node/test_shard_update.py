@@ -518,3 +518,66 @@ def test_a_whole_model_hook_added_after_the_first_sharded_step_is_refused():
         optimizer.update(helpers.loss_of(model), x, t)
     for name, array in common.params(model).items():
         numpy.testing.assert_array_equal(array, weights[name], name)
+
+
+def test_a_dropped_first_micro_batch_leaves_no_running_statistics():
+    """The loop's own backward ran with each process's weights: dropped,
+    its forward's trace in BatchNormalization's running statistics goes
+    too (the guard's copy from before it)."""
+    comm = common.naive('float64')
+    if comm.size == 1:
+        pytest.skip('one process has nothing to broadcast')
+    model, optimizer = _guarded(comm, _sgd, 1, False, seed=comm.rank)
+    before = model.bn1.avg_mean.copy()
+    x, t = common.chunks(0, comm.size)[comm.rank]
+    model.cleargrads()
+    helpers.loss_of(model)(x, t).backward()
+    assert not numpy.array_equal(model.bn1.avg_mean, before)
+    optimizer.update()
+    assert optimizer.t == 0
+    numpy.testing.assert_array_equal(model.bn1.avg_mean, before)
+
+
+class _Lazy(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with helpers.float64_links(), self.init_scope():
+            self.l1 = chainer.links.Linear(None, 4)
+
+    def forward(self, x):
+        return F.sum(self.l1(x) ** 2)
+
+
+def test_lazy_links_of_other_shapes_are_named_not_broadcast():
+    """Lazily initialised links whose inputs differ between processes:
+    agreed before the broadcast, a ValueError naming the parameter on
+    every process (it aborted MPI in the broadcast: MPI_ERR_TRUNCATE)."""
+    comm = common.naive('float64')
+    if comm.size == 1:
+        pytest.skip('one process has nothing to agree with')
+    model = _Lazy()
+    optimizer = GuardedOptimizer(_sgd(), 1, comm).setup(model)
+    x = numpy.ones((2, 5 + comm.rank))
+    with pytest.raises(ValueError, match='/l1/W'):
+        optimizer.update(model, x)
+
+
+def test_a_resumed_sharded_run_saves_the_states_it_owns(shared_dir):
+    """Loaded, then saved before its first step: each file holds the
+    velocities its process owns, as the first one did (saving gave every
+    never-updated rule a state: every file held every velocity, and
+    merging them, to resume on another count, loaded zeros)."""
+    comm = common.naive('float64')
+    if comm.size == 1:
+        pytest.skip('sharding needs two processes')
+    model, optimizer = _guarded(comm, _lars('scaled'), 1, True)
+    common.train_distributed(model, optimizer, comm, 2)
+    first = _file(shared_dir, 'first', comm.rank)
+    chainer.serializers.save_npz(first, optimizer)
+    resumed, again = _guarded(comm, _lars('scaled'), 1, True)
+    chainer.serializers.load_npz(first, again)
+    second = _file(shared_dir, 'second', comm.rank)
+    chainer.serializers.save_npz(second, again)
+    with numpy.load(first) as a, numpy.load(second) as b:
+        keys = sorted(a.files), sorted(b.files)
+    common.assert_everywhere(keys[0] == keys[1], 'the same keys')

@@ -188,6 +188,9 @@ def test_a_snapshot_inside_an_accumulation_says_so_and_loads(tmp_path):
     path = str(tmp_path / 'first.npz')
     with pytest.warns(UserWarning, match='after 1 of 2 micro-batches'):
         chainer.serializers.save_npz(path, optimizer)
+    # saving changed nothing: the rules have their state from their first
+    # update, as before
+    assert all(p.update_rule.state is None for p in model.params())
     other = GuardedOptimizer(_sgd(), acc_iters=2).setup(helpers.MLP())
     chainer.serializers.load_npz(path, other)
     assert other.pending_micro_batches == 0

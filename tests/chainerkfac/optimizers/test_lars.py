@@ -298,7 +298,8 @@ def test_a_parameter_without_gradient_is_left_as_it_is(form):
 @pytest.mark.parametrize('where', ['optimizer', 'rule'])
 @pytest.mark.parametrize('name, value', [
     ('lr', float('inf')), ('lr', float('nan')), ('eta', float('inf')),
-    ('eta', 0.0), ('momentum', 1.5), ('weight_decay', -1.0)])
+    ('eta', 0.0), ('momentum', 1.5), ('weight_decay', -1.0),
+    ('lr', numpy.array(float('inf'))), ('eta', numpy.float32('nan'))])
 def test_a_bad_value_set_later_is_refused_before_anything_moves(
         where, name, value):
     """A value the constructor refuses, set since (by hand, a trainer
