@@ -75,30 +75,49 @@ class _AdjointPropagator:
 DEFAULT_TOL = {8: 1e-10, 4: 1e-5, 2: 1e-2}
 
 
-def _check_options(coarsening, tol, max_iter, rtol) -> None:
+def _integer(value) -> bool:
+    return isinstance(value, (int, numpy.integer)) and \
+        not isinstance(value, bool)
+
+
+def _check_options(coarsening, tol, max_iter, rtol, levels=None) -> None:
     """MGRIT's numbers, refused before any work where they make no
     solve (a coarsening of 0 divided by zero, a negative tolerance ran
-    every solve to its cap)."""
-    def integer(value):
-        return isinstance(value, (int, numpy.integer)) and \
-            not isinstance(value, bool)
-
-    def finite_at_least_0(value):
-        return isinstance(value, (int, float, numpy.number)) and \
-            not isinstance(value, bool) and math.isfinite(value) and \
-            value >= 0
-    if not integer(coarsening) or coarsening < 2:
+    every solve to its cap, an ``rtol`` of 1 stopped every solve after its
+    first iteration as converged, ``levels=2.5`` built 3 levels)."""
+    if not _integer(coarsening) or coarsening < 2:
         raise ValueError('coarsening must be an integer >= 2, not {!r}'
                          .format(coarsening))
-    if not integer(max_iter) or max_iter < 1:
+    if levels is not None and (not _integer(levels) or levels < 1):
+        raise ValueError('levels must be an integer >= 1 (or None: as '
+                         'many as the layers allow), not {!r}'.format(levels))
+    _check_max_iter(max_iter)
+    _check_tol(tol)
+    _check_rtol(rtol)
+
+
+def _finite_at_least_0(value) -> bool:
+    return isinstance(value, (int, float, numpy.number)) and \
+        not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _check_max_iter(max_iter) -> None:
+    if not _integer(max_iter) or max_iter < 1:
         raise ValueError('max_iter must be positive, not {!r}'.format(
             max_iter))
-    if tol is not None and not finite_at_least_0(tol):
+
+
+def _check_tol(tol) -> None:
+    if tol is not None and not _finite_at_least_0(tol):
         raise ValueError('tol must be a finite number >= 0 (or None: by '
                          'the dtype), not {!r}'.format(tol))
-    if not finite_at_least_0(rtol):
-        raise ValueError('rtol must be a finite number >= 0, not {!r}'
-                         .format(rtol))
+
+
+def _check_rtol(rtol) -> None:
+    if not _finite_at_least_0(rtol) or rtol >= 1:
+        raise ValueError('rtol must be a number in [0, 1), not {!r} (the '
+                         "first iteration's residual is its reference: 1 "
+                         'or more ends every solve there)'.format(rtol))
 
 
 class MGRIT:
@@ -148,17 +167,67 @@ class MGRIT:
         The layers each rank owns.
     """
 
+    # -- options: the tolerances settable, the hierarchy fixed ---------------
+    @property
+    def tol(self) -> Optional[float]:
+        """The absolute tolerance (None: by the dtype); settable, checked
+        as the constructor checks it."""
+        return self._abs_tol
+
+    @tol.setter
+    def tol(self, value) -> None:
+        _check_tol(value)
+        self._abs_tol = value
+
+    @property
+    def rtol(self) -> float:
+        """The relative tolerance, in [0, 1); settable, checked."""
+        return self._rtol
+
+    @rtol.setter
+    def rtol(self, value) -> None:
+        _check_rtol(value)
+        self._rtol = value
+
+    @property
+    def max_iter(self) -> int:
+        """The iteration cap of a solve; settable, checked."""
+        return self._max_iter
+
+    @max_iter.setter
+    def max_iter(self, value) -> None:
+        _check_max_iter(value)
+        self._max_iter = value
+
+    def _fixed(name):
+        def get(self):
+            return self._structure[name]
+
+        def refuse(self, value):
+            raise AttributeError(
+                'MGRIT.{0} is fixed at construction (the levels, the '
+                'solvers and the weights\' routes are built from it): '
+                'build a new MGRIT(net, ..., {0}={1!r})'.format(name, value))
+        return property(get, refuse, doc='The {} the hierarchy was built '
+                        'with (fixed).'.format(name))
+
+    coarsening = _fixed('coarsening')
+    levels = _fixed('levels')
+    relax = _fixed('relax')
+    del _fixed
+
     def __init__(self, net: ResidualODE, comm=None, coarsening: int = 4,
                  levels: Optional[int] = None, relax: str = 'FCF',
                  tol: Optional[float] = None, max_iter: int = 50,
                  rtol: float = 0.0,
                  warm_start: bool = True):
-        _check_options(coarsening, tol, max_iter, rtol)
+        _check_options(coarsening, tol, max_iter, rtol, levels)
         self.net = net
         self.transport = transport_for(comm)
         self.rank = self.transport.rank
         self._agree_on_weights()
-        self.coarsening = coarsening
+        self._structure = {'coarsening': coarsening, 'levels': levels,
+                           'relax': relax}
         self.tol = tol
         self.max_iter = max_iter
         self.rtol = rtol

@@ -76,9 +76,7 @@ class ResidualODE(chainer.Chain):
         if n_layers < 1:
             raise ValueError('n_layers must be positive, not {}'.format(
                 n_layers))
-        if not t_final > 0 or t_final == float('inf'):
-            raise ValueError('t_final must be a finite positive time, not '
-                             '{!r}'.format(t_final))
+        _check_t_final(t_final)
         if layer == 'conv':
             if image_size is None:
                 raise ValueError("layer='conv' needs image_size (H or (H, W))")
@@ -86,10 +84,8 @@ class ResidualODE(chainer.Chain):
                 raise ValueError('ksize must be odd (same padding), not {}'
                                  .format(ksize))
         self.n_layers = n_layers
-        self.t_final = float(t_final)
-        self.h = self.t_final / n_layers
+        self.t_final = t_final
         self.layer = layer
-        self._activation = activations.get(activation)
         self.activation = activation
         with self.init_scope():
             if layer == 'dense':
@@ -109,6 +105,35 @@ class ResidualODE(chainer.Chain):
                 self.classifier = L.Linear(width * h * w, n_out)
         if weights == 'smooth':
             self._interpolate_weights()
+
+    # -- the ODE's time and activation: read at every step ------------------
+    @property
+    def t_final(self) -> float:
+        """T, the final time; settable (a finite positive time): the step
+        :attr:`h` follows (a copy taken at construction kept the first
+        one's)."""
+        return self.__dict__['_t_final']
+
+    @t_final.setter
+    def t_final(self, value) -> None:
+        _check_t_final(value)
+        self.__dict__['_t_final'] = float(value)
+
+    @property
+    def h(self) -> float:
+        """The step T / N of each layer."""
+        return self.t_final / self.n_layers
+
+    @property
+    def activation(self) -> str:
+        """σ's name (:mod:`.activations`); settable."""
+        return self.__dict__['_activation_name']
+
+    @activation.setter
+    def activation(self, name) -> None:
+        function = activations.get(name)      # refuses an unknown name
+        self.__dict__['_activation'] = function
+        self.__dict__['_activation_name'] = name
 
     def _interpolate_weights(self) -> None:
         """K_n from the first and the last layer's draws, linearly."""
@@ -271,3 +296,11 @@ def _accumulate(param: chainer.Parameter, grad) -> None:
         param.grad = grad
     else:
         param.grad += grad
+
+
+def _check_t_final(t_final) -> None:
+    if isinstance(t_final, bool) or not isinstance(
+            t_final, (int, float, numpy.number)) or not 0 < t_final < \
+            float('inf'):
+        raise ValueError('t_final must be a finite positive time, not '
+                         '{!r}'.format(t_final))

@@ -14,7 +14,10 @@ process updates the parameters it owns, which the next forward sends to
 the processes whose coarse levels need them.
 """
 import logging
+import math
 from typing import NamedTuple, Optional
+
+import numpy
 
 from chainerkfac.layer_parallel import kfac
 from chainerkfac.layer_parallel.grid import ProcessGrid
@@ -66,12 +69,6 @@ class SimultaneousTraining:
     def __init__(self, mgrit: MGRIT, optimizer, m1: int = 2, m2: int = 2,
                  grid: Optional[ProcessGrid] = None,
                  smoothness: float = 0.0):
-        for name, value in (('m1', m1), ('m2', m2)):
-            if isinstance(value, bool) or not isinstance(value, int) or \
-                    value < 1:
-                raise ValueError('{} must be an integer >= 1 (MGRIT '
-                                 'iterations a step), got {!r}'.format(
-                                     name, value))
         self.mgrit = mgrit
         self.m1, self.m2 = m1, m2
         self.grid = grid
@@ -94,6 +91,42 @@ class SimultaneousTraining:
                 param.update_rule.enabled = False
         self.optimizer = optimizer
 
+    # -- options, checked where they are set (also after construction) ------
+    @property
+    def m1(self) -> int:
+        """MGRIT iterations of the forward solve a step (an integer >= 1;
+        settable, checked)."""
+        return self._m1
+
+    @m1.setter
+    def m1(self, value) -> None:
+        self._m1 = _iterations('m1', value)
+
+    @property
+    def m2(self) -> int:
+        """MGRIT iterations of the adjoint solve a step (as :attr:`m1`)."""
+        return self._m2
+
+    @m2.setter
+    def m2(self, value) -> None:
+        self._m2 = _iterations('m2', value)
+
+    @property
+    def smoothness(self) -> float:
+        """β of the time-derivative regularisation (a finite number >= 0;
+        settable, checked: -1 rewarded rough weights, NaN made every weight
+        NaN after one step)."""
+        return self._smoothness
+
+    @smoothness.setter
+    def smoothness(self, value) -> None:
+        if isinstance(value, bool) or not isinstance(
+                value, (int, float, numpy.number)) or \
+                not math.isfinite(value) or value < 0:
+            raise ValueError('smoothness must be a finite number >= 0 (0: '
+                             'no regularisation), got {!r}'.format(value))
+        self._smoothness = value
+
     def step(self, x, t) -> StepResult:
         """One optimizer step on the (local) batch ``x``, ``t``."""
         mgrit = self.mgrit
@@ -115,3 +148,11 @@ class SimultaneousTraining:
         self.optimizer.update()
         return StepResult(loss, accuracy, regularization, states[-1],
                           adjoints[-1])
+
+
+def _iterations(name, value) -> int:
+    if isinstance(value, bool) or not isinstance(
+            value, (int, numpy.integer)) or value < 1:
+        raise ValueError('{} must be an integer >= 1 (MGRIT iterations a '
+                         'step), got {!r}'.format(name, value))
+    return value

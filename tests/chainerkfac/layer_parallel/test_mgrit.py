@@ -1,8 +1,12 @@
 """MGRIT against the layer-serial network, on one process: the converged
 solves reproduce Chainer's forward and backprop; one level *is* serial; the
 two-level exactness property; warm starts; the stopping rules."""
+import chainerkfac  # NOQA  (first: NumPy-2 shims before chainer loads)
+
 import numpy
 import pytest
+
+import chainer
 
 from chainerkfac import layer_parallel as lp
 from tests.chainerkfac.layer_parallel import common
@@ -179,7 +183,10 @@ def test_errors_name_the_problem():
             (dict(coarsening=2.5), 'coarsening must be an integer >= 2'),
             (dict(tol=-1), 'tol must be a finite number >= 0'),
             (dict(tol=float('nan')), 'tol must be a finite number >= 0'),
-            (dict(rtol=-0.1), 'rtol must be a finite number >= 0'),
+            (dict(rtol=-0.1), r'rtol must be a number in \[0, 1\)'),
+            # 1 stopped every solve after its first iteration, "converged"
+            (dict(rtol=1.0), r'rtol must be a number in \[0, 1\)'),
+            (dict(levels=2.5), 'levels must be an integer >= 1'),
             (dict(max_iter=0), 'max_iter must be positive')]:
         with pytest.raises(ValueError, match=message):
             lp.MGRIT(net, **options)
@@ -247,3 +254,43 @@ def test_images_of_another_size_are_refused_before_the_solve(monkeypatch):
         mgrit.forward(wrong)
     with pytest.raises(ValueError, match=message):
         net(wrong)
+
+
+def test_options_set_later_are_checked_or_refused():
+    """``tol``, ``rtol`` and ``max_iter`` set after construction are
+    checked as the constructor checks them (a ``tol`` of -1 ran every
+    solve to its cap); ``coarsening``, ``levels`` and ``relax``, from
+    which the hierarchy is built, are refused (setting ``coarsening``
+    changed nothing: the solvers kept their own)."""
+    mgrit = lp.MGRIT(_net('dense', n_layers=16))
+    for name, value in [('tol', -1), ('tol', float('nan')), ('rtol', 1.0),
+                        ('max_iter', 0), ('max_iter', True)]:
+        with pytest.raises(ValueError, match=name):
+            setattr(mgrit, name, value)
+    mgrit.tol, mgrit.rtol, mgrit.max_iter = 1e-8, 0.5, 7
+    assert (mgrit.tol, mgrit.rtol, mgrit.max_iter) == (1e-8, 0.5, 7)
+    for name, value in [('coarsening', 2), ('levels', 1), ('relax', 'F')]:
+        with pytest.raises(AttributeError, match='new MGRIT'):
+            setattr(mgrit, name, value)
+    assert (mgrit.coarsening, mgrit.levels, mgrit.relax) == (4, None,
+                                                             'FCF')
+
+
+def test_the_networks_time_and_activation_set_later_are_taken():
+    """``t_final`` and ``activation`` set after construction were copied
+    at it (the step ``h`` and σ kept the first values): now the network
+    computes as one built with them."""
+    x = numpy.random.RandomState(0).randn(4, 2)
+    numpy.random.seed(0)
+    with chainer.using_config('dtype', numpy.float64):
+        changed = lp.ResidualODE(2, 8, 16, 5, t_final=5.0)
+        numpy.random.seed(0)
+        built = lp.ResidualODE(2, 8, 16, 5, t_final=10.0, activation='tanh')
+    changed.t_final = 10.0
+    changed.activation = 'tanh'
+    assert changed.h == built.h == 10.0 / 16
+    numpy.testing.assert_array_equal(changed(x).array, built(x).array)
+    with pytest.raises(ValueError, match='t_final'):
+        changed.t_final = -1.0
+    with pytest.raises(ValueError):
+        changed.activation = 'bogus'

@@ -36,3 +36,23 @@ def test_two_iterations_per_step_learn_peaks():
     results = [training.step(x, t) for _ in range(60)]
     assert results[-1].loss < 0.7 * results[0].loss
     assert results[-1].accuracy > results[0].accuracy + 0.2
+
+
+def test_options_are_checked_also_when_set_later():
+    """``smoothness`` was never checked (-1 rewarded rough weights; NaN
+    made every weight NaN after one step), and ``m1`` / ``m2`` only at
+    construction (``m1 = True`` ran one iteration)."""
+    import pytest
+    net = common.dense_net(n_layers=8)
+    optimizer = chainer.optimizers.Adam(alpha=1e-2)
+    for value in (-1.0, float('nan'), float('inf'), True):
+        with pytest.raises(ValueError, match='smoothness'):
+            lp.SimultaneousTraining(lp.MGRIT(net), optimizer,
+                                    smoothness=value)
+    training = lp.SimultaneousTraining(lp.MGRIT(net), optimizer)
+    for name, value in [('smoothness', float('nan')), ('m1', True),
+                        ('m2', 0), ('m1', 2.0)]:
+        with pytest.raises(ValueError, match=name):
+            setattr(training, name, value)
+    training.smoothness, training.m1 = 0.5, 3
+    assert (training.smoothness, training.m1) == (0.5, 3)
