@@ -149,9 +149,12 @@ def extract(predictor, x, t, quantities=q.FIRST_ORDER,
             mc_samples < 1:
         raise ValueError('mc_samples must be an integer >= 1, got {!r}'
                          .format(mc_samples))
-    if column_chunk is not None and int(column_chunk) < 1:
-        raise ValueError('column_chunk must be at least 1 (or None), got '
-                         '{}'.format(column_chunk))
+    if column_chunk is not None and (
+            isinstance(column_chunk, bool) or
+            not isinstance(column_chunk, (int, numpy.integer)) or
+            column_chunk < 1):
+        raise ValueError('column_chunk must be an integer >= 1 (or None), '
+                         'got {!r}'.format(column_chunk))
     batch = reduction.Batch.of(len(x), comm)
     run = _Extraction(predictor, request, batch, conv_factors, column_chunk)
     # A refused graph (samples coupled by BatchNormalization in training

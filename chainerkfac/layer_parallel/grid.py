@@ -7,6 +7,8 @@ that own the same layers in every replica, over which the gradients of
 those layers are averaged. Rank r is layer rank r mod ``layer_procs`` of
 replica r div ``layer_procs``.
 """
+import numpy
+
 from chainerkfac.layer_parallel.transport import agree_on_weights
 from chainerkfac.layer_parallel.transport import transport_for
 
@@ -33,6 +35,10 @@ class ProcessGrid:
 
     def __init__(self, comm, layer_procs: int):
         world = transport_for(comm)
+        if isinstance(layer_procs, bool) or not isinstance(
+                layer_procs, (int, numpy.integer)):
+            raise ValueError('layer_procs must be an integer (processes a '
+                             'layer group), not {!r}'.format(layer_procs))
         if layer_procs < 1 or world.size % layer_procs:
             raise ValueError('layer_procs={} does not divide the {} '
                              'processes'.format(layer_procs, world.size))

@@ -114,8 +114,12 @@ def test_graph_that_cannot_be_stacked_takes_one_pass_per_column(caplog):
 
 def test_column_chunk_is_checked():
     model, x, t = nets.build('conv_pool_linear')
-    with pytest.raises(ValueError, match='column_chunk must be at least 1'):
-        curvature.extract(model, x, t, quantities=('kflr',), column_chunk=0)
+    for value in (0, 2.5, True):
+        # 2.5 ran as 2 columns at a time, without a word
+        with pytest.raises(ValueError,
+                           match='column_chunk must be an integer >= 1'):
+            curvature.extract(model, x, t, quantities=('kflr',),
+                              column_chunk=value)
 
 
 # -- the rules, one function at a time ----------------------------------------

@@ -294,3 +294,12 @@ def test_the_networks_time_and_activation_set_later_are_taken():
         changed.t_final = -1.0
     with pytest.raises(ValueError):
         changed.activation = 'bogus'
+
+
+def test_the_grid_takes_an_integer_count():
+    """``layer_procs=2.0`` made a grid of 1.0 replicas, ``True`` one of
+    one process a group, without a word."""
+    for value in (1.0, True, 0, 2):
+        with pytest.raises(ValueError, match='layer_procs'):
+            lp.ProcessGrid(None, layer_procs=value)
+    assert lp.ProcessGrid(None, layer_procs=1).n_replicas == 1
