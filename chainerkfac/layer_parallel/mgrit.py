@@ -97,7 +97,8 @@ def _check_options(coarsening, tol, max_iter, rtol, levels=None) -> None:
 
 
 def _finite_at_least_0(value) -> bool:
-    return isinstance(value, (int, float, numpy.number)) and \
+    return isinstance(value, (int, float, numpy.integer,
+                              numpy.floating)) and \
         not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
@@ -156,7 +157,7 @@ class MGRIT:
         training runs a fixed m1 / m2).
     rtol : float
         Also stop once the residual is at most ``rtol`` times the first
-        iteration's.
+        iteration's; in [0, 1).
     warm_start : bool
         Start every solve from the last solve's states (forward) or
         adjoints (backward) when the batch shape is unchanged.
@@ -208,8 +209,11 @@ class MGRIT:
                 'MGRIT.{0} is fixed at construction (the levels, the '
                 'solvers and the weights\' routes are built from it): '
                 'build a new MGRIT(net, ..., {0}={1!r})'.format(name, value))
-        return property(get, refuse, doc='The {} the hierarchy was built '
-                        'with (fixed).'.format(name))
+        return property(get, refuse, doc='The ``{}`` argument the '
+                        'hierarchy was built with (fixed; ``levels`` None: '
+                        'as many as the layers allow, '
+                        '``forward_solver.n_levels`` counts them).'.format(
+                            name))
 
     coarsening = _fixed('coarsening')
     levels = _fixed('levels')

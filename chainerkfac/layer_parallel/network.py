@@ -112,7 +112,10 @@ class ResidualODE(chainer.Chain):
         """T, the final time; settable (a finite positive time): the step
         :attr:`h` follows (a copy taken at construction kept the first
         one's)."""
-        return self.__dict__['_t_final']
+        try:
+            return self.__dict__['_t_final']
+        except KeyError:
+            raise AttributeError('t_final') from None
 
     @t_final.setter
     def t_final(self, value) -> None:
@@ -127,7 +130,10 @@ class ResidualODE(chainer.Chain):
     @property
     def activation(self) -> str:
         """σ's name (:mod:`.activations`); settable."""
-        return self.__dict__['_activation_name']
+        try:
+            return self.__dict__['_activation_name']
+        except KeyError:
+            raise AttributeError('activation') from None
 
     @activation.setter
     def activation(self, name) -> None:
@@ -300,7 +306,7 @@ def _accumulate(param: chainer.Parameter, grad) -> None:
 
 def _check_t_final(t_final) -> None:
     if isinstance(t_final, bool) or not isinstance(
-            t_final, (int, float, numpy.number)) or not 0 < t_final < \
-            float('inf'):
+            t_final, (int, float, numpy.integer, numpy.floating)) or \
+            not 0 < t_final < float('inf'):
         raise ValueError('t_final must be a finite positive time, not '
                          '{!r}'.format(t_final))

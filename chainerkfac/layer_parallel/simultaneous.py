@@ -71,6 +71,7 @@ class SimultaneousTraining:
                  smoothness: float = 0.0):
         self.mgrit = mgrit
         self.m1, self.m2 = m1, m2
+        self.smoothness = smoothness    # checked before anything is done
         self.grid = grid
         if grid is not None and grid.agree_on_weights(mgrit) and \
                 grid.replica == 0:
@@ -78,7 +79,6 @@ class SimultaneousTraining:
                 "SimultaneousTraining: the network's weights differed "
                 "between replicas (built with different seeds?); replica "
                 "0's were broadcast")
-        self.smoothness = smoothness
         if isinstance(optimizer, KFAC) and optimizer.target is None:
             kfac.setup_kfac(optimizer, mgrit, grid)
         elif optimizer.target is None:
@@ -121,7 +121,7 @@ class SimultaneousTraining:
     @smoothness.setter
     def smoothness(self, value) -> None:
         if isinstance(value, bool) or not isinstance(
-                value, (int, float, numpy.number)) or \
+                value, (int, float, numpy.integer, numpy.floating)) or \
                 not math.isfinite(value) or value < 0:
             raise ValueError('smoothness must be a finite number >= 0 (0: '
                              'no regularisation), got {!r}'.format(value))

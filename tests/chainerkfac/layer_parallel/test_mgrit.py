@@ -290,8 +290,11 @@ def test_the_networks_time_and_activation_set_later_are_taken():
     changed.activation = 'tanh'
     assert changed.h == built.h == 10.0 / 16
     numpy.testing.assert_array_equal(changed(x).array, built(x).array)
-    with pytest.raises(ValueError, match='t_final'):
-        changed.t_final = -1.0
+    for value in (-1.0, numpy.complex128(1), float('inf')):
+        with pytest.raises(ValueError, match='t_final'):
+            changed.t_final = value
+    bare = lp.ResidualODE.__new__(lp.ResidualODE)
+    assert getattr(bare, 't_final', None) is None
     with pytest.raises(ValueError):
         changed.activation = 'bogus'
 

@@ -45,7 +45,8 @@ def test_options_are_checked_also_when_set_later():
     import pytest
     net = common.dense_net(n_layers=8)
     optimizer = chainer.optimizers.Adam(alpha=1e-2)
-    for value in (-1.0, float('nan'), float('inf'), True):
+    for value in (-1.0, float('nan'), float('inf'), True,
+                  numpy.complex128(1)):
         with pytest.raises(ValueError, match='smoothness'):
             lp.SimultaneousTraining(lp.MGRIT(net), optimizer,
                                     smoothness=value)
