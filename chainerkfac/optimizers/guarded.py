@@ -303,9 +303,10 @@ class GuardedOptimizer:
         self.guard.checkpoint(target)
 
     def _check_agreement(self) -> None:
-        """At the first step, before any collective of it: the processes
-        must agree on ``shard_update`` (one that does not would wait in the
-        all-reduce while the others gather: a hang), ``acc_iters``, the
+        """At the first micro-batch (or step), before any collective: the
+        processes must agree on ``shard_update`` (one that does not would
+        wait in the all-reduce while the others gather: a hang),
+        ``acc_iters``, the
         optimizer, its hyperparameters, hooks and loss scaling (a refusal
         of one rank's hook hung the others; a scale on one rank only
         averaged scaled and unscaled gradients), and on the parameters'
