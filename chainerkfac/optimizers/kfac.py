@@ -578,6 +578,29 @@ class KFAC(optimizer.GradientMethod):
             self.step_bound.sum_across = self.bound_sum_across
 
     @property
+    def damping(self) -> float:
+        """γ (eqs. 13-16); settable between steps (a trainer extension
+        shifting it), checked as the constructor checks it (a NaN made
+        every later step skip)."""
+        return self._damping
+
+    @damping.setter
+    def damping(self, value) -> None:
+        options.check_option('damping', value)
+        self._damping = float(value)
+
+    @property
+    def acc_iters(self) -> int:
+        """Micro-batches a step; settable (a batch-size schedule), from the
+        coming step on; checked (0 was taken)."""
+        return self._acc_iters
+
+    @acc_iters.setter
+    def acc_iters(self, value) -> None:
+        options.check_option('acc_iters', value)
+        self._acc_iters = value
+
+    @property
     def fisher(self) -> str:
         """Which Fisher the factors estimate (held by :attr:`estimator`)."""
         return self.estimator.fisher

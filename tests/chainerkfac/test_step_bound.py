@@ -703,3 +703,22 @@ def test_a_bound_set_later_sums_across_the_layer_groups():
     optimizer.kl_clip = 1e-2
     assert optimizer.step_bound.sum_across is across
     assert optimizer.step_bound.kl_clip == 1e-2
+
+
+def test_damping_and_acc_iters_set_later_are_checked():
+    """Set between steps (a trainer extension's shift, a batch-size
+    schedule), ``damping`` and ``acc_iters`` are checked as the
+    constructor checks them (``acc_iters = 0`` and a NaN damping were
+    taken); a new ``acc_iters`` acts from the coming step."""
+    optimizer = helpers.kfac(acc_iters=1)
+    for name, value in [('damping', float('nan')), ('damping', -1.0),
+                        ('acc_iters', 0), ('acc_iters', 2.0)]:
+        with pytest.raises(ValueError, match=name):
+            setattr(optimizer, name, value)
+    model = helpers.MLP()
+    optimizer.setup(model)
+    for step in range(4):
+        if step == 2:
+            optimizer.acc_iters = 2
+        optimizer.update(helpers.loss_of(model), *_batch(step))
+    assert optimizer.t == 3 and optimizer.pending_micro_batches == 0
