@@ -47,6 +47,7 @@ from benchmarks import _args
 from benchmarks import _common
 from chainerkfac import curvature
 from experiments.curvature import networks
+from experiments.curvature import peer_backpack
 
 CHEAP = ('batch_grad', 'batch_l2', 'sum_grad_squared', 'variance',
          'diag_ggn_mc', 'kfac')
@@ -62,20 +63,8 @@ GOALS = {'batch_l2': 1.5, 'sum_grad_squared': 1.5, 'variance': 1.5,
 
 def parse_args(argv):
     parser = _common.argument_parser('experiments.curvature.overhead', __doc__)
-    parser.add_argument('--batch', type=_args.positive_int, default=64,
-                        help='mini-batch size (default: %(default)s)')
-    parser.add_argument('--repetitions', type=_args.positive_int, default=7,
-                        help='timed rounds per network, after one warm-up '
-                             '(default: %(default)s)')
-    parser.add_argument('--exact-repetitions', type=_args.positive_int,
-                        default=1,
-                        help='rounds of the exact quantities on networks '
-                             'with more than 10 classes (default: '
-                             '%(default)s)')
-    parser.add_argument('--networks', type=_args.names(list(NETWORKS)),
-                        default='3c3d,allcnnc',
-                        help='comma-separated, of {} (default: '
-                             '%(default)s)'.format(', '.join(NETWORKS)))
+    # the peer's protocol, the same options (it runs with --peer)
+    peer_backpack.add_protocol_options(parser, NETWORKS)
     parser.add_argument('--threads', type=_args.positive_int, default=1,
                         help='BLAS threads (one: steadier on a shared CPU; '
                              'default: %(default)s)')
@@ -348,7 +337,6 @@ def main(argv=None):
             data['networks'][name] = summarize(model, NETWORKS[name][1],
                                                times)
         if args.peer:
-            from experiments.curvature import peer_backpack
             data['peer_backpack'] = peer_backpack.run(
                 names, args.batch, args.repetitions, args.exact_repetitions,
                 args.threads, args.gpu,

@@ -203,18 +203,16 @@ def _version(distribution: str, module) -> str:
         return getattr(module, '__version__', 'unknown')
 
 
-def main(argv=None):
+def add_protocol_options(parser, networks: Sequence[str]) -> None:
+    """The options of the protocol this peer shares with
+    :mod:`experiments.curvature.overhead` (which runs it with
+    ``--peer``): the networks (of ``networks``), the batch and the timed
+    rounds."""
     from benchmarks import _args
-    from benchmarks import _common
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(
-        prog='python -m experiments.curvature.peer_backpack',
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--networks', type=_args.names(list(CLASSES)),
+    parser.add_argument('--networks', type=_args.names(list(networks)),
                         default='3c3d,allcnnc',
                         help='comma-separated, of {} (default: '
-                        '%(default)s)'.format(', '.join(CLASSES)))
+                        '%(default)s)'.format(', '.join(networks)))
     parser.add_argument('--batch', type=_args.positive_int, default=64,
                         help='mini-batch size (default: %(default)s)')
     parser.add_argument('--repetitions', type=_args.positive_int, default=7,
@@ -224,6 +222,17 @@ def main(argv=None):
                         default=1, help='rounds of the exact quantities on '
                         'networks with more than 10 classes (default: '
                         '%(default)s)')
+
+
+def main(argv=None):
+    from benchmarks import _args
+    from benchmarks import _common
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog='python -m experiments.curvature.peer_backpack',
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_protocol_options(parser, CLASSES)
     parser.add_argument('--threads', type=_args.positive_int, default=1,
                         help='BLAS threads (default: %(default)s)')
     parser.add_argument('--gpu', action='store_true',
