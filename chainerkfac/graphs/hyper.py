@@ -113,32 +113,30 @@ def bind_rule_hyperparameters(params: Iterable, scalars: DeviceScalars,
     replace it (it did, silently); a host value the captured kernels
     bake, and a change of it captures again (:func:`chainerkfac.graphs.
     step.baked_hyperparameters`). The rule's ``device_hyperparameters``
-    names the views it holds."""
-    views = {}
+    names the views it holds (``device_hyperparameter_views``: each
+    view by name)."""
+    by_dtype = {}
     for param in params:
         rule, dtype = param.update_rule, update_dtype(param)
-        bound = views.get(dtype)
+        bound = by_dtype.get(dtype)
         if bound is None:
-            bound = views[dtype] = [(name, scalars.view(name, dtype))
-                                    for name in names]
+            bound = by_dtype[dtype] = [(name, scalars.view(name, dtype))
+                                       for name in names]
         own = rule.hyperparam.__dict__
-        given = set(getattr(rule, 'device_hyperparameters', ()))
         views = dict(getattr(rule, 'device_hyperparameter_views', {}))
         for name, view in bound:
             if name in own and _own_value(own[name], views.get(name),
                                           scalars):
-                given.discard(name)
                 views.pop(name, None)
                 continue        # the parameter's own value
             if own.get(name) is not view:
                 setattr(rule.hyperparam, name, view)
-            given.add(name)
             views[name] = view
         rule.device_hyperparameter_views = views
         # which of the rule's own hyperparameters are the optimizer's, on
         # the device (not values of the parameter's own:
         # chainerkfac.step_bound.own_lr)
-        rule.device_hyperparameters = frozenset(given)
+        rule.device_hyperparameters = frozenset(views)
 
 
 def _own_value(value, given, scalars: DeviceScalars) -> bool:
