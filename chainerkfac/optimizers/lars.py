@@ -268,19 +268,20 @@ class LARS(optimizer.GradientMethod):
         runs the update rules itself (the sharded
         :class:`~chainerkfac.optimizers.GuardedOptimizer`) calls it before
         anything moves."""
-        hyperparams = [self.hyperparam] + [
-            param.update_rule.hyperparam for param in self.target.params()
+        # the optimizer's values, then each rule's own (a rule's others are
+        # the optimizer's: checked once, not once a parameter)
+        given = [self.hyperparam.get_dict()] + [
+            {k: v for k, v in vars(param.update_rule.hyperparam).items()
+             if k != '_parent'}
+            for param in self.target.params()
             if isinstance(param.update_rule, LARSRule)]
-        seen = set()
-        for hp in hyperparams:
-            values = hp.get_dict()
-            key = tuple(sorted((k, repr(v)) for k, v in values.items()))
-            if key in seen:
-                continue
-            seen.add(key)
-            _check_form(values['momentum_form'])
+        for values in given:
+            if 'momentum_form' in values:
+                _check_form(values['momentum_form'])
             checked = {}
             for name in _CHECKS:
+                if name not in values:
+                    continue
                 value = values[name]
                 if isinstance(value, numpy.ndarray) and value.ndim == 0:
                     value = value[()]           # a NumPy scalar
