@@ -112,6 +112,7 @@ class GuardedOptimizer:
         state['pending_micro_batches'] = 0
         state['_shard'] = None
         state['_agreed'] = False
+        state['_agreed_uninitialised'] = False
         state['_joined'] = False
 
     def __getattr__(self, name):
@@ -153,6 +154,7 @@ class GuardedOptimizer:
         state['owners'] = None
         state['_shard'] = None
         state['_agreed'] = False
+        state['_agreed_uninitialised'] = False
         state['_joined'] = False
         self.guard.checkpoint(link)
         return self
@@ -220,9 +222,10 @@ class GuardedOptimizer:
         from chainerkfac.transport import broadcast_params
         from chainerkfac.transport import check_same_everywhere
         target = self.actual_optimizer.target
-        check_same_everywhere(self.comm.mpi_comm,
-                              registration.parameter_fingerprint(target),
-                              'GuardedOptimizer')
+        if self._agreed_uninitialised:
+            check_same_everywhere(self.comm.mpi_comm,
+                                  registration.parameter_fingerprint(target),
+                                  'GuardedOptimizer')
         changed = broadcast_params(self.comm, target)
         self.__dict__['_joined'] = True
         if changed:
@@ -325,6 +328,9 @@ class GuardedOptimizer:
         items.update(registration.parameter_fingerprint(optimizer.target))
         check_same_everywhere(self.comm.mpi_comm, items, 'GuardedOptimizer')
         self._agreed = True
+        # lazily initialised links are agreed again before the broadcast
+        self._agreed_uninitialised = any(
+            p.array is None for p in optimizer.target.params())
 
     def _agree(self, ok: bool) -> bool:
         return all(self.comm.mpi_comm.allgather(bool(ok)))
