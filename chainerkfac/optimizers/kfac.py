@@ -817,8 +817,6 @@ class KFAC(optimizer.GradientMethod):
         if self.shard_update:
             hooks.check_sharded(self)
         blocks, transport = self.blocks, self.transport
-        if transport.size > 1 and not self.gradients_reduced:
-            self._warn_whole_model_hooks()
         n_micro, self._micro = self._micro, 0
         samples = self.estimator.samples
         captured = {b: b.captured() for b in blocks}
@@ -887,6 +885,8 @@ class KFAC(optimizer.GradientMethod):
         # several processes: a hook on one parameter's ∇L acts on the
         # average, after the reduction (a hook need not be linear)
         after = transport.size > 1 and not self.gradients_reduced
+        if after:
+            self._warn_whole_model_hooks()
         hooks.call_gradient_hooks(self, whole_model_only=after)
         grads = {b: [p.grad if has else None
                      for p, has in zip(b.params, present[b])]
