@@ -11,7 +11,8 @@
 :class:`~chainerkfac.optimizers.GuardedOptimizer`, a Chainer
 :class:`~chainer.GradientMethod`); everything else (``lr``, ``t``,
 ``serialize``, ``new_epoch`` ...) reaches the wrapped optimizer, so a
-Trainer, its extensions and snapshots use it as before.
+Trainer, its extensions and snapshots use it as before. The wrapper's own
+are ``warmup`` (settable), ``graph``, ``stats`` and ``close``.
 """
 from chainerkfac.graphs import step as step_module
 
@@ -37,8 +38,8 @@ class GraphedOptimizer:
         state = self.__dict__
         state['optimizer'] = optimizer
         state['adapter'] = adapter
-        state['_options'] = dict(warmup=warmup, cupy=cupy,
-                                 route_linear=route_linear)
+        state['_options'] = dict(warmup=step_module.checked_warmup(warmup),
+                                 cupy=cupy, route_linear=route_linear)
         state['_lossfun'] = None
         state['graph'] = None
 
@@ -46,10 +47,26 @@ class GraphedOptimizer:
         return getattr(self.__dict__['optimizer'], name)
 
     def __setattr__(self, name, value):
-        if name in self.__dict__:
-            self.__dict__[name] = value
+        if name in self.__dict__ or isinstance(
+                getattr(type(self), name, None), property):
+            object.__setattr__(self, name, value)
         else:
             setattr(self.optimizer, name, value)
+
+    @property
+    def warmup(self) -> int:
+        """Eager steps of an input signature before its capture
+        (:attr:`StepGraph.warmup`): set here, it counts for the
+        signatures not captured yet, those of a new loss function
+        included."""
+        return self._options['warmup']
+
+    @warmup.setter
+    def warmup(self, value: int) -> None:
+        value = step_module.checked_warmup(value)
+        self._options['warmup'] = value
+        if self.graph is not None:
+            self.graph.warmup = value
 
     def update(self, lossfun=None, *args, **kwds) -> str:
         """One step of ``lossfun`` on the positional arrays ``args``

@@ -95,6 +95,7 @@ import collections
 import contextlib
 import functools
 import logging
+import numbers
 import time
 import weakref
 from typing import Callable, List, Optional, Sequence
@@ -309,6 +310,23 @@ def baked_hyperparameters(rules, skip=()) -> List[tuple]:
     return baked
 
 
+def checked_warmup(value) -> int:
+    """``value`` as a number of warm-up steps (:attr:`StepGraph.warmup`).
+
+    Raises
+    ------
+    ValueError
+        For anything but an integer of at least 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError('warmup must be an integer, got {!r}'.format(value))
+    if value < 1:
+        raise ValueError('warmup must be at least 1 (the first step of a '
+                         'signature builds what capture must not), got '
+                         '{}'.format(value))
+    return int(value)
+
+
 class StepGraph:
     """One training step, captured once per input signature and replayed
     (module docstring).
@@ -343,9 +361,6 @@ class StepGraph:
     def __init__(self, step: Callable, adapter, warmup: int = WARMUP,
                  cupy=None, route_linear=None,
                  parent: Optional['StepGraph'] = None, label: str = ''):
-        if warmup < 1:
-            raise ValueError('warmup must be at least 1 (the first step of '
-                             'a signature builds what capture must not)')
         self.step = step
         self.adapter = adapter
         self.warmup = warmup
@@ -459,6 +474,17 @@ class StepGraph:
         if why is not None:
             return self._eager(inputs, why)
         return self._capture(inputs, signature, baked, host)
+
+    @property
+    def warmup(self) -> int:
+        """Eager steps of a signature before its capture: an integer, at
+        least 1 (the first step of a signature builds what capture must
+        not). A new value counts for the signatures not captured yet."""
+        return self._warmup
+
+    @warmup.setter
+    def warmup(self, value: int) -> None:
+        self._warmup = checked_warmup(value)
 
     # -- the model's host values ------------------------------------------
     def _host_values(self) -> tuple:

@@ -652,3 +652,43 @@ def test_buffer_signature_names_where_arrays_are():
                          (a.ctypes.data, (3, 2), '<f4'))
     b = a.copy()
     assert graphs_step.buffer_signature([b]) != signature[:1]
+
+
+def test_warmup_set_on_the_graphed_optimizer_is_its_own_and_checked():
+    """``stepper.warmup = n`` sets the graph's warm-up (it used to be
+    forwarded to the optimizer, where nothing reads it) for the current
+    loss function's signatures and for a later one's; a value that is not
+    an integer of at least 1 is refused, as at construction."""
+    import contextlib
+    from chainerkfac import graphs
+    fake = FakeCupy()
+    link = L.Linear(3, 2)
+    optimizer = chainer.optimizers.MomentumSGD(lr=0.1).setup(link)
+    stepper = graphs.graphed(optimizer, warmup=1, cupy=fake,
+                             route_linear=contextlib.nullcontext)
+    weights = numpy.zeros(4)
+
+    def lossfun(x):
+        fake.kernel(lambda: weights.__isub__(x))
+        return chainer.functions.sum(link.W) * 0.0
+
+    def other(x):
+        fake.kernel(lambda: weights.__iadd__(x))
+        return chainer.functions.sum(link.W) * 0.0
+
+    assert stepper.update(lossfun, _x(fake, 1)) == 'eager'
+    stepper.warmup = 3
+    assert 'warmup' not in vars(optimizer)
+    assert stepper.warmup == 3 and stepper.graph.warmup == 3
+    assert [stepper.update(lossfun, _x(fake, 1)) for _ in range(3)] == [
+        'eager', 'eager', 'captured']
+    assert [stepper.update(other, _x(fake, 1)) for _ in range(4)] == [
+        'eager', 'eager', 'eager', 'captured']
+    for bad in (0, 2.5, True, '3', None):
+        with pytest.raises(ValueError, match='warmup'):
+            stepper.warmup = bad
+        with pytest.raises(ValueError, match='warmup'):
+            graphs.graphed(optimizer, warmup=bad, cupy=fake)
+    assert stepper.warmup == 3
+    stepper.lr = 0.05                       # the rest still forwards
+    assert optimizer.lr == 0.05 and 'lr' not in vars(stepper)
