@@ -44,9 +44,47 @@ class ProcessGrid:
                              'processes'.format(layer_procs, world.size))
         self.replica = world.rank // layer_procs
         self.n_replicas = world.size // layer_procs
+        self.layer_procs = int(layer_procs)
         layer_rank = world.rank % layer_procs
         self.layer_comm = world.split(color=self.replica, key=layer_rank)
         self.data_comm = world.split(color=layer_rank, key=self.replica)
+        self._world = world
+
+    def check_layer_group(self, mgrit) -> None:
+        """Raise unless ``mgrit`` runs on this grid's layer group (built
+        with ``comm=grid.layer_comm``), on every process at once: an MGRIT
+        of the whole communicator, or of another split, owns other layers
+        than the replicas average, and their first collective would hang
+        or abort with ``MPI_ERR_TRUNCATE``. A collective of all the grid's
+        processes: call it where all of them do (the trainings do, at
+        construction).
+
+        Raises
+        ------
+        ValueError
+            On every process, where any process's MGRIT is on another
+            group.
+        """
+        mine = mgrit.transport
+        group = self.layer_comm
+        if mine.size != group.size or mine.rank != group.rank:
+            same = False
+        elif mine.size == 1:
+            same = True
+        else:
+            from mpi4py import MPI
+            same = mine.comm.Compare(group.comm) in (MPI.IDENT,
+                                                     MPI.CONGRUENT)
+        verdicts = self._world.allgather((same, mine.size))
+        if not all(ok for ok, _ in verdicts):
+            sizes = sorted({size for _, size in verdicts})
+            raise ValueError(
+                'the MGRIT is not on the grid\'s layer group: it runs on '
+                '{} process(es), the grid\'s layer groups have '
+                'layer_procs={} (of {} replica(s)); build it with '
+                'MGRIT(net, comm=grid.layer_comm)'.format(
+                    '/'.join(str(size) for size in sizes), self.layer_procs,
+                    self.n_replicas))
 
     def local_batch(self, *arrays):
         """This replica's equal share of every array of the global batch."""
@@ -61,7 +99,10 @@ class ProcessGrid:
     def agree_on_weights(self, mgrit) -> bool:
         """Give every replica the weights of replica 0 wherever they
         differ (networks built with different seeds): data-parallel
-        replicas must start equal. Returns whether they differed."""
+        replicas must start equal. Returns whether they differed.
+        ``mgrit`` must be on the layer group (:meth:`check_layer_group`,
+        checked first)."""
+        self.check_layer_group(mgrit)
         return agree_on_weights(self.data_comm, mgrit.net)
 
     def allreduce_grads(self, mgrit) -> None:

@@ -54,7 +54,8 @@ def setup_kfac(optimizer: KFAC, mgrit, grid=None,
         Not set up yet, ``fisher='emp'``.
     mgrit : chainerkfac.layer_parallel.MGRIT
     grid : ProcessGrid, optional
-        ``mgrit`` runs on ``grid.layer_comm``.
+        ``mgrit`` runs on ``grid.layer_comm`` (checked, a collective of
+        the grid's processes: a ``ValueError`` on all of them otherwise).
     communicator : str
         The kind of ChainerMN communicator over the data group
         (:func:`chainerkfac.create_communicator`: ``'naive'`` on the CPU,
@@ -80,6 +81,8 @@ def setup_kfac(optimizer: KFAC, mgrit, grid=None,
             'Monte-Carlo and exact Fisher take extra backward passes from '
             "the logits through Chainer's graph, which MGRIT does not build "
             'through the layers'.format(optimizer.fisher))
+    if grid is not None:
+        grid.check_layer_group(mgrit)
     net = mgrit.net
     owned = {name for name, _ in mgrit.owned_links()}
     others = [name for rank in range(mgrit.transport.size)

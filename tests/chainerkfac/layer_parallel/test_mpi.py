@@ -202,3 +202,28 @@ def test_model_schedule_is_every_ranks(n_layers, relax, levels):
         failures.append('messages {} != {}'.format(
             forward.messages[rank] + adjoint.messages[rank], sent))
     _agree(failures)
+
+
+def test_an_mgrit_off_the_grids_layer_group_is_refused_on_every_rank():
+    """``MGRIT(net, comm=world)`` beside a grid of several replicas owns
+    other layers than the replicas average: it hung in the first
+    averaging (MPI_ERR_TRUNCATE on some ranks, the others waiting). Now
+    every rank raises, naming the fix, before any step; MGRIT on
+    ``grid.layer_comm`` is taken."""
+    from chainerkfac.optimizers import KFAC
+    for layer_procs in _grids():
+        grid = lp.ProcessGrid(world, layer_procs=layer_procs)
+        net = common.dense_net(n_layers=8)
+        others = [world] if grid.n_replicas > 1 else []
+        if grid.n_replicas > 1 and layer_procs > 1:
+            others.append(grid.data_comm.comm)   # right size, other group
+        for comm in others:
+            mgrit = lp.MGRIT(net, comm=comm)
+            with pytest.raises(ValueError, match='grid.layer_comm'):
+                lp.SimultaneousTraining(mgrit, chainer.optimizers.SGD(),
+                                        grid=grid)
+            with pytest.raises(ValueError, match='grid.layer_comm'):
+                lp.setup_kfac(KFAC(verbose=False), mgrit, grid)
+        right = lp.MGRIT(net, comm=grid.layer_comm)
+        grid.check_layer_group(right)
+        lp.SimultaneousTraining(right, chainer.optimizers.SGD(), grid=grid)
