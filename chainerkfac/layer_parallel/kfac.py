@@ -43,6 +43,13 @@ import numpy
 from chainerkfac.optimizers.kfac import KFAC
 
 
+_EMP_ONLY = (
+    "layer-parallel K-FAC supports fisher='emp' only, not {!r}: the "
+    'Monte-Carlo and exact Fisher take extra backward passes from the '
+    "logits through Chainer's graph, which MGRIT does not build through "
+    'the layers')
+
+
 def setup_kfac(optimizer: KFAC, mgrit, grid=None,
                communicator: str = 'naive', wire_dtype=None) -> KFAC:
     """Set ``optimizer`` up on ``mgrit.net`` for the links this process
@@ -76,11 +83,7 @@ def setup_kfac(optimizer: KFAC, mgrit, grid=None,
         raise ValueError('setup_kfac sets the optimizer up on the owned '
                          'layers: pass it before optimizer.setup')
     if optimizer.fisher != 'emp':
-        raise ValueError(
-            "layer-parallel K-FAC supports fisher='emp' only, not {!r}: the "
-            'Monte-Carlo and exact Fisher take extra backward passes from '
-            "the logits through Chainer's graph, which MGRIT does not build "
-            'through the layers'.format(optimizer.fisher))
+        raise ValueError(_EMP_ONLY.format(optimizer.fisher))
     if grid is not None:
         grid.check_layer_group(mgrit)
     net = mgrit.net
@@ -90,6 +93,7 @@ def setup_kfac(optimizer: KFAC, mgrit, grid=None,
     optimizer.skip_layers = tuple(_as_tuple(optimizer.skip_layers)) + \
         tuple(others)
     optimizer.setup(net)
+    optimizer.fisher_only = ('emp', _EMP_ONLY)    # also set later
     if grid is None or grid.n_replicas == 1:
         # Every process's blocks are its own layers': its factors are
         # process-local by design, whatever the number of processes.

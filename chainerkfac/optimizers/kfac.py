@@ -382,6 +382,10 @@ class KFAC(optimizer.GradientMethod):
         #: :func:`chainerkfac.layer_parallel.setup_kfac` sets it), given
         #: to every bound (:attr:`StepBound.sum_across`); None: none.
         self.bound_sum_across = None
+        #: ``(fisher, message)``: the only ``fisher`` a later assignment
+        #: may set, and the refusal's message (formatted with the value)
+        #: — layer-parallel training sets it; None: any.
+        self.fisher_only = None
         self.conv_a_strategy = conv_a_strategy
         self.fisher_diff = bool(fisher_diff)
         self.verbose = bool(verbose)
@@ -608,6 +612,9 @@ class KFAC(optimizer.GradientMethod):
     @fisher.setter
     def fisher(self, value) -> None:
         options.check_option('fisher', value)
+        only = self.fisher_only
+        if only is not None and value != only[0]:
+            raise ValueError(only[1].format(value))
         self.estimator.fisher = value
 
     @property

@@ -85,3 +85,25 @@ def test_setup_errors_name_the_problem():
         lp.setup_kfac(optimizer, lp.MGRIT(net))
     with pytest.raises(TypeError, match='KFAC'):
         lp.setup_kfac(chainer.optimizers.Adam(), lp.MGRIT(net))
+
+
+def test_fisher_set_after_setup_kfac_is_refused_as_at_setup():
+    """``optimizer.fisher = 'mc'`` after ``setup_kfac`` used to fail at the
+    next step, advising ``optimizer.update(lossfun)``, which layer-parallel
+    training cannot take. It is refused at once, with the reason setup
+    gives; 'emp' is still taken, and K-FAC alone still takes 'mc'."""
+    net = common.dense_net(n_layers=4)
+    x, t = common.batch(net, size=6)
+    optimizer = KFAC(**KFAC_OPTIONS)
+    training = lp.SimultaneousTraining(lp.MGRIT(net), optimizer)
+    training.step(x, t)
+    for value in ('mc', 'exact'):
+        with pytest.raises(ValueError, match="fisher='emp' only, not '{}'"
+                           .format(value)):
+            optimizer.fisher = value
+    assert optimizer.fisher == 'emp'
+    optimizer.fisher = 'emp'
+    training.step(x, t)
+    alone = KFAC(**KFAC_OPTIONS).setup(common.dense_net(n_layers=4))
+    alone.fisher = 'mc'
+    assert alone.fisher == 'mc'
