@@ -40,20 +40,35 @@ import chainer.functions.array.broadcast as broadcast
 import chainer.functions.array.cast as cast
 import chainer.functions.array.concat as concat
 import chainer.functions.array.copy as copy
+import chainer.functions.array.depth2space as depth2space
+import chainer.functions.array.diagonal as diagonal
+import chainer.functions.array.dstack as dstack
 import chainer.functions.array.expand_dims as expand_dims
-import chainer.functions.array.get_item as get_item
-import chainer.functions.array.pad as pad
-import chainer.functions.array.reshape as reshape
-import chainer.functions.array.split_axis as split_axis
 import chainer.functions.array.flip as flip
+import chainer.functions.array.fliplr as fliplr
+import chainer.functions.array.flipud as flipud
+import chainer.functions.array.get_item as get_item
+import chainer.functions.array.hstack as hstack
+import chainer.functions.array.im2col as im2col
+import chainer.functions.array.moveaxis as moveaxis
+import chainer.functions.array.pad as pad
+import chainer.functions.array.permutate as permutate
+import chainer.functions.array.repeat as repeat
+import chainer.functions.array.reshape as reshape
 import chainer.functions.array.rollaxis as rollaxis
+import chainer.functions.array.separate as separate
+import chainer.functions.array.space2depth as space2depth
+import chainer.functions.array.split_axis as split_axis
 import chainer.functions.array.squeeze as squeeze
 import chainer.functions.array.stack as stack
 import chainer.functions.array.swapaxes as swapaxes
 import chainer.functions.array.tile as tile
 import chainer.functions.array.transpose as transpose
+import chainer.functions.array.vstack as vstack
+import chainer.functions.array.where as where
 import chainer.functions.math.average as average
 import chainer.functions.math.basic_math as basic_math
+import chainer.functions.math.cumsum as cumsum
 import chainer.functions.math.exponential as exponential
 import chainer.functions.math.identity as identity
 import chainer.functions.math.maximum as maximum
@@ -68,6 +83,8 @@ import chainer.functions.pooling.average_pooling_2d as average_pooling_2d
 import chainer.functions.pooling.average_pooling_nd as average_pooling_nd
 import chainer.functions.pooling.max_pooling_nd as max_pooling_nd
 import chainer.functions.pooling.unpooling_2d as unpooling_2d
+import chainer.functions.pooling.unpooling_nd as unpooling_nd
+import chainer.functions.pooling.upsampling_2d as upsampling_2d
 
 from chainerkfac import capture as capture_module
 from chainerkfac.curvature.graph import UnsupportedGraph
@@ -89,7 +106,15 @@ ZERO_CURVATURE = (
     average_pooling_nd.AveragePoolingND, unpooling_2d.Unpooling2D,
     minmax.Max, minmax.Min, maximum.Maximum, minimum.Minimum,
     stack.Stack, swapaxes.Swapaxes, tile.Tile, flip.Flip,
-    rollaxis.Rollaxis)
+    rollaxis.Rollaxis,
+    # Chainer's other linear rearrangements (and ``where``, linear in
+    # both branches for a fixed condition), upsampling and cumsum
+    space2depth.Space2Depth, depth2space.Depth2Space, diagonal.Diagonal,
+    dstack.Dstack, hstack.Hstack, vstack.Vstack, fliplr.FlipLR,
+    flipud.FlipUD, im2col.Im2Col, moveaxis.Moveaxis, permutate.Permutate,
+    repeat.Repeat, separate.Separate,
+    where.Where, cumsum.Cumsum, unpooling_nd.UnpoolingND,
+    upsampling_2d.Upsampling2D)
 #: Elementwise functions of one input with a second derivative.
 ELEMENTWISE = (
     sigmoid.Sigmoid, tanh.Tanh, softplus.Softplus, elu.ELU,

@@ -82,6 +82,56 @@ def test_piecewise_linear_functions_add_no_curvature():
         close(got[path]['diag_hessian'], diagonal, path)
 
 
+class Rearranged(chainer.Chain):
+    """A conv net through Chainer's other linear rearrangements
+    (space2depth / depth2space, moveaxis, permutate, repeat, im2col,
+    upsampling / N-d unpooling, fliplr / flipud, h/v/dstack,
+    separate, diagonal, where, cumsum), with a curved sigmoid before them."""
+
+    def __init__(self):
+        super().__init__()
+        with chainer.using_config('dtype', numpy.float64), self.init_scope():
+            self.conv = L.Convolution2D(2, 4, 3, pad=1)
+            self.fc = L.Linear(66, nets.N_CLASS)
+
+    def forward(self, x):
+        h = F.sigmoid(self.conv(x))                            # (N, 4, 4, 4)
+        h = F.depth2space(F.space2depth(h, 2), 2)
+        h = F.moveaxis(F.permutate(h, numpy.array([2, 0, 3, 1],
+                                                  numpy.int32), axis=1), 1, 3)
+        h = F.fliplr(F.flipud(F.moveaxis(h, 3, 1)))
+        h = F.repeat(h, 2, axis=3)[:, :, :, ::2]
+        h, indices = F.max_pooling_2d(h, 2, return_indices=True)
+        h = F.upsampling_2d(h, indices, 2, outsize=(4, 4))
+        h = F.unpooling_nd(F.average_pooling_nd(h, 2), 2, cover_all=False)
+        h = F.im2col(h, 2, stride=2)                           # (N, 16, 2, 2)
+        h = F.cumsum(h, axis=1)
+        parts = F.separate(h, axis=2)                          # 2 of (N,16,2)
+        h = F.hstack([F.vstack([parts[0]]), F.dstack([parts[1]])])
+        h = F.where(numpy.arange(h.size).reshape(h.shape) % 3 == 0,
+                    h, -0.5 * h)
+        diagonal = F.diagonal(h[:, :2, :2], axis1=1, axis2=2)
+        return self.fc(F.concat([F.reshape(h, (len(h), -1)), diagonal]))
+
+
+def test_linear_rearrangements_add_no_curvature():
+    """Linear in their inputs: refused before (Space2Depth among them),
+    now passed through; the diagonal Hessian through them equals double
+    backprop's, the sigmoid's residual included."""
+    numpy.random.seed(3)
+    model = Rearranged()
+    rng = numpy.random.RandomState(6)
+    x = rng.randn(3, 2, 4, 4)
+    t = rng.randint(0, nets.N_CLASS, 3).astype(numpy.int32)
+    expected = oracles.hessian_diagonal(model, x, t)
+    got = curvature.extract(model, x, t,
+                            quantities=('diag_hessian', 'diag_ggn'))
+    for path, diagonal in expected.items():
+        close(got[path]['diag_hessian'], diagonal, path)
+    assert not numpy.allclose(got['/conv/W']['diag_ggn'],
+                              expected['/conv/W'])
+
+
 class Softmaxed(chainer.Chain):
     def __init__(self):
         super().__init__()
