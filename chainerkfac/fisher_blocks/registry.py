@@ -89,6 +89,15 @@ def registered_factory(link):
     return None
 
 
+def registered_block_classes() -> List[type]:
+    """The :class:`~chainerkfac.fisher_blocks.FisherBlock` subclasses
+    registered as factories (a factory function is not one): their class
+    attributes say which functions they model whatever blocks a model
+    builds."""
+    return [factory for factory in _REGISTRY.values()
+            if isinstance(factory, type) and issubclass(factory, FisherBlock)]
+
+
 def block_for(name: str, link, options: BlockOptions) -> FisherBlock:
     """The block of ``link``: its registered block, or a plain one with the
     reason."""

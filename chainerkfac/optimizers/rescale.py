@@ -14,6 +14,7 @@ from typing import List, Sequence, Set, Tuple
 import numpy
 
 from chainerkfac import scale_invariance
+from chainerkfac.fisher_blocks import registry
 
 
 class WeightRescale:
@@ -64,7 +65,8 @@ class WeightRescale:
         """Whether ``graph`` ran the normalising layers in test mode only
         (running statistics: a frozen-BN warm-up before training them):
         no step to decide 'auto' from yet."""
-        test_mode = tuple({t for b in self._blocks
+        test_mode = tuple({t for b in list(self._blocks) +
+                           registry.registered_block_classes()
                            for t in b.test_mode_function_types})
         if not test_mode:
             return False
@@ -73,11 +75,27 @@ class WeightRescale:
             isinstance(f, self.normalizing_function_types()) for f in seen)
 
     def weighted_function_types(self) -> tuple:
-        return tuple({t for b in self._blocks if b.rescaled_weight is not None
-                      for t in b.function_types})
+        """The function types of the candidates' calls: their blocks', or,
+        for a candidate on the plain gradient (a grouped convolution), the
+        types of the block class registered for its link."""
+        types = set()
+        for block in self._blocks:
+            if block.rescaled_weight is None:
+                continue
+            own = tuple(block.function_types)
+            if not own:
+                factory = registry.registered_factory(block.link)
+                own = tuple(getattr(factory, 'function_types', ()))
+            types.update(own)
+        return tuple(types)
 
     def normalizing_function_types(self) -> tuple:
-        return tuple({t for b in self._blocks
+        """The normalising function types of the blocks and of every
+        registered block class: a BatchNormalization call normalises
+        whether its link got a block (MultiNodeBatchNormalization, BN
+        without γ or β get the plain gradient) or not."""
+        return tuple({t for b in list(self._blocks) +
+                      registry.registered_block_classes()
                       for t in b.normalizing_function_types})
 
     def _apply(self, ids: Set[int]) -> None:
