@@ -162,6 +162,14 @@ class CurvatureEstimator:
         #: unequal ones were warned about (once).
         self._sizes: set = set()
         self._warned_sizes = False
+        #: The counts the step's micro-batches' mean losses divided by
+        #: (softmax / sigmoid cross-entropy), the open one's, whether
+        #: unequal ones were warned about (once), and the capturing steps
+        #: left to check (reading a count on a GPU waits for it).
+        self._normalisers: set = set()
+        self._open_normaliser: Optional[float] = None
+        self._warned_normalisers = False
+        self._normaliser_checks = NORMALISER_CHECKS
 
     # -- copies (copy.deepcopy, pickle) ---------------------------------------
     def __getstate__(self):
@@ -226,6 +234,10 @@ class CurvatureEstimator:
         self.empty_micro_batches = 0
         self._empty_seen = False
         self._sizes = set()
+        self._normalisers = set()
+        self._open_normaliser = None
+        if self._normaliser_checks and (self._due or record_graph):
+            self._normaliser_checks -= 1
         self._capture.record_graph = record_graph
         if not record_graph:
             self._capture.clear_graph()
@@ -281,6 +293,7 @@ class CurvatureEstimator:
         if self.fisher == 'emp':
             self._unscale_gradient_factors()
         self._check_size()
+        self._check_normaliser()
         for block in self._due:
             if self.fisher == 'exact':
                 block.end_micro_batch(self._passes,
@@ -318,6 +331,30 @@ class CurvatureEstimator:
                 '(warned once)', ', '.join(map(str, sizes)))
         self._sizes.add(size)
 
+    def _check_normaliser(self) -> None:
+        """Warn (once) where a step's micro-batches' mean losses divide by
+        different counts (``ignore_label`` labels, which
+        ``softmax_cross_entropy`` leaves out of its count): each
+        micro-batch's mean counts alike, so the step is not that of one
+        batch of their samples even where their sizes agree."""
+        count, self._open_normaliser = self._open_normaliser, None
+        if count is None:
+            return
+        if self._normalisers and count not in self._normalisers and \
+                not self._warned_normalisers:
+            self._warned_normalisers = True
+            logger.warning(
+                "K-FAC: the micro-batches' mean losses of one step divide "
+                'by %s labels (ignore_label leaves some out of the count): '
+                "each micro-batch's mean counts alike in the step's "
+                'factors and gradient, so the step is the mean of their '
+                'means, not that of one batch of their samples; '
+                'softmax_cross_entropy(..., normalize=False) divides by '
+                'the rows and gives that (warned once)', ', '.join(
+                    '{:g}'.format(c) for c in sorted(self._normalisers |
+                                                     {count})))
+        self._normalisers.add(count)
+
     def _unscale_gradient_factors(self) -> None:
         """A backward pass started from a loss scale ``S``
         (``loss.backward(loss_scale=S)``, Chainer's loss scaling: Chainer
@@ -339,6 +376,7 @@ class CurvatureEstimator:
         self._touched = {}
         self._pass_calls = {}
         self._summed_blocks = {}
+        self._open_normaliser = None
 
     def close(self) -> None:
         """Take the hook out (the optimizer is done with)."""
@@ -346,6 +384,10 @@ class CurvatureEstimator:
 
     # -- the listener of the capture ------------------------------------------
     def on_pass(self, function, pass_info) -> None:
+        if self._normaliser_checks and not pass_info.explicit:
+            count = _mean_loss_count(function)
+            if count is not None:
+                self._open_normaliser = count
         if self.loss_reduction == 'mean' and _is_summed_loss(function):
             # Refused if what it captures is still part of the update
             # (other passes, e.g. for input gradients, may sum).
@@ -661,6 +703,12 @@ def _logits_from_output(call):
     return None
 
 
+#: Capturing steps at whose micro-batches the mean losses' counts are
+#: compared (:meth:`CurvatureEstimator._check_normaliser`; a GPU waits for
+#: each count read).
+NORMALISER_CHECKS = 10
+
+
 _SUMMED_LOSS = (
     'K-FAC: the loss looks like a sum over the mini-batch (its last '
     'operation is F.sum, of an array whose first axis has the batch\'s '
@@ -680,26 +728,58 @@ _MEAN_LOSS = (
     'write that mean as sum(terms) / T.')
 
 
+def _mean_loss_count(function) -> Optional[float]:
+    """The count a softmax or sigmoid cross-entropy with ``reduce='mean'``
+    divided its sum by (its labels less the ignored ones, or its rows with
+    ``normalize=False``), or None for another function."""
+    from chainer.functions.loss import sigmoid_cross_entropy
+    from chainer.functions.loss import softmax_cross_entropy
+    if getattr(function, 'reduce', None) != 'mean':
+        return None
+    if isinstance(function, softmax_cross_entropy.SoftmaxCrossEntropy):
+        coeff = getattr(function, '_coeff', None)
+        return None if coeff is None else round(1.0 / float(coeff), 6)
+    if isinstance(function, sigmoid_cross_entropy.SigmoidCrossEntropy):
+        count = getattr(function, 'count', None)
+        return None if count is None else float(count)
+    return None
+
+
 def _is_mean_loss(function, batch: Optional[int] = None) -> bool:
     """Whether ``function`` (a loss's creator) is a batch mean Chainer
     writes so: ``softmax_cross_entropy`` / ``sigmoid_cross_entropy`` with
-    ``reduce='mean'``, ``mean_squared_error``, or ``F.mean`` of an array
-    whose first axis has the batch's length (where known; a mean over
-    time steps passes)."""
+    ``reduce='mean'``, ``mean_squared_error``, ``mean_absolute_error``,
+    ``F.mean`` of an array whose first axis has the batch's length (where
+    known; a mean over time steps passes), or ``F.sum`` of such an array
+    divided by that length."""
+    from chainer.functions.loss import mean_absolute_error
     from chainer.functions.loss import mean_squared_error
     from chainer.functions.loss import sigmoid_cross_entropy
     from chainer.functions.loss import softmax_cross_entropy
     from chainer.functions.math import average
+    from chainer.functions.math import basic_math
     if isinstance(function, (softmax_cross_entropy.SoftmaxCrossEntropy,
                              sigmoid_cross_entropy.SigmoidCrossEntropy)):
         return getattr(function, 'reduce', None) == 'mean'
-    if isinstance(function, mean_squared_error.MeanSquaredError):
+    if isinstance(function, (mean_squared_error.MeanSquaredError,
+                             mean_absolute_error.MeanAbsoluteError)):
         return True
+    if isinstance(function, basic_math.MulConstant) and function.inputs:
+        # F.sum(losses) / N: a sum over the batch's rows divided by them
+        inner = function.inputs[0].creator
+        length = _summed_length(inner) if inner is not None else None
+        return bool(length) and _is_summed_loss(inner, batch) and \
+            _is_scalar(function.value) and \
+            abs(float(function.value) * length - 1.0) < 1e-9
     if isinstance(function, average.Mean) and function.inputs:
         shape = function.inputs[0].shape
         return bool(shape) and (batch is None or shape[0] == batch) and \
             function.axis in (None, (0,), 0)
     return False
+
+
+def _is_scalar(value) -> bool:
+    return numpy.ndim(value) == 0 and numpy.isrealobj(value)
 
 
 def sums_over_batch(loss, batch: Optional[int]) -> bool:
