@@ -514,11 +514,15 @@ class CurvatureEstimator:
         calls = self._capture.logits_calls_of(loss)
         if not calls:
             raise RuntimeError(
-                "fisher='{}' needs the logits: the loss must apply one "
-                'of {} to the model\'s output (register others with '
-                'chainerkfac.fisher_blocks.register_logits_function)'
-                .format(self.fisher, ', '.join(
-                    t.__name__ for t in fisher_blocks.logits_functions())))
+                "fisher='{}' needs the logits: the loss (its last "
+                'operation {}) must apply one of {} to the model\'s output '
+                '(register others with '
+                'chainerkfac.fisher_blocks.register_logits_function); '
+                "for a regression loss use fisher='emp'".format(
+                    self.fisher, type(loss.creator).__name__
+                    if loss.creator is not None else 'none',
+                    ', '.join(t.__name__
+                              for t in fisher_blocks.logits_functions())))
         outputs = []
         for call in calls:
             logits = self._logits_of_call(loss, call)

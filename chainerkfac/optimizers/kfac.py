@@ -1439,6 +1439,17 @@ class KFAC(optimizer.GradientMethod):
                 why = ('no backward pass ran through it since the last '
                        'update (not called, called in test mode or under '
                        'no_backprop_mode, or its output reached no loss)')
+            elif self.fisher != 'emp' and all(
+                    not block.factor_kinds[n].forward for n in missing):
+                state_text = ('keeps its previous curvature' if kept else
+                              'gets the plain gradient until they are')
+                why = ("its parameters have gradients, but fisher='{}' "
+                       'takes the output gradients from passes from the '
+                       "model's logits (softmax cross-entropy, softmax, "
+                       'log-softmax), and none reached it: its output '
+                       'enters the loss otherwise (a regression term, a '
+                       "head of its own); fisher='emp' takes every term"
+                       .format(self.fisher))
             else:
                 state_text = ('keeps its previous curvature' if kept else
                               'gets the plain gradient until they are')

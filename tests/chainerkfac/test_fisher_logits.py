@@ -440,3 +440,61 @@ def test_an_empty_micro_batch_under_a_log_softmax_loss(fisher):
     for name in results[1]:
         numpy.testing.assert_allclose(results[0][name], results[1][name],
                                       rtol=1e-12, atol=1e-15, err_msg=name)
+
+
+class ClassifyAndReconstruct(chainer.Chain):
+    """A classifier with a decoder whose only term is a squared error."""
+
+    def __init__(self):
+        super().__init__()
+        with helpers.float64_links(), self.init_scope():
+            self.enc = L.Linear(5, 6)
+            self.head = L.Linear(6, 3)
+            self.dec = L.Linear(6, 5)
+
+    def loss(self, x, t):
+        h = F.tanh(self.enc(x))
+        return F.softmax_cross_entropy(self.head(h), t) + \
+            F.mean_squared_error(self.dec(h), x)
+
+
+@pytest.mark.parametrize('fisher', ['exact', 'mc', 'emp'])
+def test_a_layer_under_a_regression_term_only_is_said_so(fisher, caplog):
+    """Under the sampled or exact Fisher the decoder gets no G (its output
+    reaches the loss outside the logits, as the docs say). The warning
+    said a backward pass had not reached the hook ("used by another
+    function, or run in another thread?"); it now names the reason and
+    the fix (fisher='emp', under which nothing is said)."""
+    import logging
+    x, t = helpers.data(n=6, shape=(5,), n_class=3, seed=5)
+    numpy.random.seed(3)
+    model = ClassifyAndReconstruct()
+    optimizer = helpers.kfac(fisher=fisher, seed=2).setup(model)
+    with caplog.at_level(logging.WARNING, logger='chainerkfac'):
+        optimizer.update(model.loss, x, t)
+    said = [r.getMessage() for r in caplog.records
+            if 'not captured' in r.getMessage()]
+    if fisher == 'emp':
+        assert said == []
+        return
+    assert len(said) == 1 and '/dec (' in said[0], said
+    assert "fisher='{}' takes the output gradients from passes from the " \
+        "model's logits".format(fisher) in said[0]
+    assert "fisher='emp' takes every term" in said[0]
+    assert 'another thread' not in said[0]
+
+
+@pytest.mark.parametrize('fisher', ['exact', 'mc'])
+def test_a_regression_loss_under_a_sampled_fisher_names_it_and_the_fix(
+        fisher):
+    """A squared error alone has no logits to sample from: refused, now
+    naming the loss's last operation and fisher='emp'."""
+    x, _ = helpers.data(n=6, shape=(5,), n_class=3, seed=5)
+    numpy.random.seed(3)
+    model = ClassifyAndReconstruct()
+    optimizer = helpers.kfac(fisher=fisher, seed=2).setup(model)
+    with pytest.raises(RuntimeError, match=r"needs the logits: the loss "
+                       r"\(its last operation MeanSquaredError\).*"
+                       r"fisher='emp'"):
+        optimizer.update(lambda x: F.mean_squared_error(
+            model.dec(F.tanh(model.enc(x))), x), x)
