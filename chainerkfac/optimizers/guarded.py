@@ -97,6 +97,11 @@ class GuardedOptimizer:
                 'communicator (chainermn.create_communicator(...), or '
                 'chainerkfac.create_communicator); None for one process'
                 .format(comm))
+        if comm is not None and comm.size > 1:
+            # one failing process ends the job (ChainerMN's global except
+            # hook; a communicator of ChainerMN's own does not install it)
+            from chainerkfac.communicators import install_except_hook
+            install_except_hook()
         state = self.__dict__
         state['actual_optimizer'] = actual_optimizer
         state['acc_iters'] = acc_iters

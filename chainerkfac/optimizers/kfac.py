@@ -473,6 +473,12 @@ class KFAC(optimizer.GradientMethod):
         self.estimator.setup(self.blocks)
         self.guard.checkpoint(link)
         self._begin_step()
+        if process_group.world_size() > 1:
+            # one failing process ends the job from the first step on
+            # (ChainerMN's wrapper joins K-FAC only at its second update,
+            # its first broadcasts: a bad first batch on one rank hung)
+            from chainerkfac.communicators import install_except_hook
+            install_except_hook()
         return self
 
     @property
