@@ -17,6 +17,7 @@ and links matched by ``skip_layers`` get the plain gradient
 registration table.
 """
 import re
+import sys
 import warnings
 from typing import Callable, Dict, Iterable, List, Tuple
 
@@ -80,9 +81,24 @@ def plain_gradient(reason: str) -> BlockFactory:
     return factory
 
 
+def _register_chainermn() -> None:
+    """ChainerMN's MultiNodeBatchNormalization gets the BN block, unless a
+    registration for it exists: its function is Chainer's
+    BatchNormalization with the statistics of every process (registered
+    once ChainerMN's links are imported: ``import chainerkfac`` does not
+    import ChainerMN)."""
+    module = sys.modules.get('chainermn.links.batch_normalization')
+    link_class = getattr(module, 'MultiNodeBatchNormalization', None)
+    if link_class is not None and link_class not in _REGISTRY:
+        from chainerkfac.fisher_blocks.batch_norm import \
+            BatchNormalizationBlock
+        _REGISTRY[link_class] = BatchNormalizationBlock
+
+
 def registered_factory(link):
     """The factory registered for ``link``'s class or nearest base class,
     or None."""
+    _register_chainermn()
     for cls in type(link).__mro__:
         if cls in _REGISTRY:
             return _REGISTRY[cls]
