@@ -267,10 +267,18 @@ def drop_unowned_state(params: Sequence, owned: Sequence[bool],
     if lost:
         logger.warning(
             'weight-update sharding: %d owned parameters have taken steps '
-            'but have no optimizer state (a snapshot of another number of '
-            'processes whose files were not all loaded?); it restarts from '
-            'zero: %s', len(lost), ', '.join(map(str, lost[:5])))
+            'but have no optimizer state %s; it restarts from zero: %s',
+            len(lost), PER_PROCESS_HINT, ', '.join(map(str, lost[:5])))
     return dropped
+
+
+#: Where a restored per-process state lacks what its process owns.
+PER_PROCESS_HINT = (
+    "(a snapshot of another number of processes whose files were not all "
+    "loaded, or one rank's file loaded on every process, as "
+    "chainermn.extensions.multi_node_snapshot's replica_sets=[0] does: "
+    "the files are per process, replica_sets=[[r] for r in "
+    "range(comm.size)])")
 
 
 def state_nbytes(params: Iterable) -> int:

@@ -7,6 +7,8 @@ import numpy
 
 import chainer
 
+from chainerkfac.sharding import PER_PROCESS_HINT
+
 logger = logging.getLogger(__name__)
 
 
@@ -109,6 +111,5 @@ def reconcile(optimizer) -> None:
     if transport.rank == 0:
         logger.warning(
             'K-FAC: the restored state lacks %d factors of blocks owned here '
-            '(a snapshot from another number of processes whose files were '
-            'not all loaded?); they are refreshed at the next step: %s',
-            len(stale), ', '.join(stale[:5]))
+            '%s; they are refreshed at the next step: %s', len(stale),
+            PER_PROCESS_HINT, ', '.join(stale[:5]))

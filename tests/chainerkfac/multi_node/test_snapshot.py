@@ -79,6 +79,32 @@ def test_resume_from_one_shard_refreshes_the_missing_factors(shared_dir):
 
 
 @pytest.mark.skipif(common.world.size < 2,
+                    reason='needs a snapshot of several ranks')
+def test_rank_0s_file_loaded_everywhere_is_named_with_the_fix(shared_dir,
+                                                                caplog):
+    """ChainerMN's documented ``multi_node_snapshot(replica_sets=[0])``
+    loads rank 0's file on every process: the others lack their blocks'
+    factors. The warning asked about "another number of processes"; it now
+    names this case and ``replica_sets=[[r] for r in range(comm.size)]``
+    (the factors are still refreshed, as before)."""
+    import logging
+    comm, model, optimizer, _, _ = _train_and_save(shared_dir)
+    resumed_model, resumed = common.distributed(comm, **OPTIONS)
+    model_file, optimizer_file = _files(shared_dir, 0)
+    chainer.serializers.load_npz(model_file, resumed_model)
+    chainer.serializers.load_npz(optimizer_file, resumed)
+    with caplog.at_level(logging.WARNING, logger='chainerkfac'):
+        common.train_distributed(resumed_model, resumed, comm, 1,
+                                 first_step=N)
+    said = [r.getMessage() for r in caplog.records
+            if 'restored state lacks' in r.getMessage()]
+    ok = len(said) == 1 and "one rank's file loaded on every process" in \
+        said[0] and 'replica_sets=[[r] for r in range(comm.size)]' in said[0]
+    common.assert_everywhere(ok if comm.rank == 0 else not said,
+                             'the warning {}'.format(said))
+
+
+@pytest.mark.skipif(common.world.size < 2,
                     reason='elastic resume needs several ranks')
 def test_elastic_resume_on_one_process_equals_uninterrupted(shared_dir):
     """P ranks for N steps, then one process (acc_iters=P) loading every
