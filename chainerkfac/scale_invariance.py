@@ -19,13 +19,16 @@ a per-channel constant per channel:
   channels into groups, or merging them with the batch axis, does not);
 * max pooling, and average pooling without padding (zero padding would
   weight the bias differently at the borders), over axes other than the
-  channel's.
+  channel's;
+* a concatenation along the channels (a DenseNet's), whose other inputs'
+  channels are statistics of their own.
 
 The normalising input must then take its statistics over axes other than
 the channel's (a BatchNormalization over the time axis of a Linear's
 ``(N, T, D)`` output does not remove a bias per D). Anything else in
 between (an activation, an addition of a skip connection, a
-concatenation) makes the layer not scale invariant, and so does any use of
+concatenation along another axis) makes the layer not scale invariant, and
+so does any use of
 the weight other than as a layer's kernel (a tied decoder's
 ``F.transpose(W)``, a penalty on ``W``). Which functions carry a weight and
 which normalise come from the Fisher blocks and the registered block
@@ -33,6 +36,7 @@ classes (the registry): the optimizer passes them in.
 """
 from typing import Dict, Iterable, List, Optional, Set
 
+from chainer.functions.array import concat as concat_module
 from chainer.functions.array import copy as copy_module
 from chainer.functions.array import reshape as reshape_module
 from chainer.functions.array import transpose as transpose_module
@@ -122,6 +126,15 @@ def _reaches_normalization(node, channel_axis, consumers, verdict,
         if isinstance(function, normalizing):
             ok = index == 0 and channel_axis not in _normalized_axes(
                 function, len(node.shape))
+        elif isinstance(function, concat_module.Concat) and \
+                record.outputs:
+            # along the channels (DenseNet): the other inputs' channels
+            # are other statistics' (Chainer's Concat wants axis >= 0 of
+            # its inputs, or negative)
+            same = function.axis % len(node.shape) == channel_axis
+            ok = same and _reaches_normalization(
+                record.outputs[0], channel_axis, consumers, verdict,
+                normalizing)
         elif len(record.inputs) == 1 and record.outputs:
             axis = _channel_axis_after(function, node.shape,
                                        record.outputs[0].shape,

@@ -123,6 +123,17 @@ MODELS = {
         conv=conv(2, 3), bn2_in=L.BatchNormalization(3),
         conv2=conv(3, 4), bn=L.BatchNormalization((4, 4), axis=(0, 1)),
         bn2=L.BatchNormalization(4), fc=_head(64)),
+    # a DenseNet's concatenation along the channels, then BN: invariant
+    # (was not)
+    'dense_concat_channels_bn': lambda: Net(
+        lambda m, x: m.fc(F.relu(m.bn(F.concat([x, m.conv(x)], axis=1)))),
+        conv=conv(2, 3), bn=L.BatchNormalization(5), fc=_head(80)),
+    # concatenated along the width: other data in the channel's statistic
+    'concat_width_bn': lambda: Net(
+        lambda m, x: m.fc(F.relu(m.bn(F.concat([m.conv(x), m.conv2(x)],
+                                                axis=3)))),
+        conv=conv(2, 3), conv2=conv(2, 3), bn=L.BatchNormalization(3),
+        fc=_head(96)),
     # -- every use of the weight ------------------------------------------
     # a tied decoder (the encoder's W transposed): not invariant (was)
     'tied_autoencoder': lambda: Net(
