@@ -1,9 +1,11 @@
 """The gradient of a step of several micro-batches.
 
 Between the micro-batches of a step, :class:`GradientAccumulator` holds the
-sum of their gradients and clears ``param.grad``, so the step is the same
-whether the training loop clears the gradients before each backward (a
-hand-written loop, ChainerMN's multi-node optimizer) or lets them add up;
+sum of their gradients and leaves zeros in ``param.grad``, so the step is
+the same whether the training loop clears the gradients before each
+backward (a hand-written loop, ChainerMN's multi-node optimizer) or lets
+them add up, and a reader of ``param.grad`` between two micro-batches
+(Chainer's ``ParameterStatistics``, which raised on None) finds an array;
 before the step, the sum goes back into ``param.grad``. The additions are
 those Chainer makes when gradients add up in ``param.grad`` (``g1 + g2``,
 then ``+ g3``, ...), so either way gives the same numbers.
@@ -19,7 +21,8 @@ class GradientAccumulator:
 
     def hold(self, link) -> None:
         """End of a micro-batch that is not the step's last: add each
-        parameter's gradient to the held sum and clear it."""
+        parameter's gradient to the held sum and zero it (a new array:
+        the first micro-batch's is the sum)."""
         for param in link.params():
             grad = param.grad
             if grad is None:
@@ -29,7 +32,7 @@ class GradientAccumulator:
                 self._sums[id(param)] = grad
             else:
                 held += grad
-            param.grad = None
+            param.grad = param.device.xp.zeros_like(grad)
 
     def collect(self, link) -> None:
         """Before the step: ``param.grad`` becomes the held sum plus the

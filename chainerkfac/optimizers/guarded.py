@@ -125,6 +125,7 @@ class GuardedOptimizer:
 
     def __setattr__(self, name, value):
         if name == 'acc_iters':
+            value = options.integral(value)     # a shift extension's 2.0
             options.check_option('acc_iters', value, 'GuardedOptimizer')
         if name in self.__dict__:
             self.__dict__[name] = value

@@ -601,12 +601,14 @@ class KFAC(optimizer.GradientMethod):
 
     @property
     def acc_iters(self) -> int:
-        """Micro-batches a step; settable (a batch-size schedule), from the
-        coming step on; checked (0 was taken)."""
+        """Micro-batches a step; settable (a batch-size schedule, also by
+        Chainer's shift extensions, whose floats of integer value are
+        taken), from the coming step on; checked (0 was taken)."""
         return self._acc_iters
 
     @acc_iters.setter
     def acc_iters(self, value) -> None:
+        value = options.integral(value)     # a shift extension's 2.0
         options.check_option('acc_iters', value)
         self._acc_iters = value
 

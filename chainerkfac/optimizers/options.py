@@ -146,6 +146,17 @@ _RULES['refresh_interval_f'] = _RULES['refresh_interval_a']
 CHECKED_OPTIONS = tuple(_RULES)
 
 
+def integral(value):
+    """``value`` as an ``int`` where it is a float of an integer value
+    (Chainer's shift extensions set NumPy floats: ``StepShift('acc_iters',
+    2, 4, init=1)`` sets 1.0), else unchanged (for the check to refuse
+    2.5)."""
+    if isinstance(value, (float, numpy.floating)) and \
+            numpy.isfinite(value) and float(value).is_integer():
+        return int(value)
+    return value
+
+
 def check_option(name: str, value, owner: str = 'KFAC') -> None:
     """Raise :class:`OptionError` if ``value`` is not allowed for the
     argument ``name`` of :class:`~chainerkfac.optimizers.KFAC`.

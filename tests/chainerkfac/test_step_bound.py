@@ -709,12 +709,21 @@ def test_damping_and_acc_iters_set_later_are_checked():
     """Set between steps (a trainer extension's shift, a batch-size
     schedule), ``damping`` and ``acc_iters`` are checked as the
     constructor checks them (``acc_iters = 0`` and a NaN damping were
-    taken); a new ``acc_iters`` acts from the coming step."""
+    taken); a new ``acc_iters`` acts from the coming step. A float of
+    integer value is taken as that integer: Chainer's ``StepShift`` sets
+    NumPy floats (``StepShift('acc_iters', 2, 6, init=1)`` was refused at
+    its first call)."""
     optimizer = helpers.kfac(acc_iters=1)
     for name, value in [('damping', float('nan')), ('damping', -1.0),
-                        ('acc_iters', 0), ('acc_iters', 2.0)]:
+                        ('acc_iters', 0), ('acc_iters', 2.5),
+                        ('acc_iters', float('inf')), ('acc_iters', 0.0)]:
         with pytest.raises(ValueError, match=name):
             setattr(optimizer, name, value)
+    for value in (2.0, numpy.float64(3.0)):
+        optimizer.acc_iters = value
+        assert optimizer.acc_iters == int(value) and \
+            type(optimizer.acc_iters) is int
+    optimizer.acc_iters = 1
     model = helpers.MLP()
     optimizer.setup(model)
     for step in range(4):

@@ -173,6 +173,10 @@ def test_its_own_arguments_are_checked_where_they_are_set():
         optimizer.acc_iters = -3
     optimizer.acc_iters = 3
     assert optimizer.acc_iters == 3
+    optimizer.acc_iters = numpy.float64(2.0)     # StepShift's value
+    assert optimizer.acc_iters == 2 and type(optimizer.acc_iters) is int
+    with pytest.raises(ValueError, match=r'acc_iters=2\.5'):
+        optimizer.acc_iters = 2.5
 
 
 def test_a_snapshot_inside_an_accumulation_says_so_and_loads(tmp_path):
