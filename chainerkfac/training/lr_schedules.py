@@ -47,6 +47,12 @@ class _EpochSchedule(extension.Extension):
     """
 
     trigger = 1, 'iteration'
+    #: Below Chainer's snapshot extension (-100), whose ``initialize``
+    #: loads a snapshot with ``autoload=True``: the values are then taken
+    #: from the restored epoch (at the default priority, 100, they were
+    #: taken from epoch 0 before the load, and the first resumed step used
+    #: them).
+    priority = -150
 
     def __init__(self, optimizer=None):
         self._optimizer = optimizer

@@ -208,6 +208,26 @@ def test_resume_continues_the_schedule(tmp_path):
         rtol=1e-12)
 
 
+def test_resume_by_a_snapshots_autoload_continues_the_schedule(tmp_path):
+    """Chainer's ``snapshot(autoload=True)`` loads the trainer in its own
+    ``initialize``, at its priority (-100). The schedules' ``initialize``
+    ran before it (the default priority, 100), at epoch 0: the first
+    resumed step took the peak lr and momentum (an auditor's killed K-FAC
+    run ended 0.04 off the uninterrupted one). They now run after it."""
+    from chainer.training import extensions
+    for stop in (1, 2):
+        trainer, recorder, optimizer = make_trainer(tmp_path, stop)
+        trainer.extend(extensions.snapshot(autoload=True),
+                       trigger=(1, 'iteration'))
+        trainer.run()
+    # the second run resumed at iteration 3 (epoch 1.2)
+    np.testing.assert_allclose(
+        recorder.lrs, [0.1 * (1 - (e - 0.5) / 2.5) ** 2 for e in (1.2, 1.6)],
+        rtol=1e-12)
+    assert optimizer.momentum == pytest.approx(
+        0.9 / 0.1 * optimizer.lr, rel=1e-12)
+
+
 def test_time_to_accuracy_reported_by_the_writing_process_only(tmp_path,
                                                                  caplog):
     """Under mpiexec every rank keeps the record (for its snapshot); only
