@@ -12,6 +12,10 @@ then ``+ g3``, ...), so either way gives the same numbers.
 """
 from typing import Dict
 
+import numpy
+
+import chainer
+
 
 class GradientAccumulator:
     """The held sum of a step's micro-batch gradients, per parameter."""
@@ -54,3 +58,28 @@ class GradientAccumulator:
     def reset(self) -> None:
         """Forget the held sums (a restored state starts a new step)."""
         self._sums = {}
+
+    def serialize(self, serializer, link) -> None:
+        """Save or load the held sums of ``link``'s parameters (a snapshot
+        inside a step): a flag per parameter (by name) and the sums held,
+        loaded onto each parameter's device."""
+        params = sorted(link.namedparams())
+        if not isinstance(serializer, chainer.serializer.Deserializer):
+            held = numpy.array([int(id(p) in self._sums) for _, p in params],
+                               numpy.int8)
+            serializer('held', held)
+            for (name, param), has in zip(params, held):
+                if has:
+                    serializer(name.lstrip('/'), self._sums[id(param)])
+            return
+        held = numpy.asarray(serializer('held', None))
+        if len(held) != len(params):
+            raise ValueError(
+                'the snapshot holds the gradients of {} parameters of an '
+                'unfinished step, this model has {}: a snapshot of another '
+                'model'.format(len(held), len(params)))
+        self._sums = {}
+        for (name, param), has in zip(params, held):
+            if has:
+                value = serializer(name.lstrip('/'), None)
+                self._sums[id(param)] = param.device.send(numpy.asarray(value))

@@ -371,6 +371,7 @@ class FisherBlock:
         layer's calls that any pass reached, and the factor the sum over
         the passes divided by it.
         """
+        self.resume_capture()       # a restored one not yet on its device
         for factor, value in self._open.items():
             if self.factor_kinds[factor] is FactorKind.OUTPUT_GRADS:
                 scale = (passes / self._calls[factor]
@@ -390,6 +391,7 @@ class FisherBlock:
     def captured(self) -> Dict[str, Tuple[object, int]]:
         """``{factor: (sum over micro-batches, number of micro-batches)}``
         of this step's capture, then forget it."""
+        self.resume_capture()
         out = {f: (self._step_sums[f], self._step_counts[f])
                for f in self._step_counts}
         self._step_sums = {}
@@ -397,7 +399,8 @@ class FisherBlock:
         return out
 
     def reset_capture(self) -> None:
-        """Forget everything captured this step and collect nothing."""
+        """Forget everything captured this step and collect nothing (a
+        restored capture not yet resumed stays for :meth:`resume_capture`)."""
         self._step_sums = {}
         self._step_counts = {}
         self.discard_open()
@@ -598,6 +601,47 @@ class FisherBlock:
                 self.inverses.pop(factor, None)
         if not saving:
             self.settle_loaded()
+
+    def serialize_capture(self, serializer) -> None:
+        """Save or load this step's capture so far (a snapshot inside an
+        accumulation): per factor the number of closed micro-batches and
+        their sum, as it is held (dense, or a low-rank sum's columns), so
+        that the resumed step adds the coming micro-batches to it bit for
+        bit. Loaded, it is held back until :meth:`resume_capture` (the
+        optimizer starts the step again first)."""
+        saving = not _is_deserializer(serializer)
+        restored = {}
+        for factor in self.factor_names:
+            count = self._step_counts.get(factor, 0) if saving else 0
+            value = self._step_sums.get(factor) if saving else None
+            kind = 2 if isinstance(value, low_rank.LowRank) else 1
+            count = int(serializer('count_' + factor, count))
+            kind = int(serializer('kind_' + factor, kind))
+            if not count:
+                continue
+            value = serializer(factor, value.columns if kind == 2 and
+                               saving else value)
+            restored[factor] = (value, kind, count)
+        if not saving:
+            self._restored_capture = restored
+
+    def resume_capture(self) -> None:
+        """Take the capture loaded by :meth:`serialize_capture` as this
+        step's (after :meth:`start_capture`), on the link's device once
+        the link has one (a lazily sized link loaded before its first
+        forward: at the next micro-batch's end)."""
+        restored = getattr(self, '_restored_capture', None)
+        if not restored:
+            return
+        like = self.params[0].array
+        if like is None:
+            return
+        for factor, (value, kind, count) in restored.items():
+            value = linalg.to_device_of(value, like)
+            self._step_sums[factor] = (low_rank.LowRank(value) if kind == 2
+                                       else value)
+            self._step_counts[factor] = count
+        self._restored_capture = {}
 
     def settle_loaded(self) -> None:
         """Set the loaded factors into :attr:`factors` on the link's device

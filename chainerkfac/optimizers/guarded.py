@@ -119,6 +119,9 @@ class GuardedOptimizer:
         state['_agreed'] = False
         state['_agreed_uninitialised'] = False
         state['_joined'] = False
+        #: A step loaded from inside an accumulation, until the next update
+        #: (:meth:`_serialize_accumulation`).
+        state['_restored_pending'] = False
 
     def __getattr__(self, name):
         return getattr(self.__dict__['actual_optimizer'], name)
@@ -162,6 +165,7 @@ class GuardedOptimizer:
         state['_agreed'] = False
         state['_agreed_uninitialised'] = False
         state['_joined'] = False
+        state['_restored_pending'] = False
         self.guard.checkpoint(link)
         return self
 
@@ -180,10 +184,13 @@ class GuardedOptimizer:
             # multi-node optimizer and K-FAC's give every process)
             self._broadcast_weights()
             join = False
-        if lossfun is not None and self.pending_micro_batches == 0:
+        if lossfun is not None and (self.pending_micro_batches == 0 or
+                                    self._restored_pending):
             # the running statistics as the step's forward finds them (a
-            # load resets the micro-batches: its model's, too)
+            # load's model's, too: loaded inside a step, as the resumed
+            # micro-batch finds them)
             self.guard.checkpoint(target)
+        self.__dict__['_restored_pending'] = False
         if lossfun is not None:
             self._run_loss(lossfun, args, kwds)
         if join and self._broadcast_weights(discard_forward=True):
@@ -482,6 +489,49 @@ class GuardedOptimizer:
             for rule in made:
                 rule._state = None
 
+    def _serialize_accumulation(self, serializer, loading: bool) -> int:
+        """The step so far of a snapshot inside an accumulation (a
+        Trainer's snapshot at an iteration that ends no step, whose
+        iterator has gone past those micro-batches): their number and
+        their gradients' sums; returns the number loaded. A snapshot
+        without them (an earlier version's) or several files loaded into
+        one optimizer (another number of processes) start a new step
+        (said); the held sums are then dropped."""
+        if not loading:
+            serializer('micro_batch', self.pending_micro_batches)
+            if self.pending_micro_batches:
+                self.accumulator.serialize(serializer['accumulation'],
+                                           self.actual_optimizer.target)
+            return self.pending_micro_batches
+        merged = self._restored_pending
+        try:
+            pending = int(serializer('micro_batch', None))
+        except KeyError:            # an earlier version's snapshot
+            pending = None
+        if pending:
+            try:
+                self.accumulator.serialize(serializer['accumulation'],
+                                           self.actual_optimizer.target)
+            except KeyError:
+                merged = True
+        if pending and merged:
+            warnings.warn(
+                'GuardedOptimizer state saved after {} of {} accumulated '
+                'micro-batches {}: they are dropped and the next update '
+                'starts a new step'.format(
+                    pending, self.acc_iters,
+                    'in several files (of other processes)'
+                    if self._restored_pending else
+                    'by an earlier version, without their gradients'))
+            pending = 0
+        if not pending:
+            self.accumulator.reset()
+        # a partial step restored since the last update: another file is
+        # another process's
+        state = self.__dict__
+        state['_restored_pending'] = bool(pending) or merged
+        return pending or 0
+
     def _drop_unowned_state(self) -> None:
         params = self._shard[0]
         sharding.drop_unowned_state(
@@ -490,16 +540,6 @@ class GuardedOptimizer:
 
     def serialize(self, serializer):
         loading = isinstance(serializer, chainer.serializer.Deserializer)
-        if not loading:
-            if self.pending_micro_batches:
-                warnings.warn(
-                    'GuardedOptimizer state saved after {} of {} '
-                    'micro-batches of a step: their gradients are not part '
-                    'of it, so a run resumed from it takes that step again '
-                    "from its first micro-batch (snapshot every acc_iters={} "
-                    "updates, at a step's end)".format(
-                        self.pending_micro_batches, self.acc_iters,
-                        self.acc_iters))
         if loading and self.sharded:
             # each process's file holds the velocities it owned
             self.actual_optimizer.serialize(
@@ -509,13 +549,13 @@ class GuardedOptimizer:
         else:
             with self._states_for_saving():
                 self.actual_optimizer.serialize(serializer)
+        pending = self._serialize_accumulation(serializer, loading)
         if loading:
             # The model is loaded after its optimizer (Chainer's updaters):
             # its running statistics are taken at the next update(lossfun),
             # and until then those of now (a loop that runs its own
             # forward).
-            self.pending_micro_batches = 0
-            self.accumulator.reset()
+            self.pending_micro_batches = pending
             self.guard.checkpoint(self.actual_optimizer.target)
             if self._shard is not None:
                 self._drop_unowned_state()

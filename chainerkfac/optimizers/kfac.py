@@ -430,6 +430,9 @@ class KFAC(optimizer.GradientMethod):
         self.accumulator = GradientAccumulator()
         self._started = False
         self._checkpoint_due = False
+        #: A step loaded from inside an accumulation, until the next update
+        #: (:func:`chainerkfac.optimizers.state.resume_accumulation`).
+        self._restored_accumulation = None
         self._table_shown = False
         #: Per block: frozen when the coming step's factors were decided
         #: (:meth:`_factors_due`); a snapshot keeps it, so that a resumed
@@ -660,6 +663,7 @@ class KFAC(optimizer.GradientMethod):
         """
         if lossfun is None:
             self._check_manual_update()
+        self._restored_accumulation = None      # state.resume_accumulation
         first = not self._started
         if first:
             process_group.join(self, gradients_reduced=lossfun is None)
@@ -673,12 +677,14 @@ class KFAC(optimizer.GradientMethod):
                                            self._micro == 0)
         if self._micro == 0:
             self.timer.start()
-            if lossfun is not None:
-                # the running statistics as the step's forward finds them
-                # (not as the last step left them: the model may have
-                # been loaded or copied into since)
-                self.guard.checkpoint(self.target)
-                self._checkpoint_due = False
+        if lossfun is not None and (self._micro == 0 or
+                                    self._checkpoint_due):
+            # the running statistics as the step's forward finds them
+            # (not as the last step left them: the model may have been
+            # loaded or copied into since; loaded inside a step, as the
+            # resumed micro-batch finds them)
+            self.guard.checkpoint(self.target)
+            self._checkpoint_due = False
         if lossfun is not None:
             self.target.cleargrads()
             self._run_loss(lossfun, args, kwds)
@@ -1582,7 +1588,8 @@ class KFAC(optimizer.GradientMethod):
             # a loop that runs its own forward restored nothing, and its
             # skipped step left NaN in them.
             self._micro = 0
-            self.accumulator.reset()
             self._begin_step()
+            # a snapshot inside a step: the step so far, taken up again
+            state.resume_accumulation(self)
             self.guard.checkpoint(self.target)
             self._checkpoint_due = True

@@ -31,28 +31,84 @@ def serialize(optimizer, serializer) -> None:
             'pass the snapshot\'s to go on with it, unless a schedule of '
             'yours, a trainer extension shifting it, sets it again)',
             damping, optimizer.damping)
-    # Gradients and factors of an unfinished accumulation are not part of
-    # the state: snapshot at step boundaries (train_imagenet.py does).
     saving = not isinstance(serializer, chainer.serializer.Deserializer)
-    if saving and optimizer.pending_micro_batches:
-        warnings.warn(
-            'K-FAC state saved after {} of {} micro-batches of a step: '
-            'their gradients and factors are not part of it, so a run '
-            'resumed from it takes that step again from its first '
-            'micro-batch (snapshot every acc_iters={} updates, at a step\'s '
-            'end)'.format(optimizer.pending_micro_batches,
-                          optimizer.acc_iters, optimizer.acc_iters))
     micro = int(serializer('micro_batch', optimizer.pending_micro_batches))
-    if micro != optimizer.pending_micro_batches:
-        warnings.warn(
-            'K-FAC state saved after {} of {} accumulated micro-batches: '
-            'they are dropped and the next update starts a new step'
-            .format(micro, optimizer.acc_iters))
     optimizer.estimator.label_sampler.serialize(serializer)
     _serialize_frozen(optimizer, serializer)
     state = serializer['kfac']
     for block in optimizer.blocks:
         block.serialize(state[block.name.strip('/') or '_root'])
+    _serialize_accumulation(optimizer, serializer, micro, saving)
+
+
+def _serialize_accumulation(optimizer, serializer, micro: int,
+                            saving: bool) -> None:
+    """A snapshot inside an accumulation (``micro`` of ``acc_iters``
+    micro-batches done, a Trainer's snapshot at an iteration that ends no
+    step) holds the step so far: the gradients' sums, each block's
+    capture, the samples seen. The Trainer's iterator has gone past those
+    micro-batches, so a resume that dropped them (as before 2026-11-28)
+    lost them, and every later step began one micro-batch off. Loaded,
+    they wait for :func:`resume_accumulation` (the optimizer starts the
+    step again first). A snapshot of an earlier version, without them,
+    starts a new step (said). Several files loaded into one optimizer
+    (another number of processes) hold several processes' partial steps:
+    the step starts again (said)."""
+    if not micro:
+        if not saving:
+            optimizer._restored_accumulation = None
+        return
+    group = serializer['accumulation']
+    if saving:
+        estimator = optimizer.estimator
+        group('samples', estimator.samples)
+        group('empty_micro_batches', estimator.empty_micro_batches)
+        optimizer.accumulator.serialize(group['gradients'], optimizer.target)
+        for block in optimizer.blocks:
+            block.serialize_capture(
+                group['capture'][block.name.strip('/') or '_root'])
+        return
+    # a partial step restored (or dropped as merged) since the last update
+    merged = getattr(optimizer, '_restored_accumulation', None) is not None
+    try:
+        samples = int(group('samples', None))
+        empty = int(group('empty_micro_batches', None))
+        optimizer.accumulator.serialize(group['gradients'], optimizer.target)
+        for block in optimizer.blocks:
+            block.serialize_capture(
+                group['capture'][block.name.strip('/') or '_root'])
+    except KeyError:
+        samples = None
+    if samples is None or merged:
+        warnings.warn(
+            'K-FAC state saved after {} of {} accumulated micro-batches {}: '
+            'they are dropped and the next update starts a new step'.format(
+                micro, optimizer.acc_iters,
+                'by an earlier version, without their gradients'
+                if samples is None else
+                'in several files (of other processes)'))
+        # None: an earlier version's file; False: several files
+        optimizer._restored_accumulation = False if merged else None
+        return
+    optimizer._restored_accumulation = (micro, samples, empty)
+
+
+def resume_accumulation(optimizer) -> None:
+    """After a load, with the coming step started again: take the
+    restored step so far (:func:`_serialize_accumulation`) as its own."""
+    restored = getattr(optimizer, '_restored_accumulation', None)
+    if not restored:
+        optimizer.accumulator.reset()
+        for block in optimizer.blocks:
+            block._restored_capture = {}
+        return
+    micro, samples, empty = restored
+    optimizer._micro = micro
+    optimizer.estimator.samples = samples
+    optimizer.estimator.empty_micro_batches = empty
+    for block in optimizer.blocks:
+        block.resume_capture()
+    optimizer.timer.start()
 
 
 def restore_method(optimizer) -> str:

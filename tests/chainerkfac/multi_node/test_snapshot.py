@@ -9,6 +9,7 @@ import pytest
 
 import chainer
 
+from tests.chainerkfac import helpers
 from tests.chainerkfac.multi_node import common
 
 pytestmark = pytest.mark.mpi
@@ -157,3 +158,50 @@ def test_elastic_resume_on_more_processes_equals_uninterrupted(shared_dir):
     common.assert_everywhere(optimizer.t == N + M and diff < 1e-9 and
                              owned_only,
                              'elastic 1 -> P (diff {})'.format(diff))
+
+
+@pytest.mark.parametrize('kind', ['kfac', 'kfac-sharded', 'guarded',
+                                  'guarded-sharded'])
+def test_resume_inside_a_step_equals_uninterrupted_run(shared_dir, kind):
+    """Per-rank files saved after 1 of 2 micro-batches (a Trainer's
+    snapshot at an iteration that ends no step) hold each process's step
+    so far: the resumed processes finish it, and the run equals the
+    uninterrupted one bit for bit (float64; it dropped the micro-batch)."""
+    from chainerkfac.optimizers import GuardedOptimizer
+    comm = common.naive('float64')
+    shard = kind.endswith('sharded')
+    options = dict(OPTIONS, acc_iters=2, shard_update=shard)
+    micro = [(step, j) for step in range(3) for j in range(2)]
+
+    def make(seed=0):
+        if kind.startswith('kfac'):
+            return common.distributed(comm, seed=seed, **options)
+        model = common.ConvBNNet(seed=seed + comm.rank)
+        optimizer = GuardedOptimizer(chainer.optimizers.MomentumSGD(0.05),
+                                     2, comm, shard_update=shard)
+        optimizer.setup(model)
+        return model, optimizer
+
+    def train(model, optimizer, part):
+        for step, j in part:
+            batch = common.chunks(step, comm.size * 2, 0, model.in_shape)
+            optimizer.update(helpers.loss_of(model),
+                             *batch[comm.rank * 2 + j])
+    model, optimizer = make()
+    train(model, optimizer, micro[:3])
+    model_file, optimizer_file = _files(shared_dir, comm.rank)
+    chainer.serializers.save_npz(model_file, model)
+    chainer.serializers.save_npz(optimizer_file, optimizer)
+    train(model, optimizer, micro[3:])
+    uninterrupted = common.params(model)
+
+    resumed_model, resumed = make(seed=42)
+    chainer.serializers.load_npz(optimizer_file, resumed)
+    chainer.serializers.load_npz(model_file, resumed_model)
+    pending = resumed.pending_micro_batches
+    train(resumed_model, resumed, micro[3:])
+    diff = common.max_relative_diff(common.params(resumed_model),
+                                    uninterrupted)
+    common.assert_everywhere(pending == 1 and resumed.t == 3 and diff == 0,
+                             'resumed inside a step: pending {}, t {}, '
+                             'diff {}'.format(pending, resumed.t, diff))
