@@ -90,6 +90,7 @@ def test_rank_0s_file_loaded_everywhere_is_named_with_the_fix(shared_dir,
     (the factors are still refreshed, as before)."""
     import logging
     comm, model, optimizer, _, _ = _train_and_save(shared_dir)
+    comm.mpi_comm.Barrier()         # rank 0's files written: all read them
     resumed_model, resumed = common.distributed(comm, **OPTIONS)
     model_file, optimizer_file = _files(shared_dir, 0)
     chainer.serializers.load_npz(model_file, resumed_model)
