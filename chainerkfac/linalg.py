@@ -36,6 +36,14 @@ MAX_INVERSE_TRIES = 6
 INVERSE_METHODS = ('cholesky', 'newton_schulz', 'cholesky_solve')
 
 
+def compute_dtype(dtype):
+    """The dtype stage 5 multiplies a gradient of ``dtype`` in: float32
+    for float16 (whose range a product with a damped inverse leaves, 1/γ
+    being thousands), else ``dtype``."""
+    dtype = numpy.dtype(dtype)
+    return numpy.dtype(numpy.float32) if dtype == numpy.float16 else dtype
+
+
 def gram(rows, scale: float, factor_dtype=numpy.float32,
          append_ones: bool = False, tf32: bool = False):
     """Return ``scale · rowsᵀ rows`` as a symmetric matrix.

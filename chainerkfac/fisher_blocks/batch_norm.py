@@ -135,9 +135,12 @@ class BatchNormalizationBlock(FisherBlock):
     def precondition(self, grads, damping):
         xp = get_array_module(self.params[0].array)
         vector = xp.concatenate(self.regularized_grads(grads, damping))
+        dtype = vector.dtype        # float16: preconditioned in float32
+        vector = vector.astype(linalg.compute_dtype(dtype), copy=False)
         if self.has_inverses():
             vector = low_rank.left_multiply(self.inverses['F'],
                                             vector[:, None])[:, 0]
+        vector = vector.astype(dtype, copy=False)
         c = self.channels
         return [vector[:c], vector[c:]]
 
@@ -193,6 +196,9 @@ def precondition_batch(blocks, grads, damping, stack):
                              [b.link.beta.array for b in blocks], damping,
                              0.0, [vectors[i, c:] for i in range(len(blocks))])
     [inverses] = stack.get(blocks)
+    dtype = vectors.dtype           # float16: preconditioned in float32
+    vectors = vectors.astype(linalg.compute_dtype(dtype), copy=False)
     inverses = inverses.astype(vectors.dtype, copy=False)
     out = linalg.matmul(inverses, vectors[:, :, None])[:, :, 0]
+    out = out.astype(dtype, copy=False)
     return [[out[i, :c], out[i, c:]] for i in range(len(blocks))]

@@ -159,7 +159,12 @@ class KroneckerBlock(FisherBlock):
 
     def precondition(self, grads, damping):
         weight = self.link.W.array
-        regularized = self.regularized_grads(grads, damping)
+        # a float16 gradient is preconditioned in float32: G⁻¹∇W alone
+        # (1/γ_G of a few thousand) overflowed float16, where the whole
+        # direction fits, and the step was skipped
+        dtype = grads[0].dtype if grads[0] is not None else weight.dtype
+        regularized = [r.astype(linalg.compute_dtype(dtype), copy=False)
+                       for r in self.regularized_grads(grads, damping)]
         a_inv = self.inverses.get('A')
         if self.has_inverses() and getattr(a_inv, 'ndim', 0) == 1:
             # A diagonal: the bias's column does not mix with W's. Each is
@@ -177,7 +182,7 @@ class KroneckerBlock(FisherBlock):
                     g_inv, regularized[1][:, None], overwrite=True)
                 out.append(low_rank.right_multiply(
                     bias, a_inv[-1:], overwrite=True)[:, 0])
-            return out
+            return [d.astype(dtype, copy=False) for d in out]
         matrix = regularized[0].reshape(self.out_size, -1)
         if self.has_bias:
             grad_b = regularized[1]
@@ -191,6 +196,7 @@ class KroneckerBlock(FisherBlock):
             matrix = low_rank.left_multiply(self.inverses['G'], matrix,
                                             tf32=tf32)
             matrix = low_rank.right_multiply(matrix, a_inv, tf32=tf32)
+        matrix = matrix.astype(dtype, copy=False)
         if self.has_bias:
             return [matrix[:, :-1].reshape(weight.shape), matrix[:, -1]]
         return [matrix.reshape(weight.shape)]
@@ -429,6 +435,8 @@ def precondition_batch(blocks, grads, damping, stack: InverseStack,
                                  [b.link.b.array for b in blocks], damping,
                                  0.0, list(grad_b))
         matrix = xp.concatenate([matrix, grad_b[:, :, None]], axis=2)
+    dtype = matrix.dtype            # float16: preconditioned in float32
+    matrix = matrix.astype(linalg.compute_dtype(dtype), copy=False)
     a_inv, g_inv = stack.get(blocks)
     a_inv = a_inv.astype(matrix.dtype, copy=False)
     g_inv = g_inv.astype(matrix.dtype, copy=False)
@@ -438,6 +446,7 @@ def precondition_batch(blocks, grads, damping, stack: InverseStack,
               else g_inv[:, :, None] * matrix)
     matrix = (linalg.matmul(matrix, a_inv, tf32=tf32) if a_inv.ndim == 3
               else matrix * a_inv[:, None, :])
+    matrix = matrix.astype(dtype, copy=False)
     shape = first.link.W.shape
     if first.has_bias:
         return [[matrix[i, :, :-1].reshape(shape), matrix[i, :, -1]]
