@@ -341,17 +341,12 @@ def test_a_closed_step_graphs_pool_is_given_back(monkeypatch):
     assert second.frees == 3 and step_module._retired == []
 
 
-def test_graphed_optimizer_closes_a_replaced_graph(monkeypatch):
-    """A new loss function gets a new StepGraph: the old one is closed
-    (its stream's workspaces let go) then, and close() closes the
-    current one."""
+def _graphed_with_two_losses():
+    """``(fake, optimizer, stepper, lossfun, other)``: a graphed momentum
+    SGD (warm-up 1, on the CuPy stand-in) and two loss functions whose
+    device work differs."""
     import contextlib
-    import gc
     from chainerkfac import graphs
-    from chainerkfac.cudnn import runtime
-    gc.collect()
-    released = _Releases()
-    monkeypatch.setattr(runtime, '_current', released)
     fake = FakeCupy()
     link = L.Linear(3, 2)
     optimizer = chainer.optimizers.MomentumSGD(lr=0.1).setup(link)
@@ -366,7 +361,19 @@ def test_graphed_optimizer_closes_a_replaced_graph(monkeypatch):
     def other(x):
         fake.kernel(lambda: weights.__iadd__(x))
         return chainer.functions.sum(link.W) * 0.0
+    return fake, optimizer, stepper, lossfun, other
 
+
+def test_graphed_optimizer_closes_a_replaced_graph(monkeypatch):
+    """A new loss function gets a new StepGraph: the old one is closed
+    (its stream's workspaces let go) then, and close() closes the
+    current one."""
+    import gc
+    from chainerkfac.cudnn import runtime
+    gc.collect()
+    released = _Releases()
+    monkeypatch.setattr(runtime, '_current', released)
+    fake, optimizer, stepper, lossfun, other = _graphed_with_two_losses()
     assert [stepper.update(lossfun, _x(fake, 1)) for _ in range(2)] == [
         'eager', 'captured']
     first = stepper.graph._stream.ptr
@@ -659,23 +666,8 @@ def test_warmup_set_on_the_graphed_optimizer_is_its_own_and_checked():
     forwarded to the optimizer, where nothing reads it) for the current
     loss function's signatures and for a later one's; a value that is not
     an integer of at least 1 is refused, as at construction."""
-    import contextlib
     from chainerkfac import graphs
-    fake = FakeCupy()
-    link = L.Linear(3, 2)
-    optimizer = chainer.optimizers.MomentumSGD(lr=0.1).setup(link)
-    stepper = graphs.graphed(optimizer, warmup=1, cupy=fake,
-                             route_linear=contextlib.nullcontext)
-    weights = numpy.zeros(4)
-
-    def lossfun(x):
-        fake.kernel(lambda: weights.__isub__(x))
-        return chainer.functions.sum(link.W) * 0.0
-
-    def other(x):
-        fake.kernel(lambda: weights.__iadd__(x))
-        return chainer.functions.sum(link.W) * 0.0
-
+    fake, optimizer, stepper, lossfun, other = _graphed_with_two_losses()
     assert stepper.update(lossfun, _x(fake, 1)) == 'eager'
     stepper.warmup = 3
     assert 'warmup' not in vars(optimizer)
