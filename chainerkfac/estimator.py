@@ -716,7 +716,8 @@ NORMALISER_CHECKS = 10
 _SUMMED_LOSS = (
     'K-FAC: the loss looks like a sum over the mini-batch (its last '
     'operation is F.sum, of an array whose first axis has the batch\'s '
-    'length, {}), but K-FAC scales the factors for a batch-mean loss. Use '
+    'length, {}, or a batch mean times that length), but K-FAC scales the '
+    'factors for a batch-mean loss. Use '
     "a mean (F.mean, or reduce='mean' in the loss function), or "
     "KFAC(loss_reduction='sum'). If it sums something else (the losses "
     'of as many time steps, say), write that sum as a Python sum() or '
@@ -761,7 +762,6 @@ def _is_mean_loss(function, batch: Optional[int] = None) -> bool:
     from chainer.functions.loss import sigmoid_cross_entropy
     from chainer.functions.loss import softmax_cross_entropy
     from chainer.functions.math import average
-    from chainer.functions.math import basic_math
     if isinstance(function, (softmax_cross_entropy.SoftmaxCrossEntropy,
                              sigmoid_cross_entropy.SigmoidCrossEntropy)):
         return getattr(function, 'reduce', None) == 'mean'
@@ -800,7 +800,10 @@ def _is_summed_loss(function, batch: Optional[int] = None) -> bool:
     known), and is not a mean written as a sum
     (:func:`_is_mean_as_sum`). A guess from the last operation: a sum
     over other things (time steps) of batch means passes where their
-    count is not the batch's."""
+    count is not the batch's. A batch mean times the batch's length
+    (``F.mean(losses) * N``) is a sum too."""
+    if _is_scaled_mean(function, batch):
+        return True
     if not isinstance(function, sum_module.Sum):
         return False
     outputs = [o() for o in function.outputs]
@@ -812,9 +815,37 @@ def _is_summed_loss(function, batch: Optional[int] = None) -> bool:
     return not _is_mean_as_sum(function)
 
 
+def _is_scaled_mean(function, batch: Optional[int] = None) -> bool:
+    """``F.mean(losses) * N`` (or a mean loss function's output times N),
+    ``N`` the first-axis length of what the mean averaged (the batch's,
+    where known): a sum over the batch."""
+    if not isinstance(function, basic_math.MulConstant) or \
+            not function.inputs or not _is_scalar(function.value):
+        return False
+    inner = function.inputs[0].creator
+    rows = _mean_length(inner)
+    if not rows or (batch is not None and rows != batch):
+        return False
+    return _is_mean_loss(inner, rows) and \
+        abs(float(function.value) - rows) < 1e-9 * rows
+
+
+def _mean_length(function) -> Optional[int]:
+    """The first-axis length of ``function``'s first input (None where
+    not known)."""
+    node = function.inputs[0] if function is not None and \
+        function.inputs else None
+    shape = node.shape if node is not None else None
+    return int(shape[0]) if shape else None
+
+
 def _summed_length(function) -> Optional[int]:
-    """The length of the first axis of what an ``F.sum`` node summed (0
-    for a 0-d array; None where not known)."""
+    """The length of the first axis of what an ``F.sum`` node summed, or
+    a scaled mean averaged (:func:`_is_scaled_mean`) (0 for a 0-d array;
+    None where not known)."""
+    if isinstance(function, basic_math.MulConstant):
+        return _mean_length(function.inputs[0].creator
+                            if function.inputs else None)
     node = function.inputs[0] if function.inputs else None
     shape = node.shape if node is not None else None
     if shape is None:

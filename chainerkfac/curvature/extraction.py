@@ -248,7 +248,8 @@ class _Extraction:
         if estimator.sums_over_batch(loss, len(logits)):
             raise ValueError(
                 'extract: the loss sums over the batch (its last operation '
-                'is F.sum of {} values, one a sample), but the quantities '
+                'is F.sum of {} values, one a sample, or a mean times their '
+                'number), but the quantities '
                 "are those of the batch's mean loss (as BackPACK's): use a "
                 "mean (F.mean, or reduce='mean' in the loss "
                 'function)'.format(len(logits)))

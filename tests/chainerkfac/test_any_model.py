@@ -478,11 +478,25 @@ def test_the_double_backprop_cross_entropy_is_a_mean(manual):
         optimizer.update(half_sum, x, t)
 
 
+@pytest.mark.parametrize('written', ['F.sum', 'mean*N'])
 @pytest.mark.parametrize('acc_iters', [1, 2])
-def test_sum_reduction_steps_as_the_mean_loss(acc_iters):
+def test_sum_reduction_steps_as_the_mean_loss(acc_iters, written):
+    """A summed loss with ``loss_reduction='sum'`` steps as the mean loss,
+    written ``F.sum(losses)`` or ``F.mean(losses) * N``; the latter was
+    taken as a mean under the default (a step N times too long), and is
+    now refused there as the sum it is."""
     x, t = helpers.data(n=8)
     base = helpers.ConvNet(bn=True)
     results = []
+
+    def summed(per_sample):
+        if written == 'F.sum':
+            return F.sum(per_sample)
+        return F.mean(per_sample) * len(per_sample)
+    refused = helpers.kfac().setup(base.copy(mode='copy'))
+    with pytest.raises(ValueError, match="batch mean times that length"):
+        refused.update(lambda x, t: summed(F.softmax_cross_entropy(
+            refused.target(x), t, reduce='no')), x, t)
     for reduction in ('mean', 'sum'):
         model = base.copy(mode='copy')
         optimizer = helpers.kfac(lr=0.05, momentum=0.9, acc_iters=acc_iters,
@@ -491,7 +505,7 @@ def test_sum_reduction_steps_as_the_mean_loss(acc_iters):
 
         def loss(x, t):
             per_sample = F.softmax_cross_entropy(model(x), t, reduce='no')
-            return F.sum(per_sample) if reduction == 'sum' \
+            return summed(per_sample) if reduction == 'sum' \
                 else F.mean(per_sample)
         for _ in range(3):
             for chunk in numpy.split(numpy.arange(8), acc_iters):

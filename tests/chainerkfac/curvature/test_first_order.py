@@ -111,6 +111,11 @@ def test_a_loss_summed_over_the_batch_is_refused():
     with pytest.raises(ValueError, match='sums over the batch'):
         curvature.extract(model, x, t, lossfun=summed)
 
+    def scaled_mean(logits, t):         # was taken as a mean
+        return F.softmax_cross_entropy(logits, t) * len(t)
+    with pytest.raises(ValueError, match='sums over the batch'):
+        curvature.extract(model, x, t, lossfun=scaled_mean)
+
     def two_terms(logits, t):
         return F.sum(F.stack([F.softmax_cross_entropy(logits, t)] * 2))
     curvature.extract(model, x, t, lossfun=two_terms,
