@@ -22,6 +22,20 @@ class GradientAccumulator:
 
     def __init__(self):
         self._sums: Dict[int, object] = {}
+        #: The parameters of the held sums, by ``id`` (a copy re-keys).
+        self._params: Dict[int, object] = {}
+
+    def __getstate__(self):
+        """The held sums with their parameters (``copy.deepcopy`` and
+        pickle give the parameters other ``id``; a copy keyed by the old
+        ones had lost its sums)."""
+        return {'held': [(self._params[key], value)
+                         for key, value in self._sums.items()]}
+
+    def __setstate__(self, state):
+        held = state['held']
+        self._sums = {id(param): value for param, value in held}
+        self._params = {id(param): param for param, _ in held}
 
     def hold(self, link) -> None:
         """End of a micro-batch that is not the step's last: add each
@@ -34,6 +48,7 @@ class GradientAccumulator:
             held = self._sums.get(id(param))
             if held is None:
                 self._sums[id(param)] = grad
+                self._params[id(param)] = param
             else:
                 held += grad
             param.grad = param.device.xp.zeros_like(grad)
@@ -53,11 +68,11 @@ class GradientAccumulator:
                 # scalar, which Chainer refuses as a gradient
                 held += grad
             param.grad = held
-        self._sums = {}
+        self._sums, self._params = {}, {}
 
     def reset(self) -> None:
         """Forget the held sums (a restored state starts a new step)."""
-        self._sums = {}
+        self._sums, self._params = {}, {}
 
     def serialize(self, serializer, link) -> None:
         """Save or load the held sums of ``link``'s parameters (a snapshot
@@ -72,14 +87,18 @@ class GradientAccumulator:
                 if has:
                     serializer(name.lstrip('/'), self._sums[id(param)])
             return
-        held = numpy.asarray(serializer('held', None))
+        held = serializer('held', None)
+        if held is None:                    # strict=False, none stored
+            raise KeyError('held')
+        held = numpy.asarray(held)
         if len(held) != len(params):
             raise ValueError(
                 'the snapshot holds the gradients of {} parameters of an '
                 'unfinished step, this model has {}: a snapshot of another '
                 'model'.format(len(held), len(params)))
-        self._sums = {}
+        self.reset()
         for (name, param), has in zip(params, held):
             if has:
                 value = serializer(name.lstrip('/'), None)
                 self._sums[id(param)] = param.device.send(numpy.asarray(value))
+                self._params[id(param)] = param

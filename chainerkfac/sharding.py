@@ -275,10 +275,11 @@ def drop_unowned_state(params: Sequence, owned: Sequence[bool],
 #: Where a restored per-process state lacks what its process owns.
 PER_PROCESS_HINT = (
     "(a snapshot of another number of processes whose files were not all "
-    "loaded, or one rank's file loaded on every process, as "
-    "chainermn.extensions.multi_node_snapshot's replica_sets=[0] does: "
-    "the files are per process, replica_sets=[[r] for r in "
-    "range(comm.size)])")
+    "loaded, or another process's file loaded, as "
+    "chainermn.extensions.multi_node_snapshot does with replica_sets=[] "
+    "(rank 0's everywhere) or [0] on 3 or more processes (rank 1's on "
+    "ranks 2 and up): the files are per process, replica_sets=[[r] for r "
+    "in range(comm.size)])")
 
 
 def state_nbytes(params: Iterable) -> int:

@@ -610,18 +610,24 @@ class FisherBlock:
         bit. Loaded, it is held back until :meth:`resume_capture` (the
         optimizer starts the step again first)."""
         saving = not _is_deserializer(serializer)
+        # saved again before it was resumed (a lazily sized link loaded
+        # before its first forward): as it was loaded
+        parked = getattr(self, '_restored_capture', None) or {}
         restored = {}
         for factor in self.factor_names:
-            count = self._step_counts.get(factor, 0) if saving else 0
-            value = self._step_sums.get(factor) if saving else None
-            kind = 2 if isinstance(value, low_rank.LowRank) else 1
+            value, kind, count = None, 1, 0
+            if saving and factor in self._step_counts:
+                value = self._step_sums[factor]
+                count = self._step_counts[factor]
+                if isinstance(value, low_rank.LowRank):
+                    value, kind = value.columns, 2
+            elif saving and factor in parked:
+                value, kind, count = parked[factor]
             count = int(serializer('count_' + factor, count))
             kind = int(serializer('kind_' + factor, kind))
             if not count:
                 continue
-            value = serializer(factor, value.columns if kind == 2 and
-                               saving else value)
-            restored[factor] = (value, kind, count)
+            restored[factor] = (serializer(factor, value), kind, count)
         if not saving:
             self._restored_capture = restored
 

@@ -124,7 +124,11 @@ class GuardedOptimizer:
         state['_restored_pending'] = False
 
     def __getattr__(self, name):
-        return getattr(self.__dict__['actual_optimizer'], name)
+        try:
+            actual = self.__dict__['actual_optimizer']
+        except KeyError:    # a copy or unpickling, before its state is set
+            raise AttributeError(name) from None
+        return getattr(actual, name)
 
     def __setattr__(self, name, value):
         if name == 'acc_iters':
@@ -257,6 +261,10 @@ class GuardedOptimizer:
         and the average is over them (as :meth:`KFAC.flush_accumulation
         <chainerkfac.optimizers.KFAC.flush_accumulation>`)."""
         pending = self.pending_micro_batches
+        if self._restored_pending:
+            # loaded inside a step, no micro-batch since: param.grad holds
+            # nothing of the step (Chainer's NaN of a new parameter)
+            self.actual_optimizer.target.cleargrads()
         if global_micro_batches is not None:
             self.global_micro_batches = global_micro_batches
             if global_micro_batches > 0:
@@ -492,45 +500,54 @@ class GuardedOptimizer:
     def _serialize_accumulation(self, serializer, loading: bool) -> int:
         """The step so far of a snapshot inside an accumulation (a
         Trainer's snapshot at an iteration that ends no step, whose
-        iterator has gone past those micro-batches): their number and
-        their gradients' sums; returns the number loaded. A snapshot
-        without them (an earlier version's) or several files loaded into
-        one optimizer (another number of processes) start a new step
-        (said); the held sums are then dropped."""
+        iterator has gone past those micro-batches): their number, their
+        gradients' sums and which process saved them; returns the number
+        loaded. A snapshot of an earlier version (without the sums) or
+        several processes' files loaded into one optimizer (a resume on
+        another number of processes) start a new step, said; the same
+        file loaded again replaces the step it gave."""
         if not loading:
             serializer('micro_batch', self.pending_micro_batches)
             if self.pending_micro_batches:
-                self.accumulator.serialize(serializer['accumulation'],
+                group = serializer['accumulation']
+                group('origin', numpy.array(self._origin(), numpy.int64))
+                self.accumulator.serialize(group,
                                            self.actual_optimizer.target)
             return self.pending_micro_batches
-        merged = self._restored_pending
-        try:
-            pending = int(serializer('micro_batch', None))
-        except KeyError:            # an earlier version's snapshot
-            pending = None
+        earlier = self._restored_pending
+        pending = _loaded_int(serializer, 'micro_batch')
+        origin = None
         if pending:
-            try:
-                self.accumulator.serialize(serializer['accumulation'],
+            group = serializer['accumulation']
+            origin = _loaded_tuple(group, 'origin')
+            if origin is not None and earlier in (False, origin):
+                self.accumulator.serialize(group,
                                            self.actual_optimizer.target)
-            except KeyError:
-                merged = True
-        if pending and merged:
+        if pending and (origin is None or earlier not in (False, origin)):
             warnings.warn(
                 'GuardedOptimizer state saved after {} of {} accumulated '
                 'micro-batches {}: they are dropped and the next update '
                 'starts a new step'.format(
                     pending, self.acc_iters,
-                    'in several files (of other processes)'
-                    if self._restored_pending else
-                    'by an earlier version, without their gradients'))
+                    'by an earlier version, without their gradients'
+                    if origin is None else
+                    'in several files (of other processes)'))
             pending = 0
+            origin = 'merged' if origin is not None else None
         if not pending:
             self.accumulator.reset()
-        # a partial step restored since the last update: another file is
-        # another process's
-        state = self.__dict__
-        state['_restored_pending'] = bool(pending) or merged
+        # until the next update: the origin of the step restored, or
+        # 'merged' (several files: any other file is another process's)
+        self.__dict__['_restored_pending'] = \
+            origin if origin is not None else (
+                'merged' if earlier == 'merged' else False)
         return pending or 0
+
+    def _origin(self) -> tuple:
+        """``(rank, processes)`` of this optimizer's communicator."""
+        if self.comm is None:
+            return (0, 1)
+        return (int(self.comm.rank), int(self.comm.size))
 
     def _drop_unowned_state(self) -> None:
         params = self._shard[0]
@@ -559,6 +576,27 @@ class GuardedOptimizer:
             self.guard.checkpoint(self.actual_optimizer.target)
             if self._shard is not None:
                 self._drop_unowned_state()
+
+
+def _loaded_int(serializer, key):
+    """``key``'s integer in a file being loaded, or None where the file
+    has none (an earlier version's: Chainer's strict loader raises
+    ``KeyError``, ``strict=False`` gives back the default)."""
+    try:
+        value = serializer(key, None)
+    except KeyError:
+        return None
+    return None if value is None else int(value)
+
+
+def _loaded_tuple(serializer, key):
+    """``key``'s integers as a tuple (as :func:`_loaded_int`)."""
+    try:
+        value = serializer(key, None)
+    except KeyError:
+        return None
+    return None if value is None else tuple(int(v) for v in
+                                            numpy.ravel(value))
 
 
 def _check_wrapped(optimizer) -> None:

@@ -476,7 +476,7 @@ class KFAC(optimizer.GradientMethod):
         self.estimator.setup(self.blocks)
         self.guard.checkpoint(link)
         self._begin_step()
-        if process_group.world_size() > 1:
+        if process_group.world_size() > 1 and not self.process_local:
             # one failing process ends the job from the first step on
             # (ChainerMN's wrapper joins K-FAC only at its second update,
             # its first broadcasts: a bad first batch on one rank hung)
@@ -775,6 +775,14 @@ class KFAC(optimizer.GradientMethod):
             no step taken).
         """
         pending = self._micro
+        if self._restored_accumulation:
+            # loaded inside a step, no micro-batch since: param.grad holds
+            # nothing of the step (Chainer's NaN of a new parameter), and
+            # the restored factors have no inverses until the start
+            self.target.cleargrads()
+            if not self._started:
+                process_group.join(self, gradients_reduced=False)
+                self._start()
         if global_micro_batches is not None:
             self.global_micro_batches = global_micro_batches
             if global_micro_batches > 0:

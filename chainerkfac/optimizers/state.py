@@ -46,14 +46,16 @@ def _serialize_accumulation(optimizer, serializer, micro: int,
     """A snapshot inside an accumulation (``micro`` of ``acc_iters``
     micro-batches done, a Trainer's snapshot at an iteration that ends no
     step) holds the step so far: the gradients' sums, each block's
-    capture, the samples seen. The Trainer's iterator has gone past those
-    micro-batches, so a resume that dropped them (as before 2026-11-28)
-    lost them, and every later step began one micro-batch off. Loaded,
-    they wait for :func:`resume_accumulation` (the optimizer starts the
-    step again first). A snapshot of an earlier version, without them,
-    starts a new step (said). Several files loaded into one optimizer
-    (another number of processes) hold several processes' partial steps:
-    the step starts again (said)."""
+    capture, the samples seen, and which process saved them. The
+    Trainer's iterator has gone past those micro-batches, so a resume that
+    dropped them (as before 2026-11-28) lost them, and every later step
+    began one micro-batch off. Loaded, they wait for
+    :func:`resume_accumulation` (the optimizer starts the step again
+    first). A snapshot of an earlier version, without them, starts a new
+    step (said); so do several processes' files loaded into one optimizer
+    (a resume on another number of processes: their partial steps are
+    other processes'), while the same file loaded again replaces the step
+    it gave."""
     if not micro:
         if not saving:
             optimizer._restored_accumulation = None
@@ -61,6 +63,9 @@ def _serialize_accumulation(optimizer, serializer, micro: int,
     group = serializer['accumulation']
     if saving:
         estimator = optimizer.estimator
+        transport = optimizer.transport
+        group('origin', numpy.array([transport.rank, transport.size],
+                                    numpy.int64))
         group('samples', estimator.samples)
         group('empty_micro_batches', estimator.empty_micro_batches)
         optimizer.accumulator.serialize(group['gradients'], optimizer.target)
@@ -68,29 +73,40 @@ def _serialize_accumulation(optimizer, serializer, micro: int,
             block.serialize_capture(
                 group['capture'][block.name.strip('/') or '_root'])
         return
-    # a partial step restored (or dropped as merged) since the last update
-    merged = getattr(optimizer, '_restored_accumulation', None) is not None
-    try:
-        samples = int(group('samples', None))
-        empty = int(group('empty_micro_batches', None))
+    # a step restored (or dropped as merged) since the last update
+    earlier = getattr(optimizer, '_restored_accumulation', None)
+    origin = _loaded(group, 'origin')
+    if origin is not None:
+        origin = tuple(int(v) for v in numpy.ravel(origin))
+    merged = earlier is not None and (earlier is False or
+                                      earlier[3] != origin)
+    if origin is not None and not merged:
+        samples = int(_loaded(group, 'samples'))
+        empty = int(_loaded(group, 'empty_micro_batches'))
         optimizer.accumulator.serialize(group['gradients'], optimizer.target)
         for block in optimizer.blocks:
             block.serialize_capture(
                 group['capture'][block.name.strip('/') or '_root'])
-    except KeyError:
-        samples = None
-    if samples is None or merged:
-        warnings.warn(
-            'K-FAC state saved after {} of {} accumulated micro-batches {}: '
-            'they are dropped and the next update starts a new step'.format(
-                micro, optimizer.acc_iters,
-                'by an earlier version, without their gradients'
-                if samples is None else
-                'in several files (of other processes)'))
-        # None: an earlier version's file; False: several files
-        optimizer._restored_accumulation = False if merged else None
+        optimizer._restored_accumulation = (micro, samples, empty, origin)
         return
-    optimizer._restored_accumulation = (micro, samples, empty)
+    warnings.warn(
+        'K-FAC state saved after {} of {} accumulated micro-batches {}: '
+        'they are dropped and the next update starts a new step'.format(
+            micro, optimizer.acc_iters,
+            'by an earlier version, without their gradients'
+            if origin is None else 'in several files (of other processes)'))
+    # None: an earlier version's file; False: several files
+    optimizer._restored_accumulation = False if merged else None
+
+
+def _loaded(serializer, key):
+    """``key``'s value in a file being loaded, or None where the file has
+    none (Chainer's strict loader raises ``KeyError``; ``strict=False``
+    gives back the default)."""
+    try:
+        return serializer(key, None)
+    except KeyError:
+        return None
 
 
 def resume_accumulation(optimizer) -> None:
@@ -102,7 +118,7 @@ def resume_accumulation(optimizer) -> None:
         for block in optimizer.blocks:
             block._restored_capture = {}
         return
-    micro, samples, empty = restored
+    micro, samples, empty, _ = restored
     optimizer._micro = micro
     optimizer.estimator.samples = samples
     optimizer.estimator.empty_micro_batches = empty

@@ -92,3 +92,29 @@ def test_an_exception_on_one_rank_ends_the_guarded_optimizer(tmp_path):
     proc, _ = launch.run_mpi([script], nproc=2, timeout=60)
     assert proc.returncode != 0
     assert 'deliberate failure on rank 1' in proc.stderr
+
+
+def test_process_local_runs_under_one_mpiexec_stay_independent(tmp_path):
+    """``KFAC(process_local=True)`` is for independent runs under one
+    ``mpiexec`` (a sweep): one failing does not end the others (the except
+    hook installed by ``setup`` under several processes is left out)."""
+    script = tmp_path / 'independent.py'
+    script.write_text(textwrap.dedent(CHAINERMN_COMMUNICATOR) +
+                      textwrap.dedent('''
+        import time
+        optimizer = chainerkfac.optimizers.KFAC(verbose=False,
+                                                process_local=True)
+        optimizer.setup(model)
+        for step in range(6):
+            if comm.rank == 1 and step == 2:
+                raise RuntimeError('deliberate failure on rank 1')
+            if comm.rank == 0 and step == 2:
+                time.sleep(2)       # rank 1 has failed by now
+            x = rng.randn(4, 8).astype(numpy.float32)
+            t = rng.randint(0, 3, 4).astype(numpy.int32)
+            optimizer.update(model, x, t)
+        print('rank {} finished'.format(comm.rank), flush=True)
+    '''))
+    proc, _ = launch.run_mpi([script], nproc=2, timeout=60)
+    assert 'deliberate failure on rank 1' in proc.stderr
+    assert 'rank 0 finished' in proc.stdout

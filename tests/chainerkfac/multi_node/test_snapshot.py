@@ -83,8 +83,8 @@ def test_resume_from_one_shard_refreshes_the_missing_factors(shared_dir):
                     reason='needs a snapshot of several ranks')
 def test_rank_0s_file_loaded_everywhere_is_named_with_the_fix(shared_dir,
                                                                 caplog):
-    """ChainerMN's documented ``multi_node_snapshot(replica_sets=[0])``
-    loads rank 0's file on every process: the others lack their blocks'
+    """ChainerMN's ``multi_node_snapshot`` with ``replica_sets=[]`` loads
+    rank 0's file on every process: the others lack their blocks'
     factors. The warning asked about "another number of processes"; it now
     names this case and ``replica_sets=[[r] for r in range(comm.size)]``
     (the factors are still refreshed, as before)."""
@@ -100,7 +100,7 @@ def test_rank_0s_file_loaded_everywhere_is_named_with_the_fix(shared_dir,
                                  first_step=N)
     said = [r.getMessage() for r in caplog.records
             if 'restored state lacks' in r.getMessage()]
-    ok = len(said) == 1 and "one rank's file loaded on every process" in \
+    ok = len(said) == 1 and "another process's file loaded" in \
         said[0] and 'replica_sets=[[r] for r in range(comm.size)]' in said[0]
     common.assert_everywhere(ok if comm.rank == 0 else not said,
                              'the warning {}'.format(said))

@@ -118,6 +118,11 @@ def test_several_files_inside_a_step_start_a_new_one(tmp_path, name):
     make = _optimizers()[name]
     paths = [_saved_inside_a_step(tmp_path, make, 'rank{}.npz'.format(r))
              for r in range(2)]
+    for rank, path in enumerate(paths):      # as two processes saved them
+        with numpy.load(path) as stored:
+            arrays = dict(stored.items())
+        arrays['accumulation/origin'] = numpy.array([rank, 2])
+        numpy.savez(path, **arrays)
     optimizer = make()
     optimizer.setup(L.Classifier(_MLP()))
     chainer.serializers.load_npz(paths[0], optimizer, strict=False)
@@ -126,3 +131,131 @@ def test_several_files_inside_a_step_start_a_new_one(tmp_path, name):
         chainer.serializers.load_npz(paths[1], optimizer, strict=False)
     assert optimizer.pending_micro_batches == 0
     assert not optimizer.accumulator._sums
+
+
+@pytest.mark.parametrize('name', ['kfac', 'guarded'])
+def test_the_same_file_loaded_twice_gives_its_step_once(tmp_path, name):
+    """A file loaded again (``load_npz(path, trainer)`` before ``run()``
+    beside a snapshot's autoload) replaces the step it gave: it was taken
+    for another process's file and the step dropped."""
+    make = _optimizers()[name]
+    path = _saved_inside_a_step(tmp_path, make, 'once.npz')
+    optimizer = make()
+    optimizer.setup(L.Classifier(_MLP()))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        for _ in range(2):
+            chainer.serializers.load_npz(path, optimizer)
+    assert optimizer.pending_micro_batches == 1
+
+
+@pytest.mark.parametrize('name', ['kfac', 'guarded'])
+def test_an_earlier_versions_file_loads_with_strict_false(tmp_path, name):
+    """``strict=False`` (the elastic resume's load) gives the default for
+    a key a file lacks instead of raising ``KeyError``: an earlier
+    version's file raised ``TypeError`` (``int()`` of None)."""
+    make = _optimizers()[name]
+    path = _saved_inside_a_step(tmp_path, make, 'new.npz')
+    with numpy.load(path) as stored:
+        kept = {k: v for k, v in stored.items()
+                if 'accumulation/' not in k and
+                (name == 'kfac' or k != 'micro_batch')}
+    old = str(tmp_path / 'old.npz')
+    numpy.savez(old, **kept)
+    optimizer = make()
+    optimizer.setup(L.Classifier(_MLP()))
+    if name == 'kfac':          # its earlier files said how many were done
+        with pytest.warns(UserWarning, match='by an earlier version'):
+            chainer.serializers.load_npz(old, optimizer, strict=False)
+    else:
+        chainer.serializers.load_npz(old, optimizer, strict=False)
+    assert optimizer.pending_micro_batches == 0
+
+
+@pytest.mark.parametrize('name', sorted(_optimizers()))
+def test_a_flush_right_after_a_resume_inside_a_step(tmp_path, name):
+    """``flush_accumulation()`` straight after the load (a run ending at
+    the snapshot's iteration): the step of the micro-batch saved, as the
+    uninterrupted run's flush takes it. It added the fresh parameters'
+    gradient (Chainer fills it with NaN) and skipped the step."""
+    make = _optimizers()[name]
+    results = []
+    for resumed in (False, True):
+        numpy.random.seed(0)
+        model = L.Classifier(_MLP())
+        optimizer = make()
+        optimizer.setup(model)
+        x, t = helpers.data(n=8, shape=(5,), n_class=3, seed=1)
+        optimizer.update(model, x[:4], t[:4])
+        optimizer.update(model, x[4:], t[4:])
+        optimizer.update(model, x[:4], t[:4])
+        if resumed:
+            path = str(tmp_path / 'mid.npz')
+            chainer.serializers.save_npz(path, optimizer)
+            chainer.serializers.save_npz(path + '.model', model)
+            numpy.random.seed(5)
+            model = L.Classifier(_MLP())
+            optimizer = make()
+            optimizer.setup(model)
+            chainer.serializers.load_npz(path, optimizer)
+            chainer.serializers.load_npz(path + '.model', model)
+        assert optimizer.flush_accumulation() == 1
+        assert not optimizer.last_step_skipped
+        results.append({k: p.array.copy() for k, p in model.namedparams()})
+    for key, value in results[0].items():
+        numpy.testing.assert_array_equal(results[1][key], value, key)
+
+
+class _LazyMLP(chainer.Chain):
+    in_shape = (5,)
+
+    def __init__(self):
+        super().__init__()
+        with helpers.float64_links(), self.init_scope():
+            self.l1 = L.Linear(None, 4)
+            self.l2 = L.Linear(None, 3)
+
+    def forward(self, x):
+        return self.l2(chainer.functions.tanh(self.l1(x)))
+
+
+def test_a_lazy_models_step_saved_again_before_its_next_update(tmp_path):
+    """Loaded into lazily sized links (the optimizer first, Chainer's
+    order), the factors' sums wait for the links' arrays; saved again
+    before the next update (ChainerMN's snapshot writes right after its
+    autoload) they were lost (an auditor: 0.467 off)."""
+    def make():
+        return helpers.kfac(lr=0.05, acc_iters=2)
+
+    def fresh():
+        with helpers.float64_links():
+            model = L.Classifier(_LazyMLP())
+        optimizer = make()
+        optimizer.setup(model)
+        return model, optimizer
+    x, t = helpers.data(n=12, shape=(5,), n_class=3, seed=1)
+    batches = [(x[i:i + 4], t[i:i + 4]) for i in (0, 4, 8)]
+    numpy.random.seed(0)
+    model, optimizer = fresh()
+    optimizer.update(model, *batches[0])
+    first = str(tmp_path / 'first.npz')
+    chainer.serializers.save_npz(first, optimizer)
+    chainer.serializers.save_npz(first + '.model', model)
+    for batch in batches[1:]:
+        optimizer.update(model, *batch)
+    uninterrupted = {k: p.array.copy() for k, p in model.namedparams()}
+    model, optimizer = fresh()
+    chainer.serializers.load_npz(first, optimizer)
+    chainer.serializers.load_npz(first + '.model', model)
+    again = str(tmp_path / 'again.npz')
+    chainer.serializers.save_npz(again, optimizer)
+    chainer.serializers.save_npz(again + '.model', model)
+    model, optimizer = fresh()
+    chainer.serializers.load_npz(again, optimizer)
+    chainer.serializers.load_npz(again + '.model', model)
+    for batch in batches[1:]:
+        optimizer.update(model, *batch)
+    for key, value in uninterrupted.items():
+        numpy.testing.assert_array_equal(
+            dict(model.namedparams())[key].array, value, key)
