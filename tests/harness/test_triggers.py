@@ -196,5 +196,7 @@ def test_a_signal_after_the_outcome_is_decided_does_not_end_the_exit(
         return subprocess.run([sys.executable, str(script), mode], env=env,
                               cwd=REPO, timeout=60).returncode
     assert [status('settle') for _ in range(3)] == [0, 0, 0]
-    # the hazard it removes: with only the handler, the exit is killed
-    assert -signal.SIGUSR1 in [status('handled') for _ in range(5)]
+    # the hazard it removes: with only the handler, an exit is killed
+    # (a race: up to 30 tries, until one is; 5 missed it once, in a CI
+    # run beside other work)
+    assert any(status('handled') == -signal.SIGUSR1 for _ in range(30))
