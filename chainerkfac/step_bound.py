@@ -145,8 +145,15 @@ def _param_term(xp, param, grad, direction, damping, mean):
     term = _inner(xp, flat, grad.ravel()) + damping * _inner(
         xp, flat, param.array.ravel())
     if mean:
-        term = term - damping * mean * flat.sum()
+        term = term - damping * mean * flat.sum(dtype=_wide(flat.dtype))
     return term
+
+
+def _wide(dtype):
+    """The dtype a sum of ``dtype`` values is taken in: float32 for
+    float16, whose range a sum over a layer leaves (a float16 model's
+    ⟨d, ∇E⟩ of 70,238 was inf, and its step skipped), else ``dtype``."""
+    return numpy.float32 if numpy.dtype(dtype) == numpy.float16 else dtype
 
 
 def _fits(direction, grad, weight, damping) -> bool:
@@ -167,6 +174,8 @@ def _inner(xp, a, b):
     a product and a sum (CuPy kernels), not CuPy's ``dot``, whose cuBLAS
     refuses a capturing stream (a graphed bounded step fell back to eager
     on the H200, 2026-11-26)."""
+    if a.dtype == numpy.float16 or b.dtype == numpy.float16:
+        a, b = a.astype(numpy.float32), b.astype(numpy.float32)
     if xp is numpy:
         return numpy.dot(a, b)
     return (a * b).sum()
