@@ -98,6 +98,11 @@ class WeightRescale:
                       registry.registered_block_classes()
                       for t in b.normalizing_function_types})
 
+    def apply(self, weights) -> None:
+        """Decide now: rescale ``weights`` (of :meth:`candidates`) and no
+        other (a snapshot's decision)."""
+        self._apply({id(w) for w in weights})
+
     def _apply(self, ids: Set[int]) -> None:
         for weight, d_out in self.candidates():
             weight.update_rule.rescale_norm = (

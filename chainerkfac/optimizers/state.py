@@ -35,10 +35,33 @@ def serialize(optimizer, serializer) -> None:
     micro = int(serializer('micro_batch', optimizer.pending_micro_batches))
     optimizer.estimator.label_sampler.serialize(serializer)
     _serialize_frozen(optimizer, serializer)
+    _serialize_rescale(optimizer, serializer, saving)
     state = serializer['kfac']
     for block in optimizer.blocks:
         block.serialize(state[block.name.strip('/') or '_root'])
     _serialize_accumulation(optimizer, serializer, micro, saving)
+
+
+def _serialize_rescale(optimizer, serializer, saving: bool) -> None:
+    """Eq. (20) 'auto''s decision, once taken: which candidates are
+    rescaled (loaded, the decision stands; a snapshot without it, an
+    earlier version's or one of another model, leaves it to the next
+    step's graph). A flush right after a load has no graph to decide
+    from: its step went without eq. (20)."""
+    rescale = optimizer.rescale
+    if rescale.mode != 'auto':
+        return
+    candidates = rescale.candidates()
+    if saving:
+        if rescale.decided:
+            serializer('rescaled', numpy.array(
+                [int(w.update_rule.rescale_norm is not None)
+                 for w, _ in candidates], numpy.int8))
+        return
+    flags = _loaded(serializer, 'rescaled')
+    if flags is not None and len(flags) == len(candidates):
+        rescale.apply([w for (w, _), flag in zip(candidates, flags)
+                       if flag])
 
 
 def _serialize_accumulation(optimizer, serializer, micro: int,
