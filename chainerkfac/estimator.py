@@ -170,6 +170,12 @@ class CurvatureEstimator:
         self._open_normaliser: Optional[float] = None
         self._warned_normalisers = False
         self._normaliser_checks = NORMALISER_CHECKS
+        #: Whether a loss scaled by a constant is still checked for the
+        #: batch's length (``F.sum(l) / N``, ``F.mean(l) * N``): at the
+        #: first micro-batch only, whose size is the run's own (a later
+        #: batch whose size happens to equal a constant of the loss, a
+        #: last one of 2 under ``2 * loss``, is not refused mid-run).
+        self._scaled_checks = True
 
     # -- copies (copy.deepcopy, pickle) ---------------------------------------
     def __getstate__(self):
@@ -288,12 +294,14 @@ class CurvatureEstimator:
         self._mean_passes = {}
         if summed:
             raise ValueError(_SUMMED_LOSS.format(batch))
-        if mean is not None and _is_mean_loss(mean, batch):
+        if mean is not None and _is_mean_loss(mean, batch,
+                                              self._scaled_checks):
             raise ValueError(_MEAN_LOSS.format(type(mean).__name__))
         if self.fisher == 'emp':
             self._unscale_gradient_factors()
         self._check_size()
         self._check_normaliser()
+        self._scaled_checks = False
         for block in self._due:
             if self.fisher == 'exact':
                 block.end_micro_batch(self._passes,
@@ -388,11 +396,13 @@ class CurvatureEstimator:
             count = _mean_loss_count(function)
             if count is not None:
                 self._open_normaliser = count
-        if self.loss_reduction == 'mean' and _is_summed_loss(function):
+        if self.loss_reduction == 'mean' and _is_summed_loss(
+                function, scaled=self._scaled_checks):
             # Refused if what it captures is still part of the update
             # (other passes, e.g. for input gradients, may sum).
             self._summed_passes[pass_info.index] = _summed_length(function)
-        if self.loss_reduction == 'sum' and _is_mean_loss(function):
+        if self.loss_reduction == 'sum' and _is_mean_loss(
+                function, scaled=self._scaled_checks):
             self._mean_passes[pass_info.index] = function
 
     def on_backward(self, block, function, in_data, out_grad, pass_info):
@@ -483,10 +493,10 @@ class CurvatureEstimator:
             raise
         # after the backward pass, which tells the batch's size
         if self.loss_reduction == 'mean' and _is_summed_loss(
-                loss.creator, self.batch_size):
+                loss.creator, self.batch_size, self._scaled_checks):
             raise ValueError(_SUMMED_LOSS.format(self.batch_size))
         if self.loss_reduction == 'sum' and _is_mean_loss(
-                loss.creator, self.batch_size):
+                loss.creator, self.batch_size, self._scaled_checks):
             raise ValueError(_MEAN_LOSS.format(type(loss.creator).__name__))
         if self.loss_reduction == 'sum' and self.batch_size is None and \
                 not self._empty_seen:
@@ -750,7 +760,8 @@ def _mean_loss_count(function) -> Optional[float]:
     return None
 
 
-def _is_mean_loss(function, batch: Optional[int] = None) -> bool:
+def _is_mean_loss(function, batch: Optional[int] = None,
+                  scaled: bool = True) -> bool:
     """Whether ``function`` (a loss's creator) is a batch mean Chainer
     writes so: ``softmax_cross_entropy`` / ``sigmoid_cross_entropy`` with
     ``reduce='mean'``, ``mean_squared_error``, ``mean_absolute_error``,
@@ -768,7 +779,8 @@ def _is_mean_loss(function, batch: Optional[int] = None) -> bool:
     if isinstance(function, (mean_squared_error.MeanSquaredError,
                              mean_absolute_error.MeanAbsoluteError)):
         return True
-    if isinstance(function, basic_math.MulConstant) and function.inputs:
+    if scaled and isinstance(function, basic_math.MulConstant) and \
+            function.inputs:
         # F.sum(losses) / N: a sum over the batch's rows divided by them
         inner = function.inputs[0].creator
         length = _summed_length(inner) if inner is not None else None
@@ -794,7 +806,8 @@ def sums_over_batch(loss, batch: Optional[int]) -> bool:
     return _is_summed_loss(loss.creator, batch)
 
 
-def _is_summed_loss(function, batch: Optional[int] = None) -> bool:
+def _is_summed_loss(function, batch: Optional[int] = None,
+                    scaled: bool = True) -> bool:
     """Whether ``function`` (a loss's creator) sums into a scalar an
     array whose first axis has the batch's length ``batch`` (where
     known), and is not a mean written as a sum
@@ -802,7 +815,7 @@ def _is_summed_loss(function, batch: Optional[int] = None) -> bool:
     over other things (time steps) of batch means passes where their
     count is not the batch's. A batch mean times the batch's length
     (``F.mean(losses) * N``) is a sum too."""
-    if _is_scaled_mean(function, batch):
+    if scaled and _is_scaled_mean(function, batch):
         return True
     if not isinstance(function, sum_module.Sum):
         return False
@@ -816,17 +829,28 @@ def _is_summed_loss(function, batch: Optional[int] = None) -> bool:
 
 
 def _is_scaled_mean(function, batch: Optional[int] = None) -> bool:
-    """``F.mean(losses) * N`` (or a mean loss function's output times N),
-    ``N`` the first-axis length of what the mean averaged (the batch's,
-    where known): a sum over the batch."""
+    """``F.mean(losses) * N`` (or a softmax cross-entropy's mean times N),
+    ``N`` > 1 the number of what the mean averaged, one value a sample
+    (the batch's, where known): a sum over the batch. A mean over several
+    values a sample (a squared error over D outputs) times N is not told
+    from one times D, and passes."""
+    from chainer.functions.loss import softmax_cross_entropy
+    from chainer.functions.math import average
     if not isinstance(function, basic_math.MulConstant) or \
             not function.inputs or not _is_scalar(function.value):
         return False
     inner = function.inputs[0].creator
     rows = _mean_length(inner)
-    if not rows or (batch is not None and rows != batch):
+    if not rows or rows == 1 or (batch is not None and rows != batch):
         return False
-    return _is_mean_loss(inner, rows) and \
+    shape = inner.inputs[0].shape
+    if isinstance(inner, average.Mean):
+        one_a_sample = int(numpy.prod(shape)) == rows
+    else:
+        one_a_sample = isinstance(
+            inner, softmax_cross_entropy.SoftmaxCrossEntropy) and \
+            len(shape) == 2
+    return one_a_sample and _is_mean_loss(inner, rows) and \
         abs(float(function.value) - rows) < 1e-9 * rows
 
 

@@ -478,6 +478,33 @@ def test_the_double_backprop_cross_entropy_is_a_mean(manual):
         optimizer.update(half_sum, x, t)
 
 
+def test_a_constant_of_the_loss_equal_to_a_later_batch_is_no_sum():
+    """``2 * loss`` and a squared error over D outputs times D are means:
+    a batch of 2 (an epoch's last), or of D, made them look like a mean
+    times the batch's length (refused mid-run, in a reviewer's test);
+    the scaled forms are checked at the run's first micro-batch only, and
+    a mean over several values a sample is never taken for one."""
+    x, t = helpers.data(n=10, shape=(5,), n_class=3)
+    model = helpers.MLP(sizes=(5, 4, 3))
+    optimizer = helpers.kfac().setup(model)
+
+    def doubled(x, t):
+        return 2 * F.softmax_cross_entropy(model(x), t)
+
+    def squared(x, t):
+        y = model(x)
+        return F.mean_squared_error(y, numpy.zeros_like(y.array)) * 3
+    optimizer.update(doubled, x[:8], t[:8])
+    optimizer.update(doubled, x[8:], t[8:])          # a last batch of 2
+    optimizer.update(squared, x[:3], t[:3])          # N = D = 3
+    fresh = helpers.kfac().setup(helpers.MLP(sizes=(5, 4, 3)))
+    fresh.update(lambda x, t: F.mean_squared_error(
+        fresh.target(x), numpy.zeros((3, 3))) * 3, x[:3], t[:3])
+    one = helpers.kfac().setup(helpers.MLP(sizes=(5, 4, 3)))
+    one.update(lambda x, t: 1.0 * F.softmax_cross_entropy(
+        one.target(x), t), x[:1], t[:1])
+
+
 @pytest.mark.parametrize('written', ['F.sum', 'mean*N'])
 @pytest.mark.parametrize('acc_iters', [1, 2])
 def test_sum_reduction_steps_as_the_mean_loss(acc_iters, written):
