@@ -111,6 +111,17 @@ def load_npz(file, obj, path='', strict=True, ignore_names=None):
                             ignore_names=ignore_names).load(obj)
 
 
+def loaded(deserializer, key):
+    """``key``'s value in a file being loaded, or None where the file has
+    none (an earlier version's): Chainer's strict loader raises
+    ``KeyError`` for a missing key, ``strict=False`` gives back the
+    default (None here)."""
+    try:
+        return deserializer(key, None)
+    except KeyError:
+        return None
+
+
 def without_none(target):
     """``{key: value}`` of Chainer's ``DictionarySerializer`` without the
     values that were ``None`` (saved as a pickled 0-d object array): a key

@@ -28,6 +28,7 @@ import chainer
 from chainerkfac import sharding
 from chainerkfac.accumulation import GradientAccumulator
 from chainerkfac.optimizers import loss_scaling, options, registration
+from chainerkfac.serializers import loaded
 from chainerkfac.stage_timer import StageTimer
 from chainerkfac.step_guard import StepGuard
 
@@ -515,11 +516,14 @@ class GuardedOptimizer:
                                            self.actual_optimizer.target)
             return self.pending_micro_batches
         earlier = self._restored_pending
-        pending = _loaded_int(serializer, 'micro_batch')
+        pending = loaded(serializer, 'micro_batch')
+        pending = None if pending is None else int(pending)
         origin = None
         if pending:
             group = serializer['accumulation']
-            origin = _loaded_tuple(group, 'origin')
+            origin = loaded(group, 'origin')
+            if origin is not None:
+                origin = tuple(int(v) for v in numpy.ravel(origin))
             if origin is not None and earlier in (False, origin):
                 self.accumulator.serialize(group,
                                            self.actual_optimizer.target)
@@ -576,27 +580,6 @@ class GuardedOptimizer:
             self.guard.checkpoint(self.actual_optimizer.target)
             if self._shard is not None:
                 self._drop_unowned_state()
-
-
-def _loaded_int(serializer, key):
-    """``key``'s integer in a file being loaded, or None where the file
-    has none (an earlier version's: Chainer's strict loader raises
-    ``KeyError``, ``strict=False`` gives back the default)."""
-    try:
-        value = serializer(key, None)
-    except KeyError:
-        return None
-    return None if value is None else int(value)
-
-
-def _loaded_tuple(serializer, key):
-    """``key``'s integers as a tuple (as :func:`_loaded_int`)."""
-    try:
-        value = serializer(key, None)
-    except KeyError:
-        return None
-    return None if value is None else tuple(int(v) for v in
-                                            numpy.ravel(value))
 
 
 def _check_wrapped(optimizer) -> None:

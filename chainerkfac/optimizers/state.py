@@ -7,6 +7,7 @@ import numpy
 
 import chainer
 
+from chainerkfac.serializers import loaded
 from chainerkfac.sharding import PER_PROCESS_HINT
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def _serialize_rescale(optimizer, serializer, saving: bool) -> None:
                 [int(w.update_rule.rescale_norm is not None)
                  for w, _ in candidates], numpy.int8))
         return
-    flags = _loaded(serializer, 'rescaled')
+    flags = loaded(serializer, 'rescaled')
     if flags is not None and len(flags) == len(candidates):
         rescale.apply([w for (w, _), flag in zip(candidates, flags)
                        if flag])
@@ -98,14 +99,14 @@ def _serialize_accumulation(optimizer, serializer, micro: int,
         return
     # a step restored (or dropped as merged) since the last update
     earlier = getattr(optimizer, '_restored_accumulation', None)
-    origin = _loaded(group, 'origin')
+    origin = loaded(group, 'origin')
     if origin is not None:
         origin = tuple(int(v) for v in numpy.ravel(origin))
     merged = earlier is not None and (earlier is False or
                                       earlier[3] != origin)
     if origin is not None and not merged:
-        samples = int(_loaded(group, 'samples'))
-        empty = int(_loaded(group, 'empty_micro_batches'))
+        samples = int(loaded(group, 'samples'))
+        empty = int(loaded(group, 'empty_micro_batches'))
         optimizer.accumulator.serialize(group['gradients'], optimizer.target)
         for block in optimizer.blocks:
             block.serialize_capture(
@@ -120,16 +121,6 @@ def _serialize_accumulation(optimizer, serializer, micro: int,
             if origin is None else 'in several files (of other processes)'))
     # None: an earlier version's file; False: several files
     optimizer._restored_accumulation = False if merged else None
-
-
-def _loaded(serializer, key):
-    """``key``'s value in a file being loaded, or None where the file has
-    none (Chainer's strict loader raises ``KeyError``; ``strict=False``
-    gives back the default)."""
-    try:
-        return serializer(key, None)
-    except KeyError:
-        return None
 
 
 def resume_accumulation(optimizer) -> None:
