@@ -10,11 +10,13 @@ before the step, the sum goes back into ``param.grad``. The additions are
 those Chainer makes when gradients add up in ``param.grad`` (``g1 + g2``,
 then ``+ g3``, ...), so either way gives the same numbers.
 """
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import numpy
 
 import chainer
+
+from chainerkfac.serializers import loaded
 
 
 class GradientAccumulator:
@@ -24,18 +26,28 @@ class GradientAccumulator:
         self._sums: Dict[int, object] = {}
         #: The parameters of the held sums, by ``id`` (a copy re-keys).
         self._params: Dict[int, object] = {}
+        #: Until the next micro-batch (:meth:`forget_load`): the origin
+        #: ``(rank, processes)`` of a step loaded from a file saved inside
+        #: it (:meth:`load_step`), or None.
+        self.resumed_from: Optional[Tuple[int, int]] = None
+        #: Until the next micro-batch: several processes' files were
+        #: loaded inside a step, so none of their steps is taken.
+        self.merged = False
 
     def __getstate__(self):
         """The held sums with their parameters (``copy.deepcopy`` and
         pickle give the parameters other ``id``; a copy keyed by the old
         ones had lost its sums)."""
         return {'held': [(self._params[key], value)
-                         for key, value in self._sums.items()]}
+                         for key, value in self._sums.items()],
+                'resumed_from': self.resumed_from, 'merged': self.merged}
 
     def __setstate__(self, state):
         held = state['held']
         self._sums = {id(param): value for param, value in held}
         self._params = {id(param): param for param, _ in held}
+        self.resumed_from = state['resumed_from']
+        self.merged = state['merged']
 
     def hold(self, link) -> None:
         """End of a micro-batch that is not the step's last: add each
@@ -73,6 +85,42 @@ class GradientAccumulator:
     def reset(self) -> None:
         """Forget the held sums (a restored state starts a new step)."""
         self._sums, self._params = {}, {}
+
+    def forget_load(self) -> None:
+        """A micro-batch has run since the last load (or the model was set
+        up again): a later file is no longer another process's."""
+        self.resumed_from, self.merged = None, False
+
+    def save_step(self, serializer, link, origin: Tuple[int, int]) -> None:
+        """Save the step so far of a snapshot inside an accumulation: the
+        process that saved it (``origin``, ``(rank, processes)``) and the
+        held sums (under ``'gradients'``)."""
+        serializer('origin', numpy.array(origin, numpy.int64))
+        self.serialize(serializer['gradients'], link)
+
+    def load_step(self, serializer, link) -> Optional[str]:
+        """Load the step so far that :meth:`save_step` saved. Returns None
+        where it was taken, else why not (the caller starts a new step and
+        says so): a file of an earlier version (no sums), or several
+        processes' files loaded into one optimizer (a resume on another
+        number of processes: their partial steps are other processes').
+        The same file loaded again replaces the step it gave."""
+        earlier = self.resumed_from
+        origin = loaded(serializer, 'origin')
+        if origin is not None:
+            origin = tuple(int(v) for v in numpy.ravel(origin))
+            if not self.merged and earlier in (None, origin):
+                self.serialize(serializer['gradients'], link)
+                self.resumed_from = origin
+                return None
+            why = 'in several files (of other processes)'
+        else:
+            why = 'by an earlier version, without their gradients'
+        self.reset()
+        self.merged = self.merged or earlier is not None or \
+            origin is not None
+        self.resumed_from = None
+        return why
 
     def serialize(self, serializer, link) -> None:
         """Save or load the held sums of ``link``'s parameters (a snapshot

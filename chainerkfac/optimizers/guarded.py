@@ -108,21 +108,27 @@ class GuardedOptimizer:
         state['acc_iters'] = acc_iters
         state['comm'] = comm
         state['shard_update'] = shard_update
-        #: The coming step's micro-batches over all processes, where they
-        #: differ between processes (:meth:`flush_accumulation`).
-        state['global_micro_batches'] = None
         state['guard'] = StepGuard()
         state['accumulator'] = GradientAccumulator()
         state['timer'] = StageTimer()
-        state['owners'] = None
+        self._forget_model()
+
+    def _forget_model(self) -> None:
+        """What this wrapper holds of a model, as it is before the first
+        micro-batch: the micro-batches accumulated, the processes'
+        agreement and rank 0's weights, the owners of a sharded update."""
+        state = self.__dict__
         state['pending_micro_batches'] = 0
+        #: The coming step's micro-batches over all processes, where they
+        #: differ between processes (:meth:`flush_accumulation`).
+        state['global_micro_batches'] = None
+        self.accumulator.reset()
+        self.accumulator.forget_load()
+        state['owners'] = None
         state['_shard'] = None
         state['_agreed'] = False
         state['_agreed_uninitialised'] = False
         state['_joined'] = False
-        #: A step loaded from inside an accumulation, until the next update
-        #: (:meth:`_serialize_accumulation`).
-        state['_restored_pending'] = False
 
     def __getattr__(self, name):
         try:
@@ -161,16 +167,7 @@ class GuardedOptimizer:
         processes' agreement and rank 0's weights, the owners of a
         sharded update) starts again, as the optimizer's state does."""
         self.actual_optimizer.setup(link)
-        state = self.__dict__
-        state['pending_micro_batches'] = 0
-        state['global_micro_batches'] = None
-        self.accumulator.reset()
-        state['owners'] = None
-        state['_shard'] = None
-        state['_agreed'] = False
-        state['_agreed_uninitialised'] = False
-        state['_joined'] = False
-        state['_restored_pending'] = False
+        self._forget_model()
         self.guard.checkpoint(link)
         return self
 
@@ -189,13 +186,14 @@ class GuardedOptimizer:
             # multi-node optimizer and K-FAC's give every process)
             self._broadcast_weights()
             join = False
-        if lossfun is not None and (self.pending_micro_batches == 0 or
-                                    self._restored_pending):
+        if lossfun is not None and (
+                self.pending_micro_batches == 0 or
+                self.accumulator.resumed_from is not None):
             # the running statistics as the step's forward finds them (a
             # load's model's, too: loaded inside a step, as the resumed
             # micro-batch finds them)
             self.guard.checkpoint(target)
-        self.__dict__['_restored_pending'] = False
+        self.accumulator.forget_load()
         if lossfun is not None:
             self._run_loss(lossfun, args, kwds)
         if join and self._broadcast_weights(discard_forward=True):
@@ -262,7 +260,7 @@ class GuardedOptimizer:
         and the average is over them (as :meth:`KFAC.flush_accumulation
         <chainerkfac.optimizers.KFAC.flush_accumulation>`)."""
         pending = self.pending_micro_batches
-        if self._restored_pending:
+        if self.accumulator.resumed_from is not None:
             # loaded inside a step, no micro-batch since: param.grad holds
             # nothing of the step (Chainer's NaN of a new parameter)
             self.actual_optimizer.target.cleargrads()
@@ -501,51 +499,30 @@ class GuardedOptimizer:
     def _serialize_accumulation(self, serializer, loading: bool) -> int:
         """The step so far of a snapshot inside an accumulation (a
         Trainer's snapshot at an iteration that ends no step, whose
-        iterator has gone past those micro-batches): their number, their
-        gradients' sums and which process saved them; returns the number
-        loaded. A snapshot of an earlier version (without the sums) or
-        several processes' files loaded into one optimizer (a resume on
-        another number of processes) start a new step, said; the same
-        file loaded again replaces the step it gave."""
+        iterator has gone past those micro-batches): their number and
+        their gradients' sums (:meth:`GradientAccumulator.save_step`);
+        returns the number loaded. A file the accumulator does not take
+        (:meth:`GradientAccumulator.load_step`) starts a new step, said."""
+        target = self.actual_optimizer.target
         if not loading:
             serializer('micro_batch', self.pending_micro_batches)
             if self.pending_micro_batches:
-                group = serializer['accumulation']
-                group('origin', numpy.array(self._origin(), numpy.int64))
-                self.accumulator.serialize(group,
-                                           self.actual_optimizer.target)
+                self.accumulator.save_step(serializer['accumulation'],
+                                           target, self._origin())
             return self.pending_micro_batches
-        earlier = self._restored_pending
         pending = loaded(serializer, 'micro_batch')
-        pending = None if pending is None else int(pending)
-        origin = None
-        if pending:
-            group = serializer['accumulation']
-            origin = loaded(group, 'origin')
-            if origin is not None:
-                origin = tuple(int(v) for v in numpy.ravel(origin))
-            if origin is not None and earlier in (False, origin):
-                self.accumulator.serialize(group,
-                                           self.actual_optimizer.target)
-        if pending and (origin is None or earlier not in (False, origin)):
-            warnings.warn(
-                'GuardedOptimizer state saved after {} of {} accumulated '
-                'micro-batches {}: they are dropped and the next update '
-                'starts a new step'.format(
-                    pending, self.acc_iters,
-                    'by an earlier version, without their gradients'
-                    if origin is None else
-                    'in several files (of other processes)'))
-            pending = 0
-            origin = 'merged' if origin is not None else None
-        if not pending:
+        if not pending:         # a step's end, or an earlier version's file
             self.accumulator.reset()
-        # until the next update: the origin of the step restored, or
-        # 'merged' (several files: any other file is another process's)
-        self.__dict__['_restored_pending'] = \
-            origin if origin is not None else (
-                'merged' if earlier == 'merged' else False)
-        return pending or 0
+            self.accumulator.forget_load()
+            return 0
+        why = self.accumulator.load_step(serializer['accumulation'], target)
+        if why is None:
+            return int(pending)
+        warnings.warn(
+            'GuardedOptimizer state saved after {} of {} accumulated '
+            'micro-batches {}: they are dropped and the next update starts '
+            'a new step'.format(int(pending), self.acc_iters, why))
+        return 0
 
     def _origin(self) -> tuple:
         """``(rank, processes)`` of this optimizer's communicator."""

@@ -430,8 +430,8 @@ class KFAC(optimizer.GradientMethod):
         self.accumulator = GradientAccumulator()
         self._started = False
         self._checkpoint_due = False
-        #: A step loaded from inside an accumulation, until the next update
-        #: (:func:`chainerkfac.optimizers.state.resume_accumulation`).
+        #: A step loaded from inside an accumulation, from the load to
+        #: :func:`chainerkfac.optimizers.state.resume_accumulation`.
         self._restored_accumulation = None
         self._table_shown = False
         #: Per block: frozen when the coming step's factors were decided
@@ -663,7 +663,7 @@ class KFAC(optimizer.GradientMethod):
         """
         if lossfun is None:
             self._check_manual_update()
-        self._restored_accumulation = None      # state.resume_accumulation
+        self.accumulator.forget_load()
         first = not self._started
         if first:
             process_group.join(self, gradients_reduced=lossfun is None)
@@ -775,7 +775,7 @@ class KFAC(optimizer.GradientMethod):
             no step taken).
         """
         pending = self._micro
-        if self._restored_accumulation:
+        if self.accumulator.resumed_from is not None:
             # loaded inside a step, no micro-batch since: param.grad holds
             # nothing of the step (Chainer's NaN of a new parameter), and
             # the restored factors have no inverses until the start

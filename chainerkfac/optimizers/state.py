@@ -69,70 +69,58 @@ def _serialize_accumulation(optimizer, serializer, micro: int,
                             saving: bool) -> None:
     """A snapshot inside an accumulation (``micro`` of ``acc_iters``
     micro-batches done, a Trainer's snapshot at an iteration that ends no
-    step) holds the step so far: the gradients' sums, each block's
-    capture, the samples seen, and which process saved them. The
-    Trainer's iterator has gone past those micro-batches, so a resume that
-    dropped them (as before 2026-11-28) lost them, and every later step
-    began one micro-batch off. Loaded, they wait for
+    step) holds the step so far: the gradients' sums and which process
+    saved them (:meth:`GradientAccumulator.save_step`), each block's
+    capture, the samples seen. The Trainer's iterator has gone past those
+    micro-batches, so a resume that dropped them (as before 2026-11-28)
+    lost them, and every later step began one micro-batch off. Loaded,
+    they wait in ``optimizer._restored_accumulation`` for
     :func:`resume_accumulation` (the optimizer starts the step again
-    first). A snapshot of an earlier version, without them, starts a new
-    step (said); so do several processes' files loaded into one optimizer
-    (a resume on another number of processes: their partial steps are
-    other processes'), while the same file loaded again replaces the step
-    it gave."""
+    first); a file the accumulator does not take
+    (:meth:`GradientAccumulator.load_step`) starts a new step, said."""
+    optimizer._restored_accumulation = None
     if not micro:
         if not saving:
-            optimizer._restored_accumulation = None
+            optimizer.accumulator.forget_load()
         return
     group = serializer['accumulation']
     if saving:
         estimator = optimizer.estimator
         transport = optimizer.transport
-        group('origin', numpy.array([transport.rank, transport.size],
-                                    numpy.int64))
+        optimizer.accumulator.save_step(group, optimizer.target,
+                                        (transport.rank, transport.size))
         group('samples', estimator.samples)
         group('empty_micro_batches', estimator.empty_micro_batches)
-        optimizer.accumulator.serialize(group['gradients'], optimizer.target)
         for block in optimizer.blocks:
             block.serialize_capture(
                 group['capture'][block.name.strip('/') or '_root'])
         return
-    # a step restored (or dropped as merged) since the last update
-    earlier = getattr(optimizer, '_restored_accumulation', None)
-    origin = loaded(group, 'origin')
-    if origin is not None:
-        origin = tuple(int(v) for v in numpy.ravel(origin))
-    merged = earlier is not None and (earlier is False or
-                                      earlier[3] != origin)
-    if origin is not None and not merged:
+    why = optimizer.accumulator.load_step(group, optimizer.target)
+    if why is None:
         samples = int(loaded(group, 'samples'))
         empty = int(loaded(group, 'empty_micro_batches'))
-        optimizer.accumulator.serialize(group['gradients'], optimizer.target)
         for block in optimizer.blocks:
             block.serialize_capture(
                 group['capture'][block.name.strip('/') or '_root'])
-        optimizer._restored_accumulation = (micro, samples, empty, origin)
+        optimizer._restored_accumulation = (micro, samples, empty)
         return
     warnings.warn(
         'K-FAC state saved after {} of {} accumulated micro-batches {}: '
         'they are dropped and the next update starts a new step'.format(
-            micro, optimizer.acc_iters,
-            'by an earlier version, without their gradients'
-            if origin is None else 'in several files (of other processes)'))
-    # None: an earlier version's file; False: several files
-    optimizer._restored_accumulation = False if merged else None
+            micro, optimizer.acc_iters, why))
 
 
 def resume_accumulation(optimizer) -> None:
     """After a load, with the coming step started again: take the
     restored step so far (:func:`_serialize_accumulation`) as its own."""
-    restored = getattr(optimizer, '_restored_accumulation', None)
-    if not restored:
+    restored = optimizer._restored_accumulation
+    optimizer._restored_accumulation = None
+    if restored is None:
         optimizer.accumulator.reset()
         for block in optimizer.blocks:
             block._restored_capture = {}
         return
-    micro, samples, empty, _ = restored
+    micro, samples, empty = restored
     optimizer._micro = micro
     optimizer.estimator.samples = samples
     optimizer.estimator.empty_micro_batches = empty
