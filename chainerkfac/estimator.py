@@ -840,7 +840,7 @@ def _is_scaled_mean(function, batch: Optional[int] = None) -> bool:
             not function.inputs or not _is_scalar(function.value):
         return False
     inner = function.inputs[0].creator
-    rows = _mean_length(inner)
+    rows = _first_axis(inner)
     if not rows or rows == 1 or (batch is not None and rows != batch):
         return False
     shape = inner.inputs[0].shape
@@ -854,13 +854,15 @@ def _is_scaled_mean(function, batch: Optional[int] = None) -> bool:
         abs(float(function.value) - rows) < 1e-9 * rows
 
 
-def _mean_length(function) -> Optional[int]:
-    """The first-axis length of ``function``'s first input (None where
-    not known)."""
+def _first_axis(function) -> Optional[int]:
+    """The length of the first axis of ``function``'s first input (0 for
+    a 0-d array; None where not known)."""
     node = function.inputs[0] if function is not None and \
         function.inputs else None
     shape = node.shape if node is not None else None
-    return int(shape[0]) if shape else None
+    if shape is None:
+        return None
+    return int(shape[0]) if shape else 0
 
 
 def _summed_length(function) -> Optional[int]:
@@ -868,13 +870,9 @@ def _summed_length(function) -> Optional[int]:
     a scaled mean averaged (:func:`_is_scaled_mean`) (0 for a 0-d array;
     None where not known)."""
     if isinstance(function, basic_math.MulConstant):
-        return _mean_length(function.inputs[0].creator
-                            if function.inputs else None)
-    node = function.inputs[0] if function.inputs else None
-    shape = node.shape if node is not None else None
-    if shape is None:
-        return None
-    return int(shape[0]) if shape else 0
+        return _first_axis(function.inputs[0].creator
+                           if function.inputs else None)
+    return _first_axis(function)
 
 
 def _is_mean_as_sum(function) -> bool:
