@@ -51,6 +51,7 @@ import numpy
 
 from chainer.backend import get_array_module
 
+from chainerkfac import linalg
 from chainerkfac import multi_tensor
 
 
@@ -145,15 +146,12 @@ def _param_term(xp, param, grad, direction, damping, mean):
     term = _inner(xp, flat, grad.ravel()) + damping * _inner(
         xp, flat, param.array.ravel())
     if mean:
-        term = term - damping * mean * flat.sum(dtype=_wide(flat.dtype))
+        # float16 summed in float32 (linalg.compute_dtype): a sum over a
+        # layer leaves its range (a ⟨d, ∇E⟩ of 70,238 was inf, the step
+        # skipped)
+        term = term - damping * mean * flat.sum(
+            dtype=linalg.compute_dtype(flat.dtype))
     return term
-
-
-def _wide(dtype):
-    """The dtype a sum of ``dtype`` values is taken in: float32 for
-    float16, whose range a sum over a layer leaves (a float16 model's
-    ⟨d, ∇E⟩ of 70,238 was inf, and its step skipped), else ``dtype``."""
-    return numpy.float32 if numpy.dtype(dtype) == numpy.float16 else dtype
 
 
 def _fits(direction, grad, weight, damping) -> bool:
