@@ -65,14 +65,13 @@ class WeightRescale:
         """Whether ``graph`` ran the normalising layers in test mode only
         (running statistics: a frozen-BN warm-up before training them):
         no step to decide 'auto' from yet."""
-        test_mode = tuple({t for b in list(self._blocks) +
-                           registry.registered_block_classes()
-                           for t in b.test_mode_function_types})
+        test_mode = self._declared('test_mode_function_types')
         if not test_mode:
             return False
         seen = [record.function for record in graph]
+        normalizing = self.normalizing_function_types()
         return any(isinstance(f, test_mode) for f in seen) and not any(
-            isinstance(f, self.normalizing_function_types()) for f in seen)
+            isinstance(f, normalizing) for f in seen)
 
     def weighted_function_types(self) -> tuple:
         """The function types of the candidates' calls: their blocks', or,
@@ -94,9 +93,14 @@ class WeightRescale:
         registered block class: a BatchNormalization call normalises
         whether its link got a block (MultiNodeBatchNormalization, BN
         without γ or β get the plain gradient) or not."""
+        return self._declared('normalizing_function_types')
+
+    def _declared(self, attribute: str) -> tuple:
+        """The function types that ``attribute`` names in the blocks and
+        in every registered block class."""
         return tuple({t for b in list(self._blocks) +
                       registry.registered_block_classes()
-                      for t in b.normalizing_function_types})
+                      for t in getattr(b, attribute)})
 
     def apply(self, weights) -> None:
         """Decide now: rescale ``weights`` (of :meth:`candidates`) and no
