@@ -16,11 +16,15 @@ import chainerkfac
 from tests.chainerkfac import helpers
 
 
-@pytest.mark.parametrize('make', [
+#: The two accumulating optimizers, each stepping every 2 micro-batches.
+MAKERS = pytest.mark.parametrize('make', [
     lambda: helpers.kfac(lr=0.05, acc_iters=2),
     lambda: chainerkfac.optimizers.GuardedOptimizer(
         chainer.optimizers.MomentumSGD(0.05), 2),
 ], ids=['kfac', 'guarded'])
+
+
+@MAKERS
 def test_parameter_statistics_in_an_accumulating_trainer(make):
     x, t = helpers.data(n=16, shape=(5,), n_class=3)
     model = L.Classifier(helpers.MLP())
@@ -44,11 +48,7 @@ def test_parameter_statistics_in_an_accumulating_trainer(make):
     assert all(numpy.isfinite(g) and g != 0 for g in grads[1::2])
 
 
-@pytest.mark.parametrize('make', [
-    lambda: helpers.kfac(lr=0.05, acc_iters=2),
-    lambda: chainerkfac.optimizers.GuardedOptimizer(
-        chainer.optimizers.MomentumSGD(0.05), 2),
-], ids=['kfac', 'guarded'])
+@MAKERS
 def test_a_copy_inside_a_step_finishes_it_as_the_original(make):
     """``copy.deepcopy`` of an optimizer after 1 of 2 micro-batches: the
     held sums were keyed by the original parameters' ``id`` and lost in
